@@ -94,15 +94,21 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
-           top_p=1.0, seeds=None, check_every=8):
+           top_p=1.0, seeds=None, check_every=8, all_done=None):
     """Generate completions for left-padded prompts: a prefill, then one token at a time over a KV cache.
 
     Each row stops at its first EOS; the loop stops once every row has, checking
     on the host only every `check_every` tokens, or at `max_new_tokens`.
     `seeds` (N,) int64 fixes each row's random stream; rows with equal seeds
     and equal prompts sample equal completions.
+    `all_done(done) -> bool` decides when to stop; under several processes it
+    must agree across ranks (an all-reduce), so that every rank runs the same
+    number of forwards and none waits forever on a collective.
     """
     from transformers import DynamicCache
+
+    if all_done is None:
+        all_done = lambda done: bool(done.all())  # noqa: E731
 
     n = prompt_ids.shape[0]
     device = prompt_ids.device
@@ -125,7 +131,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         tokens[:, t] = torch.where(done, pad_id, tok)
         logps[:, t] = torch.where(done, 0.0, lp)
         done = done | torch.isin(tok, eos)
-        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
+        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and all_done(done)):
             length = t + 1
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
