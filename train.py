@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 
 import grpo
 import model_loading
@@ -220,6 +221,7 @@ def main(argv):
     validate(cfg, d.world_size)
     torch.manual_seed(cfg.seed)
     t_start = time.time()
+    transformers.utils.logging.disable_progress_bar()
 
     # models: the policy, and the frozen reference when beta > 0
     model_path = cfg.model

@@ -1,0 +1,27 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import model_loading  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Config + byte-level tokenizer, no weights; a larger init range makes greedy decoding non-trivial."""
+    return model_loading.write_tiny_model(str(tmp_path_factory.mktemp("tiny")), initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    return model_loading.load_tokenizer(tiny_dir)
+
+
+@pytest.fixture
+def model(tiny_dir):
+    torch.manual_seed(0)
+    m = model_loading.load_model(tiny_dir, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
+    return m.eval()

@@ -1,0 +1,158 @@
+"""Advantages, the k3 KL estimator, the clipped surrogate and its normalisations, against naive versions."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+import grpo
+
+
+def naive_advantages(rewards, g, scale, eps=1e-4):
+    out = []
+    valid_all = [r for r in rewards if r is not None]
+    batch_std = statistics.stdev(valid_all) if len(valid_all) > 1 else 0.0
+    for i in range(0, len(rewards), g):
+        group = rewards[i:i + g]
+        valid = [r for r in group if r is not None]
+        if len(valid) < 2 or len(set(valid)) == 1:
+            out += [0.0] * g
+            continue
+        mean, std = statistics.mean(valid), statistics.stdev(valid)
+        denom = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
+        out += [0.0 if r is None else (r - mean) / denom for r in group]
+    return out
+
+
+def as_tensor(rewards):
+    return torch.tensor([float("nan") if r is None else r for r in rewards])
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_naive(scale):
+    rewards = [1.0, 0.0, 0.5, None, 0.2, 0.2, 0.2, 0.2, 3.0, -1.0, None, None, 0.0, 1.0, 1.0, 0.0]
+    adv, _ = grpo.group_advantages(as_tensor(rewards), 4, scale)
+    torch.testing.assert_close(adv, torch.tensor(naive_advantages(rewards, 4, scale)), atol=1e-5, rtol=1e-5)
+
+
+def test_equal_rewards_give_exactly_zero():
+    # 0.1 has no exact binary form: a mean computed in float is not exactly 0.1
+    rewards = torch.tensor([0.1] * 7 + [1 / 3] * 7)
+    adv, std = grpo.group_advantages(rewards, 7)
+    assert (adv == 0).all() and not torch.isnan(adv).any()
+
+
+def test_group_of_two():
+    adv, _ = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, float("nan"), 2.0]), 2)
+    expected = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([expected, -expected, 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_none_rewards_left_out():
+    adv, _ = grpo.group_advantages(as_tensor([None, None, None, None, 1.0, None, 0.0, None]), 4)
+    assert not torch.isnan(adv).any()
+    assert adv[:4].eq(0).all() and adv[5] == 0 and adv[7] == 0
+    assert adv[4] > 0 and adv[6] < 0 and torch.isclose(adv[4], -adv[6])
+
+
+def test_kl_zero_when_equal_and_nonnegative():
+    torch.manual_seed(0)
+    logp = torch.randn(1000) * 3
+    assert grpo.k3_kl(logp, logp).abs().max() == 0
+    ref = torch.randn(1000) * 3
+    kl = grpo.k3_kl(ref, logp)
+    assert (kl >= 0).all()
+    d = (ref - logp).double()
+    torch.testing.assert_close(kl.double(), d.exp() - d - 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_finite_at_extremes(dtype):
+    big = torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4, -3e38 if dtype == torch.float32 else -3e38], dtype=dtype)
+    ref, logp = big[:, None].expand(6, 6).reshape(-1), big[None, :].expand(6, 6).reshape(-1)
+    kl = grpo.k3_kl(ref, logp)
+    assert torch.isfinite(kl).all() and (kl >= 0).all()
+    logp = logp.clone().float().requires_grad_()
+    grpo.k3_kl(ref, logp).sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def loss_kwargs(**over):
+    kw = dict(beta=0.1, epsilon=0.2, epsilon_high=0.3, loss_type="grpo", num_sequences=4, num_tokens=None,
+              max_completion_length=6)
+    kw.update(over)
+    return kw
+
+
+def make_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(4, 6, generator=g) * 3
+    ref = logp + torch.randn(4, 6, generator=g) * 0.3
+    adv = torch.tensor([1.5, -0.5, 0.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]]).float()
+    return logp, ref, adv, mask
+
+
+def naive_loss(logp, old, ref, adv, mask, beta, epsilon, epsilon_high, loss_type, max_len):
+    per_seq_sums, per_seq_lens, total = [], [], 0.0
+    for i in range(logp.shape[0]):
+        s = 0.0
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            ratio = torch.exp(logp[i, t] - old[i, t])
+            term = -torch.min(ratio * adv[i], ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv[i])
+            d = ref[i, t] - logp[i, t]
+            term = term + beta * (torch.exp(d) - d - 1)
+            s = s + term
+        per_seq_sums.append(s)
+        per_seq_lens.append(mask[i].sum())
+        total = total + s
+    n = logp.shape[0]
+    if loss_type == "grpo":
+        return sum(s / l for s, l in zip(per_seq_sums, per_seq_lens)) / n
+    if loss_type == "dapo":
+        return total / mask.sum()
+    return total / (n * max_len)
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_loss_matches_naive_with_gradients(loss_type):
+    logp0, ref, adv, mask = make_batch()
+    old = logp0 + torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 0.4  # some ratios clip
+    a = logp0.clone().requires_grad_()
+    loss, m = grpo.grpo_loss(a, old, ref, adv, mask, **loss_kwargs(loss_type=loss_type, num_tokens=mask.sum()))
+    loss.backward()
+    b = logp0.clone().requires_grad_()
+    ref_loss = naive_loss(b, old, ref, adv, mask, 0.1, 0.2, 0.3, loss_type, 6)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(a.grad, b.grad)
+    assert 0 < m["clip_low"] + m["clip_high"] < 1 and m["kl"] > 0
+
+
+def test_first_iteration_ratio_is_one_gradient_is_advantage():
+    logp0, _, adv, mask = make_batch()
+    logp = logp0.clone().requires_grad_()
+    loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv, mask,
+                             **loss_kwargs(beta=0.0, loss_type="dapo", num_tokens=mask.sum()))
+    loss.backward()
+    # ratio == 1 everywhere: nothing clipped, and d loss / d logp = -A / num_tokens on every unmasked token
+    assert m["clip_low"] == 0 and m["clip_high"] == 0
+    torch.testing.assert_close(logp.grad, -adv[:, None].expand(4, 6) * mask / mask.sum())
+
+
+def test_clipped_tokens_get_no_gradient():
+    logp0 = torch.zeros(2, 3)
+    old = torch.tensor([[0.0, -0.5, 0.5], [0.0, 0.5, -0.5]])  # ratios [1, e^0.5 > 1.3, e^-0.5 < 0.8], [1, e^-0.5, e^0.5]
+    adv = torch.tensor([1.0, -1.0])
+    logp = logp0.clone().requires_grad_()
+    loss, m = grpo.grpo_loss(logp, old, None, adv, torch.ones(2, 3),
+                             **loss_kwargs(beta=0.0, loss_type="dapo", num_tokens=6))
+    loss.backward()
+    # positive advantage above 1 + epsilon_high and negative advantage below 1 - epsilon: clipped, zero gradient
+    assert logp.grad[0, 1] == 0 and logp.grad[1, 1] == 0
+    # the other side of the clip range is not clipped for that sign of advantage
+    assert logp.grad[0, 0] != 0 and logp.grad[0, 2] != 0 and logp.grad[1, 0] != 0 and logp.grad[1, 2] != 0
+    assert m["clip_high"] == pytest.approx(1 / 6) and m["clip_low"] == pytest.approx(1 / 6)

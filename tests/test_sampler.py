@@ -1,0 +1,146 @@
+"""The hand-written sampler against model.generate and the training forward."""
+
+import torch
+
+import grpo
+
+
+def encode(tokenizer, prompts):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids, enc.attention_mask
+
+
+PROMPTS = ["a>", "the quick brown fox>", "é~7"]
+
+
+def test_greedy_matches_generate(model, tokenizer):
+    ids, mask = encode(tokenizer, PROMPTS)
+    ours = grpo.sample(model, ids, mask, max_new_tokens=12, eos_ids=[-1], pad_id=tokenizer.pad_token_id,
+                       temperature=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
+    assert ref.unique().numel() > 3  # the model is not degenerate: the comparison means something
+    assert torch.equal(ours.completion_ids, ref)
+
+
+def test_left_padded_row_samples_as_alone(model, tokenizer):
+    ids, mask = encode(tokenizer, PROMPTS)
+    seeds = torch.tensor([11, 22, 33])
+    batch = grpo.sample(model, ids, mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds)
+    for i, p in enumerate(PROMPTS):
+        one_ids, one_mask = encode(tokenizer, [p])
+        alone = grpo.sample(model, one_ids, one_mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds[i:i + 1])
+        assert torch.equal(batch.completion_ids[i], alone.completion_ids[0])
+        torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
+    assert mask[0].sum() < mask.shape[1]  # row 0 really was padded
+
+
+def _training_logprobs(model, ids, mask, rollout, temperature):
+    full = torch.cat([ids, rollout.completion_ids], 1)
+    full_mask = torch.cat([mask, torch.ones_like(rollout.completion_ids)], 1)
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, full, full_mask, rollout.completion_ids.shape[1], temperature)
+    return logp * rollout.completion_mask
+
+
+def test_sampler_logprobs_equal_training_forward(model, tokenizer):
+    ids, mask = encode(tokenizer, PROMPTS)
+    for temperature in (1.0, 0.7):
+        r = grpo.sample(model, ids, mask, max_new_tokens=16, eos_ids=[tokenizer.eos_token_id],
+                        pad_id=tokenizer.pad_token_id, temperature=temperature)
+        train_logp = _training_logprobs(model, ids, mask, r, temperature)
+        assert (train_logp - r.logprobs).abs().max() < 1e-5
+
+
+def test_top_k_top_p_filter_matches_naive():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    for k, p in [(5, 1.0), (0, 0.8), (10, 0.5), (0, 1.0)]:
+        out = grpo.filter_logits(logits, k, p)
+        for row, orow in zip(logits, out):
+            order = row.argsort(descending=True).tolist()
+            keep = set(order[:k] if k else order)
+            probs = row.masked_fill(~torch.isin(torch.arange(50), torch.tensor(list(keep))), float("-inf")).softmax(-1)
+            mass, nucleus = 0.0, set()
+            for j in order:  # smallest set of top tokens whose (top-k renormalised) mass reaches p
+                if mass >= p:
+                    break
+                nucleus.add(j)
+                mass += probs[j].item()
+            expected = keep & nucleus if p < 1 else keep
+            assert set(torch.isfinite(orow).nonzero().flatten().tolist()) == expected
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """Inverse-CDF sampling with the counter-based uniforms reproduces the probabilities."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits = probs.clamp(min=1e-30).log().expand(40000, 5)
+    u = grpo.row_uniform(torch.arange(40000), step=3)
+    assert 0 < u.min() and u.max() <= 1 and abs(u.mean() - 0.5) < 0.01
+    tok, _ = grpo.sample_tokens(logits, 1.0, 0, 1.0, u)
+    freq = torch.bincount(tok, minlength=5).float() / 40000
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+    assert freq[4] == 0  # a zero-probability token is never drawn
+    tok_k, _ = grpo.sample_tokens(logits, 1.0, 2, 1.0, u)  # top-2: only tokens 0 and 1, renormalised
+    assert set(tok_k.tolist()) == {0, 1} and abs((tok_k == 0).float().mean() - 2 / 3) < 0.01
+
+
+def test_rows_stop_at_first_eos_and_masks(model, tokenizer):
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():  # make EOS likely, but not certain, so rows end at different times
+        model.get_output_embeddings().weight[eos] *= 6
+    ids, mask = encode(tokenizer, PROMPTS * 4)
+    r = grpo.sample(model, ids, mask, max_new_tokens=12, eos_ids=[eos], pad_id=tokenizer.pad_token_id,
+                    seeds=torch.arange(12))
+    lengths = r.completion_mask.sum(1)
+    assert lengths.unique().numel() > 1
+    for row, m, trunc, lp in zip(r.completion_ids, r.completion_mask, r.truncated, r.logprobs):
+        hits = (row == eos).nonzero().flatten().tolist()
+        if hits:
+            first = hits[0]
+            assert m[:first + 1].all() and not m[first + 1:].any()
+            assert (row[first + 1:] == tokenizer.pad_token_id).all()
+            assert not trunc
+        else:
+            assert m.all() and trunc and len(row) == 12
+        assert (lp[m == 0] == 0).all()
+
+
+def test_mask_when_pad_is_eos():
+    eos = 5
+    ids = torch.tensor([[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]])
+    mask = grpo.completion_mask_from_ids(ids, [eos, 6])  # two EOS ids
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+class EndsAt(torch.nn.Module):
+    """A stand-in model whose row i emits EOS as its completion token number ends_at[i], else token 1."""
+
+    def __init__(self, config, prompt_len, ends_at, eos):
+        super().__init__()
+        self.config, self.prompt_len, self.ends_at, self.eos = config, prompt_len, torch.tensor(ends_at), eos
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep=0):
+        self.calls += 1
+        generated = attention_mask.shape[1] - self.prompt_len  # tokens already sampled
+        logits = torch.zeros(input_ids.shape[0], 1, self.config.vocab_size)
+        logits[:, :, 1] = 30.0
+        logits[generated == self.ends_at, :, self.eos] = 60.0
+        return type("Out", (), {"logits": logits})
+
+
+def test_sampler_stops_once_every_row_is_done(model, tokenizer):
+    ids, mask = encode(tokenizer, PROMPTS)
+    eos = tokenizer.eos_token_id
+    fake = EndsAt(model.config, ids.shape[1], [0, 5, 2], eos)
+    r = grpo.sample(fake, ids, mask, max_new_tokens=64, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4)
+    # the last row ends at token 5; the loop notices at the next check (after token 8) and stops there
+    assert r.completion_ids.shape[1] == 8 and fake.calls == 8
+    assert r.completion_mask.sum(1).tolist() == [1, 6, 3]
+    assert not r.truncated.any()
+    seen = []  # a stop decision shared with other ranks keeps the loop going while any rank is busy
+    r = grpo.sample(fake, ids, mask, max_new_tokens=20, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4,
+                    all_done=lambda done: seen.append(bool(done.all())) or False)
+    assert r.completion_ids.shape[1] == 20 and seen == [False, True, True, True]
+    assert r.completion_mask.sum(1).tolist() == [1, 6, 3]

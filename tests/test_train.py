@@ -1,0 +1,185 @@
+"""The loop: config errors, micro-batching, the reference model, a short run that learns, the export."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import grpo
+import model_loading
+import rewards
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("arg, key", [
+    ("--no_such_key=1", "no_such_key"), ("--num_generations=abc", "num_generations"),
+    ("--num_generations=1", "num_generations"), ("--beta=-1", "beta"), ("--loss_type=ppo", "loss_type"),
+    ("--model_init_kwargs=[1]", "model_init_kwargs"), ("--mask_truncated_completions=maybe", "mask_truncated_completions"),
+    ("--top_p=0", "top_p"), ("--scale_rewards=std", "scale_rewards"), ("max_steps=3", "max_steps"),
+])
+def test_bad_config_names_the_key(arg, key):
+    with pytest.raises(SystemExit) as e:
+        train.parse_config([arg])
+    assert f"--{key}" in str(e.value.code)
+
+
+def test_bad_config_exits_nonzero_from_the_command_line():
+    p = subprocess.run([sys.executable, "train.py", "--num_generations=abc"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "--num_generations" in p.stderr
+
+
+def test_config_casts_every_type():
+    cfg = train.parse_config(["--lr=2e-4", "--num_generations=4", "--mask_truncated_completions=true",
+                              '--model_init_kwargs={"dtype": "bfloat16"}', "--reward_weights=1,0.5",
+                              "--epsilon_high=0.28", "--wandb_run_name=none"])
+    assert cfg.lr == 2e-4 and cfg.num_generations == 4 and cfg.mask_truncated_completions is True
+    assert cfg.model_init_kwargs == {"dtype": "bfloat16"} and cfg.reward_weights == [1.0, 0.5]
+    assert cfg.epsilon_high == 0.28 and cfg.wandb_run_name is None
+
+
+def test_batch_must_split_over_processes():
+    cfg = train.parse_config(["--prompts_per_step=3", "--num_generations=3"])
+    with pytest.raises(SystemExit, match="--prompts_per_step"):
+        train.validate(cfg, world_size=2)
+
+
+def rollout_batch(model, tokenizer, n_prompts=2, g=4, seed=0):
+    prompts = [p for p in ["a>", "hello there>"][:n_prompts] for _ in range(g)]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    r = grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, eos_ids=[tokenizer.eos_token_id],
+                    pad_id=tokenizer.pad_token_id, seeds=torch.arange(len(prompts)) + seed)
+    ids = torch.cat([enc.input_ids, r.completion_ids], 1)
+    mask = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)
+    rewards = torch.tensor([float(i % 3) for i in range(len(prompts))])
+    adv, _ = grpo.group_advantages(rewards, g)
+    return ids, mask, r, adv
+
+
+def accumulated_grad(model, ref_logp, ids, mask, r, adv, micro, loss_type):
+    model.zero_grad()
+    n, t = ids.shape[0], r.completion_ids.shape[1]
+    cmask = r.completion_mask.float()
+    for s in range(0, n, micro):
+        sl = slice(s, s + micro)
+        logp, _ = grpo.completion_logprobs(model, ids[sl], mask[sl], t, chunk_tokens=5)
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[sl], adv[sl], cmask[sl], beta=0.1, epsilon=0.2,
+                                 epsilon_high=0.2, loss_type=loss_type, num_sequences=n, num_tokens=cmask.sum(),
+                                 max_completion_length=6)
+        loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type):
+    """One forward over everything, full logits, log_softmax + gather, the loss written out."""
+    model.zero_grad()
+    t = r.completion_ids.shape[1]
+    pos = grpo.position_ids_from_mask(mask)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None])[..., 0]
+    d = ref_logp - logp
+    per_token = -adv[:, None] * torch.exp(logp - logp.detach()) + 0.1 * (torch.exp(d) - d - 1)
+    m = r.completion_mask.float()
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(1) / m.sum(1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * m).sum() / m.sum()
+    else:
+        loss = (per_token * m).sum() / (ids.shape[0] * 6)
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
+    ids, mask, r, adv = rollout_batch(model, tokenizer)
+    with torch.no_grad():
+        ref_logp = grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1])[0] + 0.05
+    whole = accumulated_grad(model, ref_logp, ids, mask, r, adv, 8, loss_type)
+    split = accumulated_grad(model, ref_logp, ids, mask, r, adv, 2, loss_type)
+    naive = naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type)
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(naive, whole, atol=1e-6, rtol=1e-4)
+
+
+def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer):
+    ids, mask, r, _ = rollout_batch(model, tokenizer)
+    t = r.completion_ids.shape[1]
+    for temperature in (1.0, 0.6):
+        logits = model(input_ids=ids, attention_mask=mask,
+                       position_ids=grpo.position_ids_from_mask(mask)).logits[:, -t - 1:-1].float() / temperature
+        full = torch.log_softmax(logits, -1)
+        expected = full.gather(-1, ids[:, -t:, None])[..., 0]
+        entropy = -(full.exp() * full).sum(-1)
+        for chunk in (1, 7, 1000):
+            logp, ent = grpo.completion_logprobs(model, ids, mask, t, temperature, chunk_tokens=chunk)
+            torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ent, entropy, atol=1e-5, rtol=1e-5)
+
+
+def run_train(tmp_path, monkeypatch, *args):
+    """train.main in-process; returns (metrics rows, {'policy': ..., 'ref': ..., 'ref_init': ...})."""
+    seen = {}
+    load, build_ref = model_loading.load_model, model_loading.build_reference_model
+
+    def load_spy(*a, **k):
+        seen["policy"] = load(*a, **k)
+        seen["init"] = {k: v.clone() for k, v in seen["policy"].state_dict().items()}
+        return seen["policy"]
+
+    def ref_spy(policy, beta):
+        seen["ref"] = build_ref(policy, beta)
+        return seen["ref"]
+    monkeypatch.setattr(model_loading, "load_model", load_spy)
+    monkeypatch.setattr(model_loading, "build_reference_model", ref_spy)
+    out = str(tmp_path / "run")
+    train.main([f"--out_dir={out}", "--print_completions_every=0", *args])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return rows, seen, out
+
+
+def test_reference_model_is_frozen_and_beta_zero_builds_none(tmp_path, monkeypatch):
+    rows, seen, _ = run_train(tmp_path, monkeypatch, "--max_steps=3", "--lr=1e-2")
+    ref, policy = seen["ref"], seen["policy"]
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+    assert next(ref.parameters()).device == next(policy.parameters()).device
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, seen["init"][k]), k  # unchanged by the optimizer steps
+    assert any(not torch.equal(v, seen["init"][k]) for k, v in policy.state_dict().items())
+    assert rows[-1]["kl"] > 0
+
+    rows, seen, _ = run_train(tmp_path / "b0", monkeypatch, "--max_steps=1", "--beta=0")
+    assert seen["ref"] is None and rows[0]["kl"] == 0
+
+
+def test_group_of_64_with_micro_batches_of_4(tmp_path, monkeypatch):
+    def odd_first_byte(prompts, completions, **_):  # a reward with spread at initialisation
+        return [float(len(c.encode()) % 2) for c in completions]
+    monkeypatch.setattr(train.rewards, "get_task", lambda name: rewards.Task(name, rewards._letter_prompts, [odd_first_byte]))
+    rows, _, _ = run_train(tmp_path, monkeypatch, "--max_steps=1", "--num_generations=64", "--prompts_per_step=1",
+                           "--micro_batch_size=4", "--loss_type=dapo")
+    assert rows[0]["step"] == 1 and rows[0]["grad_norm"] > 0 and 0 < rows[0]["reward"] < 1
+
+
+def test_short_default_run_learns_and_exports(tmp_path, monkeypatch):
+    rows, seen, out = run_train(tmp_path, monkeypatch, "--max_steps=100")
+    expected = {"step", "reward", "reward/next_letter_reward", "reward_std", "frac_reward_zero_std", "loss", "kl",
+                "clip_low", "clip_high", "entropy", "completion_length", "completion_length_min",
+                "completion_length_max", "truncated_frac", "grad_norm", "lr", "step_time", "tokens_per_s"}
+    assert expected <= set(rows[0]) and [r["step"] for r in rows] == list(range(1, 101))
+    first = sum(r["reward"] for r in rows[:10]) / 10
+    last = sum(r["reward"] for r in rows[-10:]) / 10
+    assert first < 0.05 and last > 0.2, (first, last)
+
+    policy = seen["policy"].eval()
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model")).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, policy(ids).logits)
