@@ -331,6 +331,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
     copy first and reaches the model only once every tensor was read.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException: not caught by `except Exception`
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
@@ -344,7 +345,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
                 trainer_state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
                 rng_file = os.path.join(path, f"rng_{d.rank}.pt")
                 rng = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else None
-            except Exception as e:  # noqa: BLE001  any failure to read means: not this one
+            except (Exception, CheckpointException) as e:  # any failure to read means: not this one
                 problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         # every rank must pick the same checkpoint
         failed = all_reduce_sum([float(problem is not None)], d)[0]
