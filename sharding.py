@@ -146,7 +146,8 @@ def check_same_placement(policy, ref):
                            "the reference must be sharded on the policy's mesh and device")
 
 
-def _fsdp_modules(root):
+def fsdp_modules(root):
+    """Every module with its own FSDP parameter group (the blocks and the root); none when unsharded."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
@@ -157,11 +158,11 @@ def gathered(root):
 
     Without this each block would be all-gathered and freed again for every
     generated token. Inside, a block's first forward (the prefill) gathers it
-    and nothing reshards it until the end of the block. Cost: the full
-    parameters in the compute dtype, 2 bytes x parameters in bf16, on top of
-    the shards, for the duration of generation.
+    and nothing frees it until the `with` ends: one all-gather per block for
+    the whole loop. Cost: every parameter in the compute dtype (2 bytes each
+    in bf16) on every rank, on top of the shards, while generating.
     """
-    modules = _fsdp_modules(root)
+    modules = fsdp_modules(root)
     blocks = [m for m in modules if m is not root]
     for m in blocks:
         m.set_reshard_after_forward(False, recurse=False)
@@ -176,11 +177,17 @@ def gathered(root):
 
 def free_gathered(root):
     """Release the root group's gathered parameters (FSDP keeps the root's after a forward for backward)."""
-    for m in _fsdp_modules(root):
+    for m in fsdp_modules(root):
         m.reshard()
 
 
 # ----------------------------------------------------------------------------- collectives
+
+
+def barrier(d):
+    """Wait for every rank (nothing to wait for with one process)."""
+    if d.world_size > 1:
+        dist.barrier()
 
 
 def all_done_fn(d):
@@ -253,11 +260,6 @@ def _set_rng_state(state):
     random.setstate(state["python"])
     if state["cuda"] is not None and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def barrier(d):
-    if d.world_size > 1:
-        dist.barrier()
 
 
 def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):

@@ -365,7 +365,8 @@ def main(argv):
         # 7. log, with every metric over all ranks
         step_time = time.time() - t0
         keys = ["loss", "kl", "clip_low", "clip_high", "entropy", "tokens"]
-        sums = dict(zip(keys + ["seen"], sharding.all_reduce_sum([sums[k] for k in keys] + [attention_mask.sum().item()], d)))
+        totals = sharding.all_reduce_sum([sums[k] for k in keys] + [attention_mask.sum().item()], d)
+        sums = dict(zip(keys + ["seen"], totals))
         lengths = sharding.all_gather_rows(rollout.completion_mask.sum(1).float(), d)
         truncated = sharding.all_gather_rows(rollout.truncated.float(), d)
         parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}

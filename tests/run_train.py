@@ -66,7 +66,7 @@ def uneven_sampling(root, d, pad_id):
             "same_tokens": torch.equal(gathered.completion_ids, per_forward.completion_ids),
             "done": (~gathered.truncated).tolist(),
             "all_gathers_gathered": gathered_calls, "all_gathers_per_forward": calls[0] - before,
-            "fsdp_groups": len(sharding._fsdp_modules(root))}
+            "fsdp_groups": len(sharding.fsdp_modules(root))}
 
 
 def main(argv):
