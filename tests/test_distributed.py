@@ -138,6 +138,11 @@ def test_resume_is_exact(runs, world):
         assert tokens(b) == [tokens(a)[0], tokens(a)[1], tokens(a)[1], tokens(a)[2], tokens(a)[3]]
     wa, wb = exported_weights(a), exported_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if world == 2:  # the resumed run saved step 4 under the wandb run id the first run saved at step 2
+        saved = [torch.load(os.path.join(b, "checkpoints", f"step_0000000{s}", "trainer.pt"), weights_only=False)
+                 for s in (2, 4)]
+        assert saved[0]["wandb_id"] == saved[1]["wandb_id"]
+        assert [x["data"]["next_step"] for x in saved] == [3, 5]
 
 
 def test_one_and_two_processes_train_alike(runs):
