@@ -152,6 +152,14 @@ def export_model(model, tokenizer, path, state_dict=None):
     `state_dict` lets a sharded run pass full tensors gathered elsewhere.
     """
     os.makedirs(path, exist_ok=True)
+    if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
+        # gathered copies of tied weights no longer share storage, so save_pretrained would write both;
+        # keep the input embedding only: from_pretrained ties the output embedding to it again
+        names = {id(m): n for n, m in model.named_modules()}
+        out_key = names[id(model.get_output_embeddings())] + ".weight"
+        in_key = names[id(model.get_input_embeddings())] + ".weight"
+        if out_key in state_dict and in_key in state_dict and torch.equal(state_dict[out_key], state_dict[in_key]):
+            state_dict = {k: v for k, v in state_dict.items() if k != out_key}
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

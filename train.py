@@ -15,6 +15,7 @@ import random
 import sys
 import time
 import typing
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,10 @@ class Config:
     wandb_project: str = "grpo"
     wandb_run_name: typing.Optional[str] = None
     wandb_mode: str = "disabled"          # disabled, offline (no account needed) or online
+    # several processes and checkpoints (sharding.py)
+    mixed_precision: str = "auto"         # auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU), bf16, fp32
+    save_every: int = 100                 # checkpoint every N steps and at the last step; 0 = never
+    keep_checkpoints: int = 2             # newest K checkpoints kept in out_dir/checkpoints
 
 
 # ----------------------------------------------------------------------------- config parsing
@@ -148,6 +153,9 @@ def validate(cfg, world_size=1):
     need(cfg.max_steps >= 1, "max_steps", f"must be >= 1, got {cfg.max_steps}")
     need(cfg.log_every >= 1, "log_every", f"must be >= 1, got {cfg.log_every}")
     need(cfg.print_completions_every >= 0, "print_completions_every", f"must be >= 0, got {cfg.print_completions_every}")
+    need(cfg.mixed_precision in ("auto", "bf16", "fp32"), "mixed_precision", f"auto, bf16 or fp32, got {cfg.mixed_precision!r}")
+    need(cfg.save_every >= 0, "save_every", f"must be >= 0, got {cfg.save_every}")
+    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {cfg.keep_checkpoints}")
     need(cfg.wandb_mode in ("disabled", "offline", "online"), "wandb_mode", f"disabled, offline or online, got {cfg.wandb_mode!r}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
@@ -173,17 +181,26 @@ def lr_factor(cfg, opt_step, total_opt_steps):
 class Logger:
     """stdout line, out_dir/metrics.jsonl, and wandb when asked for; only the master process writes."""
 
-    def __init__(self, cfg, master):
+    def __init__(self, cfg, master, resume_step=0, run_id=None):
         self.master, self.wandb = master, None
         if not master:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        # steps after the checkpoint we resume from are about to be redone: drop their lines
+        kept = []
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self.jsonl = open(path, "a")
         if cfg.wandb_mode != "disabled":
             import wandb
-            # mode offline needs no account; online without credentials fails here instead of prompting
+            # mode offline needs no account; online without credentials fails here instead of prompting.
+            # A resumed run continues the same wandb run (its id is saved in the checkpoint).
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, mode=cfg.wandb_mode,
-                                    dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+                                    dir=cfg.out_dir, config=dataclasses.asdict(cfg), id=run_id, resume="allow")
 
     def log(self, metrics):
         if not self.master:
@@ -226,12 +243,22 @@ def main(argv):
     # models: the policy, and the frozen reference when beta > 0
     model_path = cfg.model
     if cfg.model == model_loading.TINY:
-        model_path = model_loading.write_tiny_model(os.path.join(cfg.out_dir, "tiny_model_init"))
+        model_path = os.path.join(cfg.out_dir, "tiny_model_init")
+        if d.master:
+            model_loading.write_tiny_model(model_path)
+        sharding.barrier(d)  # the others read it once written
     tokenizer = model_loading.load_tokenizer(model_path)
-    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, d.device, seed=cfg.seed)
-    policy.train()
+    # several processes: load on the CPU, fully_shard moves each process's shard to its device
+    load_device = "cpu" if d.world_size > 1 else d.device
+    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed)
     ref = model_loading.build_reference_model(policy, cfg.beta)
     eos_ids = model_loading.eos_token_ids(policy, tokenizer)
+    # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
+    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision)
+    policy.train()
+    if ref is not None:
+        ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
+        sharding.check_same_placement(policy, ref)
 
     task = rewards.get_task(cfg.task)
     weights = cfg.reward_weights or [1.0] * len(task.reward_funcs)
@@ -243,52 +270,74 @@ def main(argv):
                                   weight_decay=cfg.weight_decay)
     total_opt_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
-    logger = Logger(cfg, d.master)
+
+    # resume from the newest complete checkpoint in out_dir, if any
+    start_step, run_id = 0, None
+    resumed = sharding.load_latest_checkpoint(cfg.out_dir, policy, optimizer, d)
+    if resumed is not None:
+        scheduler.load_state_dict(resumed["scheduler"])
+        start_step, run_id = resumed["step"], resumed["wandb_id"]
+        if d.master:
+            print(f"resuming from {resumed['path']} (step {start_step}, saved by {resumed['world_size']} "
+                  f"process(es), now {d.world_size})", flush=True)
+    run_id = run_id or uuid.uuid4().hex[:12]  # os.urandom: leaves the seeded generators alone
+    logger = Logger(cfg, d.master, resume_step=start_step, run_id=run_id)
     G, eps_high = cfg.num_generations, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     history = []
 
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(start_step + 1, cfg.max_steps + 1):
         t0 = time.time()
-        # 1. prompts for this step: a pure function of (seed, step), so a resumed run sees the same ones
+        # 1. prompts for this step: a pure function of (seed, step), so a resumed run sees the same ones.
+        # Tokenized all together (the same padding on every rank), then each rank takes its slice of rows.
         rows = task.make_prompts(random.Random(cfg.seed * 1_000_003 + step), cfg.prompts_per_step)
-        prompts = [r["prompt"] for r in rows for _ in range(G)]                     # (N,) grouped by prompt
-        fields = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        all_prompts = [r["prompt"] for r in rows for _ in range(G)]                 # (N,) grouped by prompt
         tokenizer.truncation_side = "left"
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True,
+        enc = tokenizer(all_prompts, return_tensors="pt", padding=True, truncation=True,
                         max_length=cfg.max_prompt_length, add_special_tokens=False).to(d.device)
+        N = len(all_prompts)
+        n = N // d.world_size                                                       # rows on this rank
+        mine = slice(d.rank * n, (d.rank + 1) * n)
+        prompts = all_prompts[mine]
+        fields = {k: [r[k] for r in rows for _ in range(G)][mine] for k in rows[0] if k != "prompt"}
+        prompt_ids, prompt_mask = enc.input_ids[mine], enc.attention_mask[mine]
 
-        # 2. sample G completions per prompt
-        n = len(prompts)
-        seeds = torch.arange(n, device=d.device) + (cfg.seed * 1_000_003 + step) * n
+        # 2. sample G completions per prompt; row seeds are global row indices, so any world size samples alike
+        seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
         policy.eval()
-        rollout = grpo.sample(policy, enc.input_ids, enc.attention_mask, max_new_tokens=cfg.max_completion_length,
-                              eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=cfg.temperature,
-                              top_k=cfg.top_k, top_p=cfg.top_p, seeds=seeds)
+        with sharding.gathered(policy):  # full weights once for the whole decode loop
+            rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
+                             eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=cfg.temperature,
+                             top_k=cfg.top_k, top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
         policy.train()
         t_gen = time.time() - t0
         completions = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
                                              tokenizer.pad_token_id), skip_special_tokens=True)
 
-        # 3. score, 4. advantages over each whole group
+        # 3. score this rank's completions, 4. advantages over each whole group: all rewards, then our rows
         total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
-        advantages, group_std = grpo.group_advantages(total, G, cfg.scale_rewards)
-        advantages = advantages.to(d.device)
+        all_total = sharding.all_gather_rows(total, d)                             # (N,)
+        all_advantages, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)
+        advantages = all_advantages[mine].to(d.device)
 
-        input_ids = torch.cat([enc.input_ids, rollout.completion_ids], dim=1)
-        attention_mask = torch.cat([enc.attention_mask, torch.ones_like(rollout.completion_ids)], dim=1)
+        input_ids = torch.cat([prompt_ids, rollout.completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(rollout.completion_ids)], dim=1)
         T = rollout.completion_ids.shape[1]
         loss_mask = rollout.completion_mask.float()
         if cfg.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.truncated).float()[:, None]
-        num_tokens = loss_mask.sum().clamp(min=1)
+        # normalisers over the whole batch on all ranks, so any world size gives the same gradient
+        num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
 
         # 5. log-probs that stay fixed during the update: the reference's, and the sampling policy's when reused
         micro = [slice(i, i + cfg.micro_batch_size) for i in range(0, n, cfg.micro_batch_size)]
 
         @torch.no_grad()
         def fixed_logprobs(model):
-            return torch.cat([grpo.completion_logprobs(model, input_ids[s], attention_mask[s], T, cfg.temperature)[0]
+            logp = torch.cat([model(grpo.completion_logprobs, input_ids[s], attention_mask[s], T, cfg.temperature)[0]
                               for s in micro])
+            if model is ref:
+                sharding.free_gathered(ref)  # never backward: nothing else would free the root's gathered weights
+            return logp
         ref_logp = fixed_logprobs(ref) if ref is not None else None
         old_logp = fixed_logprobs(policy) if cfg.num_iterations > 1 else None
 
@@ -296,28 +345,34 @@ def main(argv):
         for _ in range(cfg.num_iterations):
             sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
             for s in micro:
-                logp, entropy = grpo.completion_logprobs(policy, input_ids[s], attention_mask[s], T, cfg.temperature)
+                logp, entropy = policy(grpo.completion_logprobs, input_ids[s], attention_mask[s], T, cfg.temperature)
                 old = old_logp[s] if old_logp is not None else logp.detach()  # ratio 1, gradient of A * logp
                 loss, m = grpo.grpo_loss(logp, old, ref_logp[s] if ref_logp is not None else None, advantages[s],
                                          loss_mask[s], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_high,
-                                         loss_type=cfg.loss_type, num_sequences=n, num_tokens=num_tokens,
+                                         loss_type=cfg.loss_type, num_sequences=N, num_tokens=num_tokens,
                                          max_completion_length=cfg.max_completion_length)
-                loss.backward()
+                # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
+                (loss * d.world_size).backward()
                 sums["loss"] += loss.item()
                 for k in ("kl", "clip_low", "clip_high"):
                     sums[k] += m[k] * m["tokens"]
                 sums["entropy"] += (entropy * loss_mask[s]).sum().item()
                 sums["tokens"] += m["tokens"]
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
-        # 7. log
+        # 7. log, with every metric over all ranks
         step_time = time.time() - t0
-        lengths = rollout.completion_mask.sum(1).float()
-        valid = total[~torch.isnan(total)]
+        keys = ["loss", "kl", "clip_low", "clip_high", "entropy", "tokens"]
+        totals = sharding.all_reduce_sum([sums[k] for k in keys] + [attention_mask.sum().item()], d)
+        sums = dict(zip(keys + ["seen"], totals))
+        lengths = sharding.all_gather_rows(rollout.completion_mask.sum(1).float(), d)
+        truncated = sharding.all_gather_rows(rollout.truncated.float(), d)
+        parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
+        valid = all_total[~torch.isnan(all_total)]
         tok = max(sums["tokens"], 1.0)
         metrics = {
             "step": step,
@@ -325,14 +380,14 @@ def main(argv):
             **{f"reward/{k}": v[~torch.isnan(v)].mean().item() if (~torch.isnan(v)).any() else float("nan")
                for k, v in parts.items()},
             "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": (advantages.view(-1, G).abs().sum(1) == 0).float().mean().item(),
+            "frac_reward_zero_std": (all_advantages.view(-1, G).abs().sum(1) == 0).float().mean().item(),
             "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
             "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
             "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
             "completion_length_max": lengths.max().item(),
-            "truncated_frac": rollout.truncated.float().mean().item(),
+            "truncated_frac": truncated.mean().item(),
             "grad_norm": grad_norm.item(), "lr": lr, "step_time": step_time, "generation_time": t_gen,
-            "tokens_per_s": (attention_mask.sum().item()) / step_time,
+            "tokens_per_s": sums["seen"] / step_time,
         }
         history.append(metrics["reward"])
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -340,11 +395,17 @@ def main(argv):
         if d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
             for i in range(0, min(n, 3 * G), G):
                 print(f"  [{total[i]:.2f}] {prompts[i][-60:]!r} -> {completions[i][:120]!r}")
+        # 8. checkpoint (every rank writes its shard)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            trainer_state = {"scheduler": scheduler.state_dict(), "wandb_id": run_id,
+                             "data": {"seed": cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
+            sharding.save_checkpoint(cfg.out_dir, step, policy, optimizer, trainer_state, d, keep=cfg.keep_checkpoints)
 
-    # the trained policy as a Hugging Face folder
+    # the trained policy as one Hugging Face folder with full tensors
     export_dir = os.path.join(cfg.out_dir, "model")
+    full_weights = sharding.full_state_dict(policy)  # a collective: every rank takes part
     if d.master:
-        model_loading.export_model(policy, tokenizer, export_dir)
+        model_loading.export_model(policy.lm, tokenizer, export_dir, state_dict=full_weights)
         k = max(1, len(history) // 10)
         print(f"done: {cfg.max_steps} steps in {time.time() - t_start:.0f}s | reward first 10% "
               f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}\n"

@@ -1,0 +1,133 @@
+"""Run train.py's main with a recorder around it, for the multi-process tests.
+
+    torchrun --standalone --nproc_per_node 2 tests/run_train.py --out_dir=... [train.py flags]
+
+Records, in out_dir:
+  tokens_rank<r>.jsonl   every rollout's sampled token ids on rank r, one line per step
+  after_rank<r>.json     checks on the reference model and the policy once training is done
+  logits.pt              (rank 0) the trained policy's logits on a fixed input, to compare with the export
+  sample_rank<r>.json    (several processes) sampling when ranks' completions end at different lengths
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import grpo  # noqa: E402
+import model_loading  # noqa: E402
+import sharding  # noqa: E402
+import train  # noqa: E402
+
+LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size
+MAX_NEW = 10
+
+
+def count_all_gathers():
+    """Wrap the process-group all-gathers FSDP uses (the name differs across torch versions)."""
+    calls = [0]
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, **kwargs):
+                calls[0] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
+    return calls
+
+
+def uneven_sampling(root, d, pad_id):
+    """Rank 0's rows all end at their first token (every id is an EOS there), rank 1's never end.
+
+    With the all-reduced stop rule both ranks must run the same number of
+    forwards and return, whether the weights are gathered once for the loop
+    or all-gathered again at every forward (where a rank that stopped early
+    would leave the other waiting forever).
+    """
+    vocab = root.config.vocab_size
+    eos_ids = list(range(vocab)) if d.rank == 0 else [vocab + 7]
+    prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=MAX_NEW, eos_ids=eos_ids, pad_id=pad_id, seeds=torch.arange(3) + 3 * d.rank,
+                  check_every=1, all_done=sharding.all_done_fn(d))
+    sharding.free_gathered(root)  # start from shards only (the root keeps its weights after a forward)
+    calls = count_all_gathers()
+    before = calls[0]
+    with sharding.gathered(root):
+        gathered = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+    gathered_calls, before = calls[0] - before, calls[0]
+    per_forward = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+    sharding.free_gathered(root)
+    return {"length_gathered": gathered.completion_ids.shape[1],
+            "length_per_forward": per_forward.completion_ids.shape[1],
+            "same_tokens": torch.equal(gathered.completion_ids, per_forward.completion_ids),
+            "done": (~gathered.truncated).tolist(),
+            "all_gathers_gathered": gathered_calls, "all_gathers_per_forward": calls[0] - before,
+            "fsdp_groups": len(sharding.fsdp_modules(root))}
+
+
+def main(argv):
+    out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
+    rank = int(os.environ.get("RANK", 0))
+    seen = {}
+
+    original_sample = grpo.sample
+
+    def recording_sample(*args, **kwargs):
+        rollout = original_sample(*args, **kwargs)
+        with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(rollout.completion_ids.tolist()) + "\n")
+        return rollout
+
+    original_check = sharding.check_same_placement
+
+    def spying_check(policy, ref):  # train.py calls it once with both models: keep them for the checks below
+        seen["policy"], seen["ref"] = policy, ref
+        return original_check(policy, ref)
+
+    grpo.sample, sharding.check_same_placement = recording_sample, spying_check
+    if not any(a.startswith("--out_dir") for a in argv):
+        raise SystemExit("run_train.py needs --out_dir")
+    d = sharding.setup("cpu")  # train.main sets up the same process group again: a no-op then
+    # train.main tears the process group down at its end: keep it for the checks
+    teardown, sharding.teardown = sharding.teardown, lambda: None
+    train.main(argv)
+    grpo.sample, sharding.check_same_placement = original_sample, original_check
+
+    policy, ref = seen["policy"], seen["ref"]
+    # the reference: still the initial weights, on the policy's device and mesh, in eval mode
+    cfg = train.parse_config(argv)
+    initial = model_loading.load_model(os.path.join(out_dir, "tiny_model_init"), cfg.model_init_kwargs, "cpu",
+                                       seed=cfg.seed).state_dict()
+    ref_full = sharding.full_state_dict(ref)
+    policy_full = sharding.full_state_dict(policy)
+    report = {"full_state_dict_keys": sorted(policy_full)}  # full tensors land on rank 0 only
+    if rank == 0:
+        report["ref_unchanged"] = all(torch.equal(ref_full[k], initial[k]) for k in initial)
+        report["policy_changed"] = any(not torch.equal(policy_full[k], initial[k]) for k in initial)
+    report.update({
+        "ref_eval": not ref.training,
+        "ref_no_grad": not any(p.requires_grad for p in ref.parameters()),
+        "same_placement": sharding.placement(ref) == sharding.placement(policy),
+        "ref_devices": sorted({str(p.device) for p in ref.parameters()}),
+        "policy_devices": sorted({str(p.device) for p in policy.parameters()}),
+        "sharded": d.world_size > 1 and all(hasattr(p, "device_mesh") for p in policy.parameters()),
+    })
+    with open(os.path.join(out_dir, f"after_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    with torch.no_grad():
+        logits = policy(lambda lm, ids: lm(input_ids=ids).logits, LOGITS_INPUT)
+    if rank == 0:
+        torch.save(logits.float(), os.path.join(out_dir, "logits.pt"))
+    if d.world_size > 1:
+        policy.eval()
+        with open(os.path.join(out_dir, f"sample_rank{rank}.json"), "w") as f:
+            json.dump(uneven_sampling(policy, d, model_loading.build_byte_tokenizer().pad_token_id), f)
+    teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,272 @@
+"""Several processes (torchrun, gloo on CPU), FSDP2 sharding, checkpoints and exact resume.
+
+The runs are launched once per module (each launch costs seconds) and the
+tests read what they left: metrics.jsonl, the sampled tokens recorded by
+tests/run_train.py, checkpoints and exports.
+"""
+
+import concurrent.futures
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import sharding  # noqa: E402
+
+RUN_TRAIN = os.path.join(ROOT, "tests", "run_train.py")
+FLAGS = ["--log_every=1", "--keep_checkpoints=2", "--print_completions_every=0"]
+TIMING = {"step_time", "generation_time", "tokens_per_s"}  # the only metrics allowed to differ between runs
+
+
+def launch(script, args, nproc, timeout=240):
+    """Run a script with 1 process (plain python) or `nproc` (torchrun); return its output, fail with it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               script, *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-6000:]}"
+    return out
+
+
+def train(out_dir, nproc, max_steps, save_every=2):
+    return launch(RUN_TRAIN, [f"--out_dir={out_dir}", f"--max_steps={max_steps}", f"--save_every={save_every}",
+                              *FLAGS], nproc)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    t = tmp_path_factory.mktemp("dist")
+    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D")}
+    out = {}
+
+    def chain_two_processes():
+        out["A2"] = train(p["A2"], 2, 4)  # straight to step 4
+        train(p["B2"], 2, 2)              # 2 steps, stop, the same command to step 4
+        shutil.copytree(p["B2"], p["C"])
+        out["B2"] = train(p["B2"], 2, 4)
+        out["C"] = train(p["C"], 1, 3)    # saved by 2 processes, resumed by 1
+
+    def chain_one_process():
+        out["A1"] = train(p["A1"], 1, 4)
+        # checkpoints at steps 1 and 2; then the step-2 one is damaged (its model shard loses its tail) and
+        # the same command must fall back to step 1 and still reproduce the straight run
+        train(p["B1"], 1, 2, save_every=1)
+        shutil.copytree(p["B1"], p["D"])
+        shard_file = os.path.join(p["B1"], "checkpoints", "step_00000002", "__0_0.distcp")
+        with open(shard_file, "r+b") as f:
+            f.truncate(os.path.getsize(shard_file) // 2)
+        out["B1"] = train(p["B1"], 1, 4)
+        out["D"] = train(p["D"], 2, 3)    # saved by 1 process, resumed by 2
+
+    # two independent chains side by side: a one-process launch leaves a core idle
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for job in [pool.submit(chain_two_processes), pool.submit(chain_one_process)]:
+            job.result()
+    return p, out
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def tokens(out_dir):
+    """The sampled completion ids of every step, all ranks' rows concatenated in rank order."""
+    per_rank = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "tokens_rank*.jsonl"))):
+        with open(path) as f:
+            per_rank.append([json.loads(line) for line in f])
+    return [sum(step_rows, []) for step_rows in zip(*per_rank)]
+
+
+def assert_same_metrics(a, b, steps=None):
+    a = {m["step"]: m for m in a if steps is None or m["step"] in steps}
+    b = {m["step"]: m for m in b if steps is None or m["step"] in steps}
+    assert sorted(a) == sorted(b)
+    for step in a:
+        for k in a[step]:
+            if k not in TIMING:
+                assert a[step][k] == b[step][k] or (a[step][k] != a[step][k] and b[step][k] != b[step][k]), \
+                    f"step {step}: {k} {a[step][k]} != {b[step][k]}"
+
+
+def exported_weights(out_dir):
+    from safetensors.torch import load_file
+    files = glob.glob(os.path.join(out_dir, "model", "*.safetensors"))
+    assert files, f"no safetensors in {out_dir}/model"
+    weights = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_exact(runs, world):
+    """4 steps straight == 2 steps, stop, the same command again: every metric and every sampled token.
+
+    With one process the newest checkpoint (step 2) is damaged: the run falls back to step 1.
+    """
+    p, out = runs
+    a, b = p[f"A{world}"], p[f"B{world}"]
+    resumed_from = out[f"B{world}"].split("resuming from")[1].splitlines()[0]
+    assert ("step_00000002" if world == 2 else "step_00000001") in resumed_from
+    if world == 1:
+        assert "skipping checkpoint" in out["B1"] and "step_00000002" in out["B1"].split("skipping checkpoint")[1]
+    assert [m["step"] for m in metrics(b)] == [1, 2, 3, 4]  # redone steps are not logged twice
+    assert_same_metrics(metrics(a), metrics(b))
+    assert len(tokens(a)) == 4
+    if world == 2:
+        assert tokens(a) == tokens(b)
+    else:  # step 2 was sampled twice (before and after the fallback), the same both times
+        assert tokens(b) == [tokens(a)[0], tokens(a)[1], tokens(a)[1], tokens(a)[2], tokens(a)[3]]
+    wa, wb = exported_weights(a), exported_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if world == 2:  # the resumed run saved step 4 under the wandb run id the first run saved at step 2
+        saved = [torch.load(os.path.join(b, "checkpoints", f"step_0000000{s}", "trainer.pt"), weights_only=False)
+                 for s in (2, 4)]
+        assert saved[0]["wandb_id"] == saved[1]["wandb_id"]
+        assert [x["data"]["next_step"] for x in saved] == [3, 5]
+
+
+def test_one_and_two_processes_train_alike(runs):
+    """Same global batches (same sampled tokens), same rewards, the same parameters within 1e-5."""
+    p, _ = runs
+    assert tokens(p["A1"]) == tokens(p["A2"])
+    m1, m2 = metrics(p["A1"]), metrics(p["A2"])
+    assert [m["reward"] for m in m1] == [m["reward"] for m in m2]
+    for x, y in zip(m1, m2):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-8)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+    w1, w2 = exported_weights(p["A1"]), exported_weights(p["A2"])
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5, msg=k)
+    initial_dir = os.path.join(p["A2"], "tiny_model_init")
+    assert os.path.exists(os.path.join(initial_dir, "config.json"))
+
+
+def test_checkpoint_resumes_in_another_world_size(runs):
+    """Saved by 2 processes, resumed by 1 (C); saved by 1, resumed by 2 (D): step 3 as the straight runs."""
+    p, out = runs
+    assert "saved by 2 process(es), now 1" in out["C"]
+    assert "saved by 1 process(es), now 2" in out["D"]
+    for resumed, straight in (("C", "A2"), ("D", "A1")):
+        got, want = metrics(p[resumed]), metrics(p[straight])
+        assert [m["step"] for m in got] == [1, 2, 3]
+        assert got[2]["reward"] == want[2]["reward"]
+        assert got[2]["loss"] == pytest.approx(want[2]["loss"], rel=1e-4, abs=1e-8)
+        assert got[2]["kl"] == pytest.approx(want[2]["kl"], rel=1e-4, abs=1e-8)  # the reference is rebuilt alike
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reference_model_frozen_on_policy_device(runs, world):
+    p, _ = runs
+    reports = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(p[f"A{world}"], "after_rank*.json")))]
+    assert len(reports) == world
+    assert reports[0]["ref_unchanged"] and reports[0]["policy_changed"]
+    for r in reports:
+        assert r["ref_eval"] and r["ref_no_grad"] and r["same_placement"]
+        assert r["ref_devices"] == r["policy_devices"]
+        assert r["sharded"] == (world > 1)
+
+
+def test_export_loads_and_reproduces_logits(runs):
+    from transformers import AutoModelForCausalLM
+    from run_train import LOGITS_INPUT
+
+    p, _ = runs
+    for name in ("A2", "B2"):
+        weights = exported_weights(p[name])
+        assert not any(k.startswith(("lm.", "_fsdp", "module.")) for k in weights)
+        assert "lm_head.weight" not in weights  # tied: one tensor, re-tied on load
+        model, info = AutoModelForCausalLM.from_pretrained(os.path.join(p[name], "model"), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        for k, v in weights.items():
+            assert v.shape == model.state_dict()[k].shape, k  # full tensors, not shards
+        with torch.no_grad():
+            logits = model(input_ids=LOGITS_INPUT).logits
+        torch.testing.assert_close(logits, torch.load(os.path.join(p[name], "logits.pt")), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_ranks_finishing_at_different_lengths_do_not_hang(runs):
+    p, _ = runs
+    r0, r1 = (json.load(open(os.path.join(p["A2"], f"sample_rank{r}.json"))) for r in (0, 1))
+    assert all(r0["done"]) and not any(r1["done"])  # rank 0 finished at once, rank 1 never did
+    for r in (r0, r1):
+        assert r["length_gathered"] == r["length_per_forward"] == 10
+        assert r["same_tokens"]
+        # gathered once: one all-gather per FSDP group for the whole loop, not one per token
+        assert r["all_gathers_gathered"] == r["fsdp_groups"]
+        assert r["all_gathers_per_forward"] > 5 * r["fsdp_groups"]
+
+
+# ----------------------------------------------------------------------------- checkpoint files (one process)
+
+
+def _small():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _train_step(model, optimizer):
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path):
+    d = sharding.Dist(0, 0, 1, torch.device("cpu"))
+    model, optimizer = _small()
+    saved = {}
+    warnings.simplefilter("ignore")  # torch.distributed.checkpoint warns that it runs without a process group
+    for step in (1, 2, 3):
+        _train_step(model, optimizer)
+        sharding.save_checkpoint(str(tmp_path), step, model, optimizer, {"note": step}, d, keep=2)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    dirs = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert dirs == ["step_00000002", "step_00000003"]  # the newest 2 kept
+
+    # a half-written folder left by a killed save is never a candidate
+    os.makedirs(tmp_path / "checkpoints" / ".tmp_step_00000009")
+    # step 3 damaged without changing any size: its metadata no longer unpickles
+    meta = tmp_path / "checkpoints" / "step_00000003" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    fresh, fresh_opt = _small()
+    with pytest.warns(UserWarning, match="step_00000003"):
+        state = sharding.load_latest_checkpoint(str(tmp_path), fresh, fresh_opt, d)
+    assert state["step"] == 2 and state["note"] == 2
+    assert all(torch.equal(fresh.state_dict()[k], saved[2][k]) for k in saved[2])
+    assert fresh_opt.state_dict()["state"], "optimizer state restored"
+
+    # nothing loadable: None, and the model is untouched (never half-loaded)
+    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
+    untouched, untouched_opt = _small()
+    before = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.warns(UserWarning, match="step_00000002.*incomplete"):
+        assert sharding.load_latest_checkpoint(str(tmp_path), untouched, untouched_opt, d) is None
+    assert all(torch.equal(untouched.state_dict()[k], before[k]) for k in before)
