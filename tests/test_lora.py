@@ -154,3 +154,77 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
     with torch.no_grad(), model_loading.adapters_disabled(model):
         torch.testing.assert_close(grpo.completion_logprobs(model, ids, mask, T)[0],
                                    grpo.completion_logprobs(ref, ids, mask, T)[0], atol=1e-6, rtol=0)
+
+
+FSDP_WORKER = r'''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import grpo, model_loading
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+path = sys.argv[2]
+model = model_loading.load_model(path, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
+tok = model_loading.load_tokenizer(path)
+model_loading.add_lora(model, rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj")
+torch.manual_seed(1)
+for m in model_loading.lora_modules(model).values():
+    torch.nn.init.normal_(m.lora_B, std=0.05)  # non-zero, so adapters on and off differ
+full = {k: v.clone() for k, v in model.state_dict().items()}
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+enc = tok(["a>", "hello there>"], return_tensors="pt", padding=True, add_special_tokens=False)
+comp = torch.arange(10).view(2, 5) + 97
+ids = torch.cat([enc.input_ids, comp], 1)
+mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+def logprobs(model):  # through the root's forward, as the sharded trainer calls it
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+    return torch.log_softmax(logits[:, -6:-1].float(), -1).gather(-1, ids[:, -5:, None])[..., 0]
+logp = logprobs(model)
+with torch.no_grad(), model_loading.adapters_disabled(model):
+    ref = logprobs(model)
+logp.sum().backward()
+grads = {n: p.grad is not None for n, p in model.named_parameters()}
+assert all(g == ("lora_" in n) for n, g in grads.items()), grads
+if dist.get_rank() == 0:
+    torch.save({"logp": logp.detach(), "ref": ref, "full": full,
+                "grad_A": {n: p.grad.full_tensor() for n, p in model.named_parameters() if "lora_A" in n}},
+               sys.argv[3])
+else:
+    for n, p in model.named_parameters():
+        if "lora_A" in n:
+            p.grad.full_tensor()
+dist.destroy_process_group()
+'''
+
+
+def test_lora_under_fsdp2_fully_shard(tmp_path):
+    """Two processes on CPU (gloo): sharded adapted model = unsharded one; gradients reach only the adapters."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = model_loading.write_tiny_model(str(tmp_path / "tiny"))
+    (tmp_path / "worker.py").write_text(FSDP_WORKER)
+    out = tmp_path / "result.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29531", str(tmp_path / "worker.py"), root, path, str(out)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out)
+    model = model_loading.load_model(path, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
+    model_loading.add_lora(model, rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj")
+    model.load_state_dict(got["full"])
+    tok = model_loading.load_tokenizer(path)
+    enc = tok(["a>", "hello there>"], return_tensors="pt", padding=True, add_special_tokens=False)
+    comp = torch.arange(10).view(2, 5) + 97
+    ids = torch.cat([enc.input_ids, comp], 1)
+    mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    logp, _ = grpo.completion_logprobs(model, ids, mask, 5)  # the trainer's path, unsharded
+    with torch.no_grad(), model_loading.adapters_disabled(model):
+        ref, _ = grpo.completion_logprobs(model, ids, mask, 5)
+    logp.sum().backward()
+    torch.testing.assert_close(got["logp"], logp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["ref"], ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref, logp.detach(), atol=1e-3)
+    for n, g in got["grad_A"].items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[n].grad, atol=1e-5, rtol=1e-4)
