@@ -149,7 +149,9 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
     model, tok = _tiny(tmp_path)
     ref = model_loading.build_reference_model(model, beta=0.04)
     model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
-    _train_steps(model, tok)
+    torch.manual_seed(0)
+    for m in model_loading.lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B, std=0.05)  # as if trained
     ids, mask, T = _batch(tok, seed=3)
     with torch.no_grad(), model_loading.adapters_disabled(model):
         torch.testing.assert_close(grpo.completion_logprobs(model, ids, mask, T)[0],
