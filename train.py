@@ -296,6 +296,7 @@ def evaluate(policy, tokenizer, task, weights, cfg, device, eos_ids):
             tokenizer.truncation_side = "left"
             enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True,
                             max_length=cfg.max_prompt_length, add_special_tokens=False).to(device)
+            # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.arange(len(prompts), device=device) + start * G + (cfg.seed + 7) * 1_000_003
             rollout = grpo.sample(policy, enc.input_ids, enc.attention_mask, max_new_tokens=cfg.max_completion_length,
                                   eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature,
