@@ -5,18 +5,26 @@ forwarded to `from_pretrained` here, and this module decides where the weights
 live: one explicit device per process, never `device_map="auto"`.
 
 Also here: the tiny byte-level model the default run and the tests use, the
-reference model (built from the policy, never re-read from disk), and export
-of the trained policy to a Hugging Face folder.
+reference model (built from the policy, never re-read from disk), reward
+models, LoRA adapters, and export of the trained policy to a Hugging Face folder.
 """
 
+import contextlib
 import json
+import math
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          PreTrainedTokenizerFast)
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+# a ChatML-style template for tiny models that should have one (tests of chat-formatted prompts, reward models)
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def resolve_dtype(value):
@@ -62,10 +70,12 @@ def tiny_config(tokenizer, **overrides):
     return Qwen2Config(**cfg)
 
 
-def write_tiny_model(path, **config_overrides):
+def write_tiny_model(path, chat_template=None, **config_overrides):
     """Write config + tokenizer (no weights) to `path`; loading it gives a randomly initialised model."""
     os.makedirs(path, exist_ok=True)
     tokenizer = build_byte_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     tiny_config(tokenizer, **config_overrides).save_pretrained(path)
     return path
@@ -104,12 +114,7 @@ def eos_token_ids(model, tokenizer):
     return sorted(ids)
 
 
-def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0):
-    """Instantiate the policy from a directory or hub id with `model_init_kwargs`, on `device`.
-
-    A directory with a config and no weights gives a randomly initialised model
-    (seeded), which is what the default run and the tests use.
-    """
+def _init_kwargs(model_init_kwargs):
     kwargs = dict(model_init_kwargs or {})
     if kwargs.get("device_map") not in (None, ):
         raise ValueError("model_init_kwargs.device_map: device placement is decided by the trainer (one device per process); remove it")
@@ -118,13 +123,49 @@ def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0):
         kwargs["dtype"] = kwargs.pop("torch_dtype")
     if "dtype" in kwargs:
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+    return kwargs
+
+
+def _instantiate(auto_class, name_or_path, model_init_kwargs, seed):
+    kwargs = _init_kwargs(model_init_kwargs)
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
         config = AutoConfig.from_pretrained(name_or_path)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-    return model.to(device)
+        return auto_class.from_config(config, **kwargs)
+    return auto_class.from_pretrained(name_or_path, **kwargs)
+
+
+def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0):
+    """Instantiate the policy from a directory or hub id with `model_init_kwargs`, on `device`.
+
+    A directory with a config and no weights gives a randomly initialised model
+    (seeded), which is what the default run and the tests use.
+    """
+    return _instantiate(AutoModelForCausalLM, name_or_path, model_init_kwargs, seed).to(device)
+
+
+def write_tiny_reward_model(path, chat_template=TINY_CHAT_TEMPLATE, **config_overrides):
+    """A tiny sequence-classification reward model folder (config + tokenizer with a chat template, no weights)."""
+    write_tiny_model(path, chat_template=chat_template, num_labels=1, **config_overrides)
+    return path
+
+
+def load_reward_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0):
+    """(model, tokenizer) of a sequence-classification reward model, frozen and in eval mode on `device`.
+
+    Loaded the same deferred way as the policy (same `model_init_kwargs`, our
+    placement); its tokenizer and chat template are its own, not the policy's.
+    Under several processes, shard it like the reference model.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # scores are read at the last real token, so pad == eos is safe
+    model = _instantiate(AutoModelForSequenceClassification, name_or_path, model_init_kwargs, seed)
+    if model.config.num_labels != 1:
+        raise ValueError(f"reward model {name_or_path}: expected one output (num_labels=1), "
+                         f"got num_labels={model.config.num_labels}")
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
 
 
 def build_reference_model(policy, beta):
@@ -144,14 +185,108 @@ def build_reference_model(policy, beta):
     return ref
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+class LoRALinear(nn.Module):
+    """A linear layer plus a trainable low-rank update: y = x W^T + b + (alpha / r) * x A^T B^T (Hu et al., 2021).
+
+    It replaces an nn.Linear in place and keeps its `weight` and `bias` under the
+    same names, so checkpoints and FSDP2's fully_shard see ordinary parameters;
+    the base weights are frozen. B starts at zero: the adapted model starts as
+    the base model. `enabled = False` gives the base model back (the reference).
+    """
+
+    def __init__(self, base, rank, alpha):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = nn.Parameter(base.weight.detach(), requires_grad=False)
+        self.bias = nn.Parameter(base.bias.detach(), requires_grad=False) if base.bias is not None else None
+        # same dtype as the base weight: FSDP2 flattens a block's parameters together and wants one dtype
+        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as PEFT does
+        self.scaling = alpha / rank
+        self.enabled = True
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if self.enabled:
+            y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        return y
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
+
+
+def add_lora(model, rank, alpha, target_modules):
+    """Replace every nn.Linear whose name ends in one of `target_modules` by a LoRALinear; freeze everything else.
+
+    Returns the names replaced. Call it before sharding, so fully_shard wraps the
+    adapted blocks.
+    """
+    if rank < 1:
+        raise ValueError(f"lora_rank: must be >= 1, got {rank}")
+    targets = [t.strip() for t in target_modules if t.strip()] if not isinstance(target_modules, str) \
+        else [t.strip() for t in target_modules.split(",") if t.strip()]
+    model.requires_grad_(False)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and child_name in targets:
+                setattr(module, child_name, LoRALinear(child, rank, alpha))
+                replaced.append(full)
+    if not replaced:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"lora_target_modules: {','.join(targets)!r} matches no linear layer (the model has: "
+                         f"{', '.join(linear)})")
+    return replaced
+
+
+def lora_modules(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model inside the block: the LoRA reference without a second copy of the weights (no-op without LoRA)."""
+    modules = list(lora_modules(model).values())
+    before = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, on in zip(modules, before):
+            m.enabled = on
+
+
+def merge_lora_state_dict(model, state_dict=None):
+    """Plain Hugging Face weights: W + scaling * B A for each adapter, and no lora_A / lora_B keys.
+
+    `state_dict` may be full tensors gathered from a sharded model (same names);
+    the scalings are read from `model`'s adapter modules.
+    """
+    sd = dict(state_dict if state_dict is not None else model.state_dict())
+    for name, module in lora_modules(model).items():
+        a, b = sd.pop(f"{name}.lora_A"), sd.pop(f"{name}.lora_B")
+        w = sd[f"{name}.weight"]
+        sd[f"{name}.weight"] = (w.float() + module.scaling * (b.float() @ a.float())).to(w.dtype)
+    return sd
+
+
 # ----------------------------------------------------------------------------- export
 
 def export_model(model, tokenizer, path, state_dict=None):
     """Save a Hugging Face folder (config, tokenizer, safetensors) that `from_pretrained` loads.
 
-    `state_dict` lets a sharded run pass full tensors gathered elsewhere.
+    `state_dict` lets a sharded run pass full tensors gathered elsewhere. LoRA
+    adapters are merged into the weights they adapt.
     """
     os.makedirs(path, exist_ok=True)
+    if lora_modules(model):
+        state_dict = merge_lora_state_dict(model, state_dict)
     if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
         # gathered copies of tied weights no longer share storage, so save_pretrained would write both;
         # keep the input embedding only: from_pretrained ties the output embedding to it again

@@ -5,12 +5,19 @@ one score per completion, `None` where it cannot score one (that completion
 then gets advantage 0 instead of a made-up score). `fields` are the task's
 per-prompt data (the gold answer, ...) repeated for each completion.
 
-A task says where prompts come from and which reward functions score them.
+A task says where prompts come from (generated in code, a local file, or a
+hub dataset), which reward functions score them, and which held-out prompts
+evaluate the policy: next_letter (the tiny default), gsm8k, countdown, tldr.
 """
 
+import inspect
+import json
+import os
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -89,14 +96,482 @@ def format_reward(prompts, completions, **_):
     return [1.0 if _FORMAT.match(c[:25000]) else 0.0 for c in completions]
 
 
+# ----------------------------------------------------------------------------- final numbers (GSM8K)
+#
+# Model output is hostile input: every function below looks at a bounded window
+# of the text, uses only regexes that run in linear time (no nested or adjacent
+# overlapping quantifiers), and never evaluates anything it reads.
+
+MAX_SCAN_CHARS = 20_000   # answers sit at the end; a longer completion is judged on its last 20k characters
+MAX_NUMBER_DIGITS = 30    # longer digit strings are not answers (and would make big-int parsing slow)
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
+_FRAC = re.compile(r"\\d?frac\{(-?\d{1,15})\}\{(\d{1,15})\}")
+
+
+def _normalise(text):
+    return text.replace("{,}", ",").replace("\\!", "").replace("\u2212", "-").replace("\\$", "$")
+
+
+def parse_number(token):
+    """'1,000' / '-3.50' / '5.00' -> Fraction; None when it is not a plain decimal number."""
+    if token is None:
+        return None
+    s = _normalise(token).strip().replace("$", "").replace(" ", "")
+    m = _NUMBER.fullmatch(s) if len(s) <= 2 * MAX_NUMBER_DIGITS else None
+    if m is None:
+        return None
+    sign = "-" if s.startswith("-") else ""
+    int_part, _, frac_part = s.lstrip("-").partition(".")
+    if "," in int_part:
+        if not _THOUSANDS.fullmatch(int_part):
+            return None  # "1,2" is a list, not a number
+        int_part = int_part.replace(",", "")
+    if len(int_part) + len(frac_part) > MAX_NUMBER_DIGITS:
+        return None
+    return Fraction(sign + int_part + ("." + frac_part if frac_part else ""))
+
+
+def _numbers_in(text):
+    """Numbers in `text` (short), a minus sign counting only when it does not follow a digit or letter."""
+    out = []
+    for m in _NUMBER.finditer(text):
+        token = m.group().rstrip(",")
+        if token.startswith("-") and m.start() > 0 and text[m.start() - 1].isalnum():
+            token = token[1:]  # "3-5": a subtraction, not a negative five
+        value = parse_number(token)
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def _boxed_content(text):
+    """Content of the last \\boxed{...} (braces matched, at most 300 characters), or None."""
+    i = text.rfind("\\boxed")
+    if i < 0:
+        return None
+    j = i + len("\\boxed")
+    while j < len(text) and text[j] == " ":
+        j += 1
+    if j >= len(text) or text[j] != "{":
+        return None
+    depth, k = 0, j
+    while k < len(text) and k - j <= 300:
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1:k]
+        k += 1
+    return None
+
+
+def _number_in_boxed(content):
+    content = _normalise(content)
+    frac = _FRAC.search(content)
+    if frac:
+        return Fraction(int(frac.group(1)), int(frac.group(2))) if int(frac.group(2)) else None
+    numbers = _numbers_in(content)
+    return numbers[-1] if numbers else None
+
+
+_ANSWER_GLUE = set(" \t\n:*=$\\(is") | set("IS")
+
+
+def extract_final_number(text):
+    """The final numeric answer of a solution, as a Fraction, or None.
+
+    In order of trust: the last \\boxed{...}, the number after the last '####',
+    the number after the last 'answer is' / 'answer:', the last number in the text.
+    Text after the answer is ignored, thousands separators ('1,000', '8{,}000')
+    removed, and '5.00' equals '5'.
+    """
+    text = _normalise(text[-MAX_SCAN_CHARS:])
+    boxed = _boxed_content(text)
+    if boxed is not None:
+        value = _number_in_boxed(boxed)
+        if value is not None:
+            return value
+    i = text.rfind("####")
+    if i >= 0:
+        numbers = _numbers_in(text[i + 4:i + 64])
+        if numbers:
+            return numbers[0]
+    i = text.lower().rfind("answer")
+    if i >= 0:
+        window = text[i + 6:i + 60]
+        m = _NUMBER.search(window)
+        if m and set(window[:m.start()].replace("the", "")) <= _ANSWER_GLUE:
+            numbers = _numbers_in(window[m.start():])
+            if numbers:
+                return numbers[0]
+    numbers = _numbers_in(text[-2000:])
+    return numbers[-1] if numbers else None
+
+
+def parse_gold_answer(answer, where):
+    """A dataset's gold answer ('... #### 72' or '72') -> its canonical string ('72', '-1/2').
+
+    Fails loudly naming `where` (the row) instead of letting an unreadable gold
+    answer turn into a free or impossible reward later.
+    """
+    text = str(answer)
+    if "####" in text:
+        text = text[text.rfind("####") + 4:]
+    value = parse_number(text)
+    if value is None:
+        raise ValueError(f"{where}: cannot read a number from the gold answer {str(answer)[-200:]!r} "
+                         f"(expected '... #### <number>' or a plain number)")
+    return str(value)
+
+
+def gsm8k_correctness_reward(prompts, completions, answer, **_):
+    """1 when the completion's final number equals the gold answer, else 0."""
+    out = []
+    for completion, gold in zip(completions, answer):
+        value = extract_final_number(completion)
+        out.append(1.0 if value is not None and value == Fraction(gold) else 0.0)
+    return out
+
+
+def gsm8k_format_reward(prompts, completions, **_):
+    """1 when the final answer is a number inside \\boxed{...}, as the system prompt asks."""
+    out = []
+    for completion in completions:
+        boxed = _boxed_content(_normalise(completion[-MAX_SCAN_CHARS:]))
+        out.append(1.0 if boxed is not None and _number_in_boxed(boxed) is not None else 0.0)
+    return out
+
+
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then give the final answer as a single "
+                       "number in \\boxed{}.")
+
+# ----------------------------------------------------------------------------- countdown
+#
+# The answer is an arithmetic expression. It is tokenized and parsed here by a
+# small recursive-descent parser and evaluated over exact fractions; nothing the
+# model writes is ever handed to Python's eval, exec or ast.
+
+MAX_EXPRESSION_CHARS = 200
+MAX_NESTING = 20
+MAX_MAGNITUDE = 10 ** 12  # any intermediate numerator or denominator beyond this scores 0
+
+
+class ExpressionError(ValueError):
+    pass
+
+
+def _tokenize_expression(text):
+    tokens, i = [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch in " \t\n":
+            i += 1
+        elif ch.isdigit() and ch.isascii():
+            j = i
+            while j < len(text) and text[j].isdigit() and text[j].isascii():
+                j += 1
+            if j - i > 6:
+                raise ExpressionError("number too long")
+            tokens.append(int(text[i:j]))
+            i = j
+        elif ch in "+-*/()":
+            tokens.append(ch)
+            i += 1
+        else:
+            raise ExpressionError(f"character {ch!r} is not allowed")  # '.', '^', letters, '_', ...
+    return tokens
+
+
+def parse_expression(text):
+    """Text -> tree: an int leaf, or (op, left, right). Only integers, + - * / and parentheses.
+
+    Grammar: expr = term {(+|-) term}; term = factor {(*|/) factor}; factor = INT | ( expr ).
+    No unary minus: every number must be one of the given ones. '**' fails (a
+    factor cannot start with '*').
+    """
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ExpressionError("expression too long")
+    tokens = _tokenize_expression(text)
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def expr(depth):
+        nonlocal pos
+        node = term(depth)
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            node = (op, node, term(depth))
+        return node
+
+    def term(depth):
+        nonlocal pos
+        node = factor(depth)
+        while peek() in ("*", "/"):
+            op = tokens[pos]
+            pos += 1
+            node = (op, node, factor(depth))
+        return node
+
+    def factor(depth):
+        nonlocal pos
+        tok = peek()
+        if isinstance(tok, int):
+            pos += 1
+            return tok
+        if tok == "(":
+            if depth >= MAX_NESTING:
+                raise ExpressionError("too deeply nested")
+            pos += 1
+            node = expr(depth + 1)
+            if peek() != ")":
+                raise ExpressionError("missing ')'")
+            pos += 1
+            return node
+        raise ExpressionError(f"expected a number or '(' at token {pos}, got {tok!r}")
+
+    tree = expr(0)
+    if pos != len(tokens):
+        raise ExpressionError(f"unexpected {tokens[pos]!r} at token {pos}")
+    return tree
+
+
+def expression_leaves(tree):
+    if isinstance(tree, int):
+        return [tree]
+    return expression_leaves(tree[1]) + expression_leaves(tree[2])
+
+
+def evaluate_expression(tree):
+    """Exact value of a parsed tree as a Fraction; ExpressionError on division by zero or huge values."""
+    if isinstance(tree, int):
+        return Fraction(tree)
+    op, left, right = tree
+    a, b = evaluate_expression(left), evaluate_expression(right)
+    if op == "+":
+        value = a + b
+    elif op == "-":
+        value = a - b
+    elif op == "*":
+        value = a * b
+    else:
+        if b == 0:
+            raise ExpressionError("division by zero")
+        value = a / b
+    if abs(value.numerator) > MAX_MAGNITUDE or value.denominator > MAX_MAGNITUDE:
+        raise ExpressionError("intermediate value too large")
+    return value
+
+
+def _last_tagged(text, tag):
+    """Content of the last <tag>...</tag> (plain string search: linear time), or None."""
+    start = text.rfind(f"<{tag}>")
+    if start < 0:
+        return None
+    start += len(tag) + 2
+    end = text.find(f"</{tag}>", start)
+    return text[start:end] if end >= 0 else None
+
+
+def check_countdown(expression, nums, target):
+    """True when `expression` uses only the given numbers (each at most once) and equals `target`."""
+    try:
+        tree = parse_expression(expression.strip())
+    except ExpressionError:
+        return False
+    available = Counter(int(n) for n in nums)
+    if Counter(expression_leaves(tree)) - available:  # a number not given, or used too often
+        return False
+    try:
+        return evaluate_expression(tree) == Fraction(int(target))
+    except ExpressionError:
+        return False
+
+
+def countdown_reward(prompts, completions, nums, target, **_):
+    """1 when the last <answer>...</answer> is an equation over the given numbers reaching the target."""
+    out = []
+    for completion, ns, t in zip(completions, nums, target):
+        expression = _last_tagged(completion, "answer")
+        if expression is not None and "=" in expression:
+            expression = expression.split("=")[0]  # "<answer> 3 * 4 = 12 </answer>": the left side is the equation
+        out.append(1.0 if expression is not None and check_countdown(expression, ns, t) else 0.0)
+    return out
+
+
+def countdown_problem(rng, min_numbers=3, max_numbers=4, max_value=99, max_target=1000):
+    """Numbers and a target reachable with them: combine the numbers in a random order with random operations."""
+    while True:
+        nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
+        order = nums[:]
+        rng.shuffle(order)
+        value = Fraction(order[0])
+        for n in order[1:]:
+            ops = ["+", "*"] + (["-"] if value - n > 0 else []) + (["/"] if value % n == 0 else [])
+            op = rng.choice(ops)
+            value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
+        if value.denominator == 1 and 1 <= value <= max_target:
+            return nums, int(value)
+
+
+def countdown_prompt_text(nums, target):
+    # wording after TinyZero's countdown prompt (Jiayi Pan et al., 2025)
+    return (f"Using the numbers {list(nums)}, create an equation that equals {target}. You can use +, -, * and /, "
+            f"parentheses, and each number at most once. Show your reasoning in <think> </think> tags, then give "
+            f"only the equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+
+
+def _countdown_prompts(rng, n):
+    rows = []
+    for _ in range(n):
+        nums, target = countdown_problem(rng)
+        rows.append({"nums": nums, "target": target})
+    return rows
+
+
+# ----------------------------------------------------------------------------- reward models
+
+
+@torch.no_grad()
+def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, max_length=2048,
+                        padding_side="right"):
+    """One scalar per (prompt, completion) from a sequence-classification reward model.
+
+    The pair goes through the reward model's own chat template when it has one
+    (user turn, assistant turn), else it is plain concatenated text. The score is
+    read at each row's last real token, found from the attention mask, with
+    position ids counted from the first real token: padding on either side then
+    gives the same score (HF's pooling looks for pad ids, which breaks when the
+    pad token is also the EOS that ends a chat turn).
+    """
+    head = getattr(model, "score", None)
+    if head is None:
+        raise ValueError(f"reward model {type(model).__name__}: expected a sequence-classification head named "
+                         f"'score' (as in *ForSequenceClassification)")
+    templated = getattr(tokenizer, "chat_template", None) is not None
+    if templated:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                               tokenize=False) for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    device = next(model.parameters()).device
+    old_sides = tokenizer.padding_side, tokenizer.truncation_side
+    tokenizer.padding_side, tokenizer.truncation_side = padding_side, "left"  # keep the end: the completion
+    scores = []
+    try:
+        for i in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
+                            max_length=max_length, add_special_tokens=not templated).to(device)
+            mask = enc.attention_mask.long()
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = model.base_model(input_ids=enc.input_ids, attention_mask=mask,
+                                      position_ids=positions).last_hidden_state
+            last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)  # (B,) index of the last real token
+            scores.append(head(hidden[torch.arange(len(last), device=device), last])[:, 0].float().cpu())
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = old_sides
+    return torch.cat(scores).tolist()
+
+
+def make_reward_model_reward(model, tokenizer, batch_size=8):
+    """A reward function scoring with `model`; it sees the untemplated prompt text when the task provides it."""
+    def reward_model(prompts, completions, prompt_text=None, **_):
+        return reward_model_scores(model, tokenizer, prompt_text or prompts, completions, batch_size)
+    return reward_model
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_rows(source, split="train", config_name=None):
+    """A list of dicts from a local .jsonl / .parquet file, or a hub dataset through `datasets`."""
+    if source.endswith(".jsonl"):
+        rows = []
+        with open(source) as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{source}:{line_no}: not valid JSON ({e})") from e
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                    rows.append(row)
+        return rows
+    if source.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(source).to_pylist()
+    if os.path.exists(source):
+        raise ValueError(f"dataset: {source!r} is neither .jsonl nor .parquet")
+    import datasets
+    return list(datasets.load_dataset(source, config_name, split=split))
+
+
+def _holdout(rows, n_eval, seed, source):
+    """Split one local file into (train, eval): a seeded choice of `n_eval` rows is held out."""
+    if n_eval <= 0:
+        return rows, []
+    if len(rows) <= n_eval:
+        raise ValueError(f"dataset {source}: {len(rows)} rows cannot spare eval_prompts={n_eval} held-out rows")
+    order = list(range(len(rows)))
+    random.Random(f"holdout-{seed}").shuffle(order)
+    held = set(order[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+
+
+def _required_fields(fn):
+    """Keyword parameters a reward function needs from the data (no default, not prompts/completions)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in ("prompts", "completions")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 # ----------------------------------------------------------------------------- tasks
 
 
 @dataclass
 class Task:
     name: str
-    make_prompts: Callable  # (rng: random.Random, n) -> list of dicts with "prompt" and other fields
+    make_prompts: Callable = None  # procedural prompts: (rng, n) -> rows; None when rows come from a dataset
     reward_funcs: list = field(default_factory=list)
+    weights: list = None           # default reward weights (None = all 1); --reward_weights overrides
+    rows: list = None              # dataset rows, raw; formatted by to_row when drawn
+    to_row: Callable = None        # raw row -> {"prompt": text, other fields}; None = rows are ready
+    eval_rows: list = field(default_factory=list)  # held-out rows, formatted
+    accuracy_reward: str = None    # name of the reward function that is 1 exactly when an answer is correct
+
+    def _format(self, row):
+        return self.to_row(row) if self.to_row is not None else row
+
+    def prompts_for_step(self, seed, step, n):
+        """The `n` rows of step `step` (1-based): a pure function of (seed, step), so a resumed run sees the same.
+
+        Datasets are walked in a seeded permutation per epoch, every row once per epoch.
+        """
+        if self.rows is None:
+            return [self._format(r) for r in self.make_prompts(random.Random(seed * 1_000_003 + step), n)]
+        out, total = [], len(self.rows)
+        for i in range((step - 1) * n, step * n):
+            epoch, j = divmod(i, total)
+            out.append(self._format(self.rows[self._permutation(seed, epoch)[j]]))
+        return out
+
+    def _permutation(self, seed, epoch):
+        cache = self.__dict__.setdefault("_perm_cache", {})
+        if (seed, epoch) not in cache:
+            order = list(range(len(self.rows)))
+            random.Random(f"epoch-{seed}-{epoch}").shuffle(order)
+            cache.clear()  # one epoch at a time is enough
+            cache[(seed, epoch)] = order
+        return cache[(seed, epoch)]
 
 
 # The default task: the prompt names a letter, the answer is the letter that
@@ -122,7 +597,125 @@ def next_letter_reward(prompts, completions, answer, **_):
     return out
 
 
-def get_task(name):
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr")
+# the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
+TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
+
+
+def _chat_formatter(tokenizer, system_prompt=None):
+    """User text (or a list of messages) -> the prompt the policy sees.
+
+    Through the tokenizer's chat template when it has one, ending where the
+    assistant's turn begins; else the plain text, with a newline to answer after.
+    """
+    templated = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+
+    def fmt(content):
+        messages = content if isinstance(content, list) else [{"role": "user", "content": content}]
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        if templated:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n\n".join(m["content"] for m in messages) + "\n"
+    return fmt
+
+
+def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None):
+    """Build a task: prompt source, reward functions, held-out evaluation rows.
+
+    tokenizer: the policy's, for chat templates. dataset: a local .jsonl/.parquet
+    (or hub id) replacing the task's own prompt source; rows with a `prompt`
+    column are used as they are, their other columns passed to the reward
+    functions by name. eval_prompts: held-out rows to keep for evaluation (0 =
+    none). reward_model: (model, tokenizer) of a sequence-classification model
+    whose score is added as a reward ('tldr' requires one).
+    """
+    if name not in TASKS:
+        raise ValueError(f"task: unknown task {name!r} (available: {', '.join(TASKS)})")
+    chat = _chat_formatter(tokenizer)
+
     if name == "next_letter":
-        return Task("next_letter", _letter_prompts, [next_letter_reward])
-    raise ValueError(f"task: unknown task {name!r} (available: next_letter)")
+        task = Task(name, _letter_prompts, [next_letter_reward], accuracy_reward="next_letter_reward")
+        task.eval_rows = _letter_prompts(random.Random(f"eval-{seed}"), eval_prompts)
+        hub = None
+    elif name == "gsm8k":
+        math_chat = _chat_formatter(tokenizer, GSM8K_SYSTEM_PROMPT)
+
+        def to_row(row):
+            question = row["question"]
+            return {"prompt": math_chat(question), "prompt_text": question, "answer": row["answer"]}
+        task = Task(name, None, [gsm8k_correctness_reward, gsm8k_format_reward], weights=[1.0, 0.1],
+                    to_row=to_row, accuracy_reward="gsm8k_correctness_reward")
+        hub = ("openai/gsm8k", "main", "train", "test")
+    elif name == "countdown":
+        def to_row(row):
+            text = countdown_prompt_text(row["nums"], row["target"])
+            return {"prompt": chat(text), "prompt_text": text, "nums": list(row["nums"]), "target": int(row["target"])}
+        task = Task(name, _countdown_prompts, [countdown_reward, format_reward], weights=[1.0, 0.1], to_row=to_row,
+                    accuracy_reward="countdown_reward")
+        task.eval_rows = [to_row(r) for r in _countdown_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
+        hub = None
+    else:  # tldr: Reddit posts ending in "TL;DR:", plain text as in the dataset (TRL's example does the same)
+        if reward_model is None:
+            raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id)")
+
+        def to_row(row):
+            return {"prompt": row["prompt"], "prompt_text": row["prompt"]}
+        task = Task(name, None, [], to_row=to_row)
+        hub = ("trl-lib/tldr", None, "train", "validation")
+
+    if reward_model is not None:
+        task.reward_funcs.append(make_reward_model_reward(*reward_model))
+        if task.weights is not None:
+            task.weights = task.weights + [1.0]
+
+    if dataset:
+        rows, eval_rows = _holdout(load_rows(dataset), eval_prompts, seed, dataset)
+        source = dataset
+    elif hub is not None:
+        rows, eval_rows = load_rows(hub[0], hub[2], hub[1]), load_rows(hub[0], hub[3], hub[1])
+        random.Random(f"eval-{seed}").shuffle(eval_rows)
+        eval_rows = eval_rows[:eval_prompts]
+        source = hub[0]
+    else:
+        return task
+    if not rows:
+        raise ValueError(f"dataset {source}: no rows")
+    if "prompt" in rows[0]:
+        task.to_row = _prompt_column_row(chat)
+    task.rows = rows
+    _check_rows(task, rows, source, "row")
+    _check_rows(task, eval_rows, source, "held-out row")
+    task.eval_rows = [task._format(r) for r in eval_rows]
+    return task
+
+
+def _prompt_column_row(chat):
+    """Rows that bring their own prompt: text is used as it is, a list of messages goes through the chat template."""
+    def to_row(row):
+        row = dict(row)
+        if isinstance(row["prompt"], list):
+            row.setdefault("prompt_text", next((m.get("content", "") for m in reversed(row["prompt"])
+                                                if m.get("role") == "user"), ""))
+            row["prompt"] = chat(row["prompt"])
+        row.setdefault("prompt_text", row["prompt"])
+        return row
+    return to_row
+
+
+def _check_rows(task, rows, source, kind):
+    """Every row carries what the reward functions need, and gold answers parse, before any training starts."""
+    needed = {f: _name(fn) for fn in task.reward_funcs for f in _required_fields(fn)}
+    for i, row in enumerate(rows):
+        try:
+            formatted = task._format(row)
+        except KeyError as e:
+            raise ValueError(f"dataset {source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
+        if not isinstance(formatted.get("prompt"), str):
+            raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
+        for f, fn in needed.items():
+            if f not in formatted and f not in row:
+                raise ValueError(f"dataset {source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
+                                 f"(columns: {sorted(row)})")
+        if "answer" in row and any(_name(fn) == "gsm8k_correctness_reward" for fn in task.reward_funcs):
+            row["answer"] = parse_gold_answer(row["answer"], f"dataset {source}, {kind} {i}")

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import sys
 import time
 import typing
@@ -75,6 +74,44 @@ class Config:
     mixed_precision: str = "auto"         # auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU), bf16, fp32
     save_every: int = 100                 # checkpoint every N steps and at the last step; 0 = never
     keep_checkpoints: int = 2             # newest K checkpoints kept in out_dir/checkpoints
+    # workloads: data, reward model, evaluation, LoRA, dashboards
+    preset: str = ""                      # a named set of overrides from PRESETS, applied before the other --key=value
+    dataset: str = ""                     # .jsonl / .parquet file (or hub id) replacing the task's prompt source
+    reward_model: str = ""                # sequence-classification model scoring completions ("tiny" builds one);
+                                          # "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
+    eval_every: int = 0                   # evaluate on held-out prompts every N steps (and at the end); 0 = never
+    eval_prompts: int = 64                # held-out prompts per evaluation (kept out of training when eval_every > 0)
+    lora_rank: int = 0                    # 0 = train all weights; r > 0 = train rank-r adapters only
+    lora_alpha: float = 32.0              # adapter output scaled by lora_alpha / lora_rank
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers to adapt
+    completions_table_every: int = 0      # wandb table of sampled completions every N steps; 0 = never
+
+
+# Named runs: Config overrides applied before the command line's (README: "Tasks, presets, LoRA and evaluation").
+_QWEN_BF16 = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+PRESETS = {
+    "gsm8k-qwen2.5-0.5b": dict(
+        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_BF16, task="gsm8k",
+        num_generations=8, prompts_per_step=32, micro_batch_size=16, lr=1e-6, warmup_steps=10, beta=0.04,
+        temperature=1.0, max_completion_length=512, max_prompt_length=512, max_steps=400,
+        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
+    "gsm8k-qwen2.5-0.5b-lora": dict(
+        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_BF16, task="gsm8k",
+        num_generations=8, prompts_per_step=32, micro_batch_size=16, lr=2e-5, warmup_steps=10, beta=0.04,
+        temperature=1.0, max_completion_length=512, max_prompt_length=512, max_steps=400,
+        lora_rank=32, lora_alpha=64.0, eval_every=50, eval_prompts=256, completions_table_every=25,
+        print_completions_every=25),
+    "countdown-qwen2.5-3b": dict(
+        model="Qwen/Qwen2.5-3B-Instruct", model_init_kwargs=_QWEN_BF16, task="countdown",
+        num_generations=8, prompts_per_step=32, micro_batch_size=8, lr=1e-6, warmup_steps=10, beta=0.001,
+        temperature=1.0, max_completion_length=1024, max_prompt_length=256, max_steps=300,
+        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
+    "tldr-qwen2-0.5b": dict(
+        model="Qwen/Qwen2-0.5B-Instruct", model_init_kwargs=_QWEN_BF16, task="tldr",
+        reward_model="weqweasdas/RM-Gemma-2B", num_generations=8, prompts_per_step=16, micro_batch_size=16,
+        lr=1e-6, beta=0.04, temperature=1.0, max_completion_length=128, max_prompt_length=512, max_steps=500,
+        eval_every=100, eval_prompts=128, completions_table_every=25, print_completions_every=25),
+}
 
 
 # ----------------------------------------------------------------------------- config parsing
@@ -116,6 +153,12 @@ def _cast(key, value, typ):
 def parse_config(argv):
     cfg = Config()
     hints = typing.get_type_hints(Config)
+    presets = [a.split("=", 1)[1] for a in argv if a.startswith("--preset=")]
+    for name in presets[-1:]:  # a preset's values first, so that every other --key=value wins over it
+        if name not in PRESETS:
+            raise ConfigError("preset", f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+        for key, value in PRESETS[name].items():
+            setattr(cfg, key, dict(value) if isinstance(value, dict) else value)
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(arg.lstrip("-").split("=")[0] or arg, f"arguments are --key=value, got {arg!r}")
@@ -161,6 +204,12 @@ def validate(cfg, world_size=1):
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
+    need(cfg.task in rewards.TASKS, "task", f"one of {', '.join(rewards.TASKS)}, got {cfg.task!r}")
+    need(cfg.eval_every >= 0, "eval_every", f"must be >= 0, got {cfg.eval_every}")
+    need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
+    need(cfg.lora_rank >= 0, "lora_rank", f"must be >= 0, got {cfg.lora_rank}")
+    need(cfg.lora_alpha > 0, "lora_alpha", f"must be > 0, got {cfg.lora_alpha}")
+    need(cfg.completions_table_every >= 0, "completions_table_every", f"must be >= 0, got {cfg.completions_table_every}")
 
 
 def lr_factor(cfg, opt_step, total_opt_steps):
@@ -207,11 +256,20 @@ class Logger:
             return
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
-        shown = ["reward", "reward_std", "kl", "loss", "completion_length", "entropy", "grad_norm", "step_time"]
+        shown = ["reward", "reward_std", "kl", "loss", "completion_length", "entropy", "grad_norm", "step_time",
+                 "eval/reward", "eval/accuracy_greedy", "eval/accuracy"]
         line = f"step {metrics['step']:5d} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown if k in metrics)
         print(line, flush=True)
         if self.wandb is not None:
             self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def table(self, step, name, columns):
+        """A wandb.Table from {column: values} (no-op without wandb); log it before the step's metrics."""
+        if self.wandb is None:
+            return
+        import wandb
+        self.wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in zip(*columns.values())])},
+                       step=step)
 
     def close(self):
         if self.master:
@@ -221,12 +279,66 @@ class Logger:
 
 
 def wandb_key(key):
-    """Dashboard sections: reward/..., perf/..., train/..."""
+    """Dashboard sections: reward/..., perf/..., eval/..., train/..."""
+    if key.startswith(("eval/", "train/", "perf/")):
+        return key
     if key.startswith("reward"):
         return key if "/" in key else f"reward/{key}"
     if key in ("step_time", "tokens_per_s", "generation_time"):
         return f"perf/{key}"
     return f"train/{key}"
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
+    """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
+
+    Every process evaluates the same prompts (the same forwards on every rank).
+    """
+    device = d.device
+    rows = task.eval_rows
+    if not rows:
+        return {}
+    was_training = policy.training
+    policy.eval()
+    results = {}
+    for label, G, temperature in (("greedy", 1, 0.0), ("sampled", cfg.num_generations, cfg.temperature)):
+        totals, correct = [], []
+        comp = {}
+        for start in range(0, len(rows), cfg.prompts_per_step):
+            chunk = rows[start:start + cfg.prompts_per_step]
+            prompts = [r["prompt"] for r in chunk for _ in range(G)]
+            fields = {k: [r[k] for r in chunk for _ in range(G)] for k in chunk[0] if k != "prompt"}
+            tokenizer.truncation_side = "left"
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True,
+                            max_length=cfg.max_prompt_length, add_special_tokens=False).to(device)
+            # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
+            seeds = torch.arange(len(prompts), device=device) + start * G + (cfg.seed + 7) * 1_000_003
+            with sharding.gathered(policy):
+                rollout = policy(grpo.sample, enc.input_ids, enc.attention_mask,
+                                 max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
+                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
+                                 top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
+            completions = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
+                                                 tokenizer.pad_token_id), skip_special_tokens=True)
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
+            totals.append(total)
+            for k, v in parts.items():
+                comp.setdefault(k, []).append(v)
+            if task.accuracy_reward is not None:
+                correct.append(parts[task.accuracy_reward] >= 1.0)
+        total = torch.cat(totals)
+        suffix = "" if label == "sampled" else "_greedy"
+        results[f"eval/reward{suffix}"] = total.nanmean().item()
+        if correct:
+            results[f"eval/accuracy{suffix}"] = torch.cat(correct).float().mean().item()
+        if label == "sampled":
+            results.update({f"eval/reward/{k}": torch.cat(v).nanmean().item() for k, v in comp.items()})
+    policy.train(was_training)
+    return results
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -251,7 +363,9 @@ def main(argv):
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed)
-    ref = model_loading.build_reference_model(policy, cfg.beta)
+    if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
+        model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
     eos_ids = model_loading.eos_token_ids(policy, tokenizer)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
     policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision)
@@ -260,13 +374,23 @@ def main(argv):
         ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
         sharding.check_same_placement(policy, ref)
 
-    task = rewards.get_task(cfg.task)
-    weights = cfg.reward_weights or [1.0] * len(task.reward_funcs)
+    # task: prompts, reward functions (plus a reward model's score), held-out evaluation prompts
+    rm_path = cfg.reward_model or rewards.TASK_REWARD_MODELS.get(cfg.task, "")
+    if rm_path == model_loading.TINY:
+        rm_path = model_loading.write_tiny_reward_model(os.path.join(cfg.out_dir, "tiny_reward_model_init"))
+    reward_model = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, d.device, cfg.seed + 1) \
+        if rm_path else None
+    try:
+        task = rewards.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
+                                eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"task {cfg.task}: {e}") from e
+    weights = cfg.reward_weights or task.weights or [1.0] * len(task.reward_funcs)
     if len(weights) != len(task.reward_funcs):
         raise ConfigError("reward_weights", f"{len(weights)} weights for {len(task.reward_funcs)} reward functions "
                           f"({', '.join(f.__name__ for f in task.reward_funcs)})")
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     total_opt_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
@@ -289,7 +413,7 @@ def main(argv):
         t0 = time.time()
         # 1. prompts for this step: a pure function of (seed, step), so a resumed run sees the same ones.
         # Tokenized all together (the same padding on every rank), then each rank takes its slice of rows.
-        rows = task.make_prompts(random.Random(cfg.seed * 1_000_003 + step), cfg.prompts_per_step)
+        rows = task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
         all_prompts = [r["prompt"] for r in rows for _ in range(G)]                 # (N,) grouped by prompt
         tokenizer.truncation_side = "left"
         enc = tokenizer(all_prompts, return_tensors="pt", padding=True, truncation=True,
@@ -338,7 +462,10 @@ def main(argv):
             if model is ref:
                 sharding.free_gathered(ref)  # never backward: nothing else would free the root's gathered weights
             return logp
-        ref_logp = fixed_logprobs(ref) if ref is not None else None
+        ref_logp = None
+        if cfg.beta > 0:
+            with model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus its adapters
+                ref_logp = fixed_logprobs(ref if ref is not None else policy)
         old_logp = fixed_logprobs(policy) if cfg.num_iterations > 1 else None
 
         # 6. mu optimizer steps on this batch, each accumulating over micro-batches
@@ -390,7 +517,15 @@ def main(argv):
             "tokens_per_s": sums["seen"] / step_time,
         }
         history.append(metrics["reward"])
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            metrics.update(evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids))
+        if cfg.completions_table_every and step % cfg.completions_table_every == 0:
+            shown = slice(0, min(n, 4 * G))  # the first four groups, whole
+            logger.table(step, "completions", {
+                "prompt": prompts[shown], "completion": completions[shown],
+                **{k: v[shown].tolist() for k, v in parts.items()},
+                "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
+        if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics:
             logger.log(metrics)
         if d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
             for i in range(0, min(n, 3 * G), G):
