@@ -10,7 +10,6 @@ models, LoRA adapters, and export of the trained policy to a Hugging Face folder
 """
 
 import contextlib
-import json
 import math
 import os
 

@@ -1,24 +1,18 @@
-"""Reward functions and tasks.
+"""Reward functions, and how completions are scored.
 
 A reward function is `f(prompts, completions, **fields) -> list[float | None]`:
 one score per completion, `None` where it cannot score one (that completion
 then gets advantage 0 instead of a made-up score). `fields` are the task's
 per-prompt data (the gold answer, ...) repeated for each completion.
 
-A task says where prompts come from (generated in code, a local file, or a
-hub dataset), which reward functions score them, and which held-out prompts
-evaluate the policy: next_letter (the tiny default), gsm8k, countdown, tldr.
+Here: the general-purpose rewards (length, format), final-number extraction
+for GSM8K, the countdown expression checker, reward-model scoring, and the
+default task's reward. Which task uses which functions is in tasks.py.
 """
 
-import inspect
-import json
-import os
-import random
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable
 
 import torch
 
@@ -29,12 +23,12 @@ class RewardFunctionError(RuntimeError):
     pass
 
 
-def _name(fn):
+def reward_name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _call_reward(fn, prompts, completions, fields):
-    name = _name(fn)
+    name = reward_name(fn)
     try:
         scores = fn(prompts, completions, **fields)
     except Exception as batch_error:
@@ -69,7 +63,7 @@ def score_completions(reward_funcs, weights, prompts, completions, fields):
     parts = {}
     for fn in reward_funcs:
         scores = _call_reward(fn, prompts, completions, fields)
-        parts[_name(fn)] = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+        parts[reward_name(fn)] = torch.tensor([float("nan") if s is None else float(s) for s in scores])
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
     w = torch.tensor(weights, dtype=stacked.dtype)
     total = torch.nansum(stacked * w, dim=1)
@@ -404,36 +398,6 @@ def countdown_reward(prompts, completions, nums, target, **_):
     return out
 
 
-def countdown_problem(rng, min_numbers=3, max_numbers=4, max_value=99, max_target=1000):
-    """Numbers and a target reachable with them: combine the numbers in a random order with random operations."""
-    while True:
-        nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
-        order = nums[:]
-        rng.shuffle(order)
-        value = Fraction(order[0])
-        for n in order[1:]:
-            ops = ["+", "*"] + (["-"] if value - n > 0 else []) + (["/"] if value % n == 0 else [])
-            op = rng.choice(ops)
-            value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
-        if value.denominator == 1 and 1 <= value <= max_target:
-            return nums, int(value)
-
-
-def countdown_prompt_text(nums, target):
-    # wording after TinyZero's countdown prompt (Jiayi Pan et al., 2025)
-    return (f"Using the numbers {list(nums)}, create an equation that equals {target}. You can use +, -, * and /, "
-            f"parentheses, and each number at most once. Show your reasoning in <think> </think> tags, then give "
-            f"only the equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
-
-
-def _countdown_prompts(rng, n):
-    rows = []
-    for _ in range(n):
-        nums, target = countdown_problem(rng)
-        rows.append({"nums": nums, "target": target})
-    return rows
-
-
 # ----------------------------------------------------------------------------- reward models
 
 
@@ -485,108 +449,7 @@ def make_reward_model_reward(model, tokenizer, batch_size=8):
     return reward_model
 
 
-# ----------------------------------------------------------------------------- data
-
-
-def load_rows(source, split="train", config_name=None):
-    """A list of dicts from a local .jsonl / .parquet file, or a hub dataset through `datasets`."""
-    if source.endswith(".jsonl"):
-        rows = []
-        with open(source) as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{source}:{line_no}: not valid JSON ({e})") from e
-                    if not isinstance(row, dict):
-                        raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(row).__name__}")
-                    rows.append(row)
-        return rows
-    if source.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        return pq.read_table(source).to_pylist()
-    if os.path.exists(source):
-        raise ValueError(f"dataset: {source!r} is neither .jsonl nor .parquet")
-    import datasets
-    return list(datasets.load_dataset(source, config_name, split=split))
-
-
-def _holdout(rows, n_eval, seed, source):
-    """Split one local file into (train, eval): a seeded choice of `n_eval` rows is held out."""
-    if n_eval <= 0:
-        return rows, []
-    if len(rows) <= n_eval:
-        raise ValueError(f"dataset {source}: {len(rows)} rows cannot spare eval_prompts={n_eval} held-out rows")
-    order = list(range(len(rows)))
-    random.Random(f"holdout-{seed}").shuffle(order)
-    held = set(order[:n_eval])
-    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
-
-
-def _required_fields(fn):
-    """Keyword parameters a reward function needs from the data (no default, not prompts/completions)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in ("prompts", "completions")
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-# ----------------------------------------------------------------------------- tasks
-
-
-@dataclass
-class Task:
-    name: str
-    make_prompts: Callable = None  # procedural prompts: (rng, n) -> rows; None when rows come from a dataset
-    reward_funcs: list = field(default_factory=list)
-    weights: list = None           # default reward weights (None = all 1); --reward_weights overrides
-    rows: list = None              # dataset rows, raw; formatted by to_row when drawn
-    to_row: Callable = None        # raw row -> {"prompt": text, other fields}; None = rows are ready
-    eval_rows: list = field(default_factory=list)  # held-out rows, formatted
-    accuracy_reward: str = None    # name of the reward function that is 1 exactly when an answer is correct
-
-    def _format(self, row):
-        return self.to_row(row) if self.to_row is not None else row
-
-    def prompts_for_step(self, seed, step, n):
-        """The `n` rows of step `step` (1-based): a pure function of (seed, step), so a resumed run sees the same.
-
-        Datasets are walked in a seeded permutation per epoch, every row once per epoch.
-        """
-        if self.rows is None:
-            return [self._format(r) for r in self.make_prompts(random.Random(seed * 1_000_003 + step), n)]
-        out, total = [], len(self.rows)
-        for i in range((step - 1) * n, step * n):
-            epoch, j = divmod(i, total)
-            out.append(self._format(self.rows[self._permutation(seed, epoch)[j]]))
-        return out
-
-    def _permutation(self, seed, epoch):
-        cache = self.__dict__.setdefault("_perm_cache", {})
-        if (seed, epoch) not in cache:
-            order = list(range(len(self.rows)))
-            random.Random(f"epoch-{seed}-{epoch}").shuffle(order)
-            cache.clear()  # one epoch at a time is enough
-            cache[(seed, epoch)] = order
-        return cache[(seed, epoch)]
-
-
-# The default task: the prompt names a letter, the answer is the letter that
-# follows it in the alphabet. The right answer depends on the prompt, so a
-# rising reward means the model reads it rather than learning one constant reply.
-LETTERS = "abcdefgh"
-
-
-def _letter_prompts(rng, n):
-    rows = []
-    for _ in range(n):
-        i = rng.randrange(len(LETTERS))
-        rows.append({"prompt": f"{LETTERS[i]}>", "answer": LETTERS[(i + 1) % len(LETTERS)]})
-    return rows
-
+# ----------------------------------------------------------------------------- the default task
 
 def next_letter_reward(prompts, completions, answer, **_):
     """Fraction of the completion's characters (up to its first 4) that are the answer letter."""
@@ -595,127 +458,3 @@ def next_letter_reward(prompts, completions, answer, **_):
         head = c[:4]
         out.append(sum(ch == a for ch in head) / 4)
     return out
-
-
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr")
-# the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
-TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
-
-
-def _chat_formatter(tokenizer, system_prompt=None):
-    """User text (or a list of messages) -> the prompt the policy sees.
-
-    Through the tokenizer's chat template when it has one, ending where the
-    assistant's turn begins; else the plain text, with a newline to answer after.
-    """
-    templated = tokenizer is not None and getattr(tokenizer, "chat_template", None)
-
-    def fmt(content):
-        messages = content if isinstance(content, list) else [{"role": "user", "content": content}]
-        if system_prompt:
-            messages = [{"role": "system", "content": system_prompt}] + messages
-        if templated:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages) + "\n"
-    return fmt
-
-
-def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None):
-    """Build a task: prompt source, reward functions, held-out evaluation rows.
-
-    tokenizer: the policy's, for chat templates. dataset: a local .jsonl/.parquet
-    (or hub id) replacing the task's own prompt source; rows with a `prompt`
-    column are used as they are, their other columns passed to the reward
-    functions by name. eval_prompts: held-out rows to keep for evaluation (0 =
-    none). reward_model: (model, tokenizer) of a sequence-classification model
-    whose score is added as a reward ('tldr' requires one).
-    """
-    if name not in TASKS:
-        raise ValueError(f"task: unknown task {name!r} (available: {', '.join(TASKS)})")
-    chat = _chat_formatter(tokenizer)
-
-    if name == "next_letter":
-        task = Task(name, _letter_prompts, [next_letter_reward], accuracy_reward="next_letter_reward")
-        task.eval_rows = _letter_prompts(random.Random(f"eval-{seed}"), eval_prompts)
-        hub = None
-    elif name == "gsm8k":
-        math_chat = _chat_formatter(tokenizer, GSM8K_SYSTEM_PROMPT)
-
-        def to_row(row):
-            question = row["question"]
-            return {"prompt": math_chat(question), "prompt_text": question, "answer": row["answer"]}
-        task = Task(name, None, [gsm8k_correctness_reward, gsm8k_format_reward], weights=[1.0, 0.1],
-                    to_row=to_row, accuracy_reward="gsm8k_correctness_reward")
-        hub = ("openai/gsm8k", "main", "train", "test")
-    elif name == "countdown":
-        def to_row(row):
-            text = countdown_prompt_text(row["nums"], row["target"])
-            return {"prompt": chat(text), "prompt_text": text, "nums": list(row["nums"]), "target": int(row["target"])}
-        task = Task(name, _countdown_prompts, [countdown_reward, format_reward], weights=[1.0, 0.1], to_row=to_row,
-                    accuracy_reward="countdown_reward")
-        task.eval_rows = [to_row(r) for r in _countdown_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
-        hub = None
-    else:  # tldr: Reddit posts ending in "TL;DR:", plain text as in the dataset (TRL's example does the same)
-        if reward_model is None:
-            raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id)")
-
-        def to_row(row):
-            return {"prompt": row["prompt"], "prompt_text": row["prompt"]}
-        task = Task(name, None, [], to_row=to_row)
-        hub = ("trl-lib/tldr", None, "train", "validation")
-
-    if reward_model is not None:
-        task.reward_funcs.append(make_reward_model_reward(*reward_model))
-        if task.weights is not None:
-            task.weights = task.weights + [1.0]
-
-    if dataset:
-        rows, eval_rows = _holdout(load_rows(dataset), eval_prompts, seed, dataset)
-        source = dataset
-    elif hub is not None:
-        rows, eval_rows = load_rows(hub[0], hub[2], hub[1]), load_rows(hub[0], hub[3], hub[1])
-        random.Random(f"eval-{seed}").shuffle(eval_rows)
-        eval_rows = eval_rows[:eval_prompts]
-        source = hub[0]
-    else:
-        return task
-    if not rows:
-        raise ValueError(f"dataset {source}: no rows")
-    if "prompt" in rows[0]:
-        task.to_row = _prompt_column_row(chat)
-    task.rows = rows
-    _check_rows(task, rows, source, "row")
-    _check_rows(task, eval_rows, source, "held-out row")
-    task.eval_rows = [task._format(r) for r in eval_rows]
-    return task
-
-
-def _prompt_column_row(chat):
-    """Rows that bring their own prompt: text is used as it is, a list of messages goes through the chat template."""
-    def to_row(row):
-        row = dict(row)
-        if isinstance(row["prompt"], list):
-            row.setdefault("prompt_text", next((m.get("content", "") for m in reversed(row["prompt"])
-                                                if m.get("role") == "user"), ""))
-            row["prompt"] = chat(row["prompt"])
-        row.setdefault("prompt_text", row["prompt"])
-        return row
-    return to_row
-
-
-def _check_rows(task, rows, source, kind):
-    """Every row carries what the reward functions need, and gold answers parse, before any training starts."""
-    needed = {f: _name(fn) for fn in task.reward_funcs for f in _required_fields(fn)}
-    for i, row in enumerate(rows):
-        try:
-            formatted = task._format(row)
-        except KeyError as e:
-            raise ValueError(f"dataset {source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
-        if not isinstance(formatted.get("prompt"), str):
-            raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
-        for f, fn in needed.items():
-            if f not in formatted and f not in row:
-                raise ValueError(f"dataset {source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
-                                 f"(columns: {sorted(row)})")
-        if "answer" in row and any(_name(fn) == "gsm8k_correctness_reward" for fn in task.reward_funcs):
-            row["answer"] = parse_gold_answer(row["answer"], f"dataset {source}, {kind} {i}")

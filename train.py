@@ -24,6 +24,7 @@ import grpo
 import model_loading
 import rewards
 import sharding
+import tasks
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Config:
     model_init_kwargs: dict = field(default_factory=lambda: {"dtype": "float32", "attn_implementation": "sdpa"})
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
     # task and rewards
-    task: str = "next_letter"             # where prompts come from and how they are scored (rewards.get_task)
+    task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
     reward_weights: list = field(default_factory=list)  # one per reward function, comma-separated; empty = all 1
     # batch
     num_generations: int = 8              # G, completions per prompt
@@ -204,7 +205,7 @@ def validate(cfg, world_size=1):
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
-    need(cfg.task in rewards.TASKS, "task", f"one of {', '.join(rewards.TASKS)}, got {cfg.task!r}")
+    need(cfg.task in tasks.TASKS, "task", f"one of {', '.join(tasks.TASKS)}, got {cfg.task!r}")
     need(cfg.eval_every >= 0, "eval_every", f"must be >= 0, got {cfg.eval_every}")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
     need(cfg.lora_rank >= 0, "lora_rank", f"must be >= 0, got {cfg.lora_rank}")
@@ -375,13 +376,13 @@ def main(argv):
         sharding.check_same_placement(policy, ref)
 
     # task: prompts, reward functions (plus a reward model's score), held-out evaluation prompts
-    rm_path = cfg.reward_model or rewards.TASK_REWARD_MODELS.get(cfg.task, "")
+    rm_path = cfg.reward_model or tasks.TASK_REWARD_MODELS.get(cfg.task, "")
     if rm_path == model_loading.TINY:
         rm_path = model_loading.write_tiny_reward_model(os.path.join(cfg.out_dir, "tiny_reward_model_init"))
     reward_model = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, d.device, cfg.seed + 1) \
         if rm_path else None
     try:
-        task = rewards.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
+        task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
                                 eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model)
     except (ValueError, OSError) as e:
         raise SystemExit(f"task {cfg.task}: {e}") from e

@@ -10,9 +10,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import grpo  # noqa: E402
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 import sharding  # noqa: E402
 import train  # noqa: E402
 
@@ -98,7 +98,7 @@ def test_evaluation_reports_greedy_accuracy_and_sampled_reward(tmp_path):
     def length(prompts, completions, **_):
         return [float(len(c)) for c in completions]
 
-    task = rewards.Task("probe", None, [matches, length], accuracy_reward="matches",
+    task = tasks.Task("probe", None, [matches, length], accuracy_reward="matches",
                         eval_rows=[{"prompt": p, "expected": e} for p, e in zip(prompts, expected)])
     policy = sharding.Root(model).train()  # what train.py passes: the model behind its (here unsharded) root
     m = train.evaluate(policy, tok, task, [1.0, 0.0], cfg, sharding.setup("cpu"), eos)

@@ -6,6 +6,7 @@ from transformers import PreTrainedTokenizerFast
 
 import model_loading
 import rewards
+import tasks
 
 
 def test_model_init_kwargs_are_forwarded(tiny_dir, tmp_path):
@@ -101,10 +102,10 @@ def test_builtin_rewards():
     good = "<think>because</think>\n<answer>4</answer>"
     assert rewards.format_reward(None, [good, "4", good + " extra", "<think><answer>4</answer>"]) == [1.0, 0, 0, 0]
     assert rewards.next_letter_reward(None, ["bbbb", "bxbx", "", "Bbb"], answer=["b", "b", "b", "b"]) == [1, .5, 0, .5]
-    task = rewards.get_task("next_letter")
+    task = tasks.get_task("next_letter")
     rows = task.make_prompts(__import__("random").Random(0), 50)
     for r in rows:  # the answer is the letter after the prompt's letter, so it depends on the prompt
-        assert r["answer"] == rewards.LETTERS[(rewards.LETTERS.index(r["prompt"][0]) + 1) % len(rewards.LETTERS)]
-    assert len({r["answer"] for r in rows}) == len(rewards.LETTERS)
+        assert r["answer"] == tasks.LETTERS[(tasks.LETTERS.index(r["prompt"][0]) + 1) % len(tasks.LETTERS)]
+    assert len({r["answer"] for r in rows}) == len(tasks.LETTERS)
     with pytest.raises(ValueError, match="task"):
-        rewards.get_task("nope")
+        tasks.get_task("nope")

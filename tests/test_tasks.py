@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,8 +64,8 @@ def test_gold_answers_are_parsed_at_load_time(tmp_path):
             {"question": "2+2?", "answer": "It is four. #### four"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=r"row 2: cannot read a number from the gold answer"):
-        rewards.get_task("gsm8k", dataset=str(path))
-    task = rewards.get_task("gsm8k", dataset=GSM8K)
+        tasks.get_task("gsm8k", dataset=str(path))
+    task = tasks.get_task("gsm8k", dataset=GSM8K)
     golds = {r["answer"] for r in task.rows}
     assert {"1000", "-5", "9/2", "5500"} <= golds  # '#### 1,000', '#### -5', '#### 4.5', '#### 5,500'
 
@@ -109,8 +110,8 @@ def test_countdown_uses_the_last_answer_and_needs_tags():
 
 def test_countdown_problems_are_seeded_and_reachable():
     import random
-    a = [rewards.countdown_problem(random.Random(s)) for s in range(50)]
-    b = [rewards.countdown_problem(random.Random(s)) for s in range(50)]
+    a = [tasks.countdown_problem(random.Random(s)) for s in range(50)]
+    b = [tasks.countdown_problem(random.Random(s)) for s in range(50)]
     assert a == b
     for nums, target in a:
         assert 3 <= len(nums) <= 4 and all(1 <= n <= 99 for n in nums) and 1 <= target <= 1000
@@ -178,8 +179,8 @@ def test_no_eval_or_exec_anywhere():
 
 
 def test_dataset_prompts_are_a_pure_function_of_seed_and_step():
-    t1 = rewards.get_task("gsm8k", dataset=GSM8K)
-    t2 = rewards.get_task("gsm8k", dataset=GSM8K)
+    t1 = tasks.get_task("gsm8k", dataset=GSM8K)
+    t2 = tasks.get_task("gsm8k", dataset=GSM8K)
     n, total = 4, len(t1.rows)
     for step in (1, 2, 3, 7):
         assert t1.prompts_for_step(0, step, n) == t2.prompts_for_step(0, step, n)
@@ -188,26 +189,26 @@ def test_dataset_prompts_are_a_pure_function_of_seed_and_step():
     assert sorted(epoch) == sorted(t1._format(r)["prompt"] for r in t1.rows)
     assert t1.prompts_for_step(0, 1, n) != t1.prompts_for_step(1, 1, n)
     # asking out of order gives the same rows as asking in order (what a resumed run does)
-    later = rewards.get_task("gsm8k", dataset=GSM8K).prompts_for_step(0, 5, n)
+    later = tasks.get_task("gsm8k", dataset=GSM8K).prompts_for_step(0, 5, n)
     assert later == t1.prompts_for_step(0, 5, n)
 
 
 def test_held_out_rows_are_not_trained_on():
-    task = rewards.get_task("gsm8k", dataset=GSM8K, eval_prompts=3)
+    task = tasks.get_task("gsm8k", dataset=GSM8K, eval_prompts=3)
     assert len(task.eval_rows) == 3 and len(task.rows) == 9
     train_q = {r["question"] for r in task.rows}
     assert not train_q & {r["prompt_text"] for r in task.eval_rows}
     with pytest.raises(ValueError, match="eval_prompts=12"):
-        rewards.get_task("gsm8k", dataset=GSM8K, eval_prompts=12)
+        tasks.get_task("gsm8k", dataset=GSM8K, eval_prompts=12)
 
 
 def test_chat_template_formats_prompts(tmp_path):
     path = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=model_loading.TINY_CHAT_TEMPLATE)
     tok = model_loading.load_tokenizer(path)
-    row = rewards.get_task("gsm8k", tokenizer=tok, dataset=GSM8K).prompts_for_step(0, 1, 1)[0]
+    row = tasks.get_task("gsm8k", tokenizer=tok, dataset=GSM8K).prompts_for_step(0, 1, 1)[0]
     assert row["prompt"].startswith("<|im_start|>system\n" + rewards.GSM8K_SYSTEM_PROMPT)
     assert row["prompt"].endswith(row["prompt_text"] + "<|im_end|>\n<|im_start|>assistant\n")
-    plain = rewards.get_task("gsm8k", tokenizer=model_loading.build_byte_tokenizer(), dataset=GSM8K)
+    plain = tasks.get_task("gsm8k", tokenizer=model_loading.build_byte_tokenizer(), dataset=GSM8K)
     assert "<|im_start|>" not in plain.prompts_for_step(0, 1, 1)[0]["prompt"]
 
 
@@ -215,24 +216,24 @@ def test_prompt_column_dataset_passes_other_columns_by_name(tmp_path):
     path = tmp_path / "letters.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}>", "answer": b, "note": "x"}) + "\n"
                             for a, b in zip("abcdefg", "bcdefgh")))
-    task = rewards.get_task("next_letter", dataset=str(path))
+    task = tasks.get_task("next_letter", dataset=str(path))
     rows = task.prompts_for_step(0, 1, 3)
     assert all(set(r) >= {"prompt", "answer", "note"} for r in rows)
     missing = tmp_path / "noanswer.jsonl"
     missing.write_text(json.dumps({"prompt": "a>"}) + "\n")
     with pytest.raises(ValueError, match="reward function 'next_letter_reward' needs a column 'answer'"):
-        rewards.get_task("next_letter", dataset=str(missing))
+        tasks.get_task("next_letter", dataset=str(missing))
     with pytest.raises(ValueError, match="neither .jsonl nor .parquet"):
-        rewards.get_task("next_letter", dataset=__file__)
+        tasks.get_task("next_letter", dataset=__file__)
 
 
 def test_parquet_dataset(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
-    rows = rewards.load_rows(GSM8K)
+    rows = tasks.load_rows(GSM8K)
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "g.parquet"))
-    task = rewards.get_task("gsm8k", dataset=str(tmp_path / "g.parquet"))
-    assert task.prompts_for_step(3, 2, 4) == rewards.get_task("gsm8k", dataset=GSM8K).prompts_for_step(3, 2, 4)
+    task = tasks.get_task("gsm8k", dataset=str(tmp_path / "g.parquet"))
+    assert task.prompts_for_step(3, 2, 4) == tasks.get_task("gsm8k", dataset=GSM8K).prompts_for_step(3, 2, 4)
 
 
 def test_unknown_task_and_preset_are_named():
@@ -279,7 +280,7 @@ def test_tldr_end_to_end_with_a_reward_model(tmp_path):
 
 def test_tldr_without_a_reward_model_is_an_error():
     with pytest.raises(ValueError, match="task tldr: needs a reward model"):
-        rewards.get_task("tldr", dataset=TLDR)
+        tasks.get_task("tldr", dataset=TLDR)
 
 
 def test_prompt_column_dataset_end_to_end(tmp_path):

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import model_loading
-import rewards
+import tasks
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +56,8 @@ def rollout_batch(model, tokenizer, n_prompts=2, g=4, seed=0):
                     pad_id=tokenizer.pad_token_id, seeds=torch.arange(len(prompts)) + seed)
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)
-    rewards = torch.tensor([float(i % 3) for i in range(len(prompts))])
-    adv, _ = grpo.group_advantages(rewards, g)
+    scores = torch.tensor([float(i % 3) for i in range(len(prompts))])
+    adv, _ = grpo.group_advantages(scores, g)
     return ids, mask, r, adv
 
 
@@ -160,9 +160,9 @@ def test_reference_model_is_frozen_and_beta_zero_builds_none(tmp_path, monkeypat
 
 
 def test_group_of_64_with_micro_batches_of_4(tmp_path, monkeypatch):
-    def odd_first_byte(prompts, completions, **_):  # a reward with spread at initialisation
+    def odd_length(prompts, completions, **_):  # a reward with spread at initialisation
         return [float(len(c.encode()) % 2) for c in completions]
-    monkeypatch.setattr(train.rewards, "get_task", lambda name: rewards.Task(name, rewards._letter_prompts, [odd_first_byte]))
+    monkeypatch.setattr(train.tasks, "get_task", lambda name, **_: tasks.Task(name, tasks._letter_prompts, [odd_length]))
     rows, _, _ = run_train(tmp_path, monkeypatch, "--max_steps=1", "--num_generations=64", "--prompts_per_step=1",
                            "--micro_batch_size=4", "--loss_type=dapo")
     assert rows[0]["step"] == 1 and rows[0]["grad_norm"] > 0 and 0 < rows[0]["reward"] < 1
