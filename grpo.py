@@ -86,9 +86,11 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     scaled = logits / temperature
     logp_all = torch.log_softmax(scaled, -1)
-    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+    filtered = filter_logits(scaled, top_k, top_p)
+    probs = logp_all.exp() if filtered is scaled else filtered.softmax(-1)  # unfiltered: reuse log_softmax's work
     cdf = probs.cumsum(-1)
-    token = (cdf < uniform[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
+    token = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=logits.shape[-1] - 1)
     return token, logp_all.gather(-1, token[:, None])[:, 0]
 
 
@@ -352,10 +354,10 @@ class StaticDecoder:
         for i, w in enumerate(self.w[0]):
             eps1, eps2 = self.eps[i]
             h = _rms_norm(x, w["ln1"], eps1)
-            q, k, v = F.linear(h, w["qkv"], w["qkv_b"]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = _rotate(q.view(b, s, nh, hd).transpose(1, 2), cos, sin)    # (B, nh, S, hd)
-            k = _rotate(k.view(b, s, nkv, hd).transpose(1, 2), cos, sin)   # (B, nkv, S, hd)
-            write(i, k, v.view(b, s, nkv, hd).transpose(1, 2))
+            qkv = F.linear(h, w["qkv"], w["qkv_b"]).view(b, s, nh + 2 * nkv, hd)
+            qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rotary on queries and keys in one pass
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
+            write(i, k, qkv[:, :, nh + nkv:].transpose(1, 2))
             kk, vv = keys(i)
             if s == 1:
                 # one query per row: group the query heads that share a KV head as the "sequence" axis, so
@@ -407,17 +409,17 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
 
-        x = self._layers(x, cos[:, None, :p], sin[:, None, :p], write, keys, mask)
+        x = self._layers(x, cos[:, :p, None], sin[:, :p, None], write, keys, mask)
         return self._logits(x[:, -1])
 
     def _decode_body(self, b, slot, kv_len):
         """One token for the first b rows, whose tokens are in tok_in; K/V go to `slot` (an int, or on graphs a tensor)."""
         x = F.embedding(self.tok_in[:b, None], self.w[1]["embed"])  # (b, 1, H)
         if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
-            cos, sin = (t[:b].index_select(1, slot)[:, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
+            cos, sin = (t[:b].index_select(1, slot)[:, :, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
             self.key_mask[:b].index_fill_(1, slot, True)
         else:
-            cos, sin = self.cos[:b, None, slot:slot + 1], self.sin[:b, None, slot:slot + 1]
+            cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
             self.key_mask[:b, slot] = True
         attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
 
@@ -502,7 +504,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     logps, entropies = [], []
     for start in range(0, n * t, chunk_tokens):
         args = (hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and n * t > chunk_tokens:  # one chunk is within budget: keep it, skip the recompute
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(*args)
