@@ -29,7 +29,8 @@ import sharding
 class Config:
     # model
     model: str = "tiny"                   # local folder or hub id; "tiny" builds a 2-layer byte-level model
-    model_init_kwargs: dict = field(default_factory=lambda: {"dtype": "float32", "attn_implementation": "sdpa"})
+    model_init_kwargs: dict = field(default_factory=lambda: {"attn_implementation": "sdpa"})  # no dtype: bf16 on CUDA, fp32 on CPU
+    gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
     # task and rewards
     task: str = "next_letter"             # where prompts come from and how they are scored (rewards.get_task)
@@ -226,7 +227,8 @@ def main(argv):
     if cfg.model == model_loading.TINY:
         model_path = model_loading.write_tiny_model(os.path.join(cfg.out_dir, "tiny_model_init"))
     tokenizer = model_loading.load_tokenizer(model_path)
-    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, d.device, seed=cfg.seed)
+    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, d.device, seed=cfg.seed,
+                                      gradient_checkpointing=cfg.gradient_checkpointing)
     policy.train()
     ref = model_loading.build_reference_model(policy, cfg.beta)
     eos_ids = model_loading.eos_token_ids(policy, tokenizer)
