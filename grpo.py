@@ -85,13 +85,16 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     scaled = logits / temperature
-    logp_all = torch.log_softmax(scaled, -1)
+    top = scaled.amax(-1, keepdim=True)
     filtered = filter_logits(scaled, top_k, top_p)
-    probs = logp_all.exp() if filtered is scaled else filtered.softmax(-1)  # unfiltered: reuse log_softmax's work
-    cdf = probs.cumsum(-1)
+    # unnormalised probabilities: the inverse CDF compares against u * total, so no division is needed
+    weights = (filtered - top).exp()
+    cdf = weights.cumsum(-1)
     # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
     token = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=logits.shape[-1] - 1)
-    return token, logp_all.gather(-1, token[:, None])[:, 0]
+    # log-softmax of the unfiltered distribution, at the chosen token only
+    log_total = cdf[:, -1] if filtered is scaled else (scaled - top).exp().sum(-1)
+    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - log_total.log()
 
 
 @torch.no_grad()
@@ -377,7 +380,7 @@ class StaticDecoder:
             x = x + F.linear(o, w["o"], w["o_b"])
             h = _rms_norm(x, w["ln2"], eps2)
             gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down"], w["down_b"])
+            x = x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
         return x
 
     def _logits(self, x):

@@ -186,10 +186,16 @@ def test_searchsorted_sampling_equals_counting_below():
     logits = torch.randn(64, 300, generator=g) * 3
     u = grpo.row_uniform(torch.arange(64), 0)
     tok, lp = grpo.sample_tokens(logits, 1.0, 0, 1.0, u)
-    cdf = torch.log_softmax(logits, -1).exp().cumsum(-1)
+    cdf = (logits - logits.amax(-1, keepdim=True)).exp().cumsum(-1)
     want = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=299)
     assert torch.equal(tok, want)
-    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, want[:, None])[:, 0])
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, want[:, None])[:, 0], atol=1e-5, rtol=0)
+    # and the tokens follow the distribution: the empirical frequency of a two-token distribution
+    two = torch.tensor([[0.0, 1.0]]).log().expand(4000, 2).clone()
+    two[:, 0] = torch.log(torch.tensor(0.25))
+    two[:, 1] = torch.log(torch.tensor(0.75))
+    picks, _ = grpo.sample_tokens(two, 1.0, 0, 1.0, grpo.row_uniform(torch.arange(4000), 3))
+    assert abs(picks.float().mean().item() - 0.75) < 0.03
 
 
 def test_row_uniform_matrix_equals_stepwise():
