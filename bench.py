@@ -460,9 +460,14 @@ def main(argv):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", default="decode,step,memory", help="comma-separated rows to run")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.reps < 1:
         parser.error("--warmup and --reps must be >= 1")
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     s = settings_for(args, device)

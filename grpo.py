@@ -305,6 +305,7 @@ class StaticDecoder:
         self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graphs = {}  # bucket size -> (graph, logits output)
         self.use_graph = False
+        self.unpadded = False
 
     @torch.no_grad()
     def load(self, model):
@@ -369,7 +370,9 @@ class StaticDecoder:
                 if x.is_cuda:
                     o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
                 else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
-                    scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale).masked_fill_(~attn_mask, float("-inf"))
+                    scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
+                    if attn_mask is not None:
+                        scores.masked_fill_(~attn_mask, float("-inf"))
                     o = torch.matmul(scores.softmax(-1), vv)
             else:
                 rep = nh // nkv
@@ -400,6 +403,8 @@ class StaticDecoder:
         self.cos[:n], self.sin[:n] = cos, sin
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
+        # without left padding, eager decode over the filled slots needs no mask at all
+        self.unpadded = not self.use_graph and bool(attn.bool().all())
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         # a padding query attends at least to itself, so its (unused) output stays finite
         mask = (causal & attn.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
@@ -425,6 +430,8 @@ class StaticDecoder:
             cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
             self.key_mask[:b, slot] = True
         attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+        if self.unpadded and not torch.is_tensor(slot):
+            attn_mask = None
 
         def write(i, k, v):
             if torch.is_tensor(slot):

@@ -89,6 +89,14 @@ def test_sampled_tokens_identical_to_hf_forward(arch):
             assert_same_rollout(run(model, tok, enc, compact=compact, check_every=check_every), ref)
 
 
+def test_unpadded_prompts_identical_to_hf_forward():
+    """Prompts of one length take the mask-free decode path."""
+    model, tok = tiny_model()
+    enc = tok(["abcdef", "ghijkl", "mnopqr"], return_tensors="pt", add_special_tokens=False)
+    assert enc.attention_mask.all()
+    assert_same_rollout(run(model, tok, enc, seeds=torch.arange(3)), run(model, tok, enc, seeds=torch.arange(3), static_cache=False))
+
+
 def test_filters_and_temperature_identical_to_hf_forward():
     model, tok = tiny_model()
     enc = prompts(tok)
