@@ -42,7 +42,7 @@ def settings_for(args, device):
         decode_batch=512 if gpu else 128, decode_prompt_len=64 if gpu else 16, decode_new_tokens=512 if gpu else 64,
         # step row: P prompts x G completions, micro-batches of `micro_batch` completions
         prompts=64 if gpu else 16, num_generations=8, micro_batch=64 if gpu else 16,
-        step_new_tokens=512 if gpu else 32, beta=0.04, lr=1e-6 if gpu else 1e-3,
+        step_new_tokens=512 if gpu else 64, beta=0.04, lr=1e-6 if gpu else 1e-3,
         # memory row
         mem_vocab=151936, mem_rows=8, mem_prompt_len=16, mem_completion_len=256,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
@@ -461,6 +461,8 @@ def main(argv):
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", default="decode,step,memory", help="comma-separated rows to run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting (see 'settings' in the JSON), e.g. --set micro_batch=32")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.reps < 1:
         parser.error("--warmup and --reps must be >= 1")
@@ -471,6 +473,11 @@ def main(argv):
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     s = settings_for(args, device)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in s or not value:
+            parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(s)}")
+        s[key] = type(s[key])(value) if s[key] is not None else value
     only = set(args.only.split(","))
     unknown = only - {"decode", "step", "memory"}
     if unknown:

@@ -198,9 +198,9 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
                 break
             if compact:
                 keep = (~live_done).nonzero()[:, 0]
-                if dec.batch_for(keep.numel()) < dec.batch_for(rows.numel()):
+                if dec.worth_compacting(keep.numel(), rows.numel()):
                     tokens[rows], logps[rows] = live_tok, live_lp
-                    dec.compact(keep)
+                    dec.compact(keep, p + t + 1)
                     rows, tok = rows[keep], tok[keep]
                     live_tok, live_lp, live_done, live_uni = live_tok[keep], live_lp[keep], live_done[keep], live_uni[keep]
         logits = dec.decode(tok, p + t)
@@ -306,6 +306,7 @@ class StaticDecoder:
         self.graphs = {}  # bucket size -> (graph, logits output)
         self.use_graph = False
         self.unpadded = False
+        self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
 
     @torch.no_grad()
     def load(self, model):
@@ -342,12 +343,22 @@ class StaticDecoder:
             return n
         return min(self.max_batch, 1 << max(0, n - 1).bit_length())
 
+    def worth_compacting(self, live, current):
+        """Compaction copies the cache: on graphs do it when the bucket shrinks, eagerly when a quarter of the rows left."""
+        if self.use_graph:
+            return self.batch_for(live) < self.batch_for(current)
+        return live <= 0.75 * current
+
     @torch.no_grad()
-    def compact(self, keep):
-        """Move the rows `keep` (indices into the current live rows) to the front of every buffer."""
+    def compact(self, keep, filled):
+        """Move the rows `keep` (indices into the current live rows) to the front of every buffer.
+
+        Only the `filled` cache slots hold anything yet; the rest need no copy.
+        """
         k = keep.numel()
+        self.compactions += 1
         for buf in (self.k_cache, self.v_cache):
-            buf[:, :k] = buf[:, keep]
+            buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
         for buf in (self.key_mask, self.cos, self.sin):
             buf[:k] = buf[keep]
 

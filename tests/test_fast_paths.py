@@ -86,7 +86,10 @@ def test_sampled_tokens_identical_to_hf_forward(arch):
     assert ref.truncated.any() or lengths.max() < 24
     for compact in (True, False):
         for check_every in (1, 8):
+            before = getattr(model, "_static_decoder", None)
+            before = before.compactions if before is not None else 0
             assert_same_rollout(run(model, tok, enc, compact=compact, check_every=check_every), ref)
+            assert (model._static_decoder.compactions > before) == compact
 
 
 def test_unpadded_prompts_identical_to_hf_forward():
