@@ -304,3 +304,13 @@ def test_cuda_greedy_matches_hf_forward():
     a = run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6])
     b = run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6], static_cache=False)
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_all_rows_finished_but_not_stopped():
+    """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    kw = dict(max_new_tokens=20, eos_ids=list(range(250)), all_done=lambda done: False, check_every=2)
+    a, b = run(model, tok, enc, **kw), run(model, tok, enc, static_cache=False, **kw)
+    assert a.completion_ids.shape[1] == 20
+    assert_same_rollout(a, b)
