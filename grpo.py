@@ -85,16 +85,21 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     scaled = logits / temperature
-    logp_all = torch.log_softmax(scaled, -1)
-    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-    cdf = probs.cumsum(-1)
-    token = (cdf < uniform[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
-    return token, logp_all.gather(-1, token[:, None])[:, 0]
+    top = scaled.amax(-1, keepdim=True)
+    filtered = filter_logits(scaled, top_k, top_p)
+    # unnormalised probabilities: the inverse CDF compares against u * total, so no division is needed
+    weights = (filtered - top).exp()
+    cdf = weights.cumsum(-1)
+    # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
+    token = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=logits.shape[-1] - 1)
+    # log-softmax of the unfiltered distribution, at the chosen token only
+    log_total = cdf[:, -1] if filtered is scaled else (scaled - top).exp().sum(-1)
+    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - log_total.log()
 
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
-           top_p=1.0, seeds=None, check_every=8, all_done=None):
+           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True):
     """Generate completions for left-padded prompts: a prefill, then one token at a time over a KV cache.
 
     Each row stops at its first EOS; the loop stops once every row has, checking
@@ -104,19 +109,38 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     `all_done(done) -> bool` decides when to stop; under several processes it
     must agree across ranks (an all-reduce), so that every rank runs the same
     number of forwards and none waits forever on a collective.
-    """
-    from transformers import DynamicCache
 
+    static_cache: for Llama/Qwen2-family models, decode with `StaticDecoder`
+    (a preallocated cache and no per-token framework overhead); other models,
+    or static_cache=False, run the Hugging Face forward over a DynamicCache.
+    compact: at each check, drop finished rows from the decode batch.
+    cuda_graph: on CUDA, replay each decode step as a captured CUDA graph.
+    """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
-
     n = prompt_ids.shape[0]
     device = prompt_ids.device
     if seeds is None:
         seeds = torch.arange(n, device=device)
     seeds = seeds.to(device=device, dtype=torch.long)
-    eos = torch.as_tensor(eos_ids, device=device)
-    attn = prompt_mask.long()
+    # every row's random numbers for the whole completion at once: row_uniform is elementwise, so these
+    # are the same numbers as drawing step by step
+    uniforms = row_uniform(seeds[:, None], torch.arange(max_new_tokens, device=device)[None, :])  # (N, T)
+    args = (prompt_ids, prompt_mask.long(), max_new_tokens, torch.as_tensor(eos_ids, device=device), pad_id,
+            (temperature, top_k, top_p), uniforms, check_every, all_done)
+    if static_cache and static_decode_supported(model):
+        tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph)
+    else:
+        tokens, logps, done = _sample_hf(model, *args)
+    mask = completion_mask_from_ids(tokens, eos_ids)
+    return Rollout(tokens, mask, ~done, logps * mask)
+
+
+def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every, all_done):
+    """The plain loop: the model's own forward over a DynamicCache, all rows to the end."""
+    from transformers import DynamicCache
+
+    n, device = prompt_ids.shape[0], prompt_ids.device
     positions = position_ids_from_mask(attn)
     cache = DynamicCache(config=model.config)
     logits = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
@@ -127,7 +151,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     done = torch.zeros(n, dtype=torch.bool, device=device)
     length = max_new_tokens
     for t in range(max_new_tokens):
-        tok, lp = sample_tokens(logits, temperature, top_k, top_p, row_uniform(seeds, t))
+        tok, lp = sample_tokens(logits, *sampling, uniforms[:, t])
         tokens[:, t] = torch.where(done, pad_id, tok)
         logps[:, t] = torch.where(done, 0.0, lp)
         done = done | torch.isin(tok, eos)
@@ -138,9 +162,332 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         logits = model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos[:, None],
                        past_key_values=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
-    tokens, logps = tokens[:, :length], logps[:, :length]
-    mask = completion_mask_from_ids(tokens, eos_ids)
-    return Rollout(tokens, mask, ~done, logps * mask)
+    return tokens[:, :length], logps[:, :length], done
+
+
+def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every,
+                   all_done, compact, cuda_graph):
+    """The fast loop: StaticDecoder, with finished rows compacted out of the decode batch.
+
+    Live state covers only the rows still decoding (`rows` holds their indices in
+    the batch); a row's results are written out when it leaves, or at the end.
+    """
+    n, p = prompt_ids.shape
+    device = prompt_ids.device
+    dec = StaticDecoder.for_model(model, n, p + max_new_tokens, cuda_graph=cuda_graph)
+    positions = position_ids_from_mask(attn)
+    logits = dec.prefill(prompt_ids, attn, positions)  # (N, V)
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=device)
+    done = torch.ones(n, dtype=torch.bool, device=device)  # rows no longer live are done
+    rows = torch.arange(n, device=device)
+    live_tok, live_lp = tokens.clone(), logps.clone()
+    live_done = torch.zeros(n, dtype=torch.bool, device=device)
+    live_uni = uniforms
+    length = max_new_tokens
+    for t in range(max_new_tokens):
+        tok, lp = sample_tokens(logits, *sampling, live_uni[:, t])
+        live_tok[:, t] = torch.where(live_done, pad_id, tok)
+        live_lp[:, t] = torch.where(live_done, 0.0, lp)
+        live_done = live_done | torch.isin(tok, eos)
+        last = t == max_new_tokens - 1
+        if last or (t + 1) % check_every == 0:
+            done[rows] = live_done
+            if last or all_done(done):
+                length = t + 1
+                break
+            if compact:
+                keep = (~live_done).nonzero()[:, 0]
+                if dec.worth_compacting(keep.numel(), rows.numel()):
+                    tokens[rows], logps[rows] = live_tok, live_lp
+                    dec.compact(keep, p + t + 1)
+                    rows, tok = rows[keep], tok[keep]
+                    live_tok, live_lp, live_done, live_uni = live_tok[keep], live_lp[keep], live_done[keep], live_uni[keep]
+        logits = dec.decode(tok, p + t)
+    tokens[rows], logps[rows] = live_tok, live_lp
+    done[rows] = live_done
+    return tokens[:, :length], logps[:, :length], done
+
+
+# ----------------------------------------------------------------------------- the static-cache decoder
+
+_STATIC_LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
+
+
+def _class_names(module):
+    return {c.__name__ for c in type(module).__mro__}  # FSDP2 subclasses the layer class; look through it
+
+
+def static_decode_supported(model):
+    """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
+
+    Anything else (other architectures, sliding-window layers, adapters that
+    replace the projections, sharded parameters) takes the Hugging Face forward.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        DTensor = ()
+    inner, cfg = getattr(model, "model", None), model.config
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
+        return False
+    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear or type(getattr(inner, "embed_tokens", None)) \
+            is not torch.nn.Embedding:
+        return False
+    if getattr(cfg, "hidden_act", None) != "silu" or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return False
+    for layer in layers:
+        if not _class_names(layer) & set(_STATIC_LAYERS):
+            return False
+        a, m = layer.self_attn, layer.mlp
+        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
+            return False
+    return not any(isinstance(w, DTensor) for w in model.parameters())
+
+
+def _rms_norm(x, weight, eps):
+    # as Qwen2RMSNorm / LlamaRMSNorm: normalise in float32, scale in the input dtype
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StaticDecoder:
+    """A Llama/Qwen2 decoder over a preallocated KV cache, on its own copy of the model's weights.
+
+    The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
+    tables from the model's own rotary module, SDPA attention), without the
+    per-call framework work that dominates decoding small batches. Q/K/V and
+    gate/up are fused into one matmul each. The weight copies are refreshed at
+    every `sample` call, so on CUDA the captured graphs (one per batch bucket)
+    stay valid across optimizer steps and never see an FSDP hook: under FSDP the
+    weights are read once, while gathered, and decode runs on the copy.
+
+    Cache layout (layers, batch, kv_heads, slots, head_dim): slot = token index in
+    the padded sequence, so rows of a bucket are a contiguous view.
+    """
+
+    @classmethod
+    def for_model(cls, model, batch, length, cuda_graph=True):
+        dec = getattr(model, "_static_decoder", None)
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or length > dec.max_len:
+            if dec is not None:  # grow: free the old buffers first
+                del model._static_decoder, dec
+            dec = cls(model, batch, -(-length // 64) * 64)  # slots in multiples of 64: fewer regrowths, aligned
+            model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
+        dec.use_graph = cuda_graph and device.type == "cuda"
+        dec.load(model)
+        return dec
+
+    def __init__(self, model, max_batch, max_len):
+        cfg, layers = model.config, model.model.layers
+        a0 = layers[0].self_attn
+        self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.max_batch, self.max_len = max_batch, max_len
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
+        self.scale = a0.scaling
+        self.eps = [(l.input_layernorm.variance_epsilon, l.post_attention_layernorm.variance_epsilon) for l in layers]
+        self.final_eps = model.model.norm.variance_epsilon
+        kw = dict(device=self.device, dtype=self.dtype)
+        shape = (len(layers), max_batch, self.n_kv, max_len, self.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+        self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
+        self.cos = torch.zeros(max_batch, max_len, self.head_dim, **kw)  # rotary tables per row and position
+        self.sin = torch.zeros_like(self.cos)
+        self.w = None  # weight copies, allocated by the first load
+        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
+        self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graphs = {}  # bucket size -> (graph, logits output)
+        self.use_graph = False
+        self.unpadded = False
+        self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
+
+    @torch.no_grad()
+    def load(self, model):
+        def bias(lin):
+            return lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=self.device, dtype=self.dtype)
+        fresh = []
+        for l in model.model.layers:
+            a, m = l.self_attn, l.mlp
+            fresh.append({
+                "ln1": l.input_layernorm.weight, "ln2": l.post_attention_layernorm.weight,
+                "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                "qkv_b": torch.cat([bias(a.q_proj), bias(a.k_proj), bias(a.v_proj)]),
+                "o": a.o_proj.weight, "o_b": bias(a.o_proj),
+                "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                "gate_up_b": torch.cat([bias(m.gate_proj), bias(m.up_proj)]),
+                "down": m.down_proj.weight, "down_b": bias(m.down_proj),
+            })
+        head = {"embed": model.model.embed_tokens.weight, "norm": model.model.norm.weight, "lm_head": model.lm_head.weight}
+        if self.w is None:
+            self.w = ([{k: v.detach().clone() for k, v in d.items()} for d in fresh],
+                      {k: v.detach().clone() for k, v in head.items()})
+            if head["lm_head"].data_ptr() == head["embed"].data_ptr():  # tied embeddings: one copy serves both
+                self.w[1]["lm_head"] = self.w[1]["embed"]
+        else:  # copy in place: captured graphs hold these addresses
+            for mine, new in zip(self.w[0] + [self.w[1]], fresh + [head]):
+                for k in mine:
+                    if not (k == "lm_head" and mine[k] is mine["embed"]):
+                        mine[k].copy_(new[k])
+        self.rotary = model.model.rotary_emb
+
+    def batch_for(self, n):
+        """The decode batch that serves n live rows: n itself, or on graphs the next power of two."""
+        if not self.use_graph:
+            return n
+        return min(self.max_batch, 1 << max(0, n - 1).bit_length())
+
+    def worth_compacting(self, live, current):
+        """Compaction copies the cache: on graphs do it when the bucket shrinks, eagerly when a quarter of the rows left."""
+        if self.use_graph:
+            return self.batch_for(live) < self.batch_for(current)
+        return live <= 0.75 * current
+
+    @torch.no_grad()
+    def compact(self, keep, filled):
+        """Move the rows `keep` (indices into the current live rows) to the front of every buffer.
+
+        Only the `filled` cache slots hold anything yet; the rest need no copy.
+        """
+        k = keep.numel()
+        self.compactions += 1
+        for buf in (self.k_cache, self.v_cache):
+            buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
+        for buf in (self.key_mask, self.cos, self.sin):
+            buf[:k] = buf[keep]
+
+    def _layers(self, x, cos, sin, write, keys, attn_mask):
+        """x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V."""
+        b, s, _ = x.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        for i, w in enumerate(self.w[0]):
+            eps1, eps2 = self.eps[i]
+            h = _rms_norm(x, w["ln1"], eps1)
+            qkv = F.linear(h, w["qkv"], w["qkv_b"]).view(b, s, nh + 2 * nkv, hd)
+            qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rotary on queries and keys in one pass
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
+            write(i, k, qkv[:, :, nh + nkv:].transpose(1, 2))
+            kk, vv = keys(i)
+            if s == 1:
+                # one query per row: group the query heads that share a KV head as the "sequence" axis, so
+                # grouped-query attention needs no copy of K/V per query head
+                qg = q.view(b, nkv, nh // nkv, hd)
+                if x.is_cuda:
+                    o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
+                else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
+                    scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
+                    if attn_mask is not None:
+                        scores.masked_fill_(~attn_mask, float("-inf"))
+                    o = torch.matmul(scores.softmax(-1), vv)
+            else:
+                rep = nh // nkv
+                kk = kk[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
+                vv = vv[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=self.scale)
+            o = o.reshape(b, nh, s, hd).transpose(1, 2).reshape(b, s, nh * hd)
+            x = x + F.linear(o, w["o"], w["o_b"])
+            h = _rms_norm(x, w["ln2"], eps2)
+            gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
+        return x
+
+    def _logits(self, x):
+        head = self.w[1]
+        return F.linear(_rms_norm(x, head["norm"], self.final_eps), head["lm_head"])
+
+    @torch.no_grad()
+    def prefill(self, ids, attn, positions):
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
+        n, p = ids.shape
+        head = self.w[1]
+        x = F.embedding(ids, head["embed"])
+        # rotary tables for every position a row will use: prompt positions, then the completion's
+        last = positions[:, -1:]
+        all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
+        cos, sin = self.rotary(x, all_pos)
+        self.cos[:n], self.sin[:n] = cos, sin
+        self.key_mask[:n] = False
+        self.key_mask[:n, :p] = attn.bool()
+        # without left padding, eager decode over the filled slots needs no mask at all
+        self.unpadded = not self.use_graph and bool(attn.bool().all())
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # a padding query attends at least to itself, so its (unused) output stays finite
+        mask = (causal & attn.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
+        mask = mask[:, None]  # (N, 1, P, P)
+
+        def write(i, k, v):
+            self.k_cache[i, :n, :, :p] = k
+            self.v_cache[i, :n, :, :p] = v
+
+        def keys(i):
+            return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
+
+        x = self._layers(x, cos[:, :p, None], sin[:, :p, None], write, keys, mask)
+        return self._logits(x[:, -1])
+
+    def _decode_body(self, b, slot, kv_len):
+        """One token for the first b rows, whose tokens are in tok_in; K/V go to `slot` (an int, or on graphs a tensor)."""
+        x = F.embedding(self.tok_in[:b, None], self.w[1]["embed"])  # (b, 1, H)
+        if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
+            cos, sin = (t[:b].index_select(1, slot)[:, :, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
+            self.key_mask[:b].index_fill_(1, slot, True)
+        else:
+            cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
+            self.key_mask[:b, slot] = True
+        attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+        if self.unpadded and not torch.is_tensor(slot):
+            attn_mask = None
+
+        def write(i, k, v):
+            if torch.is_tensor(slot):
+                self.k_cache[i, :b].index_copy_(2, slot, k)
+                self.v_cache[i, :b].index_copy_(2, slot, v)
+            else:
+                self.k_cache[i, :b, :, slot] = k[:, :, 0]
+                self.v_cache[i, :b, :, slot] = v[:, :, 0]
+
+        def keys(i):
+            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+
+        return self._logits(self._layers(x, cos, sin, write, keys, attn_mask)[:, 0])
+
+    @torch.no_grad()
+    def decode(self, tok, slot):
+        """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) at cache `slot`.
+
+        Positions need no input: prefill filled each row's rotary table by slot.
+        """
+        n = tok.shape[0]
+        b = self.batch_for(n)
+        self.tok_in[:n] = tok
+        if not self.use_graph:
+            return self._decode_body(n, slot, slot + 1)  # eager: attend over the filled slots only
+        self.slot_in.fill_(slot)
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b):
+        # warm-up on a side stream, then capture; running the body computes this very step's values, so the
+        # cache slots it writes get the same contents the replay writes
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_body(b, self.slot_in, self.max_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._decode_body(b, self.slot_in, self.max_len)
+        return graph, out
 
 
 # ----------------------------------------------------------------------------- token log-probs
@@ -178,7 +525,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     logps, entropies = [], []
     for start in range(0, n * t, chunk_tokens):
         args = (hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and n * t > chunk_tokens:  # one chunk is within budget: keep it, skip the recompute
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(*args)

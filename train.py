@@ -31,7 +31,8 @@ import tasks
 class Config:
     # model
     model: str = "tiny"                   # local folder or hub id; "tiny" builds a 2-layer byte-level model
-    model_init_kwargs: dict = field(default_factory=lambda: {"dtype": "float32", "attn_implementation": "sdpa"})
+    model_init_kwargs: dict = field(default_factory=lambda: {"attn_implementation": "sdpa"})  # no dtype: bf16 on CUDA, fp32 on CPU
+    gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
     # task and rewards
     task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
@@ -363,7 +364,8 @@ def main(argv):
     tokenizer = model_loading.load_tokenizer(model_path)
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
-    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed)
+    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
+                                      gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)

@@ -1,0 +1,316 @@
+"""The fast paths compute what the simple ones do.
+
+Sampler: StaticDecoder (preallocated cache, fused projections, row compaction,
+CUDA graphs on GPU) against the Hugging Face forward over a DynamicCache.
+Training: chunked log-probs and the loss against full log_softmax + gather;
+activation checkpointing against none.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import grpo  # noqa: E402
+import model_loading  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def tiny_model(arch="qwen2", **overrides):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = model_loading.build_byte_tokenizer()
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    if arch == "llama":
+        # biases in attention and MLP exercise the bias slots of the fused weights
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, attention_bias=True, mlp_bias=True,
+                          tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          **overrides)
+    else:
+        cfg = model_loading.tiny_config(tok, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    return model, tok
+
+
+def prompts(tok, device="cpu"):
+    text = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"]
+    return tok(text, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+
+
+# many ids count as EOS so that rows stop at scattered lengths and compaction has work to do
+STOP_IDS = list(range(97, 123))
+
+
+def run(model, tok, enc, **kw):
+    args = dict(max_new_tokens=24, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, temperature=1.0,
+                seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3)
+    args.update(kw)
+    return grpo.sample(model, enc.input_ids, enc.attention_mask, **args)
+
+
+def assert_same_rollout(a, b, logp_atol=1e-5):
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=logp_atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_static_decoder_is_used_for_llama_and_qwen2(arch):
+    model, _ = tiny_model(arch)
+    assert grpo.static_decode_supported(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_tokens_identical_to_hf_forward(arch):
+    model, tok = tiny_model(arch)
+    enc = prompts(tok)
+    ref = run(model, tok, enc, temperature=0.0, static_cache=False, eos_ids=[10 ** 6])
+    for compact in (True, False):
+        assert_same_rollout(run(model, tok, enc, temperature=0.0, compact=compact, eos_ids=[10 ** 6]), ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_sampled_tokens_identical_to_hf_forward(arch):
+    model, tok = tiny_model(arch)
+    enc = prompts(tok)
+    ref = run(model, tok, enc, static_cache=False)
+    lengths = ref.completion_mask.sum(1)
+    assert lengths.min() < lengths.max(), "rows should stop at different lengths for compaction to matter"
+    assert ref.truncated.any() or lengths.max() < 24
+    for compact in (True, False):
+        for check_every in (1, 8):
+            before = getattr(model, "_static_decoder", None)
+            before = before.compactions if before is not None else 0
+            assert_same_rollout(run(model, tok, enc, compact=compact, check_every=check_every), ref)
+            assert (model._static_decoder.compactions > before) == compact
+
+
+def test_unpadded_prompts_identical_to_hf_forward():
+    """Prompts of one length take the mask-free decode path."""
+    model, tok = tiny_model()
+    enc = tok(["abcdef", "ghijkl", "mnopqr"], return_tensors="pt", add_special_tokens=False)
+    assert enc.attention_mask.all()
+    assert_same_rollout(run(model, tok, enc, seeds=torch.arange(3)), run(model, tok, enc, seeds=torch.arange(3), static_cache=False))
+
+
+def test_filters_and_temperature_identical_to_hf_forward():
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    for kw in (dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9)):
+        assert_same_rollout(run(model, tok, enc, **kw), run(model, tok, enc, static_cache=False, **kw))
+
+
+def test_row_does_not_depend_on_its_batch():
+    """A row sampled alone equals the same row sampled among others (padding, compaction, companions)."""
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    full = run(model, tok, enc)
+    for i in (1, 4):
+        alone = tok([tok.decode(enc.input_ids[i][enc.attention_mask[i].bool()])], return_tensors="pt",
+                    add_special_tokens=False)
+        one = run(model, tok, alone, seeds=torch.tensor([i * 7 + 3]))
+        L = one.completion_ids.shape[1]
+        assert torch.equal(one.completion_ids[0], full.completion_ids[i, :L])
+        assert (full.completion_mask[i, L:] == 0).all()
+
+
+def test_sampler_logprobs_equal_training_forward():
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    r = run(model, tok, enc, temperature=0.8)
+    ids = torch.cat([enc.input_ids, r.completion_ids], 1)
+    attn = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, ids, attn, r.completion_ids.shape[1], temperature=0.8)
+    torch.testing.assert_close(logp * r.completion_mask, r.logprobs, atol=1e-5, rtol=0)
+
+
+def test_prefill_and_decode_logits_match_hf_forward():
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    n, p = enc.input_ids.shape
+    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    dec = grpo.StaticDecoder.for_model(model, n, p + 4)
+    with torch.no_grad():
+        got = dec.prefill(enc.input_ids, enc.attention_mask, pos)
+        want = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=pos).logits[:, -1]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        nxt = torch.arange(n) + 5
+        got = dec.decode(nxt, p)
+        ids = torch.cat([enc.input_ids, nxt[:, None]], 1)
+        attn = torch.cat([enc.attention_mask, torch.ones(n, 1, dtype=torch.long)], 1)
+        want = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids_from_mask(attn)).logits[:, -1]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decoder_copy_follows_weight_updates():
+    """The decoder keeps its own copy of the weights between calls; a changed model must be seen."""
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    run(model, tok, enc, temperature=0.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert_same_rollout(run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6]),
+                        run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6], static_cache=False))
+
+
+def test_decoder_grows_for_longer_and_larger_batches():
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    run(model, tok, enc, max_new_tokens=4)
+    small = model._static_decoder
+    big = tok(["z" * 90] * 9, return_tensors="pt", add_special_tokens=False)
+    assert_same_rollout(run(model, tok, big, max_new_tokens=50, seeds=torch.arange(9)),
+                        run(model, tok, big, max_new_tokens=50, seeds=torch.arange(9), static_cache=False))
+    assert model._static_decoder is not small and model._static_decoder.max_len >= 140
+
+
+def test_unsupported_architecture_falls_back_to_hf_forward():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    tok = model_loading.build_byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
+                                                        n_positions=128)).eval()
+    assert not grpo.static_decode_supported(model)
+    tok.padding_side = "left"
+    r = run(model, tok, prompts(tok))
+    assert r.completion_ids.shape[0] == 6
+
+
+def test_sliding_window_layers_fall_back():
+    model, _ = tiny_model(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert not grpo.static_decode_supported(model)
+
+
+def test_searchsorted_sampling_equals_counting_below():
+    """sample_tokens picks the first index whose cdf reaches u * total, i.e. the count of entries below it."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g) * 3
+    u = grpo.row_uniform(torch.arange(64), 0)
+    tok, lp = grpo.sample_tokens(logits, 1.0, 0, 1.0, u)
+    cdf = (logits - logits.amax(-1, keepdim=True)).exp().cumsum(-1)
+    want = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=299)
+    assert torch.equal(tok, want)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, want[:, None])[:, 0], atol=1e-5, rtol=0)
+    # and the tokens follow the distribution: the empirical frequency of a two-token distribution
+    two = torch.tensor([[0.0, 1.0]]).log().expand(4000, 2).clone()
+    two[:, 0] = torch.log(torch.tensor(0.25))
+    two[:, 1] = torch.log(torch.tensor(0.75))
+    picks, _ = grpo.sample_tokens(two, 1.0, 0, 1.0, grpo.row_uniform(torch.arange(4000), 3))
+    assert abs(picks.float().mean().item() - 0.75) < 0.03
+
+
+def test_row_uniform_matrix_equals_stepwise():
+    seeds = torch.tensor([0, 5, 2 ** 40 + 3])
+    mat = grpo.row_uniform(seeds[:, None], torch.arange(6)[None, :])
+    for t in range(6):
+        assert torch.equal(mat[:, t], grpo.row_uniform(seeds, t))
+
+
+# ----------------------------------------------------------------------------- training fast paths
+
+
+def naive_logprobs(model, ids, attn, t, temperature):
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids_from_mask(attn)).logits
+    logp_all = torch.log_softmax(logits[:, -t - 1:-1].float() / temperature, -1)
+    return logp_all.gather(-1, ids[:, -t:, None])[..., 0], -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 7])  # one chunk (no recompute), and many checkpointed chunks
+def test_chunked_logprobs_loss_and_grads_match_naive(chunk_tokens):
+    model, tok = tiny_model()
+    model.train()
+    enc = prompts(tok)
+    g = torch.Generator().manual_seed(1)
+    t = 6
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=g)
+    ids = torch.cat([enc.input_ids, comp], 1)
+    attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    mask = (torch.rand(ids.shape[0], t, generator=g) > 0.2).float()
+    adv = torch.randn(ids.shape[0], generator=g)
+    ref = torch.randn(ids.shape[0], t, generator=g) * 0.1 - 5
+
+    def loss_and_grads(logprob_fn):
+        model.zero_grad(set_to_none=True)
+        logp, ent = logprob_fn()
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.04, epsilon=0.2, epsilon_high=0.2,
+                                 loss_type="grpo", num_sequences=ids.shape[0], num_tokens=mask.sum(),
+                                 max_completion_length=t)
+        loss.backward()
+        return logp.detach(), ent.detach(), loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    fast = loss_and_grads(lambda: grpo.completion_logprobs(model, ids, attn, t, 0.9, chunk_tokens=chunk_tokens))
+    slow = loss_and_grads(lambda: naive_logprobs(model, ids, attn, t, 0.9))
+    for a, b in zip(fast[:3], slow[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for k in slow[3]:
+        torch.testing.assert_close(fast[3][k], slow[3][k], atol=1e-6, rtol=1e-4, msg=k)
+    assert slow[3]["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    path = model_loading.write_tiny_model(str(tmp_path / "m"))
+    grads = []
+    for ckpt in (False, True):
+        model = model_loading.load_model(path, {"attn_implementation": "sdpa"}, "cpu", seed=0, gradient_checkpointing=ckpt)
+        model.train()
+        assert model.model.gradient_checkpointing == ckpt
+        ids = torch.arange(40).view(2, 20) + 3
+        logp, _ = grpo.completion_logprobs(model, ids, torch.ones_like(ids), 8)
+        logp.sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_default_dtype_is_float32_on_cpu(tmp_path):
+    path = model_loading.write_tiny_model(str(tmp_path / "m"))
+    assert model_loading.load_model(path, {}, "cpu").dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- CUDA-only paths
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_matches_eager(dtype):
+    model, tok = tiny_model()
+    model = model.to("cuda", dtype)
+    enc = prompts(tok, "cuda")
+    kw = dict(seeds=torch.arange(6, device="cuda") * 7 + 3)
+    eager = run(model, tok, enc, cuda_graph=False, **kw)
+    graph = run(model, tok, enc, cuda_graph=True, **kw)
+    assert_same_rollout(graph, eager, logp_atol=1e-5 if dtype == torch.float32 else 2e-2)
+    again = run(model, tok, enc, cuda_graph=True, **kw)  # replayed graphs, no new capture
+    assert_same_rollout(again, graph, logp_atol=0)
+    if dtype == torch.float32:
+        assert_same_rollout(graph, run(model, tok, enc, static_cache=False, **kw), logp_atol=1e-4)
+
+
+@cuda
+def test_cuda_greedy_matches_hf_forward():
+    model, tok = tiny_model()
+    model = model.to("cuda")
+    enc = prompts(tok, "cuda")
+    a = run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6])
+    b = run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6], static_cache=False)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_all_rows_finished_but_not_stopped():
+    """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    kw = dict(max_new_tokens=20, eos_ids=list(range(250)), all_done=lambda done: False, check_every=2)
+    a, b = run(model, tok, enc, **kw), run(model, tok, enc, static_cache=False, **kw)
+    assert a.completion_ids.shape[1] == 20
+    assert_same_rollout(a, b)
