@@ -99,7 +99,8 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
-           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True):
+           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
+           keep_decoder=False):
     """Generate completions for left-padded prompts: a prefill, then one token at a time over a KV cache.
 
     Each row stops at its first EOS; the loop stops once every row has, checking
@@ -115,6 +116,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     or static_cache=False, run the Hugging Face forward over a DynamicCache.
     compact: at each check, drop finished rows from the decode batch.
     cuda_graph: on CUDA, replay each decode step as a captured CUDA graph.
+    keep_decoder: keep StaticDecoder's weight copies, cache and graphs on the
+    model for the next call (no re-copy or re-capture) at the price of that
+    memory between calls; by default they are freed when sampling ends.
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -129,7 +133,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     args = (prompt_ids, prompt_mask.long(), max_new_tokens, torch.as_tensor(eos_ids, device=device), pad_id,
             (temperature, top_k, top_p), uniforms, check_every, all_done)
     if static_cache and static_decode_supported(model):
-        tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph)
+        tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph,
+                                             keep_decoder=keep_decoder)
     else:
         tokens, logps, done = _sample_hf(model, *args)
     mask = completion_mask_from_ids(tokens, eos_ids)
@@ -166,7 +171,7 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, u
 
 
 def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every,
-                   all_done, compact, cuda_graph):
+                   all_done, compact, cuda_graph, keep_decoder):
     """The fast loop: StaticDecoder, with finished rows compacted out of the decode batch.
 
     Live state covers only the rows still decoding (`rows` holds their indices in
@@ -206,6 +211,8 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
         logits = dec.decode(tok, p + t)
     tokens[rows], logps[rows] = live_tok, live_lp
     done[rows] = live_done
+    if not keep_decoder:  # give the weight copies and the cache back before training needs the memory
+        model.__dict__.pop("_static_decoder", None)
     return tokens[:, :length], logps[:, :length], done
 
 
@@ -263,8 +270,10 @@ class StaticDecoder:
     The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
     tables from the model's own rotary module, SDPA attention), without the
     per-call framework work that dominates decoding small batches. Q/K/V and
-    gate/up are fused into one matmul each. The weight copies are refreshed at
-    every `sample` call, so on CUDA the captured graphs (one per batch bucket)
+    gate/up are fused into one matmul each. The copies cost one model's weights
+    in memory (plus the cache), freed after each `sample` call unless it keeps
+    them (keep_decoder). Kept, they are refreshed in place at every call, so
+    the captured graphs (one per batch bucket)
     stay valid across optimizer steps and never see an FSDP hook: under FSDP the
     weights are read once, while gathered, and decode runs on the copy.
 

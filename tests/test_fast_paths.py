@@ -49,7 +49,7 @@ STOP_IDS = list(range(97, 123))
 
 def run(model, tok, enc, **kw):
     args = dict(max_new_tokens=24, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, temperature=1.0,
-                seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3)
+                seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3, keep_decoder=True)  # kept: tests inspect it
     args.update(kw)
     return grpo.sample(model, enc.input_ids, enc.attention_mask, **args)
 
@@ -160,6 +160,16 @@ def test_decoder_copy_follows_weight_updates():
             p.add_(torch.randn_like(p) * 0.5)
     assert_same_rollout(run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6]),
                         run(model, tok, enc, temperature=0.0, eos_ids=[10 ** 6], static_cache=False))
+
+
+def test_decoder_memory_is_freed_unless_kept():
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    kept = run(model, tok, enc)
+    assert getattr(model, "_static_decoder", None) is not None
+    freed = run(model, tok, enc, keep_decoder=False)
+    assert getattr(model, "_static_decoder", None) is None
+    assert_same_rollout(freed, kept)
 
 
 def test_decoder_grows_for_longer_and_larger_batches():
