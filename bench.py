@@ -27,6 +27,7 @@ import torch
 import grpo
 import model_loading
 import rewards
+import tasks
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -192,7 +193,7 @@ class OurStep:
         self.policy = load(path, s, device)
         self.ref = model_loading.build_reference_model(self.policy, s["beta"])
         self.eos = model_loading.eos_token_ids(self.policy, self.tokenizer)
-        self.task = rewards.get_task("next_letter")
+        self.task = tasks.get_task("next_letter")
         # TRL's optimizer defaults, so both sides do the same optimizer work
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         self.step_no = 0
@@ -266,7 +267,7 @@ def bench_step(path, s, device, root):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task = rewards.get_task("next_letter")
+    task = tasks.get_task("next_letter")
     rows = task.make_prompts(random.Random(12345), s["prompts"] * (total_steps + 1))
     trl_times = []
 
@@ -288,6 +289,7 @@ def bench_step(path, s, device, root):
         gradient_accumulation_steps=s["prompts"] * s["num_generations"] // s["micro_batch"],  # one generation per step
         num_generations=s["num_generations"], max_completion_length=s["step_new_tokens"], beta=s["beta"],
         loss_type="grpo", scale_rewards="group", num_iterations=1, epsilon=0.2,
+        gradient_checkpointing=False,  # TRL turns it on by default; ours is off, so both do the same work
         temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], use_vllm=False,
         learning_rate=s["lr"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         max_steps=total_steps, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
