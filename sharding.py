@@ -275,7 +275,9 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
     barrier(d)
     free_gathered(model)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
+    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_{d.rank}.pt"))
     if d.master:
         torch.save({**trainer_state, "step": step, "world_size": d.world_size}, os.path.join(tmp, "trainer.pt"))
@@ -343,7 +345,9 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
             try:
                 state = _copy_state({"model": get_model_state_dict(model),
                                      "optim": get_optimizer_state_dict(model, optimizer)})
-                dcp.load(state, checkpoint_id=path, no_dist=d.world_size == 1)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(state, checkpoint_id=path, no_dist=d.world_size == 1)
                 trainer_state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
                 rng_file = os.path.join(path, f"rng_{d.rank}.pt")
                 rng = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else None
