@@ -171,7 +171,7 @@ def load_reward_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0
 
     Loaded the same deferred way as the policy (same `model_init_kwargs`, our
     placement); its tokenizer and chat template are its own, not the policy's.
-    Under several processes, shard it like the reference model.
+    train.py shards it like the reference model (sharding.Root + fully_shard).
     """
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token is None:

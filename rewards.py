@@ -402,6 +402,12 @@ def countdown_reward(prompts, completions, nums, target, **_):
 
 
 @torch.no_grad()
+def _score_at(model, input_ids, attention_mask, position_ids, last):
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids).last_hidden_state
+    return model.score(hidden[torch.arange(len(last), device=last.device), last])[:, 0]
+
+
 def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, max_length=2048,
                         padding_side="right"):
     """One scalar per (prompt, completion) from a sequence-classification reward model.
@@ -413,9 +419,13 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, ma
     gives the same score (HF's pooling looks for pad ids, which breaks when the
     pad token is also the EOS that ends a chat turn).
     """
-    head = getattr(model, "score", None)
+    # `model` may be the module itself or a sharding wrapper whose call `model(fn, *args)` runs `fn(module, *args)`
+    # inside one forward of the sharded root (sharding.Root), so the sharded weights are gathered for it
+    lm = getattr(model, "lm", model)
+    run = model if lm is not model else (lambda fn, *args: fn(model, *args))
+    head = getattr(lm, "score", None)
     if head is None:
-        raise ValueError(f"reward model {type(model).__name__}: expected a sequence-classification head named "
+        raise ValueError(f"reward model {type(lm).__name__}: expected a sequence-classification head named "
                          f"'score' (as in *ForSequenceClassification)")
     templated = getattr(tokenizer, "chat_template", None) is not None
     if templated:
@@ -423,7 +433,7 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, ma
                                                tokenize=False) for p, c in zip(prompts, completions)]
     else:
         texts = [p + c for p, c in zip(prompts, completions)]
-    device = next(model.parameters()).device
+    device = next(lm.parameters()).device
     old_sides = tokenizer.padding_side, tokenizer.truncation_side
     tokenizer.padding_side, tokenizer.truncation_side = padding_side, "left"  # keep the end: the completion
     scores = []
@@ -433,10 +443,8 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, ma
                             max_length=max_length, add_special_tokens=not templated).to(device)
             mask = enc.attention_mask.long()
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = model.base_model(input_ids=enc.input_ids, attention_mask=mask,
-                                      position_ids=positions).last_hidden_state
             last = (mask * torch.arange(mask.shape[1], device=device)).argmax(-1)  # (B,) index of the last real token
-            scores.append(head(hidden[torch.arange(len(last), device=device), last])[:, 0].float().cpu())
+            scores.append(run(_score_at, enc.input_ids, mask, positions, last).float().cpu())
     finally:
         tokenizer.padding_side, tokenizer.truncation_side = old_sides
     return torch.cat(scores).tolist()

@@ -376,9 +376,15 @@ def main(argv):
     # task: prompts, reward functions (plus a reward model's score), held-out evaluation prompts
     rm_path = cfg.reward_model or tasks.TASK_REWARD_MODELS.get(cfg.task, "")
     if rm_path == model_loading.TINY:
-        rm_path = model_loading.write_tiny_reward_model(os.path.join(cfg.out_dir, "tiny_reward_model_init"))
-    reward_model = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, d.device, cfg.seed + 1) \
-        if rm_path else None
+        rm_path = os.path.join(cfg.out_dir, "tiny_reward_model_init")
+        if d.master:
+            model_loading.write_tiny_reward_model(rm_path)
+        sharding.barrier(d)
+    reward_model = None  # (model behind its root wrapper, its own tokenizer)
+    if rm_path:
+        rm, rm_tokenizer = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, load_device, cfg.seed + 1)
+        # sharded like the reference; every rank scores as many completions in as many forwards
+        reward_model = (sharding.shard(sharding.Root(rm), d, cfg.mixed_precision).eval(), rm_tokenizer)
     try:
         task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
                                 eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model)
@@ -438,6 +444,8 @@ def main(argv):
 
         # 3. score this rank's completions, 4. advantages over each whole group: all rewards, then our rows
         total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
+        if reward_model is not None:
+            sharding.free_gathered(reward_model[0])  # forward only: nothing else frees its gathered root weights
         all_total = sharding.all_gather_rows(total, d)                             # (N,)
         all_advantages, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)
         advantages = all_advantages[mine].to(d.device)

@@ -170,3 +170,42 @@ def test_wandb_keys():
     assert train.wandb_key("reward/countdown_reward") == "reward/countdown_reward"
     assert train.wandb_key("eval/accuracy") == "eval/accuracy"
     assert train.wandb_key("step_time") == "perf/step_time"
+
+
+RM_WORKER = r'''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import model_loading, rewards, sharding
+d = sharding.setup("cpu")
+model, tok = model_loading.load_reward_model(sys.argv[2], {"dtype": "float32"}, "cpu", seed=3)
+root = sharding.shard(sharding.Root(model), d, "fp32").eval()
+assert sharding.fsdp_modules(root), "the reward model should be sharded"
+prompts, completions = sys.argv[4].split("|"), sys.argv[5].split("|")
+mine = slice(d.rank * 2, d.rank * 2 + 2)  # each rank scores its own completions, in batches of one
+scores = rewards.reward_model_scores(root, tok, prompts[mine], completions[mine], batch_size=1)
+sharding.free_gathered(root)
+everything = [None] * d.world_size
+dist.all_gather_object(everything, scores)
+if d.rank == 0:
+    torch.save(sum(everything, []), sys.argv[3])
+sharding.teardown()
+'''
+
+
+def test_sharded_reward_model_scores_as_unsharded(reward_model, tmp_path):
+    """Two processes on CPU (gloo): the reward model sharded like the policy gives the unsharded scores."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = str(tmp_path / "rm")
+    model, tok = reward_model
+    model.save_pretrained(path)  # the fixture's weights, so both sides score with the same model
+    tok.save_pretrained(path)
+    (tmp_path / "worker.py").write_text(RM_WORKER)
+    out = tmp_path / "scores.pt"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29533", str(tmp_path / "worker.py"), root, path, str(out), "|".join(PROMPTS),
+                           "|".join(COMPLETIONS)], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expected = rewards.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(torch.tensor(torch.load(out)), torch.tensor(expected), atol=1e-5, rtol=1e-5)
