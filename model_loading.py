@@ -116,7 +116,9 @@ def eos_token_ids(model, tokenizer):
 def _init_kwargs(model_init_kwargs, device):
     kwargs = dict(model_init_kwargs or {})
     if "dtype" not in kwargs and "torch_dtype" not in kwargs:
-        kwargs["dtype"] = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+        # float32 weights: AdamW updates at small learning rates vanish when rounded to bfloat16 weights.
+        # Under torchrun, FSDP2 still computes in bfloat16 (sharding.mixed_precision_dtypes).
+        kwargs["dtype"] = "float32"
     if kwargs.get("device_map") not in (None, ):
         raise ValueError("model_init_kwargs.device_map: device placement is decided by the trainer (one device per process); remove it")
     kwargs.pop("device_map", None)
@@ -130,6 +132,9 @@ def _init_kwargs(model_init_kwargs, device):
 def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
     kwargs = _init_kwargs(model_init_kwargs, device)
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
+        if kwargs.get("dtype") == "auto":  # "the checkpoint's dtype": there is no checkpoint, use the config's
+            kwargs["dtype"] = resolve_dtype(str(getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
+                                                or "float32").replace("torch.", ""))
         config = AutoConfig.from_pretrained(name_or_path)
         torch.manual_seed(seed)
         return auto_class.from_config(config, **kwargs)
@@ -141,10 +146,9 @@ def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0, gradi
 
     A directory with a config and no weights gives a randomly initialised model
     (seeded), which is what the default run and the tests use.
-    Without a dtype in `model_init_kwargs`: bfloat16 when loaded straight onto
-    CUDA (one GPU: half the bytes and the tensor-core rate), float32 on the CPU
-    (where bfloat16 matmuls are slow, and where several processes load before
-    FSDP2 casts to bfloat16 for compute and keeps float32 master weights).
+    Without a dtype in `model_init_kwargs`: float32, so that optimizer updates
+    are not rounded away; under torchrun FSDP2 computes in bfloat16 over these
+    float32 master weights (`--mixed_precision`).
     gradient_checkpointing: keep only each layer's input in the forward and
     recompute the layer in the backward (activation memory for ~1/3 more compute).
     """

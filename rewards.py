@@ -10,6 +10,7 @@ for GSM8K, the countdown expression checker, reward-model scoring, and the
 default task's reward. Which task uses which functions is in tasks.py.
 """
 
+import math
 import re
 from collections import Counter
 from fractions import Fraction
@@ -32,6 +33,10 @@ def _call_reward(fn, prompts, completions, fields):
     try:
         scores = fn(prompts, completions, **fields)
     except Exception as batch_error:
+        if getattr(fn, "collective", False):
+            # a sharded model: calling it again on one rank alone would desynchronise the ranks' collectives
+            raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: "
+                                      f"{batch_error}") from batch_error
         # find the completion it fails on, so the message can show it
         for i, completion in enumerate(completions):
             one = {k: v[i:i + 1] for k, v in fields.items()}
@@ -48,9 +53,9 @@ def _call_reward(fn, prompts, completions, fields):
         got = "None" if scores is None else f"{len(scores)} scores"
         raise RewardFunctionError(f"reward function '{name}' returned {got} for {len(completions)} completions")
     for i, s in enumerate(scores):
-        if s is not None and not isinstance(s, (int, float)):
+        if s is not None and (not isinstance(s, (int, float)) or not math.isfinite(s)):
             raise RewardFunctionError(f"reward function '{name}' returned {s!r} (a {type(s).__name__}) for "
-                                      f"completion {i}: {completions[i][:500]!r}; expected a number or None")
+                                      f"completion {i}: {completions[i][:500]!r}; expected a finite number or None")
     return scores
 
 
@@ -454,6 +459,7 @@ def make_reward_model_reward(model, tokenizer, batch_size=8):
     """A reward function scoring with `model`; it sees the untemplated prompt text when the task provides it."""
     def reward_model(prompts, completions, prompt_text=None, **_):
         return reward_model_scores(model, tokenizer, prompt_text or prompts, completions, batch_size)
+    reward_model.collective = True  # may run a sharded model: every rank must make the same calls
     return reward_model
 
 

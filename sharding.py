@@ -39,7 +39,7 @@ def setup(device=None):
     """
     use_cuda = torch.cuda.is_available() if device in (None, "", "auto") else str(device).startswith("cuda")
     if "RANK" not in os.environ:
-        return Dist(0, 0, 1, torch.device("cuda" if use_cuda else "cpu"))
+        return Dist(0, 0, 1, torch.device(device if use_cuda and ":" in str(device) else "cuda" if use_cuda else "cpu"))
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -49,7 +49,7 @@ def setup(device=None):
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     mesh = None
-    if world > 1:
+    if world > 1 or dev.type == "cuda":  # one GPU under torchrun too: FSDP2's bf16 compute over fp32 weights
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     return Dist(rank, local_rank, world, dev, mesh)
@@ -245,9 +245,10 @@ MANIFEST = "manifest.json"
 
 
 def _checkpoint_dirs(out_dir):
-    """Checkpoint folders, newest first."""
-    found = glob.glob(os.path.join(out_dir, CHECKPOINTS, "step_*"))
-    return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]), reverse=True)
+    """Checkpoint folders (step_<digits>), newest first; anything else in the folder is ignored."""
+    found = [p for p in glob.glob(os.path.join(out_dir, CHECKPOINTS, "step_*"))
+             if os.path.basename(p)[len("step_"):].isdigit()]
+    return sorted(found, key=lambda p: int(os.path.basename(p)[len("step_"):]), reverse=True)
 
 
 def _rng_state():
@@ -339,8 +340,17 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    for path in _checkpoint_dirs(out_dir):
+    paths = _checkpoint_dirs(out_dir)
+    if d.world_size > 1:  # rank 0's listing for all: ranks that saw different files would diverge in collectives
+        shared = [paths]
+        dist.broadcast_object_list(shared, src=0)
+        paths = shared[0]
+    skipped = []
+    for path in paths:
         problem = _check_manifest(path)
+        # agree on the manifest verdict before dcp.load, itself a collective
+        if all_reduce_sum([float(problem is not None)], d)[0]:
+            problem = problem or "incomplete on another rank"
         if problem is None:
             try:
                 state = _copy_state({"model": get_model_state_dict(model),
@@ -359,6 +369,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
             if d.master:
                 warnings.warn(f"skipping checkpoint {path}: {problem or 'failed to load on another rank'}",
                               stacklevel=2)
+            skipped.append(f"{path}: {problem or 'failed to load on another rank'}")
             continue
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -366,6 +377,12 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
             _set_rng_state(rng)
         trainer_state["path"] = path
         return trainer_state
+    optimizer.state.clear()  # get_optimizer_state_dict initialised AdamW's state: a fresh start has none
+    if skipped:
+        # starting over would overwrite this run's checkpoints and metrics: stop and say why instead
+        raise SystemExit("out_dir holds checkpoints but none could be loaded (a different model, config or "
+                         "damaged files?):\n  " + "\n  ".join(skipped) +
+                         "\nUse another --out_dir to start a new run, or remove these folders.")
     return None
 
 

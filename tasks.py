@@ -259,7 +259,11 @@ def _prompt_column_row(chat):
 def _check_rows(task, rows, source, kind):
     """Every row carries what the reward functions need, and gold answers parse, before any training starts."""
     needed = {f: rewards.reward_name(fn) for fn in task.reward_funcs for f in _required_fields(fn)}
+    columns = set(rows[0]) if rows else set()
     for i, row in enumerate(rows):
+        if set(row) != columns:  # a step's fields are read from its first row: all rows must agree
+            raise ValueError(f"dataset {source}, {kind} {i}: columns {sorted(row)} differ from the first row's "
+                             f"{sorted(columns)}")
         try:
             formatted = task._format(row)
         except KeyError as e:

@@ -90,20 +90,20 @@ class Config:
 
 
 # Named runs: Config overrides applied before the command line's (README: "Tasks, presets, LoRA and evaluation").
-_QWEN_BF16 = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+_QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
 PRESETS = {
     "gsm8k-qwen2.5-0.5b": dict(
-        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_BF16, task="gsm8k",
+        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="gsm8k",
         num_generations=8, prompts_per_step=32, micro_batch_size=16, lr=1e-6, warmup_steps=10, beta=0.04,
         temperature=1.0, max_completion_length=512, max_prompt_length=512, max_steps=400,
         eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
     "countdown-qwen2.5-3b": dict(
-        model="Qwen/Qwen2.5-3B-Instruct", model_init_kwargs=_QWEN_BF16, task="countdown",
+        model="Qwen/Qwen2.5-3B-Instruct", model_init_kwargs=_QWEN_SDPA, task="countdown",
         num_generations=8, prompts_per_step=32, micro_batch_size=8, lr=1e-6, warmup_steps=10, beta=0.001,
         temperature=1.0, max_completion_length=1024, max_prompt_length=256, max_steps=300,
         eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
     "tldr-qwen2-0.5b": dict(
-        model="Qwen/Qwen2-0.5B-Instruct", model_init_kwargs=_QWEN_BF16, task="tldr",
+        model="Qwen/Qwen2-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="tldr",
         reward_model="weqweasdas/RM-Gemma-2B", num_generations=8, prompts_per_step=16, micro_batch_size=16,
         lr=1e-6, beta=0.04, temperature=1.0, max_completion_length=128, max_prompt_length=512, max_steps=500,
         eval_every=100, eval_prompts=128, completions_table_every=25, print_completions_every=25),
@@ -133,7 +133,12 @@ def _cast(key, value, typ):
             if value.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if typ in (int, float, str):
+        if typ is float:
+            number = float(value)
+            if not math.isfinite(number):  # inf or nan would pass every range check below
+                raise ValueError
+            return number
+        if typ in (int, str):
             return typ(value)
         if typ is dict:
             parsed = json.loads(value)
@@ -182,6 +187,11 @@ def validate(cfg, world_size=1):
     need(cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", f"constant, linear or cosine, got {cfg.lr_schedule!r}")
     need(cfg.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {cfg.warmup_steps}")
     need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
+    need(cfg.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {cfg.max_grad_norm}")
+    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {cfg.adam_beta1}")
+    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {cfg.adam_beta2}")
+    need(cfg.weight_decay >= 0, "weight_decay", f"must be >= 0, got {cfg.weight_decay}")
+    need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 < cfg.epsilon < 1, "epsilon", f"must be in (0, 1), got {cfg.epsilon}")
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
     need(cfg.loss_type in grpo.LOSS_TYPES, "loss_type", f"one of {', '.join(grpo.LOSS_TYPES)}, got {cfg.loss_type!r}")
@@ -225,6 +235,14 @@ def lr_factor(cfg, opt_step, total_opt_steps):
 # ----------------------------------------------------------------------------- logging
 
 
+def _step_of(line):
+    """The step of a metrics.jsonl line; None for a line cut short when a run was killed mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Logger:
     """stdout line, out_dir/metrics.jsonl, and wandb when asked for; only the master process writes."""
 
@@ -238,7 +256,7 @@ class Logger:
         kept = []
         if os.path.exists(path):
             with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
         with open(path, "w") as f:
             f.writelines(kept)
         self.jsonl = open(path, "a")
@@ -366,6 +384,11 @@ def main(argv):
         model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
     eos_ids = model_loading.eos_token_ids(policy, tokenizer)
+    low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
+    if low and cfg.lr < 1e-4 and d.master:
+        print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
+              f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
+              f"torchrun + FSDP2 compute in bfloat16", flush=True)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
     policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision)
     policy.train()
@@ -526,6 +549,8 @@ def main(argv):
         history.append(metrics["reward"])
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             metrics.update(evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids))
+            if reward_model is not None:
+                sharding.free_gathered(reward_model[0])
         if cfg.completions_table_every and step % cfg.completions_table_every == 0:
             shown = slice(0, min(n, 4 * G))  # the first four groups, whole
             logger.table(step, "completions", {

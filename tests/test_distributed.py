@@ -263,10 +263,17 @@ def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path):
     assert all(torch.equal(fresh.state_dict()[k], saved[2][k]) for k in saved[2])
     assert fresh_opt.state_dict()["state"], "optimizer state restored"
 
-    # nothing loadable: None, and the model is untouched (never half-loaded)
+    # nothing loadable: the run stops (starting over would overwrite the run), naming every checkpoint it
+    # tried, and the model and optimizer are untouched (never half-loaded)
     os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
     untouched, untouched_opt = _small()
     before = {k: v.clone() for k, v in untouched.state_dict().items()}
-    with pytest.warns(UserWarning, match="step_00000002.*incomplete"):
-        assert sharding.load_latest_checkpoint(str(tmp_path), untouched, untouched_opt, d) is None
+    with pytest.warns(UserWarning, match="step_00000002.*incomplete"), pytest.raises(SystemExit) as e:
+        sharding.load_latest_checkpoint(str(tmp_path), untouched, untouched_opt, d)
+    assert "step_00000003" in str(e.value.code) and "step_00000002" in str(e.value.code)
     assert all(torch.equal(untouched.state_dict()[k], before[k]) for k in before)
+    assert not untouched_opt.state  # no AdamW state invented by the failed attempt
+
+    # an empty out_dir, or one with only stray folders, is a fresh start
+    os.makedirs(tmp_path / "fresh" / "checkpoints" / "step_notes")
+    assert sharding.load_latest_checkpoint(str(tmp_path / "fresh"), untouched, untouched_opt, d) is None

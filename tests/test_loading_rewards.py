@@ -72,7 +72,8 @@ def test_reward_function_error_names_function_and_completion():
 
 
 @pytest.mark.parametrize("returned, words", [([1.0], "returned 1 scores for 2"), (None, "returned None"),
-                                             (["1", 2.0], "expected a number or None")])
+                                             (["1", 2.0], "expected a finite number or None"),
+                                             ([float("inf"), 1.0], "expected a finite number")])
 def test_reward_function_bad_return_is_named(returned, words):
     def sloppy(prompts, completions, **_):
         return returned

@@ -246,7 +246,7 @@ def test_unknown_task_and_preset_are_named():
 def test_presets_apply_before_command_line():
     cfg = train.parse_config(["--preset=gsm8k-qwen2.5-0.5b", "--lr=3e-6"])
     assert cfg.task == "gsm8k" and cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.lr == 3e-6
-    assert cfg.model_init_kwargs["dtype"] == "bfloat16"
+    assert cfg.model_init_kwargs == {"attn_implementation": "sdpa"}  # no dtype: float32 weights for AdamW
     hints = set(train.Config.__dataclass_fields__)
     for name, overrides in train.PRESETS.items():
         assert set(overrides) <= hints, name
@@ -288,3 +288,11 @@ def test_prompt_column_dataset_end_to_end(tmp_path):
     path.write_text("".join(json.dumps({"prompt": f"{a}>", "answer": b}) + "\n" for a, b in zip("abcdefg", "bcdefgh")))
     lines = _run(tmp_path, "--task=next_letter", f"--dataset={path}", "--reward_model=tiny")
     assert "reward/next_letter_reward" in lines[-1] and "reward/reward_model" in lines[-1]
+
+
+def test_dataset_rows_with_different_columns_are_refused(tmp_path):
+    path = tmp_path / "uneven.jsonl"
+    path.write_text(json.dumps({"prompt": "a>", "answer": "b", "source": "x"}) + "\n" +
+                    json.dumps({"prompt": "b>", "answer": "c"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 1: columns \['answer', 'prompt'\] differ"):
+        tasks.get_task("next_letter", dataset=str(path))

@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--num_generations=1", "num_generations"), ("--beta=-1", "beta"), ("--loss_type=ppo", "loss_type"),
     ("--model_init_kwargs=[1]", "model_init_kwargs"), ("--mask_truncated_completions=maybe", "mask_truncated_completions"),
     ("--top_p=0", "top_p"), ("--scale_rewards=std", "scale_rewards"), ("max_steps=3", "max_steps"),
+    ("--lr=inf", "lr"), ("--beta=nan", "beta"), ("--max_grad_norm=-1", "max_grad_norm"),
+    ("--adam_beta2=1.5", "adam_beta2"), ("--weight_decay=-1", "weight_decay"), ("--reward_weights=1,nan", "reward_weights"),
 ])
 def test_bad_config_names_the_key(arg, key):
     with pytest.raises(SystemExit) as e:
