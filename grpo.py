@@ -523,8 +523,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     """
     t = num_completion_tokens
     positions = position_ids_from_mask(attention_mask)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=positions).last_hidden_state
+    # no padding (every prompt the same length): plain causal attention, with no mask to build or apply
+    mask = None if bool(attention_mask.all()) else attention_mask
+    hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions).last_hidden_state
     hidden = hidden[:, -t - 1:-1]  # (N, T, H): the position before each completion token predicts it
     n, _, h = hidden.shape
     hidden, targets = hidden.reshape(n * t, h), input_ids[:, -t:].reshape(n * t)

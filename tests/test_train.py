@@ -110,8 +110,11 @@ def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
     torch.testing.assert_close(naive, whole, atol=1e-6, rtol=1e-4)
 
 
-def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer):
+@pytest.mark.parametrize("rows", [slice(0, 8), slice(4, 8)], ids=["left-padded", "unpadded"])
+def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer, rows):
     ids, mask, r, _ = rollout_batch(model, tokenizer)
+    ids, mask = ids[rows], mask[rows]
+    assert bool(mask.all()) == (rows.start == 4)  # rows 4..7 hold the longest prompt: no padding
     t = r.completion_ids.shape[1]
     for temperature in (1.0, 0.6):
         logits = model(input_ids=ids, attention_mask=mask,
