@@ -57,6 +57,9 @@ def setup(device=None):
 
 def teardown():
     if dist.is_initialized():
+        # every rank gets here before any tears down: a rank destroying its gloo group while another still
+        # talks to it can abort the other ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 

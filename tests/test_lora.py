@@ -196,6 +196,7 @@ else:
     for n, p in model.named_parameters():
         if "lora_A" in n:
             p.grad.full_tensor()
+dist.barrier()  # both ranks done before either tears the group down
 dist.destroy_process_group()
 '''
 
