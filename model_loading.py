@@ -92,6 +92,7 @@ def load_tokenizer(name_or_path):
     """The tokenizer, padding on the left (prompts end where generation starts) and with a pad token."""
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"  # a prompt cut to max_prompt_length keeps its end, where generation starts
     if tokenizer.pad_token is None:
         # pad == eos is fine: completion masks are cut at the first EOS, so the
         # first EOS is trained on and the padding after it is not.

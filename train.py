@@ -309,6 +309,23 @@ def wandb_key(key):
 
 
 @torch.no_grad()
+def encode_prompts(tokenizer, prompts, cfg, device):
+    """Left-padded prompt ids and mask; prompts longer than max_prompt_length keep their end."""
+    return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=cfg.max_prompt_length,
+                     add_special_tokens=False).to(device)
+
+
+def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids):
+    """Sample one completion per row on the gathered weights; return the rollout and the completions' text."""
+    with sharding.gathered(policy):  # full weights once for the whole decode loop
+        rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
+                         eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
+                         top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
+    text = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
+                                  tokenizer.pad_token_id), skip_special_tokens=True)
+    return rollout, text
+
+
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
 
@@ -328,18 +345,11 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
             chunk = rows[start:start + cfg.prompts_per_step]
             prompts = [r["prompt"] for r in chunk for _ in range(G)]
             fields = {k: [r[k] for r in chunk for _ in range(G)] for k in chunk[0] if k != "prompt"}
-            tokenizer.truncation_side = "left"
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True,
-                            max_length=cfg.max_prompt_length, add_special_tokens=False).to(device)
+            enc = encode_prompts(tokenizer, prompts, cfg, device)
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.arange(len(prompts), device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            with sharding.gathered(policy):
-                rollout = policy(grpo.sample, enc.input_ids, enc.attention_mask,
-                                 max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
-                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-                                 top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
-            completions = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
-                                                 tokenizer.pad_token_id), skip_special_tokens=True)
+            rollout, completions = generate(policy, tokenizer, enc.input_ids, enc.attention_mask, seeds, temperature,
+                                            cfg, d, eos_ids)
             total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
             totals.append(total)
             for k, v in parts.items():
@@ -443,9 +453,7 @@ def main(argv):
         # Tokenized all together (the same padding on every rank), then each rank takes its slice of rows.
         rows = task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
         all_prompts = [r["prompt"] for r in rows for _ in range(G)]                 # (N,) grouped by prompt
-        tokenizer.truncation_side = "left"
-        enc = tokenizer(all_prompts, return_tensors="pt", padding=True, truncation=True,
-                        max_length=cfg.max_prompt_length, add_special_tokens=False).to(d.device)
+        enc = encode_prompts(tokenizer, all_prompts, cfg, d.device)
         N = len(all_prompts)
         n = N // d.world_size                                                       # rows on this rank
         mine = slice(d.rank * n, (d.rank + 1) * n)
@@ -456,14 +464,10 @@ def main(argv):
         # 2. sample G completions per prompt; row seeds are global row indices, so any world size samples alike
         seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
         policy.eval()
-        with sharding.gathered(policy):  # full weights once for the whole decode loop
-            rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
-                             eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=cfg.temperature,
-                             top_k=cfg.top_k, top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
+        rollout, completions = generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, cfg.temperature, cfg, d,
+                                        eos_ids)
         policy.train()
         t_gen = time.time() - t0
-        completions = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
-                                             tokenizer.pad_token_id), skip_special_tokens=True)
 
         # 3. score this rank's completions, 4. advantages over each whole group: all rewards, then our rows
         total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
