@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------- sampling
 
@@ -73,6 +72,37 @@ def filter_logits(logits, top_k=0, top_p=1.0):
     return logits
 
 
+def _inverse_cdf(filtered, top, uniform, block=1024):
+    """Index i with cdf[i-1] < u * total <= cdf[i] over exp(filtered - top); returns (index, total).
+
+    A large vocabulary is searched in two levels (block sums, then one block's
+    cumulative sum) so that no full-width scan runs; the small-vocabulary path
+    is the plain cumulative sum. Both pick a token of positive weight.
+    """
+    n, v = filtered.shape
+    if v <= 4 * block:
+        cdf = (filtered - top).exp_().cumsum(-1)
+        total = cdf[:, -1]
+        # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
+        return torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=v - 1), total
+    nb = -(-v // block)
+    weights = torch.empty(n, nb * block, device=filtered.device, dtype=torch.float32)
+    weights[:, v:].zero_()  # padding to whole blocks carries no mass
+    torch.sub(filtered, top, out=weights[:, :v]).exp_()
+    weights = weights.view(n, nb, block)
+    sums = weights.sum(-1)  # (n, nb)
+    block_cdf = sums.cumsum(-1)
+    total = block_cdf[:, -1]
+    target = uniform[:, None] * total[:, None]  # (n, 1), > 0
+    b = torch.searchsorted(block_cdf, target).clamp(max=nb - 1)  # first block reaching the target: positive mass
+    inner = weights.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0].cumsum(-1)  # (n, block)
+    # the target within the block, kept inside (0, block total] against rounding between sum and cumsum
+    rest = torch.minimum(target - (block_cdf.gather(1, b) - sums.gather(1, b)), inner[:, -1:])
+    rest = rest.clamp(min=torch.finfo(torch.float32).tiny)
+    j = torch.searchsorted(inner, rest)
+    return (b * block + j)[:, 0], total
+
+
 def sample_tokens(logits, temperature, top_k, top_p, uniform):
     """Pick one token per row; return it with its log-prob under the unfiltered tempered distribution.
 
@@ -84,17 +114,14 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
     if temperature == 0:  # greedy
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    scaled = logits / temperature
+    scaled = logits if temperature == 1 else logits / temperature
     top = scaled.amax(-1, keepdim=True)
     filtered = filter_logits(scaled, top_k, top_p)
-    # unnormalised probabilities: the inverse CDF compares against u * total, so no division is needed
-    weights = (filtered - top).exp()
-    cdf = weights.cumsum(-1)
-    # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
-    token = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=logits.shape[-1] - 1)
-    # log-softmax of the unfiltered distribution, at the chosen token only
-    log_total = cdf[:, -1] if filtered is scaled else (scaled - top).exp().sum(-1)
-    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - log_total.log()
+    # unnormalised probabilities exp(filtered - top): the search compares against u * total, so no division
+    token, total = _inverse_cdf(filtered, top, uniform)
+    if filtered is not scaled:  # the log-prob is normalised over the unfiltered distribution
+        total = (scaled - top).exp().sum(-1)
+    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - total.log()
 
 
 @torch.no_grad()
@@ -273,7 +300,7 @@ class StaticDecoder:
     gate/up are fused into one matmul each. The copies cost one model's weights
     in memory (plus the cache), freed after each `sample` call unless it keeps
     them (keep_decoder). Kept, they are refreshed in place at every call, so
-    the captured graphs (one per batch bucket)
+    the captured graphs (one per batch bucket and cache span)
     stay valid across optimizer steps and never see an FSDP hook: under FSDP the
     weights are read once, while gathered, and decode runs on the copy.
 
@@ -312,7 +339,10 @@ class StaticDecoder:
         self.w = None  # weight copies, allocated by the first load
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
         self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.graphs = {}  # bucket size -> (graph, logits output)
+        self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
+        # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
+        # tokens do not read the whole cache, at the price of one graph per span
+        self.span_step = 64 * -(-max_len // (64 * 8))
         self.use_graph = False
         self.unpadded = False
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
@@ -478,37 +508,90 @@ class StaticDecoder:
         if not self.use_graph:
             return self._decode_body(n, slot, slot + 1)  # eager: attend over the filled slots only
         self.slot_in.fill_(slot)
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        graph, out = self.graphs[b]
+        span = min(self.max_len, -(-(slot + 1) // self.span_step) * self.span_step)  # slots [0, span) hold slot
+        if (b, span) not in self.graphs:
+            self.graphs[b, span] = self._capture(b, span)
+        graph, out = self.graphs[b, span]
         graph.replay()
         return out[:n]
 
-    def _capture(self, b):
+    def _capture(self, b, span):
         # warm-up on a side stream, then capture; running the body computes this very step's values, so the
         # cache slots it writes get the same contents the replay writes
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_body(b, self.slot_in, self.max_len)
+                self._decode_body(b, self.slot_in, span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._decode_body(b, self.slot_in, self.max_len)
+            out = self._decode_body(b, self.slot_in, span)
         return graph, out
 
 
 # ----------------------------------------------------------------------------- token log-probs
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
-    logits = F.linear(hidden, weight).float() / temperature  # (chunk, V) float32, the only one alive
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, targets[:, None])[:, 0]
-    with torch.no_grad():  # entropy is a metric: no gradient through it
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[target] and the entropy, chunk by chunk of rows.
+
+    Forward keeps one chunk of logits at a time and saves only the inputs and
+    each row's log-sum-exp; backward recomputes a chunk's logits and writes the
+    gradient d logp / d logits = (onehot(target) - softmax) / temperature
+    directly, so each chunk costs two float32 (chunk, V) buffers and no
+    autograd graph over the vocabulary. The entropy is a metric: no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk):
+        n = hidden.shape[0]
+        logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            z = F.linear(hidden[s:e], weight).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[s:e] = torch.logsumexp(z, -1)
+            z.sub_(lse[s:e, None])  # now the log-probs of every token
+            logp[s:e] = z.gather(-1, targets[s:e, None])[:, 0]
+            entropy[s:e] = -z.exp().mul_(z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        n, chunk = hidden.shape[0], ctx.chunk
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            h = hidden[s:e]
+            z = F.linear(h, weight).float()
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            g = grad_logp[s:e, None].float()
+            z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
+            z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            z = z.to(hidden.dtype)
+            if want_h:
+                grad_h[s:e] = z @ weight
+            if want_w:
+                grad_w.addmm_(z.t(), h)
+        return grad_h, grad_w, None, None, None
+
+
+def default_chunk_tokens(vocab_size, device):
+    """Rows per chunk of the vocabulary projection: about 64 MB of float32 logits on CPU, 256 MB on GPU."""
+    budget = 1 << (26 if torch.device(device).type == "cuda" else 24)
+    return max(1, budget // vocab_size)
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
@@ -516,10 +599,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     The transformer runs once; the vocabulary projection runs over chunks of
-    `chunk_tokens` positions, each recomputed in backward (activation
-    checkpointing), so no (N, T, V) float32 tensor ever exists. Temperature is
-    applied exactly as in `sample`.
-    Returns (logp, entropy), each (N, T).
+    `chunk_tokens` positions and is recomputed chunk by chunk in backward, so
+    no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as
+    in `sample`. Returns (logp, entropy), each (N, T); entropy has no gradient.
     """
     t = num_completion_tokens
     positions = position_ids_from_mask(attention_mask)
@@ -530,18 +612,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     n, _, h = hidden.shape
     hidden, targets = hidden.reshape(n * t, h), input_ids[:, -t:].reshape(n * t)
     weight = model.get_output_embeddings().weight
-    if chunk_tokens is None:
-        chunk_tokens = max(1, (1 << 24) // weight.shape[0])  # about 64 MB of float32 logits per chunk
-    logps, entropies = [], []
-    for start in range(0, n * t, chunk_tokens):
-        args = (hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens], temperature)
-        if torch.is_grad_enabled() and n * t > chunk_tokens:  # one chunk is within budget: keep it, skip the recompute
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps).view(n, t), torch.cat(entropies).view(n, t)
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
+    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature), chunk)
+    return logp.view(n, t), entropy.view(n, t)
 
 
 # ----------------------------------------------------------------------------- advantages
