@@ -165,7 +165,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     else:
         tokens, logps, done = _sample_hf(model, *args)
     mask = completion_mask_from_ids(tokens, eos_ids)
-    return Rollout(tokens, mask, ~done, logps * mask)
+    return Rollout(tokens.masked_fill(mask == 0, pad_id), mask, ~done, logps * mask)
 
 
 def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every, all_done):
@@ -218,12 +218,11 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
     live_uni = uniforms
     length = max_new_tokens
     for t in range(max_new_tokens):
-        tok, lp = sample_tokens(logits, *sampling, live_uni[:, t])
-        live_tok[:, t] = torch.where(live_done, pad_id, tok)
-        live_lp[:, t] = torch.where(live_done, 0.0, lp)
-        live_done = live_done | torch.isin(tok, eos)
+        # a finished row keeps sampling until the next check; `sample` masks what follows its first EOS
+        live_tok[:, t], live_lp[:, t] = sample_tokens(logits, *sampling, live_uni[:, t])
         last = t == max_new_tokens - 1
         if last or (t + 1) % check_every == 0:
+            live_done = torch.isin(live_tok[:, :t + 1], eos).any(1)
             done[rows] = live_done
             if last or all_done(done):
                 length = t + 1
@@ -233,9 +232,9 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
                 if dec.worth_compacting(keep.numel(), rows.numel()):
                     tokens[rows], logps[rows] = live_tok, live_lp
                     dec.compact(keep, p + t + 1)
-                    rows, tok = rows[keep], tok[keep]
-                    live_tok, live_lp, live_done, live_uni = live_tok[keep], live_lp[keep], live_done[keep], live_uni[keep]
-        logits = dec.decode(tok, p + t)
+                    rows = rows[keep]
+                    live_tok, live_lp, live_uni = live_tok[keep], live_lp[keep], live_uni[keep]
+        logits = dec.decode(live_tok[:, t], p + t)
     tokens[rows], logps[rows] = live_tok, live_lp
     done[rows] = live_done
     if not keep_decoder:  # give the weight copies and the cache back before training needs the memory
@@ -282,13 +281,19 @@ def static_decode_supported(model):
 
 def _rms_norm(x, weight, eps):
     # as Qwen2RMSNorm / LlamaRMSNorm: normalise in float32, scale in the input dtype
+    if x.dtype == torch.float32:  # the same arithmetic in one call
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate(x, cos, signed_sin):
+    """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+
+    `signed_sin` carries rotate_half's minus sign (its first half negated), so
+    the halves only need swapping: a roll by half the head dimension.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class StaticDecoder:
@@ -335,7 +340,7 @@ class StaticDecoder:
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
         self.cos = torch.zeros(max_batch, max_len, self.head_dim, **kw)  # rotary tables per row and position
-        self.sin = torch.zeros_like(self.cos)
+        self.sin = torch.zeros_like(self.cos)  # sin with its first half negated (see _rotate)
         self.w = None  # weight copies, allocated by the first load
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
         self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -349,30 +354,34 @@ class StaticDecoder:
 
     @torch.no_grad()
     def load(self, model):
-        def bias(lin):
-            return lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=self.device, dtype=self.dtype)
+        def bias(*lins):  # one bias for the fused projections; None when none of them has one
+            if all(lin.bias is None for lin in lins):
+                return None
+            return torch.cat([lin.bias if lin.bias is not None else
+                              torch.zeros(lin.out_features, device=self.device, dtype=self.dtype) for lin in lins])
         fresh = []
         for l in model.model.layers:
             a, m = l.self_attn, l.mlp
             fresh.append({
                 "ln1": l.input_layernorm.weight, "ln2": l.post_attention_layernorm.weight,
                 "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                "qkv_b": torch.cat([bias(a.q_proj), bias(a.k_proj), bias(a.v_proj)]),
+                "qkv_b": bias(a.q_proj, a.k_proj, a.v_proj),
                 "o": a.o_proj.weight, "o_b": bias(a.o_proj),
                 "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                "gate_up_b": torch.cat([bias(m.gate_proj), bias(m.up_proj)]),
+                "gate_up_b": bias(m.gate_proj, m.up_proj),
                 "down": m.down_proj.weight, "down_b": bias(m.down_proj),
             })
         head = {"embed": model.model.embed_tokens.weight, "norm": model.model.norm.weight, "lm_head": model.lm_head.weight}
         if self.w is None:
-            self.w = ([{k: v.detach().clone() for k, v in d.items()} for d in fresh],
-                      {k: v.detach().clone() for k, v in head.items()})
+            def copy(d):
+                return {k: None if v is None else v.detach().clone() for k, v in d.items()}
+            self.w = ([copy(d) for d in fresh], copy(head))
             if head["lm_head"].data_ptr() == head["embed"].data_ptr():  # tied embeddings: one copy serves both
                 self.w[1]["lm_head"] = self.w[1]["embed"]
         else:  # copy in place: captured graphs hold these addresses
             for mine, new in zip(self.w[0] + [self.w[1]], fresh + [head]):
                 for k in mine:
-                    if not (k == "lm_head" and mine[k] is mine["embed"]):
+                    if mine[k] is not None and not (k == "lm_head" and mine[k] is mine["embed"]):
                         mine[k].copy_(new[k])
         self.rotary = model.model.rotary_emb
 
@@ -450,6 +459,8 @@ class StaticDecoder:
         last = positions[:, -1:]
         all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
         cos, sin = self.rotary(x, all_pos)
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see _rotate
         self.cos[:n], self.sin[:n] = cos, sin
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
@@ -476,12 +487,13 @@ class StaticDecoder:
         if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
             cos, sin = (t[:b].index_select(1, slot)[:, :, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
             self.key_mask[:b].index_fill_(1, slot, True)
+            attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
         else:
             cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
-            self.key_mask[:b, slot] = True
-        attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
-        if self.unpadded and not torch.is_tensor(slot):
             attn_mask = None
+            if not self.unpadded:  # eager decode without left padding attends to every filled slot: no mask
+                self.key_mask[:b, slot] = True
+                attn_mask = self.key_mask[:b, None, None, :kv_len]
 
         def write(i, k, v):
             if torch.is_tensor(slot):
