@@ -552,7 +552,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     each row's log-sum-exp; backward recomputes a chunk's logits and writes the
     gradient d logp / d logits = (onehot(target) - softmax) / temperature
     directly, so each chunk costs two float32 (chunk, V) buffers and no
-    autograd graph over the vocabulary. The entropy is a metric: no gradient.
+    autograd graph over the vocabulary. When all rows fit in one chunk, that
+    chunk's log-probs are kept for backward instead of recomputed. The entropy
+    is a metric: no gradient.
     """
 
     @staticmethod
@@ -560,6 +562,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        kept = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             z = F.linear(hidden[s:e], weight).float()
@@ -569,14 +572,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             z.sub_(lse[s:e, None])  # now the log-probs of every token
             logp[s:e] = z.gather(-1, targets[s:e, None])[:, 0]
             entropy[s:e] = -z.exp().mul_(z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            if n <= chunk and any(ctx.needs_input_grad[:2]):
+                kept = z
+        ctx.save_for_backward(hidden, weight, targets, lse, kept)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, kept = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
@@ -584,11 +589,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            z = F.linear(h, weight).float()
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
             g = grad_logp[s:e, None].float()
-            z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
+            if kept is not None:  # the only chunk, kept from the forward
+                z = kept.exp().mul_(-g)  # -g * softmax (not in place: a retained graph may run backward again)
+            else:
+                z = F.linear(h, weight).float()
+                if ctx.temperature != 1.0:
+                    z.div_(ctx.temperature)
+                z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
             z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
             if ctx.temperature != 1.0:
                 z.div_(ctx.temperature)
