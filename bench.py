@@ -119,9 +119,10 @@ def bench_decode(path, s, device):
     out["sampler_speedup_vs_generate"] = med["generate"] / med["ours"]
     out["sampler_hf_forward_speedup_vs_generate"] = med["generate"] / med["ours_hf_forward"]
 
-    # compaction: rows that finish early leave the decode batch. Several ids count as EOS here so that rows
-    # stop at scattered lengths; the tokens must be identical either way.
-    stop_ids = list(range(40, 56))
+    # compaction: rows that finish early leave the decode batch. Enough ids count as EOS here (2 / t of the
+    # vocabulary: near-uniform random weights then stop a row after about t / 2 tokens) that rows stop at
+    # scattered lengths; the tokens must be identical either way.
+    stop_ids = list(range(40, 40 + max(1, round(2 * model.config.vocab_size / t))))
     def stopping(compact):
         return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
                            pad_id=tokenizer.pad_token_id, compact=compact, **sampling)

@@ -290,6 +290,42 @@ def test_chunked_logprobs_loss_and_grads_match_naive(chunk_tokens):
     assert slow[3]["model.embed_tokens.weight"].abs().sum() > 0
 
 
+def test_chunked_logprobs_in_bfloat16_match_naive():
+    """bfloat16 weights (as FSDP computes on GPUs): the log-prob function's dtype handling matches autograd's."""
+    model, tok = tiny_model()
+    model = model.to(torch.bfloat16).train()
+    enc = prompts(tok)
+    t = 5
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([enc.input_ids, comp], 1)
+    attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    out = []
+    for fn in (lambda: grpo.completion_logprobs(model, ids, attn, t, 0.7, chunk_tokens=4),
+               lambda: naive_logprobs(model, ids, attn, t, 0.7)):
+        model.zero_grad(set_to_none=True)
+        logp, _ = fn()
+        assert logp.dtype == torch.float32
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters()}))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=2e-2, rtol=0)
+    for k, g in out[1][1].items():
+        assert out[0][1][k].dtype == torch.float32 and g.abs().max() > 0
+        torch.testing.assert_close(out[0][1][k], g, atol=2e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+
+
+def test_chunked_logprobs_backward_twice_with_a_retained_graph():
+    """Backward may run twice over a retained graph (kept chunk or recomputed): the gradients add up."""
+    model, tok = tiny_model()
+    enc = prompts(tok)
+    for chunk in (None, 3):
+        model.zero_grad(set_to_none=True)
+        logp, _ = grpo.completion_logprobs(model, enc.input_ids, enc.attention_mask, 4, 1.0, chunk_tokens=chunk)
+        logp.sum().backward(retain_graph=True)
+        once = model.lm_head.weight.grad.clone()
+        logp.sum().backward()
+        torch.testing.assert_close(model.lm_head.weight.grad, 2 * once)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     path = model_loading.write_tiny_model(str(tmp_path / "m"))
     grads = []
