@@ -72,12 +72,24 @@ def filter_logits(logits, top_k=0, top_p=1.0):
     return logits
 
 
-def _inverse_cdf(filtered, top, uniform, block=1024):
-    """Index i with cdf[i-1] < u * total <= cdf[i] over exp(filtered - top); returns (index, total).
+def _last_below(weights, target):
+    """Per row, the last entry of positive weight whose preceding mass is below `target` (n, 1).
 
-    A large vocabulary is searched in two levels (block sums, then one block's
-    cumulative sum) so that no full-width scan runs; the small-vocabulary path
-    is the plain cumulative sum. Both pick a token of positive weight.
+    The inverse CDF written so that it lands on a positive-weight entry however
+    the cumulative sum rounds (GPU scans are not sequential). A row with no mass
+    (NaN logits) gets 0 rather than an index out of range.
+    """
+    before = weights.cumsum(-1) - weights
+    index = torch.arange(weights.shape[-1], device=weights.device)
+    return torch.where((before < target) & (weights > 0), index, -1).amax(-1, keepdim=True).clamp(min=0)
+
+
+def _inverse_cdf(filtered, top, uniform, block=1024):
+    """A token drawn with probability proportional to exp(filtered - top), by inverse CDF; returns (index, total).
+
+    A large vocabulary is searched in two levels (block sums, then inside one
+    block) so that no full-width scan runs per token; a small one takes the
+    plain cumulative sum and a binary search.
     """
     n, v = filtered.shape
     if v <= 4 * block:
@@ -91,15 +103,12 @@ def _inverse_cdf(filtered, top, uniform, block=1024):
     torch.sub(filtered, top, out=weights[:, :v]).exp_()
     weights = weights.view(n, nb, block)
     sums = weights.sum(-1)  # (n, nb)
-    block_cdf = sums.cumsum(-1)
-    total = block_cdf[:, -1]
+    total = sums.sum(-1)
     target = uniform[:, None] * total[:, None]  # (n, 1), > 0
-    b = torch.searchsorted(block_cdf, target).clamp(max=nb - 1)  # first block reaching the target: positive mass
-    inner = weights.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0].cumsum(-1)  # (n, block)
-    # the target within the block, kept inside (0, block total] against rounding between sum and cumsum
-    rest = torch.minimum(target - (block_cdf.gather(1, b) - sums.gather(1, b)), inner[:, -1:])
-    rest = rest.clamp(min=torch.finfo(torch.float32).tiny)
-    j = torch.searchsorted(inner, rest)
+    b = _last_below(sums, target)  # the block holding the target
+    mass_before = (sums.cumsum(-1) - sums).gather(1, b)
+    inner = weights.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0]  # (n, block)
+    j = _last_below(inner, target - mass_before)
     return (b * block + j)[:, 0], total
 
 
@@ -165,7 +174,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     else:
         tokens, logps, done = _sample_hf(model, *args)
     mask = completion_mask_from_ids(tokens, eos_ids)
-    return Rollout(tokens.masked_fill(mask == 0, pad_id), mask, ~done, logps * mask)
+    return Rollout(tokens.masked_fill(mask == 0, pad_id), mask, ~done, logps.masked_fill(mask == 0, 0.0))
 
 
 def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every, all_done):

@@ -240,6 +240,13 @@ def test_two_level_search_equals_counting_below_on_a_large_vocabulary():
     assert near.float().mean() < 0.01
     assert torch.equal(tok[~near], want[~near])
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)
+    # the edges: u = 1 (the very top of the distribution), all mass in the last partial block, a NaN row
+    edge = torch.full((3, v), float("-inf"))
+    edge[0, :50] = 0.0
+    edge[1, v - 20:v - 10] = 0.0
+    edge[2] = float("nan")
+    tok, _ = grpo.sample_tokens(edge, 1.0, 0, 1.0, torch.ones(3))
+    assert tok[0] == 49 and tok[1] == v - 11 and 0 <= tok[2] < v
 
 
 def test_row_uniform_matrix_equals_stepwise():
@@ -309,7 +316,7 @@ def test_chunked_logprobs_in_bfloat16_match_naive():
         out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters()}))
     torch.testing.assert_close(out[0][0], out[1][0], atol=2e-2, rtol=0)
     for k, g in out[1][1].items():
-        assert out[0][1][k].dtype == torch.float32 and g.abs().max() > 0
+        assert g.abs().max() > 0
         torch.testing.assert_close(out[0][1][k], g, atol=2e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
 
 
