@@ -260,16 +260,29 @@ def _class_names(module):
     return {c.__name__ for c in type(module).__mro__}  # FSDP2 subclasses the layer class; look through it
 
 
+def _is_sharded(module):
+    """True when some parameter of `module` is a DTensor shard (FSDP2 outside a gather)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(w, DTensor) for w in module.parameters())
+
+
+def _gathers_itself(module):
+    """An FSDP2-sharded block: `unshard()` gathers its full parameters, `reshard()` frees them again."""
+    return callable(getattr(module, "unshard", None)) and callable(getattr(module, "reshard", None))
+
+
 def static_decode_supported(model):
     """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
 
     Anything else (other architectures, sliding-window layers, adapters that
-    replace the projections, sharded parameters) takes the Hugging Face forward.
+    replace the projections, shards it cannot gather) takes the Hugging Face
+    forward. Sharded decoder layers are fine when they can gather themselves
+    (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
+    norm and head must be whole, as they are inside a sharded root's forward.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        DTensor = ()
     inner, cfg = getattr(model, "model", None), model.config
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
@@ -285,7 +298,9 @@ def static_decode_supported(model):
         a, m = layer.self_attn, layer.mlp
         if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
             return False
-    return not any(isinstance(w, DTensor) for w in model.parameters())
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in layers):
+        return False
+    return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
 
 
 def _rms_norm(x, weight, eps):
@@ -363,15 +378,29 @@ class StaticDecoder:
 
     @torch.no_grad()
     def load(self, model):
+        """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy."""
         def bias(*lins):  # one bias for the fused projections; None when none of them has one
             if all(lin.bias is None for lin in lins):
                 return None
             return torch.cat([lin.bias if lin.bias is not None else
                               torch.zeros(lin.out_features, device=self.device, dtype=self.dtype) for lin in lins])
-        fresh = []
-        for l in model.model.layers:
+
+        def put(mine, new):  # first load: new tensors; later: in place, since captured graphs hold these addresses
+            for k, v in new.items():
+                if k not in mine:
+                    mine[k] = None if v is None else v.detach().clone()
+                elif mine[k] is not None and not (k == "lm_head" and mine[k] is mine["embed"]):
+                    mine[k].copy_(v)
+
+        first = self.w is None
+        if first:
+            self.w = ([{} for _ in model.model.layers], {})
+        for l, mine in zip(model.model.layers, self.w[0]):
+            gather = _is_sharded(l)  # static_decode_supported let it through: it gathers itself
+            if gather:
+                l.unshard()  # a collective: every rank loads the same layers in the same order
             a, m = l.self_attn, l.mlp
-            fresh.append({
+            put(mine, {
                 "ln1": l.input_layernorm.weight, "ln2": l.post_attention_layernorm.weight,
                 "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 "qkv_b": bias(a.q_proj, a.k_proj, a.v_proj),
@@ -380,18 +409,14 @@ class StaticDecoder:
                 "gate_up_b": bias(m.gate_proj, m.up_proj),
                 "down": m.down_proj.weight, "down_b": bias(m.down_proj),
             })
+            if gather:
+                l.reshard()
         head = {"embed": model.model.embed_tokens.weight, "norm": model.model.norm.weight, "lm_head": model.lm_head.weight}
-        if self.w is None:
-            def copy(d):
-                return {k: None if v is None else v.detach().clone() for k, v in d.items()}
-            self.w = ([copy(d) for d in fresh], copy(head))
-            if head["lm_head"].data_ptr() == head["embed"].data_ptr():  # tied embeddings: one copy serves both
-                self.w[1]["lm_head"] = self.w[1]["embed"]
-        else:  # copy in place: captured graphs hold these addresses
-            for mine, new in zip(self.w[0] + [self.w[1]], fresh + [head]):
-                for k in mine:
-                    if mine[k] is not None and not (k == "lm_head" and mine[k] is mine["embed"]):
-                        mine[k].copy_(new[k])
+        if first and head["lm_head"].data_ptr() == head["embed"].data_ptr():  # tied: one copy serves both
+            put(self.w[1], {"embed": head["embed"], "norm": head["norm"]})
+            self.w[1]["lm_head"] = self.w[1]["embed"]
+        else:
+            put(self.w[1], head)
         self.rotary = model.model.rotary_emb
 
     def batch_for(self, n):

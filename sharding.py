@@ -159,11 +159,15 @@ def fsdp_modules(root):
 def gathered(root):
     """Keep the full parameters gathered for a whole decode loop; free them after.
 
-    Without this each block would be all-gathered and freed again for every
-    generated token. Inside, a block's first forward (the prefill) gathers it
-    and nothing frees it until the `with` ends: one all-gather per block for
-    the whole loop. Cost: every parameter in the compute dtype (2 bytes each
-    in bf16) on every rank, on top of the shards, while generating.
+    For the Hugging Face forward: without this each block would be all-gathered
+    and freed again for every generated token. Inside, a block's first forward
+    (the prefill) gathers it and nothing frees it until the `with` ends: one
+    all-gather per block for the whole loop. Cost: every parameter in the
+    compute dtype (2 bytes each in bf16) on every rank, on top of the shards,
+    while generating. Llama/Qwen2 models decode with `grpo.StaticDecoder`
+    instead, which gathers each block once for its own copy and frees it at
+    once (the same 2 bytes per parameter, held by the copy); its blocks never
+    run a forward here, so this context only changes what they would do.
     """
     modules = fsdp_modules(root)
     blocks = [m for m in modules if m is not root]

@@ -44,29 +44,34 @@ def uneven_sampling(root, d, pad_id):
     """Rank 0's rows all end at their first token (every id is an EOS there), rank 1's never end.
 
     With the all-reduced stop rule both ranks must run the same number of
-    forwards and return, whether the weights are gathered once for the loop
-    or all-gathered again at every forward (where a rank that stopped early
-    would leave the other waiting forever).
+    forwards and return, whether StaticDecoder decodes on its copy of the
+    gathered weights, the Hugging Face forward runs on weights gathered once
+    for the loop, or it all-gathers them again at every forward (where a rank
+    that stopped early would leave the other waiting forever).
     """
     vocab = root.config.vocab_size
     eos_ids = list(range(vocab)) if d.rank == 0 else [vocab + 7]
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=MAX_NEW, eos_ids=eos_ids, pad_id=pad_id, seeds=torch.arange(3) + 3 * d.rank,
                   check_every=1, all_done=sharding.all_done_fn(d))
+    static_supported = root(grpo.static_decode_supported)  # on the sharded model, inside the root's forward
     sharding.free_gathered(root)  # start from shards only (the root keeps its weights after a forward)
     calls = count_all_gathers()
     before = calls[0]
-    with sharding.gathered(root):
-        gathered = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+    with sharding.gathered(root):  # StaticDecoder: each block gathered once, for its copy
+        static = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+    static_calls, before = calls[0] - before, calls[0]
+    with sharding.gathered(root):  # the Hugging Face forward, blocks kept gathered for the loop
+        gathered = root(grpo.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     gathered_calls, before = calls[0] - before, calls[0]
-    per_forward = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+    per_forward = root(grpo.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     sharding.free_gathered(root)
-    return {"length_gathered": gathered.completion_ids.shape[1],
-            "length_per_forward": per_forward.completion_ids.shape[1],
-            "same_tokens": torch.equal(gathered.completion_ids, per_forward.completion_ids),
-            "done": (~gathered.truncated).tolist(),
-            "all_gathers_gathered": gathered_calls, "all_gathers_per_forward": calls[0] - before,
-            "fsdp_groups": len(sharding.fsdp_modules(root))}
+    return {"static_supported": static_supported,
+            "lengths": [r.completion_ids.shape[1] for r in (static, gathered, per_forward)],
+            "same_tokens": all(torch.equal(static.completion_ids, r.completion_ids) for r in (gathered, per_forward)),
+            "done": (~gathered.truncated).tolist(), "done_static": (~static.truncated).tolist(),
+            "all_gathers_static": static_calls, "all_gathers_gathered": gathered_calls,
+            "all_gathers_per_forward": calls[0] - before, "fsdp_groups": len(sharding.fsdp_modules(root))}
 
 
 def main(argv):
