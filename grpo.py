@@ -618,7 +618,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, kept = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        # the weight's gradient sums over every chunk: in float32, so that bf16 rounding does not grow with
+        # the number of chunks (each chunk's product is still one bf16 matmul)
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_w else None
         n, chunk = hidden.shape[0], ctx.chunk
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
@@ -638,8 +640,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if want_h:
                 grad_h[s:e] = z @ weight
             if want_w:
-                grad_w.addmm_(z.t(), h)
-        return grad_h, grad_w, None, None, None
+                if z.dtype == torch.float32:
+                    grad_w.addmm_(z.t(), h)
+                else:
+                    grad_w += z.t() @ h
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
 def default_chunk_tokens(vocab_size, device):

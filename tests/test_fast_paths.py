@@ -320,6 +320,25 @@ def test_chunked_logprobs_in_bfloat16_match_naive():
         torch.testing.assert_close(out[0][1][k], g, atol=2e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
 
 
+def test_bfloat16_weight_gradient_does_not_degrade_with_more_chunks():
+    """The head's weight gradient sums over chunks in float32: 512 chunks are as accurate as one."""
+    g = torch.Generator().manual_seed(0)
+    n, v, h = 2048, 300, 64
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.3).bfloat16().requires_grad_()
+    targets, upstream = torch.randint(0, v, (n,), generator=g), torch.randn(n, generator=g)
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[:, None])[:, 0] * upstream.double()).sum().backward()
+    errors = []
+    for chunk in (n, 4):
+        weight.grad = None
+        logp, _ = grpo._ChunkedTokenLogprobs.apply(hidden, weight, targets, 1.0, chunk)
+        (logp * upstream).sum().backward()
+        assert weight.grad.dtype == torch.bfloat16
+        errors.append(((weight.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()).item())
+    assert errors[1] < 2 * errors[0] + 1e-3, errors  # summed in bf16 the 512-chunk error is about 7x larger
+
+
 def test_chunked_logprobs_backward_twice_with_a_retained_graph():
     """Backward may run twice over a retained graph (kept chunk or recomputed): the gradients add up."""
     model, tok = tiny_model()
