@@ -299,23 +299,16 @@ def parse_expression(text):
     def peek():
         return tokens[pos] if pos < len(tokens) else None
 
-    def expr(depth):
-        nonlocal pos
-        node = term(depth)
-        while peek() in ("+", "-"):
-            op = tokens[pos]
-            pos += 1
-            node = (op, node, term(depth))
-        return node
-
-    def term(depth):
-        nonlocal pos
-        node = factor(depth)
-        while peek() in ("*", "/"):
-            op = tokens[pos]
-            pos += 1
-            node = (op, node, factor(depth))
-        return node
+    def left_assoc(ops, operand):  # one grammar level: operand {op operand}, folded to the left
+        def level(depth):
+            nonlocal pos
+            node = operand(depth)
+            while peek() in ops:
+                op = tokens[pos]
+                pos += 1
+                node = (op, node, operand(depth))
+            return node
+        return level
 
     def factor(depth):
         nonlocal pos
@@ -334,6 +327,8 @@ def parse_expression(text):
             return node
         raise ExpressionError(f"expected a number or '(' at token {pos}, got {tok!r}")
 
+    term = left_assoc(("*", "/"), factor)
+    expr = left_assoc(("+", "-"), term)  # factor's parentheses reach it by name, once it exists
     tree = expr(0)
     if pos != len(tokens):
         raise ExpressionError(f"unexpected {tokens[pos]!r} at token {pos}")

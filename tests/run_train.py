@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
+import static_decoder  # noqa: E402
 import train  # noqa: E402
 
 LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size
@@ -54,7 +55,7 @@ def uneven_sampling(root, d, pad_id):
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=MAX_NEW, eos_ids=eos_ids, pad_id=pad_id, seeds=torch.arange(3) + 3 * d.rank,
                   check_every=1, all_done=sharding.all_done_fn(d))
-    static_supported = root(grpo.static_decode_supported)  # on the sharded model, inside the root's forward
+    static_supported = root(static_decoder.static_decode_supported)  # on the sharded model, inside the root's forward
     sharding.free_gathered(root)  # start from shards only (the root keeps its weights after a forward)
     calls = count_all_gathers()
     before = calls[0]

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
+import static_decoder  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -64,7 +65,7 @@ def assert_same_rollout(a, b, logp_atol=1e-5):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_static_decoder_is_used_for_llama_and_qwen2(arch):
     model, _ = tiny_model(arch)
-    assert grpo.static_decode_supported(model)
+    assert static_decoder.static_decode_supported(model)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -137,7 +138,7 @@ def test_prefill_and_decode_logits_match_hf_forward():
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     pos = grpo.position_ids_from_mask(enc.attention_mask)
-    dec = grpo.StaticDecoder.for_model(model, n, p + 4)
+    dec = static_decoder.StaticDecoder.for_model(model, n, p + 4)
     with torch.no_grad():
         got = dec.prefill(enc.input_ids, enc.attention_mask, pos)
         want = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=pos).logits[:, -1]
@@ -192,7 +193,7 @@ def test_unsupported_architecture_falls_back_to_hf_forward():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
                                                         n_positions=128)).eval()
-    assert not grpo.static_decode_supported(model)
+    assert not static_decoder.static_decode_supported(model)
     tok.padding_side = "left"
     r = run(model, tok, prompts(tok))
     assert r.completion_ids.shape[0] == 6
@@ -200,7 +201,7 @@ def test_unsupported_architecture_falls_back_to_hf_forward():
 
 def test_sliding_window_layers_fall_back():
     model, _ = tiny_model(use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    assert not grpo.static_decode_supported(model)
+    assert not static_decoder.static_decode_supported(model)
 
 
 def test_searchsorted_sampling_equals_counting_below():

@@ -1,0 +1,338 @@
+"""The fast decoder behind `grpo.sample`: Llama/Qwen2 layers over a preallocated KV cache.
+
+`grpo.sample` asks `static_decode_supported(model)` and, when it holds,
+decodes with `StaticDecoder`: its own fused copy of the weights, a cache
+allocated once, CUDA graphs on GPU. It computes what the Hugging Face
+forward computes (the tests compare the two); other models take that forward.
+
+Nothing here imports the rest of the project.
+"""
+
+import torch
+import torch.nn.functional as F
+
+_STATIC_LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
+
+
+def _class_names(module):
+    return {c.__name__ for c in type(module).__mro__}  # FSDP2 subclasses the layer class; look through it
+
+
+def _is_sharded(module):
+    """True when some parameter of `module` is a DTensor shard (FSDP2 outside a gather)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(w, DTensor) for w in module.parameters())
+
+
+def _gathers_itself(module):
+    """An FSDP2-sharded block: `unshard()` gathers its full parameters, `reshard()` frees them again."""
+    return callable(getattr(module, "unshard", None)) and callable(getattr(module, "reshard", None))
+
+
+def static_decode_supported(model):
+    """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
+
+    Anything else (other architectures, sliding-window layers, adapters that
+    replace the projections, shards it cannot gather) takes the Hugging Face
+    forward. Sharded decoder layers are fine when they can gather themselves
+    (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
+    norm and head must be whole, as they are inside a sharded root's forward.
+    """
+    inner, cfg = getattr(model, "model", None), model.config
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
+        return False
+    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear or type(getattr(inner, "embed_tokens", None)) \
+            is not torch.nn.Embedding:
+        return False
+    if getattr(cfg, "hidden_act", None) != "silu" or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return False
+    for layer in layers:
+        if not _class_names(layer) & set(_STATIC_LAYERS):
+            return False
+        a, m = layer.self_attn, layer.mlp
+        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
+            return False
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in layers):
+        return False
+    return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
+
+
+def _rms_norm(x, weight, eps):
+    # as Qwen2RMSNorm / LlamaRMSNorm: normalise in float32, scale in the input dtype
+    if x.dtype == torch.float32:  # the same arithmetic in one call
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x, cos, signed_sin):
+    """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+
+    `signed_sin` carries rotate_half's minus sign (its first half negated), so
+    the halves only need swapping: a roll by half the head dimension.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+class StaticDecoder:
+    """A Llama/Qwen2 decoder over a preallocated KV cache, on its own copy of the model's weights.
+
+    The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
+    tables from the model's own rotary module, SDPA attention), without the
+    per-call framework work that dominates decoding small batches. Q/K/V and
+    gate/up are fused into one matmul each. The copies cost one model's weights
+    in memory (plus the cache), freed after each `sample` call unless it keeps
+    them (keep_decoder). Kept, they are refreshed in place at every call, so
+    the captured graphs (one per batch bucket and cache span)
+    stay valid across optimizer steps and never see an FSDP hook: under FSDP the
+    weights are read once, while gathered, and decode runs on the copy.
+
+    Cache layout (layers, batch, kv_heads, slots, head_dim): slot = token index in
+    the padded sequence, so rows of a bucket are a contiguous view.
+    """
+
+    @classmethod
+    def for_model(cls, model, batch, length, cuda_graph=True):
+        dec = getattr(model, "_static_decoder", None)
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or length > dec.max_len:
+            if dec is not None:  # grow: free the old buffers first
+                del model._static_decoder, dec
+            dec = cls(model, batch, -(-length // 64) * 64)  # slots in multiples of 64: fewer regrowths, aligned
+            model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
+        dec.use_graph = cuda_graph and device.type == "cuda"
+        dec.load(model)
+        return dec
+
+    def __init__(self, model, max_batch, max_len):
+        cfg, layers = model.config, model.model.layers
+        a0 = layers[0].self_attn
+        self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.max_batch, self.max_len = max_batch, max_len
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
+        self.scale = a0.scaling
+        self.eps = [(l.input_layernorm.variance_epsilon, l.post_attention_layernorm.variance_epsilon) for l in layers]
+        self.final_eps = model.model.norm.variance_epsilon
+        kw = dict(device=self.device, dtype=self.dtype)
+        shape = (len(layers), max_batch, self.n_kv, max_len, self.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+        self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
+        self.cos = torch.zeros(max_batch, max_len, self.head_dim, **kw)  # rotary tables per row and position
+        self.sin = torch.zeros_like(self.cos)  # sin with its first half negated (see _rotate)
+        self.w = None  # weight copies, allocated by the first load
+        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
+        self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
+        # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
+        # tokens do not read the whole cache, at the price of one graph per span
+        self.span_step = 64 * -(-max_len // (64 * 8))
+        self.use_graph = False
+        self.unpadded = False
+        self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
+
+    @torch.no_grad()
+    def load(self, model):
+        """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy."""
+        def biases(*lins):  # the fused projections' bias pieces; None when none of them has a bias
+            if all(lin.bias is None for lin in lins):
+                return None
+            return [lin.bias if lin.bias is not None else
+                    torch.zeros(lin.out_features, device=self.device, dtype=self.dtype) for lin in lins]
+
+        def put(mine, new):
+            """new: name -> the source tensors fused into it (or None). Each is read once: the first load
+            concatenates into new tensors, later ones into the same tensors (captured graphs hold them)."""
+            for k, parts in new.items():
+                if parts is None:
+                    mine.setdefault(k, None)
+                elif k not in mine:
+                    mine[k] = torch.cat([p.detach() for p in parts]) if len(parts) > 1 else parts[0].detach().clone()
+                elif not (k == "lm_head" and mine[k] is mine["embed"]):
+                    torch.cat([p.detach() for p in parts], out=mine[k])
+
+        first = self.w is None
+        if first:
+            self.w = ([{} for _ in model.model.layers], {})
+        for l, mine in zip(model.model.layers, self.w[0]):
+            gather = _is_sharded(l)  # static_decode_supported let it through: it gathers itself
+            if gather:
+                l.unshard()  # a collective: every rank loads the same layers in the same order
+            a, m = l.self_attn, l.mlp
+            put(mine, {
+                "ln1": [l.input_layernorm.weight], "ln2": [l.post_attention_layernorm.weight],
+                "qkv": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                "qkv_b": biases(a.q_proj, a.k_proj, a.v_proj),
+                "o": [a.o_proj.weight], "o_b": biases(a.o_proj),
+                "gate_up": [m.gate_proj.weight, m.up_proj.weight],
+                "gate_up_b": biases(m.gate_proj, m.up_proj),
+                "down": [m.down_proj.weight], "down_b": biases(m.down_proj),
+            })
+            if gather:
+                l.reshard()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        if first and head.data_ptr() == embed.data_ptr():  # tied: one copy serves both
+            put(self.w[1], {"embed": [embed], "norm": [model.model.norm.weight]})
+            self.w[1]["lm_head"] = self.w[1]["embed"]
+        else:
+            put(self.w[1], {"embed": [embed], "norm": [model.model.norm.weight], "lm_head": [head]})
+        self.rotary = model.model.rotary_emb
+
+    def batch_for(self, n):
+        """The decode batch that serves n live rows: n itself, or on graphs the next power of two."""
+        if not self.use_graph:
+            return n
+        return min(self.max_batch, 1 << max(0, n - 1).bit_length())
+
+    def worth_compacting(self, live, current):
+        """Compaction copies the cache: on graphs do it when the bucket shrinks, eagerly when a quarter of the rows left."""
+        if self.use_graph:
+            return self.batch_for(live) < self.batch_for(current)
+        return live <= 0.75 * current
+
+    @torch.no_grad()
+    def compact(self, keep, filled):
+        """Move the rows `keep` (indices into the current live rows) to the front of every buffer.
+
+        Only the `filled` cache slots hold anything yet; the rest need no copy.
+        """
+        k = keep.numel()
+        self.compactions += 1
+        for buf in (self.k_cache, self.v_cache):
+            buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
+        for buf in (self.key_mask, self.cos, self.sin):
+            buf[:k] = buf[keep]
+
+    def _layers(self, x, cos, sin, write, keys, attn_mask):
+        """x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V."""
+        b, s, _ = x.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        for i, w in enumerate(self.w[0]):
+            eps1, eps2 = self.eps[i]
+            h = _rms_norm(x, w["ln1"], eps1)
+            qkv = F.linear(h, w["qkv"], w["qkv_b"]).view(b, s, nh + 2 * nkv, hd)
+            qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rotary on queries and keys in one pass
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
+            write(i, k, qkv[:, :, nh + nkv:].transpose(1, 2))
+            kk, vv = keys(i)
+            if s == 1:
+                # one query per row: group the query heads that share a KV head as the "sequence" axis, so
+                # grouped-query attention needs no copy of K/V per query head
+                qg = q.view(b, nkv, nh // nkv, hd)
+                if x.is_cuda:
+                    o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
+                else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
+                    scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
+                    if attn_mask is not None:
+                        scores.masked_fill_(~attn_mask, float("-inf"))
+                    o = torch.matmul(scores.softmax(-1), vv)
+            else:
+                rep = nh // nkv
+                kk = kk[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
+                vv = vv[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=self.scale)
+            o = o.reshape(b, nh, s, hd).transpose(1, 2).reshape(b, s, nh * hd)
+            x = x + F.linear(o, w["o"], w["o_b"])
+            h = _rms_norm(x, w["ln2"], eps2)
+            gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
+        return x
+
+    def _logits(self, x):
+        head = self.w[1]
+        return F.linear(_rms_norm(x, head["norm"], self.final_eps), head["lm_head"])
+
+    @torch.no_grad()
+    def prefill(self, ids, attn, positions):
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
+        n, p = ids.shape
+        head = self.w[1]
+        x = F.embedding(ids, head["embed"])
+        # rotary tables for every position a row will use: prompt positions, then the completion's
+        last = positions[:, -1:]
+        all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
+        cos, sin = self.rotary(x, all_pos)
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see _rotate
+        self.cos[:n], self.sin[:n] = cos, sin
+        self.key_mask[:n] = False
+        self.key_mask[:n, :p] = attn.bool()
+        # without left padding, eager decode over the filled slots needs no mask at all
+        self.unpadded = not self.use_graph and bool(attn.bool().all())
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # a padding query attends at least to itself, so its (unused) output stays finite
+        mask = (causal & attn.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
+        mask = mask[:, None]  # (N, 1, P, P)
+
+        def write(i, k, v):
+            self.k_cache[i, :n, :, :p] = k
+            self.v_cache[i, :n, :, :p] = v
+
+        def keys(i):
+            return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
+
+        x = self._layers(x, cos[:, :p, None], sin[:, :p, None], write, keys, mask)
+        return self._logits(x[:, -1])
+
+    def _decode_body(self, b, slot, kv_len):
+        """One token for the first b rows, whose tokens are in tok_in; K/V go to `slot` (an int, or on graphs a tensor)."""
+        x = F.embedding(self.tok_in[:b, None], self.w[1]["embed"])  # (b, 1, H)
+        if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
+            cos, sin = (t[:b].index_select(1, slot)[:, :, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
+            self.key_mask[:b].index_fill_(1, slot, True)
+            attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+        else:
+            cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
+            attn_mask = None
+            if not self.unpadded:  # eager decode without left padding attends to every filled slot: no mask
+                self.key_mask[:b, slot] = True
+                attn_mask = self.key_mask[:b, None, None, :kv_len]
+
+        def write(i, k, v):
+            if torch.is_tensor(slot):
+                self.k_cache[i, :b].index_copy_(2, slot, k)
+                self.v_cache[i, :b].index_copy_(2, slot, v)
+            else:
+                self.k_cache[i, :b, :, slot] = k[:, :, 0]
+                self.v_cache[i, :b, :, slot] = v[:, :, 0]
+
+        def keys(i):
+            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+
+        return self._logits(self._layers(x, cos, sin, write, keys, attn_mask)[:, 0])
+
+    @torch.no_grad()
+    def decode(self, tok, slot):
+        """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) at cache `slot`.
+
+        Positions need no input: prefill filled each row's rotary table by slot.
+        """
+        n = tok.shape[0]
+        b = self.batch_for(n)
+        self.tok_in[:n] = tok
+        if not self.use_graph:
+            return self._decode_body(n, slot, slot + 1)  # eager: attend over the filled slots only
+        self.slot_in.fill_(slot)
+        span = min(self.max_len, -(-(slot + 1) // self.span_step) * self.span_step)  # slots [0, span) hold slot
+        if (b, span) not in self.graphs:
+            self.graphs[b, span] = self._capture(b, span)
+        graph, out = self.graphs[b, span]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b, span):
+        # warm-up on a side stream, then capture; running the body computes this very step's values, so the
+        # cache slots it writes get the same contents the replay writes
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_body(b, self.slot_in, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._decode_body(b, self.slot_in, span)
+        return graph, out
