@@ -224,21 +224,21 @@ class OurStep:
         ids = torch.cat([enc.input_ids, roll.completion_ids], 1)
         attn = torch.cat([enc.attention_mask, torch.ones_like(roll.completion_ids)], 1)
         T, mask = roll.completion_ids.shape[1], roll.completion_mask.float()
-        micro = [slice(i, i + s["micro_batch"]) for i in range(0, n, s["micro_batch"])]
+        micro = grpo.micro_batches(attn, mask, T, s["micro_batch"])
         with torch.no_grad():
-            ref_logp = torch.cat([grpo.completion_logprobs(self.ref, ids[m], attn[m], T, s["temperature"])[0] for m in micro])
-        for m in micro:
-            logp, _ = grpo.completion_logprobs(self.policy, ids[m], attn[m], T, s["temperature"])
-            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[m], adv[m], mask[m], beta=s["beta"], epsilon=0.2,
-                                     epsilon_high=0.2, loss_type="grpo", num_sequences=n, num_tokens=mask.sum(),
-                                     max_completion_length=s["step_new_tokens"])
+            ref_logp = [grpo.completion_logprobs(self.ref, *m.take(ids, attn), m.t, s["temperature"])[0] for m in micro]
+        for m, ref in zip(micro, ref_logp):
+            logp, _ = grpo.completion_logprobs(self.policy, *m.take(ids, attn), m.t, s["temperature"])
+            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv[m.rows], mask[m.rows, :m.t], beta=s["beta"],
+                                     epsilon=0.2, epsilon_high=0.2, loss_type="grpo", num_sequences=n,
+                                     num_tokens=mask.sum(), max_completion_length=s["step_new_tokens"])
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         sync(dev)
         self.train_time.append(time.perf_counter() - t_train)
-        self.train_tokens.append(ids.numel())
+        self.train_tokens.append(sum(m.rows.numel() * (m.cols.stop - m.cols.start) for m in micro))  # positions run
 
 
 def trl_version():

@@ -356,6 +356,47 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     return logp.view(n, t), entropy.view(n, t)
 
 
+@dataclass
+class MicroBatch:
+    """The rows of one forward/backward and the columns they need."""
+    rows: torch.Tensor  # (m,) indices into the batch
+    cols: slice         # columns of the (N, P + T) prompt + completion tensors these rows use
+    t: int              # completion positions kept: per-token (N, T) tensors are read as x[rows, :t]
+
+    def take(self, *sequences):
+        """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
+        return tuple(x[self.rows][:, self.cols] for x in sequences)
+
+
+def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
+    """Split a batch into micro-batches of `size` rows that spend little compute on padding.
+
+    attention_mask (N, P + T) over left-padded prompts then completions;
+    token_mask (N, T) marks the completion tokens that count (loss, metrics).
+    Rows are ordered by the columns they need (real prompt tokens, then the
+    completion up to its last counted token), longest first, so rows of similar
+    length share a micro-batch; each then drops the columns none of its rows
+    needs: leading prompt padding, and completion positions after every row's
+    last counted token. Neither changes a counted token's log-prob: padding is
+    masked out, and in a causal model later positions do not affect earlier ones.
+    """
+    t_all = num_completion_tokens
+    p = attention_mask.shape[1] - t_all
+    prompt_len = attention_mask[:, :p].long().sum(1)
+    position = torch.arange(1, t_all + 1, device=token_mask.device)
+    completion_len = ((token_mask > 0) * position).amax(1)  # 1 + the last counted position; 0 if none counts
+    need = (prompt_len + completion_len).tolist()
+    prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
+    order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
+    out = []
+    for s in range(0, len(order), size):
+        rows = order[s:s + size]
+        t = max(1, max(completion_len[i] for i in rows))
+        start = min(p - 1, p - max(prompt_len[i] for i in rows))  # the position before the first completion token
+        out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(max(0, start), p + t), t))
+    return out
+
+
 # ----------------------------------------------------------------------------- advantages
 
 

@@ -487,12 +487,13 @@ def main(argv):
         num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
 
         # 5. log-probs that stay fixed during the update: the reference's, and the sampling policy's when reused
-        micro = [slice(i, i + cfg.micro_batch_size) for i in range(0, n, cfg.micro_batch_size)]
+        # rows of similar length together, each micro-batch cut to the columns its rows use
+        micro = grpo.micro_batches(attention_mask, loss_mask, T, cfg.micro_batch_size)
 
         @torch.no_grad()
-        def fixed_logprobs(model):
-            logp = torch.cat([model(grpo.completion_logprobs, input_ids[s], attention_mask[s], T, cfg.temperature)[0]
-                              for s in micro])
+        def fixed_logprobs(model):  # one (m, t) tensor per micro-batch
+            logp = [model(grpo.completion_logprobs, *mb.take(input_ids, attention_mask), mb.t, cfg.temperature)[0]
+                    for mb in micro]
             if model is ref:
                 sharding.free_gathered(ref)  # never backward: nothing else would free the root's gathered weights
             return logp
@@ -505,11 +506,13 @@ def main(argv):
         # 6. mu optimizer steps on this batch, each accumulating over micro-batches
         for _ in range(cfg.num_iterations):
             sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
-            for s in micro:
-                logp, entropy = policy(grpo.completion_logprobs, input_ids[s], attention_mask[s], T, cfg.temperature)
-                old = old_logp[s] if old_logp is not None else logp.detach()  # ratio 1, gradient of A * logp
-                loss, m = grpo.grpo_loss(logp, old, ref_logp[s] if ref_logp is not None else None, advantages[s],
-                                         loss_mask[s], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_high,
+            for i, mb in enumerate(micro):
+                logp, entropy = policy(grpo.completion_logprobs, *mb.take(input_ids, attention_mask), mb.t,
+                                       cfg.temperature)
+                old = old_logp[i] if old_logp is not None else logp.detach()  # ratio 1, gradient of A * logp
+                mb_mask = loss_mask[mb.rows, :mb.t]
+                loss, m = grpo.grpo_loss(logp, old, ref_logp[i] if ref_logp is not None else None, advantages[mb.rows],
+                                         mb_mask, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_high,
                                          loss_type=cfg.loss_type, num_sequences=N, num_tokens=num_tokens,
                                          max_completion_length=cfg.max_completion_length)
                 # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
@@ -517,7 +520,7 @@ def main(argv):
                 sums["loss"] += loss.item()
                 for k in ("kl", "clip_low", "clip_high"):
                     sums[k] += m[k] * m["tokens"]
-                sums["entropy"] += (entropy * loss_mask[s]).sum().item()
+                sums["entropy"] += (entropy * mb_mask).sum().item()
                 sums["tokens"] += m["tokens"]
             grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
             lr = scheduler.get_last_lr()[0]
