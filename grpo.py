@@ -267,7 +267,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     gradient d logp / d logits = (onehot(target) - softmax) / temperature
     directly, so each chunk costs two float32 (chunk, V) buffers and no
     autograd graph over the vocabulary. When all rows fit in one chunk, that
-    chunk's log-probs are kept for backward instead of recomputed. The entropy
+    chunk's softmax is kept for backward instead of recomputed. The entropy
     is a metric: no gradient.
     """
 
@@ -282,12 +282,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             z = F.linear(hidden[s:e], weight).float()
             if temperature != 1.0:
                 z.div_(temperature)
-            lse[s:e] = torch.logsumexp(z, -1)
-            z.sub_(lse[s:e, None])  # now the log-probs of every token
-            logp[s:e] = z.gather(-1, targets[s:e, None])[:, 0]
-            entropy[s:e] = -z.exp().mul_(z).sum(-1)
+            top = z.amax(-1, keepdim=True)
+            z.sub_(top)  # shifted logits, at most 0
+            prob = z.exp()  # the only exp per logit: log-sum-exp, log-prob and entropy all come from it
+            total = prob.sum(-1, keepdim=True)
+            log_total = total.log()
+            lse[s:e] = (top + log_total)[:, 0]
+            logp[s:e] = (z.gather(-1, targets[s:e, None]) - log_total)[:, 0]
+            prob.div_(total)  # softmax
+            entropy[s:e] = log_total[:, 0] - z.mul_(prob).sum(-1)  # -sum p log p = log total - sum p z
             if n <= chunk and any(ctx.needs_input_grad[:2]):
-                kept = z
+                kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -306,8 +311,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             e = min(n, s + chunk)
             h = hidden[s:e]
             g = grad_logp[s:e, None].float()
-            if kept is not None:  # the only chunk, kept from the forward
-                z = kept.exp().mul_(-g)  # -g * softmax (not in place: a retained graph may run backward again)
+            if kept is not None:  # the only chunk's softmax, kept from the forward
+                z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
             else:
                 z = F.linear(h, weight).float()
                 if ctx.temperature != 1.0:
