@@ -329,7 +329,9 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
 
-    Every process evaluates the same prompts (the same forwards on every rank).
+    The rows are split over the processes (the last rank's share padded with
+    copies of the last row, dropped again), and the scores gathered: every rank
+    samples the same number of rows, so all of them make the same collectives.
     """
     device = d.device
     rows = task.eval_rows
@@ -343,19 +345,24 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
         comp = {}
         for start in range(0, len(rows), cfg.prompts_per_step):
             chunk = rows[start:start + cfg.prompts_per_step]
-            prompts = [r["prompt"] for r in chunk for _ in range(G)]
-            fields = {k: [r[k] for r in chunk for _ in range(G)] for k in chunk[0] if k != "prompt"}
-            enc = encode_prompts(tokenizer, prompts, cfg, device)
+            count = len(chunk) * G
+            per_rank = -(-count // d.world_size)
+            # row i is prompt i // G; the padding rows copy the last row, seed included, so they sample alike
+            index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
+            prompts = [chunk[i // G]["prompt"] for i in index]
+            enc = encode_prompts(tokenizer, prompts, cfg, device)  # all rows: the same padding on every rank
+            mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
+            fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
-            seeds = torch.arange(len(prompts), device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            rollout, completions = generate(policy, tokenizer, enc.input_ids, enc.attention_mask, seeds, temperature,
-                                            cfg, d, eos_ids)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
-            totals.append(total)
+            seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
+            rollout, completions = generate(policy, tokenizer, enc.input_ids[mine], enc.attention_mask[mine], seeds,
+                                            temperature, cfg, d, eos_ids)
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts[mine], completions, fields)
+            totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():
-                comp.setdefault(k, []).append(v)
+                comp.setdefault(k, []).append(sharding.all_gather_rows(v, d)[:count])
             if task.accuracy_reward is not None:
-                correct.append(parts[task.accuracy_reward] >= 1.0)
+                correct.append(comp[task.accuracy_reward][-1] >= 1.0)
         total = torch.cat(totals)
         suffix = "" if label == "sampled" else "_greedy"
         results[f"eval/reward{suffix}"] = total.nanmean().item()

@@ -226,6 +226,35 @@ def test_ranks_finishing_at_different_lengths_do_not_hang(runs):
         assert r["all_gathers_per_forward"] > 5 * r["fsdp_groups"]
 
 
+def test_evaluation_splits_rows_over_processes(tmp_path):
+    """Each of 2 ranks samples half the held-out rows (the odd one padded); the gathered scores equal 1 process's.
+
+    One training step, then an evaluation of 3 prompts: greedy (3 rows: 2 per rank, one a padding copy)
+    and sampled (3 x 2 rows: 3 per rank).
+    """
+    flags = ["--max_steps=1", "--eval_every=1", "--eval_prompts=3", "--prompts_per_step=4", "--num_generations=2",
+             "--max_completion_length=8", "--save_every=0", *FLAGS]
+    dirs = {w: str(tmp_path / f"eval{w}") for w in (1, 2)}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for job in [pool.submit(launch, RUN_TRAIN, [f"--out_dir={dirs[w]}", *flags], w) for w in (1, 2)]:
+            job.result()
+    # recorded sample calls per rank: the training step, the greedy evaluation, the sampled one
+    per_rank = []
+    for r in (0, 1):
+        with open(os.path.join(dirs[2], f"tokens_rank{r}.jsonl")) as f:
+            per_rank.append([json.loads(line) for line in f])
+    assert [[len(rows) for rows in calls] for calls in per_rank] == [[4, 2, 3], [4, 2, 3]]
+    one, two = tokens(dirs[1]), tokens(dirs[2])
+    assert [len(rows) for rows in one] == [8, 3, 6]
+    assert two[1][2] == two[1][3]  # the padding row samples what the row it copies does
+    assert two[0] == one[0] and two[1][:3] == one[1] and two[2] == one[2]
+    (m1,), (m2,) = metrics(dirs[1]), metrics(dirs[2])
+    evals = {k for k in m1 if k.startswith("eval/")}
+    assert {"eval/reward", "eval/reward_greedy"} <= evals and evals == {k for k in m2 if k.startswith("eval/")}
+    for k in evals:
+        assert m1[k] == pytest.approx(m2[k], rel=1e-6, abs=1e-9), k
+
+
 # ----------------------------------------------------------------------------- checkpoint files (one process)
 
 
