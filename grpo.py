@@ -379,10 +379,11 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
     attention_mask (N, P + T) over left-padded prompts then completions;
     token_mask (N, T) marks the completion tokens that count (loss, metrics).
     Rows are ordered by the columns they need (real prompt tokens, then the
-    completion up to its last counted token), longest first, so rows of similar
-    length share a micro-batch; each then drops the columns none of its rows
-    needs: leading prompt padding, and completion positions after every row's
-    last counted token. Neither changes a counted token's log-prob: padding is
+    completion up to its last counted token; none when no token counts, as for
+    masked truncated completions), longest first, so rows of similar length
+    share a micro-batch; each then drops the columns none of its rows needs:
+    leading prompt padding, and completion positions after every row's last
+    counted token. Neither changes a counted token's log-prob: padding is
     masked out, and in a causal model later positions do not affect earlier ones.
     """
     t_all = num_completion_tokens
@@ -390,6 +391,7 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
     prompt_len = attention_mask[:, :p].long().sum(1)
     position = torch.arange(1, t_all + 1, device=token_mask.device)
     completion_len = ((token_mask > 0) * position).amax(1)  # 1 + the last counted position; 0 if none counts
+    prompt_len = torch.where(completion_len > 0, prompt_len, 0)  # a row with nothing counted needs no column
     need = (prompt_len + completion_len).tolist()
     prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
     order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
@@ -397,8 +399,9 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
     for s in range(0, len(order), size):
         rows = order[s:s + size]
         t = max(1, max(completion_len[i] for i in rows))
-        start = min(p - 1, p - max(prompt_len[i] for i in rows))  # the position before the first completion token
-        out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(max(0, start), p + t), t))
+        # keep at least the last prompt column: it predicts the first completion token
+        start = max(0, min(p - 1, p - max(prompt_len[i] for i in rows)))
+        out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t))
     return out
 
 

@@ -232,8 +232,9 @@ def test_evaluation_splits_rows_over_processes(tmp_path):
     One training step, then an evaluation of 3 prompts: greedy (3 rows: 2 per rank, one a padding copy)
     and sampled (3 x 2 rows: 3 per rank).
     """
+    # the tiny reward model (sharded too) scores every row differently, so a missing gather or trim shows
     flags = ["--max_steps=1", "--eval_every=1", "--eval_prompts=3", "--prompts_per_step=4", "--num_generations=2",
-             "--max_completion_length=8", "--save_every=0", *FLAGS]
+             "--max_completion_length=8", "--save_every=0", "--reward_model=tiny", *FLAGS]
     dirs = {w: str(tmp_path / f"eval{w}") for w in (1, 2)}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for job in [pool.submit(launch, RUN_TRAIN, [f"--out_dir={dirs[w]}", *flags], w) for w in (1, 2)]:
@@ -251,8 +252,9 @@ def test_evaluation_splits_rows_over_processes(tmp_path):
     (m1,), (m2,) = metrics(dirs[1]), metrics(dirs[2])
     evals = {k for k in m1 if k.startswith("eval/")}
     assert {"eval/reward", "eval/reward_greedy"} <= evals and evals == {k for k in m2 if k.startswith("eval/")}
+    assert m1["eval/reward"] != 0 and m1["eval/reward_greedy"] != 0
     for k in evals:
-        assert m1[k] == pytest.approx(m2[k], rel=1e-6, abs=1e-9), k
+        assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
 
 
 # ----------------------------------------------------------------------------- checkpoint files (one process)

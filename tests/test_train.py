@@ -77,7 +77,7 @@ def accumulated_grad(model, ref_logp, ids, mask, r, adv, micro, loss_type):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted=None):
+def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted=None, temperature=1.0):
     """One forward over everything, full logits, log_softmax + gather, the loss written out.
 
     counted: the completion tokens the loss counts (N, T); the completion mask by default.
@@ -85,13 +85,13 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
     model.zero_grad()
     t = r.completion_ids.shape[1]
     pos = grpo.position_ids_from_mask(mask)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1].float()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None])[..., 0]
     d = ref_logp - logp
     per_token = -adv[:, None] * torch.exp(logp - logp.detach()) + 0.1 * (torch.exp(d) - d - 1)
     m = r.completion_mask.float() if counted is None else counted
     if loss_type == "grpo":
-        loss = ((per_token * m).sum(1) / m.sum(1)).mean()
+        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()  # a row with nothing counted adds 0
     elif loss_type == "dapo":
         loss = (per_token * m).sum() / m.sum()
     else:
@@ -115,27 +115,33 @@ def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, tokenizer, loss_type):
-    """The trainer's micro-batches (rows sorted by length, padding columns dropped) against one naive pass."""
+    """The trainer's micro-batches (rows sorted by length, padding columns dropped) against one naive pass.
+
+    Rows 0-3 have a short left-padded prompt, rows 4-7 a long one; row 5 counts no token (as a masked
+    truncated completion), so it sorts last and needs no prompt column.
+    """
     ids, mask, r, adv = rollout_batch(model, tokenizer)
     n, t = ids.shape[0], r.completion_ids.shape[1]
-    lengths = torch.tensor([6, 1, 3, 6, 2, 1, 5, 4])  # counted completion tokens per row
+    lengths = torch.tensor([6, 1, 3, 6, 2, 0, 5, 4])  # counted completion tokens per row
     counted = (torch.arange(t)[None] < lengths[:, None]).float()
+    temperature = 0.7
     with torch.no_grad():
-        ref_logp = grpo.completion_logprobs(model, ids, mask, t)[0] + 0.05
+        ref_logp = grpo.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
     micro = grpo.micro_batches(mask, counted, t, 3)
     assert sorted(torch.cat([m.rows for m in micro]).tolist()) == list(range(n))  # every row exactly once
-    widths = [m.cols.stop - m.cols.start for m in micro]
-    assert min(widths) < ids.shape[1] - 4 and max(widths) == ids.shape[1]  # some drop prompt padding and tail
-    assert [lengths[m.rows].max().item() for m in micro] == [m.t for m in micro]
+    # columns needed: rows 0-3 2 + length, rows 4-7 12 + length, row 5 none: 8 3 5 8 | 14 0 17 16
+    assert [m.rows.tolist() for m in micro] == [[6, 7, 4], [0, 3, 2], [1, 5]]  # longest first, stable
+    assert [m.t for m in micro] == [5, 6, 1]
+    assert [(m.cols.start, m.cols.stop) for m in micro] == [(0, 17), (10, 18), (10, 13)]  # prompt columns 0-11
     model.zero_grad()
     for m in micro:
-        logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, chunk_tokens=5)
+        logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5)
         loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[m.rows, :m.t], adv[m.rows], counted[m.rows, :m.t],
                                  beta=0.1, epsilon=0.2, epsilon_high=0.2, loss_type=loss_type, num_sequences=n,
                                  num_tokens=counted.sum(), max_completion_length=6)
         loss.backward()
     trimmed = torch.cat([p.grad.flatten() for p in model.parameters()])
-    naive = naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted)
+    naive = naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted, temperature)
     assert trimmed.abs().max() > 0
     torch.testing.assert_close(trimmed, naive, atol=1e-6, rtol=1e-4)
 
