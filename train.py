@@ -587,10 +587,13 @@ def main(argv):
     full_weights = sharding.full_state_dict(policy)  # a collective: every rank takes part
     if d.master:
         model_loading.export_model(policy.lm, tokenizer, export_dir, state_dict=full_weights)
-        k = max(1, len(history) // 10)
-        print(f"done: {cfg.max_steps} steps in {time.time() - t_start:.0f}s | reward first 10% "
-              f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}\n"
-              f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | model: {export_dir}")
+        if history:  # the steps this call ran (a resumed run: those after the checkpoint)
+            k = max(1, len(history) // 10)
+            print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward first 10% "
+                  f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
+        else:
+            print(f"done: {cfg.out_dir} already holds step {start_step} of {cfg.max_steps}; no step left to run")
+        print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | model: {export_dir}")
     logger.close()
     sharding.teardown()
 

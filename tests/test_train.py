@@ -200,6 +200,17 @@ def test_reference_model_is_frozen_and_beta_zero_builds_none(tmp_path, monkeypat
     assert seen["ref"] is None and rows[0]["kl"] == 0
 
 
+def test_rerunning_a_finished_run_says_so(tmp_path, monkeypatch, capsys):
+    run_train(tmp_path, monkeypatch, "--max_steps=2", "--save_every=1")
+    assert "done: steps 1-2 in" in capsys.readouterr().out
+    rows, _, out = run_train(tmp_path, monkeypatch, "--max_steps=2", "--save_every=1")  # the same command again
+    printed = capsys.readouterr().out
+    assert f"done: {out} already holds step 2 of 2; no step left to run" in printed and "reward first" not in printed
+    assert [r["step"] for r in rows] == [1, 2]
+    rows, _, _ = run_train(tmp_path, monkeypatch, "--max_steps=3", "--save_every=1")  # one more step
+    assert "done: steps 3-3 in" in capsys.readouterr().out and [r["step"] for r in rows] == [1, 2, 3]
+
+
 def test_group_of_64_with_micro_batches_of_4(tmp_path, monkeypatch):
     def odd_length(prompts, completions, **_):  # a reward with spread at initialisation
         return [float(len(c.encode()) % 2) for c in completions]
