@@ -214,8 +214,7 @@ class OurStep:
                            eos_ids=self.eos, pad_id=tok.pad_token_id, temperature=s["temperature"], top_k=s["top_k"],
                            top_p=s["top_p"], seeds=torch.arange(n, device=dev) + self.step_no * n)
         self.policy.train()
-        completions = tok.batch_decode(roll.completion_ids.masked_fill(roll.completion_mask == 0, tok.pad_token_id),
-                                       skip_special_tokens=True)
+        completions = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)  # padded after the first EOS
         total, _ = rewards.score_completions(self.task.reward_funcs, [1.0], prompts, completions, fields)
         adv, _ = grpo.group_advantages(total, G)
         adv = adv.to(dev)

@@ -370,7 +370,7 @@ class MicroBatch:
 
     def take(self, *sequences):
         """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
-        return tuple(x[self.rows][:, self.cols] for x in sequences)
+        return tuple(x[self.rows, self.cols] for x in sequences)
 
 
 def micro_batches(attention_mask, token_mask, num_completion_tokens, size):

@@ -321,8 +321,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
         rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
                          eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
                          top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
-    text = tokenizer.batch_decode(rollout.completion_ids.masked_fill(rollout.completion_mask == 0,
-                                  tokenizer.pad_token_id), skip_special_tokens=True)
+    text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padded after the first EOS
     return rollout, text
 
 
