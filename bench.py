@@ -121,7 +121,8 @@ def bench_decode(path, s, device):
 
     # compaction: rows that finish early leave the decode batch. Enough ids count as EOS here (2 / t of the
     # vocabulary: near-uniform random weights then stop a row after about t / 2 tokens) that rows stop at
-    # scattered lengths; the tokens must be identical either way.
+    # scattered lengths. In float32 the tokens must be identical either way; in bf16 a smaller batch may take
+    # other matmul kernels whose rounding moves a few draws, so the share of identical rows is reported.
     stop_ids = list(range(40, 40 + max(1, round(2 * model.config.vocab_size / t))))
     def stopping(compact):
         return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
@@ -129,12 +130,14 @@ def bench_decode(path, s, device):
     ct = {True: [], False: []}
     for _ in range(s["warmup"]):
         a, b = stopping(True), stopping(False)
-        assert torch.equal(a.completion_ids, b.completion_ids), "compaction changed the sampled tokens"
+        same = (a.completion_ids == b.completion_ids).all(1).float().mean().item()
+        assert same == 1.0 or s["dtype"] != "float32", "compaction changed the sampled tokens"
     for _ in range(s["reps"]):
         for c in (True, False):
             ct[c].append(timed(lambda: stopping(c), device)[0])
     out["compaction_speedup"] = statistics.median(ct[False]) / statistics.median(ct[True])
     out["compaction_mean_length_frac"] = a.completion_mask.sum(1).float().mean().item() / t
+    out["compaction_identical_rows_frac"] = same
 
     if device.type == "cuda":
         out.update(decode_bandwidth(model, enc, ours, s, device))

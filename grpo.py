@@ -259,6 +259,52 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
 # ----------------------------------------------------------------------------- token log-probs
 
 
+def _chunk_stats(z, targets, inv_temperature):
+    """One chunk of logits (rows, V) -> each row's log-sum-exp, target log-prob and entropy, in float32.
+
+    The math of the eager loop below, written without in-place ops so that
+    torch.compile turns it into a couple of passes over the (bf16) logits.
+    """
+    z = z.float() * inv_temperature
+    top = z.amax(-1, keepdim=True)
+    shifted = z - top
+    prob = shifted.exp()  # unnormalised
+    total = prob.sum(-1, keepdim=True)
+    log_total = total.log()
+    logp = shifted.gather(-1, targets[:, None]) - log_total
+    entropy = log_total - (shifted * prob).sum(-1, keepdim=True) / total
+    return (top + log_total)[:, 0], logp[:, 0], entropy[:, 0]
+
+
+def _chunk_grad(z, targets, lse, grad, inv_temperature):
+    """d(sum grad * logp) / d logits for one chunk: grad * (onehot(target) - softmax) / temperature, in z's dtype."""
+    prob = (z.float() * inv_temperature - lse[:, None]).exp()
+    hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+    return ((hit.float() - prob) * (grad[:, None] * inv_temperature)).to(z.dtype)
+
+
+_FUSED = {}
+
+
+def fused_head_available(device):
+    """On CUDA with Triton, the chunk math runs compiled: the eager version makes about ten float32 passes
+    over each (rows, V) chunk of logits, which costs more than the vocabulary matmul itself."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401  (torch.compile's GPU code generator)
+    except ImportError:
+        return False
+    return True
+
+
+def _fused(name):
+    if not _FUSED:  # compiled on first use; dynamic: chunks of any number of rows share one kernel
+        _FUSED["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _FUSED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _FUSED[name]
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[target] and the entropy, chunk by chunk of rows.
 
@@ -268,17 +314,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     directly, so each chunk costs two float32 (chunk, V) buffers and no
     autograd graph over the vocabulary. When all rows fit in one chunk, that
     chunk's softmax is kept for backward instead of recomputed. The entropy
-    is a metric: no gradient.
+    is a metric: no gradient. With `fused`, each chunk's math is the compiled
+    `_chunk_stats` / `_chunk_grad` instead (no float32 chunk at all).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         kept = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
+            if fused:
+                lse[s:e], logp[s:e], entropy[s:e] = _fused("stats")(F.linear(hidden[s:e], weight), targets[s:e],
+                                                                     1.0 / temperature)
+                continue
             z = F.linear(hidden[s:e], weight).float()
             if temperature != 1.0:
                 z.div_(temperature)
@@ -294,7 +345,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if n <= chunk and any(ctx.needs_input_grad[:2]):
                 kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -310,18 +361,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            g = grad_logp[s:e, None].float()
-            if kept is not None:  # the only chunk's softmax, kept from the forward
-                z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
+            if ctx.fused:
+                z = _fused("grad")(F.linear(h, weight), targets[s:e], lse[s:e], grad_logp[s:e].float(),
+                                   1.0 / ctx.temperature)
             else:
-                z = F.linear(h, weight).float()
+                g = grad_logp[s:e, None].float()
+                if kept is not None:  # the only chunk's softmax, kept from the forward
+                    z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
+                else:
+                    z = F.linear(h, weight).float()
+                    if ctx.temperature != 1.0:
+                        z.div_(ctx.temperature)
+                    z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
+                z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
                 if ctx.temperature != 1.0:
                     z.div_(ctx.temperature)
-                z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
-            z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            z = z.to(hidden.dtype)
+                z = z.to(hidden.dtype)
             if want_h:
                 grad_h[s:e] = z @ weight
             if want_w:
@@ -329,35 +384,39 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), h)
                 else:
                     grad_w += z.t() @ h
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
 def default_chunk_tokens(vocab_size, device):
-    """Rows per chunk of the vocabulary projection: about 64 MB of float32 logits on CPU, 256 MB on GPU."""
-    budget = 1 << (26 if torch.device(device).type == "cuda" else 24)
+    """Rows per chunk of the vocabulary projection: 16M logits on CPU (64 MB in float32), 128M on GPU."""
+    budget = 1 << (27 if torch.device(device).type == "cuda" else 24)
     return max(1, budget // vocab_size)
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None):
+                        chunk_tokens=None, fused=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     The transformer runs once; the vocabulary projection runs over chunks of
     `chunk_tokens` positions and is recomputed chunk by chunk in backward, so
     no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as
     in `sample`. Returns (logp, entropy), each (N, T); entropy has no gradient.
+    `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     """
     t = num_completion_tokens
     positions = position_ids_from_mask(attention_mask)
     # no padding (every prompt the same length): plain causal attention, with no mask to build or apply
     mask = None if bool(attention_mask.all()) else attention_mask
-    hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                              use_cache=False).last_hidden_state
     hidden = hidden[:, -t - 1:-1]  # (N, T, H): the position before each completion token predicts it
     n, _, h = hidden.shape
     hidden, targets = hidden.reshape(n * t, h), input_ids[:, -t:].reshape(n * t)
     weight = model.get_output_embeddings().weight
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
-    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature), chunk)
+    if fused is None:
+        fused = fused_head_available(weight.device)
+    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, bool(fused))
     return logp.view(n, t), entropy.view(n, t)
 
 

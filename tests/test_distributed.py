@@ -31,6 +31,7 @@ def launch(script, args, nproc, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU also on a GPU machine (two ranks cannot share one GPU under NCCL)
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:

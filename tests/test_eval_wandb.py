@@ -205,7 +205,7 @@ def test_sharded_reward_model_scores_as_unsharded(reward_model, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            "29533", str(tmp_path / "worker.py"), root, path, str(out), "|".join(PROMPTS),
                            "|".join(COMPLETIONS)], capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))  # CPU on a GPU machine too
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = rewards.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(torch.tensor(torch.load(out)), torch.tensor(expected), atol=1e-5, rtol=1e-5)

@@ -415,6 +415,30 @@ def test_cuda_greedy_matches_hf_forward():
     assert torch.equal(a.completion_ids, b.completion_ids)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_head_matches_eager_chunks(dtype):
+    """The compiled chunk math (the default on CUDA) against the eager chunks: log-probs, entropy, both gradients."""
+    g = torch.Generator().manual_seed(3)
+    n, v, h = 300, 1000, 64
+    hidden0 = torch.randn(n, h, generator=g).to("cuda", dtype)
+    weight0 = (torch.randn(v, h, generator=g) * 0.3).to("cuda", dtype)
+    targets = torch.randint(0, v, (n,), generator=g).cuda()
+    upstream = torch.randn(n, generator=g).cuda()
+    out = []
+    for fused, chunk in ((False, 7), (True, 7), (True, 1000)):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        logp, ent = grpo._ChunkedTokenLogprobs.apply(hidden, weight, targets, 0.7, chunk, fused)
+        (logp * upstream).sum().backward()
+        out.append((logp.detach(), ent, hidden.grad.float(), weight.grad.float()))
+    for got in out[1:]:
+        for a, b in zip(got, out[0]):
+            # bf16: the (rows, H) and (V, H) products round per chunk, so entries compare against the largest
+            tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2 * b.abs().max().item(), rtol=2e-2)
+            torch.testing.assert_close(a, b, **tol)
+    assert out[0][3].abs().max() > 0
+
+
 def test_all_rows_finished_but_not_stopped():
     """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
     model, tok = tiny_model()

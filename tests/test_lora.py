@@ -208,7 +208,7 @@ def test_lora_under_fsdp2_fully_shard(tmp_path):
     path = model_loading.write_tiny_model(str(tmp_path / "tiny"))
     (tmp_path / "worker.py").write_text(FSDP_WORKER)
     out = tmp_path / "result.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU on a GPU machine too
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29531", str(tmp_path / "worker.py"), root, path, str(out)],
                           capture_output=True, text=True, timeout=240, env=env)
