@@ -137,7 +137,7 @@ def bench_decode(path, s, device):
             ct[c].append(timed(lambda: stopping(c), device)[0])
     out["compaction_speedup"] = statistics.median(ct[False]) / statistics.median(ct[True])
     out["compaction_mean_length_frac"] = a.completion_mask.sum(1).float().mean().item() / t
-    out["compaction_identical_rows_frac"] = same
+    out["compaction_identical_rows_frac"] = same  # from the last warm-up pair
 
     if device.type == "cuda":
         out.update(decode_bandwidth(model, enc, ours, s, device))

@@ -315,7 +315,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     autograd graph over the vocabulary. When all rows fit in one chunk, that
     chunk's softmax is kept for backward instead of recomputed. The entropy
     is a metric: no gradient. With `fused`, each chunk's math is the compiled
-    `_chunk_stats` / `_chunk_grad` instead (no float32 chunk at all).
+    `_chunk_stats` / `_chunk_grad` instead (for bf16 weights, no float32 copy of a chunk's logits).
     """
 
     @staticmethod
