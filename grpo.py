@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from static_decoder import StaticDecoder, static_decode_supported
+from static_decoder import StaticDecoder, hidden_states, static_decode_supported, training_forward_supported
 
 # ----------------------------------------------------------------------------- sampling
 
@@ -394,7 +394,7 @@ def default_chunk_tokens(vocab_size, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None, fused=None):
+                        chunk_tokens=None, fused=None, fast_forward=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     The transformer runs once; the vocabulary projection runs over chunks of
@@ -402,13 +402,20 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as
     in `sample`. Returns (logp, entropy), each (N, T); entropy has no gradient.
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
+    `fast_forward` (default: where supported) runs the transformer as
+    `static_decoder.hidden_states` instead of the Hugging Face forward.
     """
     t = num_completion_tokens
     positions = position_ids_from_mask(attention_mask)
     # no padding (every prompt the same length): plain causal attention, with no mask to build or apply
     mask = None if bool(attention_mask.all()) else attention_mask
-    hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                              use_cache=False).last_hidden_state
+    if fast_forward is None:
+        fast_forward = training_forward_supported(model)
+    if fast_forward:
+        hidden = hidden_states(model, input_ids, mask, positions)
+    else:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                  use_cache=False).last_hidden_state
     hidden = hidden[:, -t - 1:-1]  # (N, T, H): the position before each completion token predicts it
     n, _, h = hidden.shape
     hidden, targets = hidden.reshape(n * t, h), input_ids[:, -t:].reshape(n * t)

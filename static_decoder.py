@@ -1,15 +1,19 @@
-"""The fast decoder behind `grpo.sample`: Llama/Qwen2 layers over a preallocated KV cache.
+"""Llama/Qwen2 layers written out: the fast decoder behind `grpo.sample`, and the training forward.
 
 `grpo.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
-allocated once, CUDA graphs on GPU. It computes what the Hugging Face
-forward computes (the tests compare the two); other models take that forward.
+allocated once, CUDA graphs on GPU. `grpo.completion_logprobs` asks
+`training_forward_supported(model)` and, when it holds, runs
+`hidden_states`: the same layers on the model's own parameters, with
+autograd. Both compute what the Hugging Face forward computes (the tests
+compare them); other models take that forward.
 
 Nothing here imports the rest of the project.
 """
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 _STATIC_LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 
@@ -76,6 +80,79 @@ def _rotate(x, cos, signed_sin):
     the halves only need swapping: a roll by half the head dimension.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _signed_sin(sin):
+    """The rotary sin table with its first half negated, as `_rotate` takes it."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _padded_causal_mask(attn):
+    """(N, 1, S, S) boolean attention mask: causal, and no key at a padding position of attn (N, S).
+
+    A padding query attends at least to itself, so that its (unused) output stays finite.
+    """
+    s = attn.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attn.device).tril()
+    return ((causal & attn.bool()[:, None, :]) | torch.eye(s, dtype=torch.bool, device=attn.device))[:, None]
+
+
+# ----------------------------------------------------------------------------- the training forward
+
+
+def training_forward_supported(model):
+    """True when `hidden_states` may stand in for the Hugging Face forward in training.
+
+    The architectures StaticDecoder reproduces, with every parameter whole: an
+    FSDP2 shard is gathered by hooks around its module's forward, which this
+    plain function does not call, so sharded models keep the Hugging Face
+    forward. So does a model in training mode with attention dropout.
+    """
+    if not static_decode_supported(model) or _is_sharded(model):
+        return False
+    return not (model.training and getattr(model.config, "attention_dropout", 0.0))
+
+
+def hidden_states(model, input_ids, attention_mask, position_ids):
+    """The final-norm hidden states (N, S, H) of a Llama/Qwen2 model, on its own parameters, differentiable.
+
+    What `model.base_model(...).last_hidden_state` computes (tests compare the
+    values and gradients), in fewer elementwise passes and without the
+    per-call mask and cache bookkeeping: on a small model the Hugging Face
+    forward spends much of its time there. attention_mask None means no
+    padding (plain causal attention). With activation checkpointing on, each
+    layer is recomputed in backward, as in the Hugging Face forward.
+    """
+    inner = model.model
+    x = inner.embed_tokens(input_ids)  # the module: its padding_idx row gets no gradient, as in the HF forward
+    cos, sin = inner.rotary_emb(x, position_ids)  # (N, S, head_dim) in x's dtype
+    cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
+    mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
+    checkpoint = getattr(inner, "gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
+    for layer in inner.layers:
+        if checkpoint:
+            x = torch.utils.checkpoint.checkpoint(_training_layer, layer, x, cos, sin, mask, use_reentrant=False)
+        else:
+            x = _training_layer(layer, x, cos, sin, mask)
+    return _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
+
+
+def _training_layer(layer, x, cos, sin, mask):
+    a, m = layer.self_attn, layer.mlp
+    b, s, _ = x.shape
+    hd = a.head_dim
+    h = _rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, hd) for p in (a.q_proj, a.k_proj, a.v_proj))
+    q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # grouped-query attention: each K/V head serves `rep` query heads
+        k, v = (t[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, -1, s, hd) for t in (k, v))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scaling)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), a.o_proj.weight, a.o_proj.bias)
+    h = _rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+    gate, up = (F.linear(h, p.weight, p.bias) for p in (m.gate_proj, m.up_proj))
+    return x + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
 
 
 class StaticDecoder:
@@ -255,17 +332,13 @@ class StaticDecoder:
         last = positions[:, -1:]
         all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
         cos, sin = self.rotary(x, all_pos)
-        half = self.head_dim // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see _rotate
+        sin = _signed_sin(sin)  # see _rotate
         self.cos[:n], self.sin[:n] = cos, sin
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-        # a padding query attends at least to itself, so its (unused) output stays finite
-        mask = (causal & attn.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
-        mask = mask[:, None]  # (N, 1, P, P)
+        mask = _padded_causal_mask(attn)
 
         def write(i, k, v):
             self.k_cache[i, :n, :, :p] = k

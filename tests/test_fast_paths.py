@@ -368,6 +368,85 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
         torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-5, msg=k)
 
 
+def hf_and_fast_logprobs(model, ids, attn, t, temperature=0.8):
+    """completion_logprobs through the Hugging Face forward and through static_decoder.hidden_states:
+    log-probs, and the gradients of a weighted sum of them."""
+    out = []
+    weights = torch.linspace(-1, 1, ids.shape[0] * t).view(-1, t)
+    for fast in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = grpo.completion_logprobs(model, ids, attn, t, temperature, fast_forward=fast)
+        (logp * weights).sum().backward()
+        out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_training_forward_matches_hf_forward(arch, padded):
+    """Values and gradients of every parameter, with left padding (mask) and without (plain causal)."""
+    model, tok = tiny_model(arch)
+    model.train()
+    assert static_decoder.training_forward_supported(model)
+    enc = prompts(tok)
+    t = 6
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(3))
+    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    if not padded:
+        ids, attn = ids[:, -9:], torch.ones_like(ids[:, -9:])
+    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
+    torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
+    assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))
+    for k, g in hf_grads.items():
+        assert g.abs().max() > 0, k
+        torch.testing.assert_close(fast_grads[k], g, atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_training_forward_matches_hf_forward_in_bfloat16():
+    model, tok = tiny_model()
+    model = model.to(torch.bfloat16).train()
+    enc = prompts(tok)
+    t = 3  # log-probs of completion tokens: every position that predicts one is a real token, not padding
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(4))
+    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
+    torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
+    for k, g in hf_grads.items():
+        torch.testing.assert_close(fast_grads[k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+
+
+def test_training_forward_checkpoints_its_layers(tmp_path):
+    """With activation checkpointing on, the fast forward keeps far fewer tensors for backward, same gradients."""
+    path = model_loading.write_tiny_model(str(tmp_path / "m"))
+    ids = torch.arange(40).view(2, 20) + 3
+    saved, grads = [], []
+    for ckpt in (False, True):
+        model = model_loading.load_model(path, {"attn_implementation": "sdpa"}, "cpu", seed=0, gradient_checkpointing=ckpt)
+        model.train()
+        count = [0]
+
+        def pack(x):
+            count[0] += 1
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            logp, _ = grpo.completion_logprobs(model, ids, torch.ones_like(ids), 8, fast_forward=True)
+        logp.sum().backward()
+        saved.append(count[0])
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert saved[1] < saved[0] / 2, saved
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_training_forward_falls_back_where_it_does_not_apply():
+    model, _ = tiny_model(attention_dropout=0.1)
+    assert static_decoder.training_forward_supported(model.eval())  # dropout is off in eval mode
+    assert not static_decoder.training_forward_supported(model.train())
+    model, _ = tiny_model()
+    model_loading.add_lora(model, rank=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    assert not static_decoder.training_forward_supported(model)  # adapters replace the projections
+
+
 def test_default_dtype_is_float32_on_cpu(tmp_path):
     path = model_loading.write_tiny_model(str(tmp_path / "m"))
     assert model_loading.load_model(path, {}, "cpu").dtype == torch.float32
