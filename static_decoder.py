@@ -145,10 +145,14 @@ def _training_layer(layer, x, cos, sin, mask):
     h = _rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
     q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, hd) for p in (a.q_proj, a.k_proj, a.v_proj))
     q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+    # grouped-query attention (each K/V head serves `rep` query heads): SDPA's enable_gqa needs no copies of
+    # K/V, but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # grouped-query attention: each K/V head serves `rep` query heads
+    gqa = rep > 1 and (mask is None or not q.is_cuda)
+    if rep > 1 and not gqa:
         k, v = (t[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, -1, s, hd) for t in (k, v))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scaling)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scaling,
+                                       enable_gqa=gqa)
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), a.o_proj.weight, a.o_proj.bias)
     h = _rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
     gate, up = (F.linear(h, p.weight, p.bias) for p in (m.gate_proj, m.up_proj))

@@ -372,7 +372,7 @@ def hf_and_fast_logprobs(model, ids, attn, t, temperature=0.8):
     """completion_logprobs through the Hugging Face forward and through static_decoder.hidden_states:
     log-probs, and the gradients of a weighted sum of them."""
     out = []
-    weights = torch.linspace(-1, 1, ids.shape[0] * t).view(-1, t)
+    weights = torch.linspace(-1, 1, ids.shape[0] * t).view(-1, t).to(ids.device)
     for fast in (False, True):
         model.zero_grad(set_to_none=True)
         logp, _ = grpo.completion_logprobs(model, ids, attn, t, temperature, fast_forward=fast)
@@ -517,6 +517,23 @@ def test_cuda_fused_head_matches_eager_chunks(dtype):
             torch.testing.assert_close(a, b, **tol)
     assert out[0][3].abs().max() > 0
 
+
+
+@cuda
+@pytest.mark.parametrize("padded", [True, False])  # masked (K/V copied per query head) and causal (enable_gqa)
+def test_cuda_training_forward_matches_hf_forward(padded):
+    model, tok = tiny_model()
+    model = model.to("cuda", torch.bfloat16).train()
+    enc = prompts(tok, "cuda")
+    t = 3
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(5)).cuda()
+    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    if not padded:
+        ids, attn = ids[:, -5:], torch.ones_like(ids[:, -5:])
+    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
+    torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
+    for k, g in hf_grads.items():
+        torch.testing.assert_close(fast_grads[k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
 
 def test_all_rows_finished_but_not_stopped():
     """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
