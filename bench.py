@@ -463,7 +463,7 @@ def main(argv):
     parser.add_argument("--model", default="tiny", choices=["tiny", "qwen2.5-0.5b"])
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--only", default="decode,step,memory", help="comma-separated rows to run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
