@@ -107,7 +107,8 @@ def training_forward_supported(model):
     The architectures StaticDecoder reproduces, with every parameter whole: an
     FSDP2 shard is gathered by hooks around its module's forward, which this
     plain function does not call, so sharded models keep the Hugging Face
-    forward. So does a model in training mode with attention dropout.
+    forward. So does a model in training mode with attention dropout. Forward
+    hooks registered on the layers, projections or norms do not run here.
     """
     if not static_decode_supported(model) or _is_sharded(model):
         return False
@@ -121,21 +122,27 @@ def hidden_states(model, input_ids, attention_mask, position_ids):
     values and gradients), in fewer elementwise passes and without the
     per-call mask and cache bookkeeping: on a small model the Hugging Face
     forward spends much of its time there. attention_mask None means no
-    padding (plain causal attention). With activation checkpointing on, each
-    layer is recomputed in backward, as in the Hugging Face forward.
+    padding (plain causal attention). With activation checkpointing on, the
+    layers the Hugging Face forward would recompute in backward are recomputed,
+    with the same checkpoint function.
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)  # the module: its padding_idx row gets no gradient, as in the HF forward
     cos, sin = inner.rotary_emb(x, position_ids)  # (N, S, head_dim) in x's dtype
     cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
-    checkpoint = getattr(inner, "gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
     for layer in inner.layers:
-        if checkpoint:
-            x = torch.utils.checkpoint.checkpoint(_training_layer, layer, x, cos, sin, mask, use_reentrant=False)
+        # activation checkpointing exactly where and how the Hugging Face layer would apply it
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
+            x = checkpoint(_training_layer, layer, x, cos, sin, mask)
         else:
             x = _training_layer(layer, x, cos, sin, mask)
     return _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
+
+
+def _default_checkpoint(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def _training_layer(layer, x, cos, sin, mask):
