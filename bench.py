@@ -201,7 +201,7 @@ class OurStep:
         # TRL's optimizer defaults, so both sides do the same optimizer work
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         self.step_no = 0
-        self.train_time, self.train_tokens = [], []
+        self.sample_time, self.train_time, self.train_tokens = [], [], []
 
     def __call__(self):
         s, dev, tok = self.s, self.device, self.tokenizer
@@ -213,9 +213,13 @@ class OurStep:
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
         n = len(prompts)
         self.policy.eval()
+        sync(dev)
+        t_sample = time.perf_counter()
         roll = grpo.sample(self.policy, enc.input_ids, enc.attention_mask, max_new_tokens=s["step_new_tokens"],
                            eos_ids=self.eos, pad_id=tok.pad_token_id, temperature=s["temperature"], top_k=s["top_k"],
                            top_p=s["top_p"], seeds=torch.arange(n, device=dev) + self.step_no * n)
+        sync(dev)
+        self.sample_time.append(time.perf_counter() - t_sample)
         self.policy.train()
         completions = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)  # padded after the first EOS
         total, _ = rewards.score_completions(self.task.reward_funcs, [1.0], prompts, completions, fields)
@@ -264,7 +268,8 @@ def bench_step(path, s, device, root):
         for _ in range(total_steps):
             ours_times.append(timed(ours, device)[0])
         return {"step_ours_s": statistics.median(ours_times[s["warmup"]:]), "step_trl_s": None,
-                "step_speedup_vs_trl": None, "trl": "not installed: pip install trl (bench-only); row skipped"}, ours
+                "step_speedup_vs_trl": None, "trl": "not installed: pip install trl (bench-only); row skipped",
+                **phases(ours, s["warmup"])}, ours
 
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -304,7 +309,15 @@ def bench_step(path, s, device, root):
     trainer.train()
     w = s["warmup"]
     ours_med, trl_med = statistics.median(ours_times[w:]), statistics.median(trl_times[w:])
-    return {"step_ours_s": ours_med, "step_trl_s": trl_med, "step_speedup_vs_trl": trl_med / ours_med}, ours
+    return {"step_ours_s": ours_med, "step_trl_s": trl_med, "step_speedup_vs_trl": trl_med / ours_med,
+            **phases(ours, w)}, ours
+
+
+def phases(ours, warmup):
+    """Where our step's time goes: sampling, and the training phase (reference + policy log-probs, loss,
+    backward, optimizer step); the rest is prompts, tokenising and scoring."""
+    return {"step_ours_sample_s": statistics.median(ours.sample_time[warmup:]),
+            "step_ours_train_s": statistics.median(ours.train_time[warmup:])}
 
 
 def matmul_flops(device, n=8192):
@@ -441,6 +454,8 @@ def table(r):
         ("decode with EOS, compaction on vs off", "", "", "compaction off", f"{r['compaction_speedup']:.2f}x"),
         ("GRPO step time", fmt(r["step_ours_s"], "s"), fmt(r["step_trl_s"], "s"), "TRL GRPOTrainer",
          f"{r['step_speedup_vs_trl']:.2f}x" if r["step_speedup_vs_trl"] else "skipped (TRL not installed)"),
+        ("our step: sampling / training phase", f"{fmt(r.get('step_ours_sample_s'), 's')} / "
+         f"{fmt(r.get('step_ours_train_s'), 's')}", "", "", ""),
         ("log-prob + loss peak memory", fmt(r["logprob_peak_bytes_ours"], "B"), fmt(r["logprob_peak_bytes_naive"], "B"),
          "full logits", f"{r['logprob_memory_ratio']:.3f} (ours/naive)"),
     ]
