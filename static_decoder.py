@@ -36,15 +36,8 @@ def _gathers_itself(module):
     return callable(getattr(module, "unshard", None)) and callable(getattr(module, "reshard", None))
 
 
-def static_decode_supported(model):
-    """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
-
-    Anything else (other architectures, sliding-window layers, adapters that
-    replace the projections, shards it cannot gather) takes the Hugging Face
-    forward. Sharded decoder layers are fine when they can gather themselves
-    (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
-    norm and head must be whole, as they are inside a sharded root's forward.
-    """
+def _reproduced(model):
+    """True for a Llama/Qwen2-family causal LM whose layers this file reproduces exactly (sharded or not)."""
     inner, cfg = getattr(model, "model", None), model.config
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
@@ -60,7 +53,22 @@ def static_decode_supported(model):
         a, m = layer.self_attn, layer.mlp
         if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
             return False
-    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in layers):
+    return True
+
+
+def static_decode_supported(model):
+    """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
+
+    Anything else (other architectures, sliding-window layers, adapters that
+    replace the projections, shards it cannot gather) takes the Hugging Face
+    forward. Sharded decoder layers are fine when they can gather themselves
+    (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
+    norm and head must be whole, as they are inside a sharded root's forward.
+    """
+    if not _reproduced(model):
+        return False
+    inner = model.model
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
         return False
     return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
 
@@ -80,6 +88,11 @@ def _rotate(x, cos, signed_sin):
     the halves only need swapping: a roll by half the head dimension.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _repeat_kv(t, rep):
+    """(B, kv_heads, S, hd) -> (B, kv_heads * rep, S, hd): each K/V head repeated for the query heads it serves."""
+    return t[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
 
 
 def _signed_sin(sin):
@@ -110,9 +123,9 @@ def training_forward_supported(model):
     forward. So does a model in training mode with attention dropout. Forward
     hooks registered on the layers, projections or norms do not run here.
     """
-    if not static_decode_supported(model) or _is_sharded(model):
+    if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
-    return not (model.training and getattr(model.config, "attention_dropout", 0.0))
+    return _reproduced(model) and not _is_sharded(model)
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids):
@@ -157,7 +170,7 @@ def _training_layer(layer, x, cos, sin, mask):
     rep = q.shape[1] // k.shape[1]
     gqa = rep > 1 and (mask is None or not q.is_cuda)
     if rep > 1 and not gqa:
-        k, v = (t[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, -1, s, hd) for t in (k, v))
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scaling,
                                        enable_gqa=gqa)
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), a.o_proj.weight, a.o_proj.bias)
@@ -318,10 +331,8 @@ class StaticDecoder:
                         scores.masked_fill_(~attn_mask, float("-inf"))
                     o = torch.matmul(scores.softmax(-1), vv)
             else:
-                rep = nh // nkv
-                kk = kk[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
-                vv = vv[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, nh, -1, hd)
-                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=self.scale)
+                o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
+                                                   attn_mask=attn_mask, scale=self.scale)
             o = o.reshape(b, nh, s, hd).transpose(1, 2).reshape(b, s, nh * hd)
             x = x + F.linear(o, w["o"], w["o_b"])
             h = _rms_norm(x, w["ln2"], eps2)
