@@ -44,6 +44,14 @@ def prompts(tok, device="cpu"):
     return tok(text, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
+
+def with_completions(enc, t, seed):
+    """(ids, attention mask) of the prompts followed by t random completion tokens: every position that
+    predicts a completion token is a real token, not padding."""
+    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(seed))
+    comp = comp.to(enc.input_ids.device)
+    return torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+
 # many ids count as EOS so that rows stop at scattered lengths and compaction has work to do
 STOP_IDS = list(range(97, 123))
 
@@ -304,9 +312,7 @@ def test_chunked_logprobs_in_bfloat16_match_naive():
     model = model.to(torch.bfloat16).train()
     enc = prompts(tok)
     t = 5
-    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(2))
-    ids = torch.cat([enc.input_ids, comp], 1)
-    attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    ids, attn = with_completions(enc, t, seed=2)
     out = []
     for fn in (lambda: grpo.completion_logprobs(model, ids, attn, t, 0.7, chunk_tokens=4),
                lambda: naive_logprobs(model, ids, attn, t, 0.7)):
@@ -394,8 +400,7 @@ def test_training_forward_matches_hf_forward(arch, padded):
     assert static_decoder.training_forward_supported(model)
     enc = prompts(tok)
     t = 6
-    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(3))
-    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    ids, attn = with_completions(enc, t, seed=3)
     if not padded:
         ids, attn = ids[:, -9:], torch.ones_like(ids[:, -9:])
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
@@ -411,9 +416,8 @@ def test_training_forward_matches_hf_forward_in_bfloat16():
     model, tok = tiny_model()
     model = model.to(torch.bfloat16).train()
     enc = prompts(tok)
-    t = 3  # log-probs of completion tokens: every position that predicts one is a real token, not padding
-    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(4))
-    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    t = 3
+    ids, attn = with_completions(enc, t, seed=4)
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
     torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
     for k, g in hf_grads.items():
@@ -531,8 +535,7 @@ def test_cuda_training_forward_matches_hf_forward(padded):
     model = model.to("cuda", torch.bfloat16).train()
     enc = prompts(tok, "cuda")
     t = 3
-    comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(5)).cuda()
-    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    ids, attn = with_completions(enc, t, seed=5)
     if not padded:
         ids, attn = ids[:, -5:], torch.ones_like(ids[:, -5:])
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
