@@ -28,6 +28,7 @@ import grpo
 import model_loading
 import rewards
 import tasks
+import train
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -189,7 +190,7 @@ def decode_bandwidth(model, enc, ours, s, device):
 
 
 class OurStep:
-    """One GRPO step the way train.py's loop does it (bench.py may not import train.py)."""
+    """One GRPO step the way train.py's loop does it, on one process."""
 
     def __init__(self, path, s, device):
         self.s, self.device = s, device
@@ -198,8 +199,9 @@ class OurStep:
         self.ref = model_loading.build_reference_model(self.policy, s["beta"])
         self.eos = model_loading.eos_token_ids(self.policy, self.tokenizer)
         self.task = tasks.get_task("next_letter")
-        # TRL's optimizer defaults, so both sides do the same optimizer work
-        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        # train.py's optimizer (fused AdamW) with TRL's default betas and decay, so both sides do the same work
+        self.opt = train.make_optimizer(list(self.policy.parameters()),
+                                        train.Config(lr=s["lr"], adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0))
         self.step_no = 0
         self.sample_time, self.train_time, self.train_tokens = [], [], []
 

@@ -537,7 +537,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
       grpo:    mean over sequences of the per-sequence token mean (DeepSeekMath)
       dapo:    sum over all tokens / all tokens in the batch (DAPO's token-level loss)
       dr_grpo: sum over all tokens / (sequences * max_completion_length) (Dr. GRPO)
-    Returns (loss, metrics) with metric means over this micro-batch's tokens.
+    Returns (loss, metrics) with metric means over this micro-batch's tokens, as 0-dim tensors on the loss's
+    device: reading them (.item()) waits for the device, so callers sum them and read once per step.
     """
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -561,9 +562,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
         low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)   # clipped from below: no gradient
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
         metrics = {
-            "kl": ((kl * mask).sum() / count).item() if kl is not None else 0.0,
-            "clip_low": ((low * mask).sum() / count).item(),
-            "clip_high": ((high * mask).sum() / count).item(),
-            "tokens": mask.sum().item(),
+            "kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),
+            "clip_low": (low * mask).sum() / count,
+            "clip_high": (high * mask).sum() / count,
+            "tokens": mask.sum(),
         }
     return loss, metrics

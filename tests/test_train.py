@@ -45,6 +45,26 @@ def test_config_casts_every_type():
     assert cfg.epsilon_high == 0.28 and cfg.wandb_run_name is None
 
 
+def test_fused_adamw_steps_like_the_per_tensor_loop():
+    cfg = train.Config(lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95)
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(5)]
+    fast = [p.clone().requires_grad_() for p in start]
+    slow = [p.clone().requires_grad_() for p in start]
+    opt_fast = train.make_optimizer(fast, cfg)
+    assert opt_fast.defaults["fused"]  # CPU has the fused kernel
+    opt_slow = torch.optim.AdamW(slow, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, foreach=False)
+    for step in range(5):
+        grads = [torch.randn_like(p) * (step + 1) for p in start]
+        for params, opt in ((fast, opt_fast), (slow, opt_slow)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, s in zip(fast, slow, start):
+        assert not torch.equal(a, s)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_batch_must_split_over_processes():
     cfg = train.parse_config(["--prompts_per_step=3", "--num_generations=3"])
     with pytest.raises(SystemExit, match="--prompts_per_step"):
