@@ -308,7 +308,7 @@ class StaticDecoder:
             buf[:k] = buf[keep]
 
     def _layers(self, x, cos, sin, write, keys, attn_mask):
-        """x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V."""
+        """Prefill: x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V."""
         b, s, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         for i, w in enumerate(self.w[0]):
@@ -319,26 +319,42 @@ class StaticDecoder:
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
             write(i, k, qkv[:, :, nh + nkv:].transpose(1, 2))
             kk, vv = keys(i)
-            if s == 1:
-                # one query per row: group the query heads that share a KV head as the "sequence" axis, so
-                # grouped-query attention needs no copy of K/V per query head
-                qg = q.view(b, nkv, nh // nkv, hd)
-                if x.is_cuda:
-                    o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
-                else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
-                    scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
-                    if attn_mask is not None:
-                        scores.masked_fill_(~attn_mask, float("-inf"))
-                    o = torch.matmul(scores.softmax(-1), vv)
-            else:
-                o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
-                                                   attn_mask=attn_mask, scale=self.scale)
-            o = o.reshape(b, nh, s, hd).transpose(1, 2).reshape(b, s, nh * hd)
-            x = x + F.linear(o, w["o"], w["o_b"])
-            h = _rms_norm(x, w["ln2"], eps2)
-            gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
+            o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
+                                               attn_mask=attn_mask, scale=self.scale)
+            o = o.transpose(1, 2).reshape(b, s, nh * hd)
+            x = self._mlp(x, o, w, eps2)
         return x
+
+    def _decode_layers(self, x, cos, sin, write, keys, attn_mask):
+        """Decode: x (B, H), one token per row, through every layer (the arithmetic of `_layers` with no
+        sequence axis: a third fewer view and copy operations per step, which show on small CPU batches)."""
+        b = x.shape[0]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        for i, w in enumerate(self.w[0]):
+            eps1, eps2 = self.eps[i]
+            qkv = F.linear(_rms_norm(x, w["ln1"], eps1), w["qkv"], w["qkv_b"]).view(b, nh + 2 * nkv, hd)
+            qk = _rotate(qkv[:, :nh + nkv], cos, sin)  # (B, nh + nkv, hd)
+            write(i, qk[:, nh:], qkv[:, nh + nkv:])  # (B, nkv, hd) each
+            kk, vv = keys(i)  # (B, nkv, L, hd)
+            # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
+            # needs no copy of K/V per query head
+            qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
+            if x.is_cuda:
+                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
+            else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
+                scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
+                if attn_mask is not None:
+                    scores.masked_fill_(~attn_mask, float("-inf"))
+                o = torch.matmul(scores.softmax(-1), vv)
+            x = self._mlp(x, o.reshape(b, nh * hd), w, eps2)
+        return x
+
+    @staticmethod
+    def _mlp(x, o, w, eps):
+        """The rest of a layer after attention: output projection and residual, then the MLP and its residual."""
+        x = x + F.linear(o, w["o"], w["o_b"])
+        gate, up = F.linear(_rms_norm(x, w["ln2"], eps), w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
 
     def _logits(self, x):
         head = self.w[1]
@@ -374,30 +390,30 @@ class StaticDecoder:
 
     def _decode_body(self, b, slot, kv_len):
         """One token for the first b rows, whose tokens are in tok_in; K/V go to `slot` (an int, or on graphs a tensor)."""
-        x = F.embedding(self.tok_in[:b, None], self.w[1]["embed"])  # (b, 1, H)
+        x = F.embedding(self.tok_in[:b], self.w[1]["embed"])  # (b, H)
         if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
-            cos, sin = (t[:b].index_select(1, slot)[:, :, None] for t in (self.cos, self.sin))  # (b, 1, 1, hd)
+            cos, sin = (t[:b].index_select(1, slot) for t in (self.cos, self.sin))  # (b, 1, hd): over heads
             self.key_mask[:b].index_fill_(1, slot, True)
             attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
         else:
-            cos, sin = self.cos[:b, slot:slot + 1, None], self.sin[:b, slot:slot + 1, None]
+            cos, sin = self.cos[:b, slot, None], self.sin[:b, slot, None]
             attn_mask = None
             if not self.unpadded:  # eager decode without left padding attends to every filled slot: no mask
                 self.key_mask[:b, slot] = True
                 attn_mask = self.key_mask[:b, None, None, :kv_len]
 
-        def write(i, k, v):
+        def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
-                self.k_cache[i, :b].index_copy_(2, slot, k)
-                self.v_cache[i, :b].index_copy_(2, slot, v)
+                self.k_cache[i, :b].index_copy_(2, slot, k[:, :, None])
+                self.v_cache[i, :b].index_copy_(2, slot, v[:, :, None])
             else:
-                self.k_cache[i, :b, :, slot] = k[:, :, 0]
-                self.v_cache[i, :b, :, slot] = v[:, :, 0]
+                self.k_cache[i, :b, :, slot] = k
+                self.v_cache[i, :b, :, slot] = v
 
         def keys(i):
             return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
 
-        return self._logits(self._layers(x, cos, sin, write, keys, attn_mask)[:, 0])
+        return self._logits(self._decode_layers(x, cos, sin, write, keys, attn_mask))
 
     @torch.no_grad()
     def decode(self, tok, slot):

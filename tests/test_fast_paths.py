@@ -159,6 +159,35 @@ def test_prefill_and_decode_logits_match_hf_forward():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_graph_safe_decode_form_matches_eager_on_cpu(arch):
+    """The decode body CUDA graphs capture (slot as a tensor, attention over a wider masked span) gives the
+    logits and cache of the eager form; run here on the CPU, since the graphs themselves need a GPU."""
+    model, tok = tiny_model(arch)
+    enc = prompts(tok)
+    n, p = enc.input_ids.shape
+    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    logits, caches = {}, {}
+    for form in ("eager", "graph"):
+        with torch.no_grad():
+            dec.prefill(enc.input_ids, enc.attention_mask, pos)
+            out = []
+            for t in range(3):
+                dec.tok_in[:n] = torch.arange(n) * 3 + t + 5
+                slot = p + t
+                if form == "eager":
+                    out.append(dec._decode_body(n, slot, slot + 1))
+                else:
+                    out.append(dec._decode_body(n, torch.tensor([slot]), dec.max_len))  # every slot, masked
+        logits[form] = torch.stack(out)
+        caches[form] = (dec.k_cache[:, :n, :, :p + 3].clone(), dec.v_cache[:, :n, :, :p + 3].clone())
+    torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
+    for a, b in zip(caches["graph"], caches["eager"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert caches["graph"][0][:, :, :, p:].abs().sum() > 0  # the decode steps wrote their slots
+
+
 def test_decoder_copy_follows_weight_updates():
     """The decoder keeps its own copy of the weights between calls; a changed model must be seen."""
     model, tok = tiny_model()
