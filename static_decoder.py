@@ -232,6 +232,7 @@ class StaticDecoder:
         # tokens do not read the whole cache, at the price of one graph per span
         self.span_step = 64 * -(-max_len // (64 * 8))
         self.use_graph = False
+        self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
         self.unpadded = False
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
 
@@ -340,7 +341,7 @@ class StaticDecoder:
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
-            if x.is_cuda:
+            if self.sdpa_decode:
                 o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
             else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
                 scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)

@@ -160,9 +160,11 @@ def test_prefill_and_decode_logits_match_hf_forward():
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_graph_safe_decode_form_matches_eager_on_cpu(arch):
-    """The decode body CUDA graphs capture (slot as a tensor, attention over a wider masked span) gives the
-    logits and cache of the eager form; run here on the CPU, since the graphs themselves need a GPU."""
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_graph_safe_decode_form_matches_eager_on_cpu(arch, sdpa):
+    """The decode body CUDA graphs capture (slot as a tensor, attention over a wider masked span, through
+    SDPA as on CUDA) gives the logits and cache of the eager form; run here on the CPU, since the graphs
+    themselves need a GPU."""
     model, tok = tiny_model(arch)
     enc = prompts(tok)
     n, p = enc.input_ids.shape
@@ -170,6 +172,7 @@ def test_graph_safe_decode_form_matches_eager_on_cpu(arch):
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     logits, caches = {}, {}
     for form in ("eager", "graph"):
+        dec.sdpa_decode = sdpa and form == "graph"  # the eager reference: the CPU matmul attention
         with torch.no_grad():
             dec.prefill(enc.input_ids, enc.attention_mask, pos)
             out = []
