@@ -559,7 +559,6 @@ def test_cuda_fused_head_matches_eager_chunks(dtype):
     assert out[0][3].abs().max() > 0
 
 
-
 @cuda
 @pytest.mark.parametrize("padded", [True, False])  # masked (K/V copied per query head) and causal (enable_gqa)
 def test_cuda_training_forward_matches_hf_forward(padded):
@@ -574,6 +573,7 @@ def test_cuda_training_forward_matches_hf_forward(padded):
     torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
     for k, g in hf_grads.items():
         torch.testing.assert_close(fast_grads[k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+
 
 def test_all_rows_finished_but_not_stopped():
     """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
