@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -166,6 +168,101 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     torch.testing.assert_close(trimmed, naive, atol=1e-6, rtol=1e-4)
 
 
+def test_micro_batch_workers_compute_what_one_at_a_time_does(model, tokenizer):
+    """Two threads over the micro-batches: the same reference log-probs and the same accumulated gradient as
+    one micro-batch after another with backward(), and as one naive pass over the whole batch."""
+    ids, mask, r, adv = rollout_batch(model, tokenizer)
+    n, t = ids.shape[0], r.completion_ids.shape[1]
+    cmask = r.completion_mask.float()
+    micro = grpo.micro_batches(mask, cmask, t, 2)
+    params = list(model.parameters())
+    main_threads = torch.get_num_threads()
+    seen = []
+
+    def run(workers):
+        @torch.no_grad()
+        def reference(m):
+            seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+            return grpo.completion_logprobs(model, *m.take(ids, mask), m.t)[0] + 0.05
+
+        ref_logp = list(workers.map(reference, micro))
+
+        def step(i):
+            m = micro[i]
+            logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, chunk_tokens=5)
+            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[i], adv[m.rows], cmask[m.rows, :m.t], beta=0.1,
+                                     epsilon=0.2, epsilon_high=0.2, loss_type="grpo", num_sequences=n,
+                                     num_tokens=cmask.sum(), max_completion_length=6)
+            return workers.backward(loss, params)
+
+        model.zero_grad()
+        for grads in workers.map(step, range(len(micro))):
+            workers.accumulate(params, grads)
+        full = torch.zeros(n, t)
+        for m, lp in zip(micro, ref_logp):
+            full[m.rows, :m.t] = lp
+        return full, torch.cat([p.grad.flatten() for p in params])
+
+    ref_one, grad_one = run(train.MicroBatchWorkers(1))
+    assert all(name == "MainThread" and threads == main_threads and not grad for name, threads, grad in seen)
+    seen.clear()
+    ref_two, grad_two = run(train.MicroBatchWorkers(2))
+    assert len(micro) == 4 and all(name.startswith("micro-batch") and not grad for name, _, grad in seen)
+    assert {threads for _, threads, _ in seen} == {max(1, main_threads // 2)}
+    assert torch.get_num_threads() == main_threads  # the caller's thread count is left as it was...
+    fresh = []
+    later = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert fresh == [main_threads]  # ...and so is the default of threads started later
+    torch.testing.assert_close(ref_two, ref_one, rtol=1e-6, atol=1e-6)
+    assert grad_one.abs().max() > 0
+    torch.testing.assert_close(grad_two, grad_one, rtol=1e-5, atol=1e-7)
+    naive = naive_full_batch_grad(model, ref_one, ids, mask, r, adv, "grpo")
+    torch.testing.assert_close(grad_two, naive, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batch_workers_return_results_in_order_and_raise_errors():
+    workers = train.MicroBatchWorkers(2)
+
+    def slow_first(i):
+        time.sleep(0.2 if i == 0 else 0.0)  # the first item finishes last
+        return i * i
+    assert list(workers.map(slow_first, range(5))) == [0, 1, 4, 9, 16]
+
+    def fails_on_three(i):
+        if i == 3:
+            raise ValueError(f"micro-batch {i}: bad")
+        return i
+    with pytest.raises(ValueError, match="micro-batch 3: bad"):
+        list(workers.map(fails_on_three, range(5)))
+
+
+def test_micro_batch_workers_default(tiny_dir, monkeypatch):
+    auto = train.MicroBatchWorkers.auto
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    plain = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert auto(0, cpu, 1, plain) == 2
+    assert auto(3, cpu, 1, plain) == 3  # a set value is kept
+    assert auto(0, cuda, 1, plain) == 1 and auto(0, cpu, 2, plain) == 1
+    # dropout masks would be drawn by the threads in no fixed order: one at a time
+    attention_dropout = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
+    attention_dropout.config.attention_dropout = 0.1
+    module_dropout = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
+    module_dropout.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+    assert auto(0, cpu, 1, attention_dropout) == 1 and auto(0, cpu, 1, module_dropout) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert auto(0, cpu, 1, plain) == 1
+
+
+def test_micro_batch_workers_config_errors():
+    with pytest.raises(SystemExit, match="--micro_batch_workers"):
+        train.parse_config(["--micro_batch_workers=-1"])
+    with pytest.raises(SystemExit, match="--micro_batch_workers"):
+        train.validate(train.parse_config(["--micro_batch_workers=2"]), world_size=2)
+
+
 @pytest.mark.parametrize("rows", [slice(0, 8), slice(4, 8)], ids=["left-padded", "unpadded"])
 def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer, rows):
     ids, mask, r, _ = rollout_batch(model, tokenizer)
@@ -255,3 +352,15 @@ def test_short_default_run_learns_and_exports(tmp_path, monkeypatch):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, policy(ids).logits)
+
+
+def test_threaded_micro_batches_train_like_one_at_a_time(tmp_path, monkeypatch):
+    """Whole steps, two reuses of each batch (the old log-prob pass too): every metric of two runs matches."""
+    args = ["--max_steps=3", "--max_completion_length=8", "--micro_batch_size=4", "--num_iterations=2",
+            "--beta=0.1", "--lr=1e-2", "--save_every=0"]
+    one, _, _ = run_train(tmp_path / "one", monkeypatch, *args, "--micro_batch_workers=1")
+    two, _, _ = run_train(tmp_path / "two", monkeypatch, *args, "--micro_batch_workers=2")
+    assert len(one) == len(two) == 3 and one[-1]["kl"] > 0
+    for a, b in zip(one, two):
+        for k in set(a) - {"step_time", "generation_time", "tokens_per_s"}:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
