@@ -251,6 +251,7 @@ class OurStep:
             return self.workers.backward(loss, self.params)
         for grads in self.workers.map(policy, zip(micro, ref_logp)):
             self.workers.accumulate(self.params, grads)
+            del grads
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -224,11 +224,16 @@ def test_micro_batch_workers_compute_what_one_at_a_time_does(model, tokenizer):
 
 def test_micro_batch_workers_return_results_in_order_and_raise_errors():
     workers = train.MicroBatchWorkers(2)
+    started = []
 
     def slow_first(i):
-        time.sleep(0.2 if i == 0 else 0.0)  # the first item finishes last
+        started.append(i)
+        time.sleep(0.3 if i == 0 else 0.0)  # the first item finishes last
         return i * i
-    assert list(workers.map(slow_first, range(5))) == [0, 1, 4, 9, 16]
+    results = workers.map(slow_first, range(10))
+    assert next(results) == 0
+    assert len(started) <= 4  # while the first ran, no more than 2n were handed out: finished ones wait in bounds
+    assert list(results) == [1, 4, 9, 16, 25, 36, 49, 64, 81]
 
     def fails_on_three(i):
         if i == 3:
@@ -246,21 +251,67 @@ def test_micro_batch_workers_default(tiny_dir, monkeypatch):
     assert auto(0, cpu, 1, plain) == 2
     assert auto(3, cpu, 1, plain) == 3  # a set value is kept
     assert auto(0, cuda, 1, plain) == 1 and auto(0, cpu, 2, plain) == 1
-    # dropout masks would be drawn by the threads in no fixed order: one at a time
-    attention_dropout = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
-    attention_dropout.config.attention_dropout = 0.1
-    module_dropout = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
-    module_dropout.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
-    assert auto(0, cpu, 1, attention_dropout) == 1 and auto(0, cpu, 1, module_dropout) == 1
+    # dropout masks would be drawn by the threads in no fixed order, and dynamic rotary tables are rewritten
+    # by the forward: one at a time
+    unsafe = []
+    for change in ("attention_dropout", "dropout", "module", "rope"):
+        m = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
+        if change == "module":
+            m.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+        elif change == "rope":
+            m.model.rotary_emb.rope_type = "dynamic"
+        else:
+            setattr(m.config, change, 0.1)  # "dropout" as OPT names it
+        unsafe.append(train.MicroBatchWorkers.unsafe(m))
+        assert auto(0, cpu, 1, m) == 1, change
+    assert train.MicroBatchWorkers.unsafe(plain) is None
+    assert "attention_dropout" in unsafe[0] and "config.dropout" in unsafe[1] and "layers.0.mlp" in unsafe[2]
+    assert "dynamic" in unsafe[3]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert auto(0, cpu, 1, plain) == 1
 
 
-def test_micro_batch_workers_config_errors():
+def test_micro_batch_workers_config_errors(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--micro_batch_workers"):
         train.parse_config(["--micro_batch_workers=-1"])
     with pytest.raises(SystemExit, match="--micro_batch_workers"):
         train.validate(train.parse_config(["--micro_batch_workers=2"]), world_size=2)
+    load = model_loading.load_model
+
+    def with_dropout(*a, **k):
+        m = load(*a, **k)
+        m.config.attention_dropout = 0.1
+        return m
+    monkeypatch.setattr(model_loading, "load_model", with_dropout)
+    with pytest.raises(SystemExit, match="--micro_batch_workers.*attention_dropout"):
+        train.main([f"--out_dir={tmp_path}", "--max_steps=1", "--micro_batch_workers=2"])
+
+
+def test_micro_batch_workers_accumulate_like_backward():
+    """Gradients that autograd returns as one tensor for two parameters, and a parameter stored transposed:
+    accumulated over two micro-batches, they equal what two backward() calls leave in .grad."""
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    c = torch.randn(3, 5).t()  # (5, 3), not contiguous
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+
+    def loss(params, x):
+        p1, p2, p3 = params
+        return ((p1 + p2) @ x).pow(2).sum() + (p3 @ x).sin().sum()
+
+    seq = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
+    for x in xs:
+        loss(seq, x).backward()
+    workers = train.MicroBatchWorkers(2)
+    thr = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
+    grads = [workers.backward(loss(thr, x), thr) for x in xs]
+    assert grads[0][0] is grads[0][1]  # the case that needs a copy
+    for g in grads:
+        workers.accumulate(thr, g)
+    for s_, t_ in zip(seq, thr):
+        assert t_.grad.stride() == s_.grad.stride() == s_.stride()
+        assert torch.equal(t_.grad, s_.grad)
+    assert thr[0].grad.data_ptr() != thr[1].grad.data_ptr()
 
 
 @pytest.mark.parametrize("rows", [slice(0, 8), slice(4, 8)], ids=["left-padded", "unpadded"])
