@@ -88,7 +88,8 @@ def _last_below(weights, target):
 
 
 def _inverse_cdf(filtered, top, uniform, block=1024):
-    """A token drawn with probability proportional to exp(filtered - top), by inverse CDF; returns (index, total).
+    """A token drawn with probability proportional to exp(filtered - top), by inverse CDF; returns (index, total),
+    index (n, 1) and total (n, 1).
 
     A large vocabulary is searched in two levels (block sums, then inside one
     block) so that no full-width scan runs per token; a small one takes the
@@ -97,9 +98,9 @@ def _inverse_cdf(filtered, top, uniform, block=1024):
     n, v = filtered.shape
     if v <= 4 * block:
         cdf = (filtered - top).exp_().cumsum(-1)
-        total = cdf[:, -1]
+        total = cdf[:, -1:]
         # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
-        return torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:])[:, 0].clamp(max=v - 1), total
+        return torch.searchsorted(cdf, uniform[:, None] * total).clamp_(max=v - 1), total
     nb = -(-v // block)
     weights = torch.empty(n, nb * block, device=filtered.device, dtype=torch.float32)
     weights[:, v:].zero_()  # padding to whole blocks carries no mass
@@ -112,7 +113,7 @@ def _inverse_cdf(filtered, top, uniform, block=1024):
     mass_before = (sums.cumsum(-1) - sums).gather(1, b)
     inner = weights.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0]  # (n, block)
     j = _last_below(inner, target - mass_before)
-    return (b * block + j)[:, 0], total
+    return b * block + j, total[:, None]
 
 
 def sample_tokens(logits, temperature, top_k, top_p, uniform):
@@ -130,10 +131,10 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
     top = scaled.amax(-1, keepdim=True)
     filtered = filter_logits(scaled, top_k, top_p)
     # unnormalised probabilities exp(filtered - top): the search compares against u * total, so no division
-    token, total = _inverse_cdf(filtered, top, uniform)
+    token, total = _inverse_cdf(filtered, top, uniform)  # (n, 1) each
     if filtered is not scaled:  # the log-prob is normalised over the unfiltered distribution
-        total = (scaled - top).exp().sum(-1)
-    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - total.log()
+        total = (scaled - top).exp().sum(-1, keepdim=True)
+    return token[:, 0], (scaled.gather(-1, token) - top - total.log())[:, 0]
 
 
 @torch.no_grad()

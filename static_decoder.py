@@ -390,9 +390,10 @@ class StaticDecoder:
         x = self._layers(x, cos[:, :p, None], sin[:, :p, None], write, keys, mask)
         return self._logits(x[:, -1])
 
-    def _decode_body(self, b, slot, kv_len):
-        """One token for the first b rows, whose tokens are in tok_in; K/V go to `slot` (an int, or on graphs a tensor)."""
-        x = F.embedding(self.tok_in[:b], self.w[1]["embed"])  # (b, H)
+    def _decode_body(self, b, slot, kv_len, tok=None):
+        """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); K/V go to `slot`
+        (an int, or on graphs a tensor)."""
+        x = F.embedding(self.tok_in[:b] if tok is None else tok, self.w[1]["embed"])  # (b, H)
         if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
             cos, sin = (t[:b].index_select(1, slot) for t in (self.cos, self.sin))  # (b, 1, hd): over heads
             self.key_mask[:b].index_fill_(1, slot, True)
@@ -424,10 +425,10 @@ class StaticDecoder:
         Positions need no input: prefill filled each row's rotary table by slot.
         """
         n = tok.shape[0]
+        if not self.use_graph:
+            return self._decode_body(n, slot, slot + 1, tok)  # eager: attend over the filled slots only
         b = self.batch_for(n)
         self.tok_in[:n] = tok
-        if not self.use_graph:
-            return self._decode_body(n, slot, slot + 1)  # eager: attend over the filled slots only
         self.slot_in.fill_(slot)
         span = min(self.max_len, -(-(slot + 1) // self.span_step) * self.span_step)  # slots [0, span) hold slot
         if (b, span) not in self.graphs:
