@@ -27,6 +27,7 @@ import torch
 import grpo
 import model_loading
 import rewards
+import sharding
 import tasks
 import train
 
@@ -202,7 +203,8 @@ class OurStep:
         # train.py's optimizer (fused AdamW) with TRL's default betas and decay, so both sides do the same work
         self.params = list(self.policy.parameters())
         # train.py's default: on CPU, two micro-batches at a time on threads
-        self.workers = train.MicroBatchWorkers(train.MicroBatchWorkers.auto(0, device, 1, self.policy))
+        one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=device)
+        self.workers = sharding.MicroBatchWorkers(sharding.MicroBatchWorkers.count(0, one, self.policy))
         self.opt = train.make_optimizer(self.params,
                                         train.Config(lr=s["lr"], adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0))
         self.step_no = 0

@@ -7,7 +7,6 @@
 Every Config field below can be set as --key=value.
 """
 
-import collections
 import dataclasses
 import json
 import math
@@ -43,7 +42,7 @@ class Config:
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
     micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
     micro_batch_workers: int = 0          # CPU, one process: micro-batches computed this many at a time, on threads;
-                                          # 0 = 2 where that helps and is safe (MicroBatchWorkers.auto), 1 = one at a time
+                                          # 0 = 2 where that helps and is safe (sharding.MicroBatchWorkers), 1 = one at a time
     num_iterations: int = 1               # mu: optimizer steps on each generated batch
     # optimisation
     lr: float = 1e-3
@@ -235,100 +234,6 @@ def make_optimizer(params, cfg):
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              weight_decay=cfg.weight_decay, fused=fused or None)
-
-
-class MicroBatchWorkers:
-    """A step's micro-batches computed `n` at a time on CPU threads, each thread with its share of torch's threads.
-
-    One micro-batch of a small model leaves a few cores under-used: products of small matrices gain little
-    from a second thread, and every elementwise pass starts and joins its threads. Two micro-batches at once,
-    each on half the threads (one of two), keep both cores busy: on 2 cores the bench step's training phase
-    runs 1.3x to 1.5x faster. This works because torch releases the GIL inside operations and autograd runs
-    a CPU backward on the thread that calls it. `map` returns results in order, and `accumulate` adds
-    gradients in that order, as successive `backward()` calls would. With n == 1 everything runs here, as
-    plain code. The price is memory: n micro-batches' activations at once, and up to 2n micro-batches'
-    gradients computed but not yet added.
-    """
-
-    @staticmethod
-    def auto(setting, device, world_size, model):
-        """The number of workers for the Config value `setting` (0 = choose)."""
-        if setting:
-            return setting
-        # FSDP2's hooks expect one backward at a time; a GPU runs one micro-batch's kernels in a stream anyway
-        one = device.type != "cpu" or world_size > 1 or torch.get_num_threads() < 2 or MicroBatchWorkers.unsafe(model)
-        return 1 if one else 2
-
-    @staticmethod
-    def unsafe(model):
-        """Why two threads may not run this model's forward at once (None when they may).
-
-        Dropout: the masks come from one generator, drawn in whatever order the threads reach it, and under
-        activation checkpointing a recomputed mask can differ from the forward's. Dynamic and long-context
-        rotary embeddings rewrite their frequency table inside the forward.
-        """
-        for key, value in model.config.to_dict().items():
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
-                return f"config.{key} = {value} (dropout)"
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Dropout) and module.p > 0:
-                return f"{name} is dropout with p = {module.p}"
-            rope = str(getattr(module, "rope_type", ""))
-            if "dynamic" in rope or rope == "longrope":
-                return f"{name} ({rope} rotary embedding) rewrites its frequency table in the forward"
-        return None
-
-    def __init__(self, n):
-        self.n = n
-        self.threads = max(1, torch.get_num_threads() // n)
-        self.pool = None
-        if n > 1:
-            from concurrent.futures import ThreadPoolExecutor
-            # each worker sets its own thread count as it starts (OpenMP keeps one per thread)
-            self.pool = ThreadPoolExecutor(n, thread_name_prefix="micro-batch", initializer=torch.set_num_threads,
-                                           initargs=(self.threads,))
-
-    def map(self, fn, items):
-        """fn(x) for each x in items, n at a time: an iterator over the results, in order.
-
-        At most 2n are submitted and not yet returned, so finished results wait for a slow one in bounded number.
-        """
-        if self.pool is None:
-            yield from map(fn, items)
-            return
-        mine = torch.get_num_threads()
-        pending = collections.deque()
-        try:
-            for x in items:
-                if len(pending) == 2 * self.n:
-                    yield pending.popleft().result()
-                pending.append(self.pool.submit(fn, x))
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:  # after an error: what has not started never will
-                future.cancel()
-            torch.set_num_threads(mine)  # a worker setting its count also moved the default for threads started later
-
-    def backward(self, loss, params):
-        """loss.backward() with one worker; with several, the gradients of `params` returned, for `accumulate`."""
-        if self.pool is None:
-            loss.backward()
-            return None
-        return torch.autograd.grad(loss, params, allow_unused=True)
-
-    @staticmethod
-    def accumulate(params, grads):
-        """Add one micro-batch's gradients (from `backward`) to `params`' .grad, as autograd accumulates them.
-
-        A first gradient is copied into a tensor laid out like its parameter (autograd may return one tensor
-        for two parameters, or another memory layout); later ones are added in place.
-        """
-        if grads is None:
-            return
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = torch.empty_like(p).copy_(g) if p.grad is None else p.grad.add_(g)
 
 
 def lr_factor(cfg, opt_step, total_opt_steps):
@@ -547,13 +452,10 @@ def main(argv):
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg)
-    n_workers = MicroBatchWorkers.auto(cfg.micro_batch_workers, d.device, d.world_size, policy.lm)
-    if n_workers > 1 and d.device.type != "cpu":
-        raise ConfigError("micro_batch_workers", f"threads share micro-batches on CPU only, not {d.device}; set 0 or 1")
-    if n_workers > 1 and MicroBatchWorkers.unsafe(policy.lm):
-        raise ConfigError("micro_batch_workers", f"threads cannot share this model's forward: "
-                          f"{MicroBatchWorkers.unsafe(policy.lm)}; set 0 or 1")
-    workers = MicroBatchWorkers(n_workers)
+    try:
+        workers = sharding.MicroBatchWorkers(sharding.MicroBatchWorkers.count(cfg.micro_batch_workers, d, policy.lm))
+    except ValueError as e:
+        raise ConfigError("micro_batch_workers", f"{e}; set 0 or 1") from e
     total_opt_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
 

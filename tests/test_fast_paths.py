@@ -45,12 +45,16 @@ def prompts(tok, device="cpu"):
 
 
 
-def with_completions(enc, t, seed):
+def with_completions(enc, t, seed, last=None):
     """(ids, attention mask) of the prompts followed by t random completion tokens: every position that
-    predicts a completion token is a real token, not padding."""
+    predicts a completion token is a real token, not padding. last: keep only the last columns, as rows
+    with no padding at all."""
     comp = torch.randint(0, 256, (enc.input_ids.shape[0], t), generator=torch.Generator().manual_seed(seed))
     comp = comp.to(enc.input_ids.device)
-    return torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    ids, attn = torch.cat([enc.input_ids, comp], 1), torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    if last is not None:
+        ids, attn = ids[:, -last:], torch.ones_like(ids[:, -last:])
+    return ids, attn
 
 # many ids count as EOS so that rows stop at scattered lengths and compaction has work to do
 STOP_IDS = list(range(97, 123))
@@ -432,9 +436,7 @@ def test_training_forward_matches_hf_forward(arch, padded):
     assert static_decoder.training_forward_supported(model)
     enc = prompts(tok)
     t = 6
-    ids, attn = with_completions(enc, t, seed=3)
-    if not padded:
-        ids, attn = ids[:, -9:], torch.ones_like(ids[:, -9:])
+    ids, attn = with_completions(enc, t, seed=3, last=None if padded else 9)
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
     torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
     assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))
@@ -566,9 +568,7 @@ def test_cuda_training_forward_matches_hf_forward(padded):
     model = model.to("cuda", torch.bfloat16).train()
     enc = prompts(tok, "cuda")
     t = 3
-    ids, attn = with_completions(enc, t, seed=5)
-    if not padded:
-        ids, attn = ids[:, -5:], torch.ones_like(ids[:, -5:])
+    ids, attn = with_completions(enc, t, seed=5, last=None if padded else 5)
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
     torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
     for k, g in hf_grads.items():

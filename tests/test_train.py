@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import model_loading
+import sharding
 import tasks
 import train
 
@@ -203,10 +204,10 @@ def test_micro_batch_workers_compute_what_one_at_a_time_does(model, tokenizer):
             full[m.rows, :m.t] = lp
         return full, torch.cat([p.grad.flatten() for p in params])
 
-    ref_one, grad_one = run(train.MicroBatchWorkers(1))
+    ref_one, grad_one = run(sharding.MicroBatchWorkers(1))
     assert all(name == "MainThread" and threads == main_threads and not grad for name, threads, grad in seen)
     seen.clear()
-    ref_two, grad_two = run(train.MicroBatchWorkers(2))
+    ref_two, grad_two = run(sharding.MicroBatchWorkers(2))
     assert len(micro) == 4 and all(name.startswith("micro-batch") and not grad for name, _, grad in seen)
     assert {threads for _, threads, _ in seen} == {max(1, main_threads // 2)}
     assert torch.get_num_threads() == main_threads  # the caller's thread count is left as it was...
@@ -223,7 +224,7 @@ def test_micro_batch_workers_compute_what_one_at_a_time_does(model, tokenizer):
 
 
 def test_micro_batch_workers_return_results_in_order_and_raise_errors():
-    workers = train.MicroBatchWorkers(2)
+    workers = sharding.MicroBatchWorkers(2)
     started = []
 
     def slow_first(i):
@@ -244,13 +245,17 @@ def test_micro_batch_workers_return_results_in_order_and_raise_errors():
 
 
 def test_micro_batch_workers_default(tiny_dir, monkeypatch):
-    auto = train.MicroBatchWorkers.auto
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    def count(setting, device="cpu", world_size=1, model=None):
+        d = sharding.Dist(rank=0, local_rank=0, world_size=world_size, device=torch.device(device))
+        return sharding.MicroBatchWorkers.count(setting, d, plain if model is None else model)
+
     plain = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert auto(0, cpu, 1, plain) == 2
-    assert auto(3, cpu, 1, plain) == 3  # a set value is kept
-    assert auto(0, cuda, 1, plain) == 1 and auto(0, cpu, 2, plain) == 1
+    assert count(0) == 2
+    assert count(3) == 3  # a set value is kept
+    assert count(0, "cuda") == 1 and count(0, world_size=2) == 1
+    with pytest.raises(ValueError, match="CPU only"):
+        count(2, "cuda")
     # dropout masks would be drawn by the threads in no fixed order, and dynamic rotary tables are rewritten
     # by the forward: one at a time
     unsafe = []
@@ -262,13 +267,15 @@ def test_micro_batch_workers_default(tiny_dir, monkeypatch):
             m.model.rotary_emb.rope_type = "dynamic"
         else:
             setattr(m.config, change, 0.1)  # "dropout" as OPT names it
-        unsafe.append(train.MicroBatchWorkers.unsafe(m))
-        assert auto(0, cpu, 1, m) == 1, change
-    assert train.MicroBatchWorkers.unsafe(plain) is None
+        unsafe.append(sharding.MicroBatchWorkers.unsafe(m))
+        assert count(0, model=m) == 1, change
+        with pytest.raises(ValueError, match="cannot share"):
+            count(2, model=m)
+    assert sharding.MicroBatchWorkers.unsafe(plain) is None
     assert "attention_dropout" in unsafe[0] and "config.dropout" in unsafe[1] and "layers.0.mlp" in unsafe[2]
     assert "dynamic" in unsafe[3]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert auto(0, cpu, 1, plain) == 1
+    assert count(0) == 1
 
 
 def test_micro_batch_workers_config_errors(tmp_path, monkeypatch):
@@ -302,7 +309,7 @@ def test_micro_batch_workers_accumulate_like_backward():
     seq = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
     for x in xs:
         loss(seq, x).backward()
-    workers = train.MicroBatchWorkers(2)
+    workers = sharding.MicroBatchWorkers(2)
     thr = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
     grads = [workers.backward(loss(thr, x), thr) for x in xs]
     assert grads[0][0] is grads[0][1]  # the case that needs a copy
