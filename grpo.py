@@ -484,9 +484,17 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     scale: "group" divides by the group's std (the paper), "batch" by the std of
     the whole batch (more robust to low-variance groups), "none" only centres
     (Dr. GRPO argues the std division biases towards easy and hard questions).
-    Returns (advantages (N,), group_std (P,)).
+    The statistics are taken in float64, where no finite float32 rewards can
+    overflow; ValueError when the advantages do not fit float32 (only possible
+    with scale "none" and rewards near float32's limit) or a reward is infinite.
+    Returns (advantages (N,) float32, group_std (P,) float64).
     """
-    r = rewards.float().view(-1, group_size)  # (P, G)
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
+    r = rewards.double().view(-1, group_size)  # (P, G)
+    if torch.isinf(r).any():
+        raise ValueError(f"group_advantages: {torch.isinf(r).sum().item()} reward(s) are infinite; "
+                         f"rewards must be finite, or NaN where none was given")
     valid = ~torch.isnan(r)
     n = valid.sum(1, keepdim=True)
     r0 = torch.where(valid, r, 0.0)
@@ -500,13 +508,14 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
         adv = centred / (std + eps)
     elif scale == "batch":
         all_valid = r[valid]
-        batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), device=r.device)
+        batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         adv = centred / (batch_std + eps)
-    elif scale == "none":
-        adv = centred
     else:
-        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
-    adv = torch.where(flat, 0.0, adv)
+        adv = centred
+    adv = torch.where(flat, 0.0, adv).float()
+    if not torch.isfinite(adv).all():
+        raise ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
+                         f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
     return adv.reshape(-1), std.squeeze(1)
 
 

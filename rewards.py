@@ -1,19 +1,26 @@
 """Reward functions, and how completions are scored.
 
-A reward function is `f(prompts, completions, **fields) -> list[float | None]`:
-one score per completion, `None` where it cannot score one (that completion
-then gets advantage 0 instead of a made-up score). `fields` are the task's
-per-prompt data (the gold answer, ...) repeated for each completion.
+A reward function is `f(prompts, completions, **fields) -> list[float | None]`,
+called with keywords only (`f(prompts=..., completions=..., answer=...)`, as
+TRL calls them), so `def f(completions, **kwargs)` works too: one score per
+completion, `None` where it cannot score one (that completion then gets
+advantage 0 instead of a made-up score). A score is any real number (bool,
+int, float, numpy scalar) that stays finite as float32. `fields` are the
+task's per-prompt data (the gold answer, ...) repeated for each completion.
 
 Here: the general-purpose rewards (length, format), final-number extraction
 for GSM8K, the countdown expression checker, reward-model scoring, and the
 default task's reward. Which task uses which functions is in tasks.py.
 """
 
+import importlib.util
 import math
+import os
 import re
+import sys
 from collections import Counter
 from fractions import Fraction
+from numbers import Real
 
 import torch
 
@@ -28,10 +35,14 @@ def reward_name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+REWARD_DTYPE = torch.float32  # scores and totals are stored in it, and grpo.py's advantages are float32 too
+
+
 def _call_reward(fn, prompts, completions, fields):
+    """`fn`'s scores as a (N,) REWARD_DTYPE tensor, NaN for None; RewardFunctionError naming `fn` otherwise."""
     name = reward_name(fn)
     try:
-        scores = fn(prompts, completions, **fields)
+        scores = fn(prompts=prompts, completions=completions, **fields)
     except Exception as batch_error:
         if getattr(fn, "collective", False):
             # a sharded model: calling it again on one rank alone would desynchronise the ranks' collectives
@@ -41,7 +52,7 @@ def _call_reward(fn, prompts, completions, fields):
         for i, completion in enumerate(completions):
             one = {k: v[i:i + 1] for k, v in fields.items()}
             try:
-                fn(prompts[i:i + 1], completions[i:i + 1], **one)
+                fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one)
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function '{name}' raised {type(e).__name__}: {e}\n"
@@ -52,27 +63,49 @@ def _call_reward(fn, prompts, completions, fields):
     if scores is None or len(scores) != len(completions):
         got = "None" if scores is None else f"{len(scores)} scores"
         raise RewardFunctionError(f"reward function '{name}' returned {got} for {len(completions)} completions")
+    values = []
     for i, s in enumerate(scores):
-        if s is not None and (not isinstance(s, (int, float)) or not math.isfinite(s)):
+        try:  # float() of a huge int or Fraction raises OverflowError
+            value = float("nan") if s is None else float(s) if isinstance(s, Real) else None
+        except OverflowError:
+            value = None
+        if value is None or not (s is None or math.isfinite(value)):
             raise RewardFunctionError(f"reward function '{name}' returned {s!r} (a {type(s).__name__}) for "
                                       f"completion {i}: {completions[i][:500]!r}; expected a finite number or None")
-    return scores
+        values.append(value)
+    out = torch.tensor(values, dtype=REWARD_DTYPE)
+    overflow = torch.isinf(out).nonzero()
+    if len(overflow):  # finite as a Python float, infinite once stored: training would silently go NaN
+        i = overflow[0].item()
+        raise RewardFunctionError(f"reward function '{name}' returned {scores[i]!r} for completion {i}: "
+                                  f"{completions[i][:500]!r}; expected a finite number or None, and this one "
+                                  f"overflows {REWARD_DTYPE} (largest {torch.finfo(REWARD_DTYPE).max:.4g})")
+    return out
 
 
 def score_completions(reward_funcs, weights, prompts, completions, fields):
     """Run every reward function; return (total (N,), {name: (N,)}) with NaN for None.
 
     The total is the weighted sum over the functions that scored a completion,
-    NaN when none did.
+    NaN when none did. A score or total that does not fit REWARD_DTYPE raises
+    RewardFunctionError.
     """
-    parts = {}
-    for fn in reward_funcs:
-        scores = _call_reward(fn, prompts, completions, fields)
-        parts[reward_name(fn)] = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"reward weights must be finite, got {list(weights)}")
+    parts = {reward_name(fn): _call_reward(fn, prompts, completions, fields) for fn in reward_funcs}
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
-    w = torch.tensor(weights, dtype=stacked.dtype)
-    total = torch.nansum(stacked * w, dim=1)
-    total[torch.isnan(stacked).all(dim=1)] = float("nan")
+    w = torch.tensor(weights, dtype=torch.float64)
+    # summed in float64 so only a total that REWARD_DTYPE cannot hold fails, not an intermediate sum
+    total = torch.nansum(stacked.double() * w, dim=1).to(REWARD_DTYPE)  # (N,)
+    scored = ~torch.isnan(stacked)  # (N, F)
+    overflow = (torch.isinf(total) & scored.any(1)).nonzero()
+    if len(overflow):
+        i = overflow[0].item()
+        terms = ", ".join(f"'{n}' {stacked[i, f].item():.4g} x weight {weights[f]:g}"
+                          for f, n in enumerate(parts) if scored[i, f])
+        raise RewardFunctionError(f"reward functions' weighted total for completion {i} overflows {REWARD_DTYPE} "
+                                  f"({terms}): {completions[i][:500]!r}; scale the rewards or their weights down")
+    total[~scored.any(1)] = float("nan")
     return total, parts
 
 
@@ -87,12 +120,16 @@ def length_reward(prompts, completions, target_chars=20, **_):
     return [-abs(len(c) - target_chars) / target_chars for c in completions]
 
 
-_FORMAT = re.compile(r"^\s*<think>.{0,20000}?</think>\s*<answer>.{0,2000}?</answer>\s*$", re.DOTALL)
+_FORMAT_THINK, _FORMAT_ANSWER, _FORMAT_SPACE = 20_000, 2_000, 200
+_FORMAT = re.compile(rf"\s{{0,{_FORMAT_SPACE}}}<think>.{{0,{_FORMAT_THINK}}}?</think>\s{{0,{_FORMAT_SPACE}}}"
+                     rf"<answer>.{{0,{_FORMAT_ANSWER}}}?</answer>\s{{0,{_FORMAT_SPACE}}}\Z", re.DOTALL)
+# the longest text _FORMAT can match: anything longer holds more than think and answer
+_FORMAT_MAX_CHARS = 3 * _FORMAT_SPACE + _FORMAT_THINK + _FORMAT_ANSWER + len("<think></think><answer></answer>")
 
 
 def format_reward(prompts, completions, **_):
     """1 when the completion is `<think>...</think><answer>...</answer>` and nothing else, else 0."""
-    return [1.0 if _FORMAT.match(c[:25000]) else 0.0 for c in completions]
+    return [1.0 if len(c) <= _FORMAT_MAX_CHARS and _FORMAT.match(c) else 0.0 for c in completions]
 
 
 # ----------------------------------------------------------------------------- final numbers (GSM8K)
@@ -105,8 +142,13 @@ MAX_SCAN_CHARS = 20_000   # answers sit at the end; a longer completion is judge
 MAX_NUMBER_DIGITS = 30    # longer digit strings are not answers (and would make big-int parsing slow)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER_CHARS = frozenset("0123456789,.")
 _THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
-_FRAC = re.compile(r"\\d?frac\{(-?\d{1,15})\}\{(\d{1,15})\}")
+_FRAC = re.compile(r"(-\s*)?\\[dt]?frac\{(-?\d{1,15})\}\{(\d{1,15})\}")
+_FRAC_WORD = re.compile(r"\\[dt]?frac")
+_DIVIDED_BY = ("/", "\\div", "\u00f7")
+_SPACES = re.compile(r"\s*")
+_ANSWER_WORD = re.compile("answer", re.IGNORECASE | re.ASCII)  # no lowercased copy: that may change the length
 
 
 def _normalise(text):
@@ -132,17 +174,32 @@ def parse_number(token):
     return Fraction(sign + int_part + ("." + frac_part if frac_part else ""))
 
 
-def _numbers_in(text):
-    """Numbers in `text` (short), a minus sign counting only when it does not follow a digit or letter."""
-    out = []
-    for m in _NUMBER.finditer(text):
+def _number_matches(text, start=0, end=None):
+    """(value, position) of each number that begins in text[start:end], read whole even past `end`.
+
+    A window must never shorten a number ('#### 7234' seen through a window that
+    ends after '72' is not 72), and the tail of a number that began before
+    `start` is no number. A minus sign counts only when it does not follow a
+    digit or letter inside the window.
+    """
+    end = len(text) if end is None else min(end, len(text))
+    pos = start
+    if 0 < pos < end and text[pos - 1] in _NUMBER_CHARS:
+        while pos < end and text[pos] in _NUMBER_CHARS:
+            pos += 1
+    while (m := _NUMBER.search(text, pos, end)) is not None:
+        m = _NUMBER.match(text, m.start())  # the whole number, also where it runs past `end`
         token = m.group().rstrip(",")
-        if token.startswith("-") and m.start() > 0 and text[m.start() - 1].isalnum():
+        if token.startswith("-") and m.start() > start and text[m.start() - 1].isalnum():
             token = token[1:]  # "3-5": a subtraction, not a negative five
         value = parse_number(token)
         if value is not None:
-            out.append(value)
-    return out
+            yield value, m.start()
+        pos = m.end()
+
+
+def _numbers_in(text, start=0, end=None):
+    return [value for value, _ in _number_matches(text, start, end)]
 
 
 def _boxed_content(text):
@@ -168,15 +225,39 @@ def _boxed_content(text):
 
 
 def _number_in_boxed(content):
+    """The number a boxed answer states, or None when it states none or one that cannot be read.
+
+    The last number counts ('x = 5' is 5). A fraction, '\\frac{a}{b}' or 'a / b',
+    is read as one; with a zero or unreadable part it is None, never its last digit.
+    """
     content = _normalise(content)
-    frac = _FRAC.search(content)
-    if frac:
-        return Fraction(int(frac.group(1)), int(frac.group(2))) if int(frac.group(2)) else None
-    numbers = _numbers_in(content)
-    return numbers[-1] if numbers else None
+    if _FRAC_WORD.search(content):
+        frac = _FRAC.search(content)
+        if frac is None or int(frac.group(3)) == 0:
+            return None  # '\\frac{5}{0}', '\\frac{x}{2}', '\\frac12'
+        return Fraction(int(frac.group(2)), int(frac.group(3))) * (-1 if frac.group(1) else 1)
+    last = None
+    for last in _number_matches(content):
+        pass
+    if last is None:
+        return None
+    value, at = last
+    before = content[:at].rstrip()
+    divisor = next((d for d in _DIVIDED_BY if before.endswith(d)), None)
+    if divisor is None:
+        return value
+    before = before[:-len(divisor)].rstrip()
+    j = len(before)
+    while j > 0 and before[j - 1] in _NUMBER_CHARS:
+        j -= 1
+    if j > 0 and before[j - 1] == "-":
+        j -= 1
+    numerator = parse_number(before[j:]) if j < len(before) else None
+    return None if numerator is None or value == 0 else numerator / value
 
 
-_ANSWER_GLUE = set(" \t\n:*=$\\(is") | set("IS")
+# what may stand between 'answer' and its number ("answer is", "Answer: $", "the answer is the \\(")
+_ANSWER_GLUE = re.compile(r"(?:[\s:*=$\\(isIS]|the)*")  # 't' is not in the class: no backtracking
 
 
 def extract_final_number(text):
@@ -184,29 +265,32 @@ def extract_final_number(text):
 
     In order of trust: the last \\boxed{...}, the number after the last '####',
     the number after the last 'answer is' / 'answer:', the last number in the text.
+    A boxed answer that is there decides, also when it cannot be read
+    ('\\boxed{\\frac{5}{0}}' is None, not a number picked from the text
+    around it); an empty box is no box.
     Text after the answer is ignored, thousands separators ('1,000', '8{,}000')
     removed, and '5.00' equals '5'.
     """
     text = _normalise(text[-MAX_SCAN_CHARS:])
     boxed = _boxed_content(text)
-    if boxed is not None:
-        value = _number_in_boxed(boxed)
-        if value is not None:
-            return value
+    if boxed is not None and boxed.strip():
+        return _number_in_boxed(boxed)
     i = text.rfind("####")
     if i >= 0:
-        numbers = _numbers_in(text[i + 4:i + 64])
+        start = _SPACES.match(text, i + 4).end()
+        numbers = _numbers_in(text, start, start + 60)
         if numbers:
             return numbers[0]
-    i = text.lower().rfind("answer")
-    if i >= 0:
-        window = text[i + 6:i + 60]
-        m = _NUMBER.search(window)
-        if m and set(window[:m.start()].replace("the", "")) <= _ANSWER_GLUE:
-            numbers = _numbers_in(window[m.start():])
+    answer = None
+    for answer in _ANSWER_WORD.finditer(text):  # the last one: no lowercased copy to index into
+        pass
+    if answer is not None:
+        start = _ANSWER_GLUE.match(text, answer.end()).end()
+        if _NUMBER.match(text, start):
+            numbers = _numbers_in(text, start, start + 54)
             if numbers:
                 return numbers[0]
-    numbers = _numbers_in(text[-2000:])
+    numbers = _numbers_in(text, max(0, len(text) - 2000))
     return numbers[-1] if numbers else None
 
 
@@ -467,3 +551,50 @@ def next_letter_reward(prompts, completions, answer, **_):
         head = c[:4]
         out.append(sum(ch == a for ch in head) / 4)
     return out
+
+
+# ----------------------------------------------------------------------------- your own reward functions
+
+
+def _load_module(where):
+    """A module from a file path ('x/my_rewards.py') or an importable name ('my_pkg.rewards')."""
+    if where.endswith(".py"):
+        path = os.path.abspath(os.path.expanduser(where))
+        if not os.path.isfile(path):
+            raise ValueError(f"no such file {path}")
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path:  # `python train.py` searches train.py's folder, not the one it runs in
+        sys.path.append(os.getcwd())
+    return importlib.import_module(where)
+
+
+def load_reward_funcs(spec):
+    """'file.py:name,package.module:name' -> the named functions, in order.
+
+    ValueError naming the entry that does not resolve: no such file or module, an error while loading it,
+    no such name, not callable, or a name given twice (each function is logged under its name).
+    """
+    funcs = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        where, _, name = item.rpartition(":")
+        if not where or not name:
+            raise ValueError(f"{item!r}: expected file.py:function or package.module:function")
+        try:
+            module = _load_module(where)
+        except Exception as e:  # whatever loading the user's code raises, named with the entry
+            raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
+        fn = getattr(module, name, None)
+        if fn is None:
+            found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise ValueError(f"{item!r}: {where} has no {name!r} (its functions: {', '.join(found) or 'none'})")
+        if not callable(fn):
+            raise ValueError(f"{item!r}: {name} is a {type(fn).__name__}, not a function")
+        if reward_name(fn) in {reward_name(f) for f in funcs}:
+            raise ValueError(f"{item!r}: a reward function named {reward_name(fn)!r} is already given")
+        funcs.append(fn)
+    if not funcs:
+        raise ValueError(f"{spec!r} names no function")
+    return funcs
