@@ -12,6 +12,7 @@ models, LoRA adapters, and export of the trained policy to a Hugging Face folder
 import contextlib
 import math
 import os
+import shutil
 
 import torch
 import torch.nn as nn
@@ -82,6 +83,95 @@ def write_tiny_model(path, chat_template=None, **config_overrides):
 
 # ----------------------------------------------------------------------------- loading
 
+class DamagedWeightsError(ValueError):
+    """A weights file that exists but cannot be read (cut short by a failed copy or download, or corrupted)."""
+
+
+def _one_line(e, limit=200):
+    """The first line of an exception's message: library errors often run to a paragraph of advice."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _looks_local(name):
+    """True for what can only be a path: a hub id is 'name' or 'owner/name', in a restricted alphabet."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith(("/", "./", "../", "~", ".")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def _nearest_existing(path):
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.isdir(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    return parent
+
+
+def resolve_model_path(name_or_path, need_config=True):
+    """A local folder (with '~' expanded) or a hub id, checked before transformers turns a typo into a hub error.
+
+    need_config: the folder must hold config.json (a model; a tokenizer alone needs none).
+    """
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        if need_config and not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"'{name_or_path}' has no config.json: not a Hugging Face model folder")
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"'{name_or_path}' is a file, not a model folder (give the folder that holds config.json)")
+    if _looks_local(name_or_path):
+        raise FileNotFoundError(f"no such folder '{name_or_path}' (nearest existing folder: "
+                                f"'{_nearest_existing(path)}')")
+    return name_or_path  # a hub id
+
+
+def _damaged_file(path):
+    """The first .safetensors file under `path` whose header does not parse, or None."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isdir(path):
+        return None, None
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, f), "pt"):
+                    pass
+            except (SafetensorError, OSError) as e:
+                return os.path.join(path, f), e
+    return None, None
+
+
+def _from_pretrained(load, name_or_path, **kwargs):
+    """`load(name_or_path, **kwargs)` with its failures as one line naming the folder, file or hub id."""
+    from safetensors import SafetensorError
+
+    try:
+        return load(name_or_path, **kwargs)
+    except SafetensorError as e:
+        bad, reason = _damaged_file(name_or_path)
+        where = bad or f"a weights file of '{name_or_path}'"
+        raise DamagedWeightsError(f"{where} cannot be read (truncated or damaged: {_one_line(reason or e)}); "
+                                  f"copy or download it again") from e
+    except OSError as e:
+        if os.path.isdir(name_or_path):
+            kind = type(e) if type(e).__module__ == "builtins" else OSError  # library subclasses take other arguments
+            raise kind(f"'{name_or_path}': {_one_line(e)}") from e
+        raise OSError(f"'{name_or_path}' is neither a local folder nor loadable from the hub ({_one_line(e)})") from e
+    except ValueError as e:
+        if "\n" not in str(e):
+            raise
+        raise ValueError(f"'{name_or_path}': {_one_line(e)}") from e
+
+
 def _has_weights(path):
     return os.path.isdir(path) and any(
         f.endswith((".safetensors", ".bin")) or f.endswith(".safetensors.index.json") for f in os.listdir(path)
@@ -90,13 +180,25 @@ def _has_weights(path):
 
 def load_tokenizer(name_or_path):
     """The tokenizer, padding on the left (prompts end where generation starts) and with a pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = _load_tokenizer(name_or_path)
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"  # a prompt cut to max_prompt_length keeps its end, where generation starts
     if tokenizer.pad_token is None:
         # pad == eos is fine: completion masks are cut at the first EOS, so the
         # first EOS is trained on and the padding after it is not.
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_tokenizer(name_or_path):
+    path = resolve_model_path(name_or_path, need_config=False)
+    try:
+        tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, path)
+    except ValueError as e:
+        raise ValueError(f"'{name_or_path}': no usable tokenizer ({_one_line(e.__cause__ or e)})") from e
+    # a folder with a config and no tokenizer files loads an empty tokenizer instead of failing
+    if not tokenizer("a", add_special_tokens=False).input_ids:
+        raise ValueError(f"'{name_or_path}': the tokenizer turns text into no tokens (are its tokenizer files missing?)")
     return tokenizer
 
 
@@ -132,14 +234,14 @@ def _init_kwargs(model_init_kwargs, device):
 
 def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
     kwargs = _init_kwargs(model_init_kwargs, device)
+    name_or_path = resolve_model_path(name_or_path)
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
+        config = _from_pretrained(AutoConfig.from_pretrained, name_or_path)
         if kwargs.get("dtype") == "auto":  # "the checkpoint's dtype": there is no checkpoint, use the config's
-            kwargs["dtype"] = resolve_dtype(str(getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
-                                                or "float32").replace("torch.", ""))
-        config = AutoConfig.from_pretrained(name_or_path)
+            kwargs["dtype"] = resolve_dtype(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
         torch.manual_seed(seed)
         return auto_class.from_config(config, **kwargs)
-    return auto_class.from_pretrained(name_or_path, **kwargs)
+    return _from_pretrained(auto_class.from_pretrained, name_or_path, **kwargs)
 
 
 def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0, gradient_checkpointing=False):
@@ -178,7 +280,7 @@ def load_reward_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0
     placement); its tokenizer and chat template are its own, not the policy's.
     train.py shards it like the reference model (sharding.Root + fully_shard).
     """
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = _load_tokenizer(name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # scores are read at the last real token, so pad == eos is safe
     model = _instantiate(AutoModelForSequenceClassification, name_or_path, model_init_kwargs, seed, device)
@@ -243,25 +345,36 @@ class LoRALinear(nn.Module):
 def add_lora(model, rank, alpha, target_modules):
     """Replace every nn.Linear whose name ends in one of `target_modules` by a LoRALinear; freeze everything else.
 
-    Returns the names replaced. Call it before sharding, so fully_shard wraps the
-    adapted blocks.
+    An entry is a short name ("q_proj") or a dotted tail ("self_attn.q_proj"); one
+    that matches no nn.Linear is an error. Returns the names replaced. Call it
+    before sharding, so fully_shard wraps the adapted blocks.
     """
     if rank < 1:
         raise ValueError(f"lora_rank: must be >= 1, got {rank}")
-    targets = [t.strip() for t in target_modules if t.strip()] if not isinstance(target_modules, str) \
-        else [t.strip() for t in target_modules.split(",") if t.strip()]
+    entries = target_modules.split(",") if isinstance(target_modules, str) else target_modules
+    targets = [t.strip() for t in entries if t.strip()]
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    have = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear}))
+
+    def matches(name, target):  # a short name ("q_proj") or a dotted tail ("self_attn.q_proj")
+        return name == target or name.endswith("." + target)
+
+    if not targets:
+        raise ValueError(f"lora_target_modules: empty; name the linear layers to adapt (the model has: {have})")
+    # every entry must match: a typo in one of several would otherwise train fewer adapters than asked for
+    unmatched = [t for t in targets if not any(matches(n, t) for n in linear)]
+    if unmatched:
+        names = ", ".join(repr(t) for t in unmatched)
+        raise ValueError(f"lora_target_modules: {names} {'matches' if len(unmatched) == 1 else 'match'} no linear "
+                         f"layer (the model has: {have})")
     model.requires_grad_(False)
     replaced = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and child_name in targets:
+            if isinstance(child, nn.Linear) and any(matches(full, t) for t in targets):
                 setattr(module, child_name, LoRALinear(child, rank, alpha))
                 replaced.append(full)
-    if not replaced:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora_target_modules: {','.join(targets)!r} matches no linear layer (the model has: "
-                         f"{', '.join(linear)})")
     return replaced
 
 
@@ -299,15 +412,32 @@ def merge_lora_state_dict(model, state_dict=None):
 
 # ----------------------------------------------------------------------------- export
 
+def _first_non_finite(state_dict):
+    """(name, count) of the first floating tensor holding NaN or inf, or None."""
+    for name, t in state_dict.items():
+        if hasattr(t, "to_local"):  # a DTensor: check this process's shard without a collective
+            t = t.to_local()
+        if torch.is_tensor(t) and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                return name, bad
+    return None
+
+
 def export_model(model, tokenizer, path, state_dict=None):
     """Save a Hugging Face folder (config, tokenizer, safetensors) that `from_pretrained` loads.
 
     `state_dict` lets a sharded run pass full tensors gathered elsewhere. LoRA
-    adapters are merged into the weights they adapt.
+    adapters are merged into the weights they adapt. Weights holding NaN or inf
+    are refused. The folder is written beside `path` and renamed into place, so
+    a run killed mid-export leaves the previous export (or none), never half of one.
     """
-    os.makedirs(path, exist_ok=True)
     if lora_modules(model):
         state_dict = merge_lora_state_dict(model, state_dict)
+    bad = _first_non_finite(state_dict if state_dict is not None else model.state_dict())
+    if bad is not None:
+        raise ValueError(f"export to {path}: weight '{bad[0]}' holds {bad[1]} NaN/inf values; not writing a broken "
+                         f"model (resume from an earlier checkpoint, or lower the learning rate)")
     if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
         # gathered copies of tied weights no longer share storage, so save_pretrained would write both;
         # keep the input embedding only: from_pretrained ties the output embedding to it again
@@ -316,6 +446,37 @@ def export_model(model, tokenizer, path, state_dict=None):
         in_key = names[id(model.get_input_embeddings())] + ".weight"
         if out_key in state_dict and in_key in state_dict and torch.equal(state_dict[out_key], state_dict[in_key]):
             state_dict = {k: v for k, v in state_dict.items() if k != out_key}
-    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    path = os.path.normpath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"export: '{path}' exists and is not a folder")
+    parent, base = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    # fixed names from the process id (not mkdtemp, whose 0700 folder would become the export's permissions)
+    tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
+    aside = os.path.join(parent, f".{base}.old-{os.getpid()}")
+    for stale in os.listdir(parent):  # left by an export killed before its rename
+        if stale.startswith(f".{base}.partial-"):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # a folder cannot replace a non-empty folder in one rename: move the old one aside, then drop it
+    shutil.rmtree(aside, ignore_errors=True)
+    had_old = os.path.exists(path)
+    if had_old:
+        os.rename(path, aside)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if had_old:
+            os.rename(aside, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in os.listdir(parent):  # ours, and any left by an export killed between its two renames
+        if old.startswith(f".{base}.old-"):
+            shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
     return path

@@ -146,7 +146,8 @@ def _letter_prompts(rng, n):
     rows = []
     for _ in range(n):
         i = rng.randrange(len(LETTERS))
-        rows.append({"prompt": f"{LETTERS[i]}>", "answer": LETTERS[(i + 1) % len(LETTERS)]})
+        text = f"{LETTERS[i]}>"  # no chat template: the prompt is the raw text
+        rows.append({"prompt": text, "prompt_text": text, "answer": LETTERS[(i + 1) % len(LETTERS)]})
     return rows
 
 
@@ -173,7 +174,7 @@ def _chat_formatter(tokenizer, system_prompt=None):
     return fmt
 
 
-def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None):
+def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None, reward_funcs=None):
     """Build a task: prompt source, reward functions, held-out evaluation rows.
 
     tokenizer: the policy's, for chat templates. dataset: a local .jsonl/.parquet
@@ -181,7 +182,9 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     column are used as they are, their other columns passed to the reward
     functions by name. eval_prompts: held-out rows to keep for evaluation (0 =
     none). reward_model: (model, tokenizer) of a sequence-classification model
-    whose score is added as a reward ('tldr' requires one).
+    whose score is added as a reward ('tldr' requires one, or reward_funcs).
+    reward_funcs: functions that replace the task's own (the reward model's score
+    is still added); the task's default weights then no longer apply.
     """
     if name not in TASKS:
         raise ValueError(f"task: unknown task {name!r} (available: {', '.join(TASKS)})")
@@ -209,21 +212,25 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         task.eval_rows = [to_row(r) for r in _countdown_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
         hub = None
     else:  # tldr: Reddit posts ending in "TL;DR:", plain text as in the dataset (TRL's example does the same)
-        if reward_model is None:
-            raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id)")
+        if reward_model is None and not reward_funcs:
+            raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id) or --reward_funcs")
 
         def to_row(row):
             return {"prompt": row["prompt"], "prompt_text": row["prompt"]}
         task = Task(name, None, [], to_row=to_row)
         hub = ("trl-lib/tldr", None, "train", "validation")
 
+    if reward_funcs:
+        task.reward_funcs, task.weights = list(reward_funcs), None
+        if task.accuracy_reward not in {rewards.reward_name(f) for f in task.reward_funcs}:
+            task.accuracy_reward = None  # evaluation reads accuracy from that function's scores
     if reward_model is not None:
         task.reward_funcs.append(rewards.make_reward_model_reward(*reward_model))
         if task.weights is not None:
             task.weights = task.weights + [1.0]
 
     if dataset:
-        rows, eval_rows = _holdout(load_rows(dataset), eval_prompts, seed, dataset)
+        rows, eval_rows = load_rows(dataset), []
         source = dataset
     elif hub is not None:
         rows, eval_rows = load_rows(hub[0], hub[2], hub[1]), load_rows(hub[0], hub[3], hub[1])
@@ -235,41 +242,88 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     if not rows:
         raise ValueError(f"dataset {source}: no rows")
     if "prompt" in rows[0]:
-        task.to_row = _prompt_column_row(chat)
+        # one list of messages anywhere gives every row `prompt_messages`: a step's rows must share their keys
+        messages = any(isinstance(r.get("prompt"), list) for r in rows + eval_rows)
+        task.to_row = _prompt_column_row(chat, messages)
     task.rows = rows
+    # a local file is checked before the hold-out split, so row numbers are the file's
     _check_rows(task, rows, source, "row")
     _check_rows(task, eval_rows, source, "held-out row")
+    if dataset:
+        task.rows, eval_rows = _holdout(rows, eval_prompts, seed, dataset)
     task.eval_rows = [task._format(r) for r in eval_rows]
     return task
 
 
-def _prompt_column_row(chat):
-    """Rows that bring their own prompt: text is used as it is, a list of messages goes through the chat template."""
+def _prompt_column_row(chat, messages=False):
+    """Rows that bring their own prompt: text is used as it is, a list of messages goes through the chat template.
+
+    Every row gets `prompt_text` (the last user message's text), and with `messages`
+    also `prompt_messages` (a text prompt as one user message).
+    """
     def to_row(row):
         row = dict(row)
-        if isinstance(row["prompt"], list):
-            row.setdefault("prompt_text", next((m.get("content", "") for m in reversed(row["prompt"])
-                                                if m.get("role") == "user"), ""))
-            row["prompt"] = chat(row["prompt"])
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            row.setdefault("prompt_text", next((m["content"] for m in reversed(prompt) if m["role"] == "user"), ""))
+            row["prompt"] = chat(prompt)
         row.setdefault("prompt_text", row["prompt"])
+        if messages:
+            row.setdefault("prompt_messages", [dict(m) for m in prompt] if isinstance(prompt, list)
+                           else [{"role": "user", "content": prompt}])
         return row
     return to_row
+
+
+def _prompt_problem(prompt):
+    """What is wrong with a row's own `prompt` (None if nothing): it must be text or a list of messages."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):
+        return f"got {type(prompt).__name__} {prompt!r:.80}"
+    if not prompt:
+        return "got an empty list"
+    if all(isinstance(m, str) for m in prompt):
+        return (f"got a list of {len(prompt)} strings {prompt!r:.80}; write each as "
+                f"{{\"role\": \"user\", \"content\": ...}}, or join them into one string")
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            return f"item {j} is {type(m).__name__} {m!r:.60}, not a message"
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            return f"message {j} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(m)})"
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            return f"message {j}: 'role' and 'content' must be text, got {m!r:.80}"
+    return None
 
 
 def _check_rows(task, rows, source, kind):
     """Every row carries what the reward functions need, and gold answers parse, before any training starts."""
     needed = {f: rewards.reward_name(fn) for fn in task.reward_funcs for f in _required_fields(fn)}
     columns = set(rows[0]) if rows else set()
+    keys = None
     for i, row in enumerate(rows):
         if set(row) != columns:  # a step's fields are read from its first row: all rows must agree
             raise ValueError(f"dataset {source}, {kind} {i}: columns {sorted(row)} differ from the first row's "
                              f"{sorted(columns)}")
+        problem = _prompt_problem(row["prompt"]) if "prompt" in row else None
+        if problem:
+            raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text or a list of "
+                             f"{{\"role\", \"content\"}} messages; {problem}")
         try:
             formatted = task._format(row)
         except KeyError as e:
             raise ValueError(f"dataset {source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
+        except Exception as e:  # a column of the wrong type (nums not a list), messages a chat template refuses
+            reason = next(iter(str(e).splitlines()), "")[:200]
+            raise ValueError(f"dataset {source}, {kind} {i}: cannot be read ({type(e).__name__}: {reason}); "
+                             f"columns: {sorted(row)}") from e
         if not isinstance(formatted.get("prompt"), str):
             raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
+        keys = set(formatted) if keys is None else keys
+        if set(formatted) != keys:
+            raise ValueError(f"dataset {source}, {kind} {i}: fields {sorted(formatted)} differ from the first row's "
+                             f"{sorted(keys)}")
         for f, fn in needed.items():
             if f not in formatted and f not in row:
                 raise ValueError(f"dataset {source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
