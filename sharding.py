@@ -1,18 +1,18 @@
-"""Several processes: distributed setup, FSDP2 sharding, gathering for generation, checkpoints; and, within
-one CPU process, micro-batches on threads.
+"""Several processes: distributed setup, FSDP2 sharding, gathering for generation, checkpoints.
 
 One process (plain `python train.py`) is the special case where every helper
 here is the identity: no process group, no mesh, nothing sharded.
 """
 
-import collections
-import concurrent.futures
 import contextlib
+import datetime
+import fcntl
 import glob
 import json
 import os
 import random
 import shutil
+import socket
 import warnings
 from dataclasses import dataclass
 
@@ -236,114 +236,110 @@ def all_reduce_sum(values, d):
     return t.tolist()
 
 
+def broadcast_object(obj, d):
+    """Rank 0's `obj` (any picklable value) on every rank; as it is with one process."""
+    if d.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def first_problem(problem, d):
+    """The first rank's problem (a string, or None for none) on every rank, so that all raise alike (collective)."""
+    if d.world_size == 1:
+        return problem
+    problems = [None] * d.world_size
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
 def full_tensor(x):
     """A DTensor's full value (a collective); a plain tensor as it is."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-# ----------------------------------------------------------------------------- threads (one CPU process)
+# ----------------------------------------------------------------------------- one run per out_dir
+#
+# out_dir/.lock          rank 0 holds it exclusively for the run's life; it names the holder (pid, host, start)
+# out_dir/.lock.workers  every rank holds it shared for the run's life
+# flock is advisory: it keeps out runs that ask, nothing else. Over NFS Linux turns it into byte-range locks
+# that every client sees, so ranks on several nodes sharing out_dir are covered; a filesystem with no lock
+# support at all raises OSError from lock_out_dir.
+
+LOCK, WORKERS_LOCK = ".lock", ".lock.workers"
 
 
-class MicroBatchWorkers:
-    """A step's micro-batches computed `n` at a time on CPU threads, each thread with its share of torch's threads.
+class OutDirBusy(RuntimeError):
+    """out_dir is in use by another run, or by processes left over from one."""
 
-    One micro-batch of a small model leaves a few cores under-used: products of small matrices gain little
-    from a second thread, and every elementwise pass starts and joins its threads. Two micro-batches at once,
-    each on half the threads (one of two), keep both cores busy: on 2 cores the bench step's training phase
-    runs 1.3x to 1.5x faster. This works because torch releases the GIL inside operations and autograd runs
-    a CPU backward on the thread that calls it. `map` returns results in order, and `accumulate` adds
-    gradients in that order, as successive `backward()` calls would. With n == 1 everything runs here, as
-    plain code. The price is memory: n micro-batches' activations at once, and up to 2n micro-batches'
-    gradients computed but not yet added.
+
+class OutDirLock:
+    """The open lock files; the OS drops the locks when they close or the process dies (SIGKILL included)."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def release(self):
+        for f in self.files:
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _try_flock(f, kind):
+    try:
+        fcntl.flock(f, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def lock_out_dir(out_dir, d):
+    """Make this run the only one using out_dir (collective); OutDirBusy on every rank when another is.
+
+    Keep the returned OutDirLock for the run's life. Two files because a
+    launcher can die and leave its workers running, each still writing:
+    rank 0's exclusive `.lock` keeps two launches apart, and the shared lock
+    every rank holds on `.lock.workers` lets a new rank 0, probing it
+    exclusively before its own ranks take it, see workers left from any
+    earlier launch, whatever that launch's world size. No rank starts writing
+    before all agree.
     """
-
-    @staticmethod
-    def count(setting, d, model):
-        """The number of workers for the Config value `setting` (0 = choose); ValueError when threads cannot
-        share this run's micro-batches.
-
-        FSDP2's hooks expect one backward at a time, and a GPU runs one micro-batch's kernels in a stream anyway.
-        """
-        why = (f"threads share micro-batches on CPU only, not {d.device}" if d.device.type != "cpu" else
-               f"threads share micro-batches within one process only, not {d.world_size}" if d.world_size > 1 else
-               MicroBatchWorkers.unsafe(model))
-        if setting > 1 and why:
-            raise ValueError(why)
-        if setting:
-            return setting
-        return 1 if why or torch.get_num_threads() < 2 else 2
-
-    @staticmethod
-    def unsafe(model):
-        """Why two threads may not run this model's forward at once (None when they may).
-
-        Dropout: the masks come from one generator, drawn in whatever order the threads reach it, and under
-        activation checkpointing a recomputed mask can differ from the forward's. Dynamic and long-context
-        rotary embeddings rewrite their frequency table inside the forward.
-        """
-        for key, value in model.config.to_dict().items():
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
-                return f"threads cannot share this model's forward: config.{key} = {value} (dropout)"
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Dropout) and module.p > 0:
-                return f"threads cannot share this model's forward: {name} is dropout with p = {module.p}"
-            rope = str(getattr(module, "rope_type", ""))
-            if "dynamic" in rope or rope == "longrope":
-                return (f"threads cannot share this model's forward: {name} ({rope} rotary embedding) rewrites "
-                        f"its frequency table in the forward")
-        return None
-
-    def __init__(self, n):
-        self.n = n
-        self.threads = max(1, torch.get_num_threads() // n)
-        self.pool = None
-        if n > 1:
-            # each worker sets its own thread count as it starts (OpenMP keeps one per thread)
-            self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="micro-batch", initializer=torch.set_num_threads,
-                                           initargs=(self.threads,))
-
-    def map(self, fn, items):
-        """fn(x) for each x in items, n at a time: an iterator over the results, in order.
-
-        At most 2n are submitted and not yet returned, so finished results wait for a slow one in bounded number.
-        """
-        if self.pool is None:
-            yield from map(fn, items)
-            return
-        mine = torch.get_num_threads()
-        pending = collections.deque()
-        try:
-            for x in items:
-                if len(pending) == 2 * self.n:
-                    yield pending.popleft().result()
-                pending.append(self.pool.submit(fn, x))
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:  # after an error: what has not started never will
-                future.cancel()
-            torch.set_num_threads(mine)  # a worker setting its count also moved the default for threads started later
-
-    def backward(self, loss, params):
-        """loss.backward() with one worker; with several, the gradients of `params` returned, for `accumulate`."""
-        if self.pool is None:
-            loss.backward()
-            return None
-        return torch.autograd.grad(loss, params, allow_unused=True)
-
-    @staticmethod
-    def accumulate(params, grads):
-        """Add one micro-batch's gradients (from `backward`) to `params`' .grad, as autograd accumulates them.
-
-        A first gradient is copied into a tensor laid out like its parameter (autograd may return one tensor
-        for two parameters, or another memory layout); later ones are added in place.
-        """
-        if grads is None:
-            return
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = torch.empty_like(p).copy_(g) if p.grad is None else p.grad.add_(g)
-
+    os.makedirs(out_dir, exist_ok=True)
+    held, problem = [], None
+    if d.master:
+        main = open(os.path.join(out_dir, LOCK), "a+")
+        held.append(main)
+        main.seek(0)
+        previous = main.read().strip() or "holder unknown"  # read at once: a free lock is rewritten below
+        if not _try_flock(main, fcntl.LOCK_EX):
+            problem = f"is in use by another run ({previous}); wait for it to finish or use another --out_dir"
+        else:
+            with open(os.path.join(out_dir, WORKERS_LOCK), "a") as probe:
+                if not _try_flock(probe, fcntl.LOCK_EX):
+                    problem = (f"is in use by processes left from an earlier run whose rank 0 ({previous}) has "
+                               "exited (its launcher killed?); stop them or use another --out_dir")
+        if problem is None:
+            since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+            main.truncate(0)
+            main.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {since}\n")
+            main.flush()
+    problem = first_problem(problem, d)  # rank 0's probe is over before any rank takes the shared lock
+    if problem is None:
+        workers = open(os.path.join(out_dir, WORKERS_LOCK), "a")
+        held.append(workers)
+        if not _try_flock(workers, fcntl.LOCK_SH):  # only another launch's probe, at this very moment
+            problem = f"is being claimed by another run (seen by rank {d.rank}); use another --out_dir"
+        problem = first_problem(problem, d)
+    if problem is not None:
+        OutDirLock(held).release()
+        raise OutDirBusy(f"out_dir {out_dir} {problem}")
+    return OutDirLock(held)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -359,7 +355,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 
 
-def _checkpoint_dirs(out_dir):
+def checkpoint_dirs(out_dir):
     """Checkpoint folders (step_<digits>), newest first; anything else in the folder is ignored."""
     found = [p for p in glob.glob(os.path.join(out_dir, CHECKPOINTS, "step_*"))
              if os.path.basename(p)[len("step_"):].isdigit()]
@@ -378,18 +374,36 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def first_non_finite(model):
+    """The name of the first parameter holding a NaN or inf in this rank's shard, else None (one host sync)."""
+    named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters()]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+    return next((n for (n, _), ok in zip(named, finite) if not ok), None)
+
+
 def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
-    """Write a complete checkpoint for `step` (collective: every rank calls it); keep the newest `keep`."""
+    """Write a complete checkpoint for `step` (collective: every rank calls it); keep the newest `keep`.
+
+    RuntimeError on every rank, before anything is written or removed, when a parameter is not finite:
+    such a checkpoint would replace the good ones it rotates out.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    free_gathered(model)  # the check below must see the shards, not the root group's gathered copies
+    bad = first_non_finite(model)
+    problem = first_problem(bad and f"parameter {bad.removeprefix('lm.')} holds NaN or inf on rank {d.rank}", d)
+    if problem is not None:
+        raise RuntimeError(f"save_checkpoint: {problem} at step {step}; nothing saved, the checkpoints in "
+                           f"{os.path.join(out_dir, CHECKPOINTS)} are left as they were")
     final = os.path.join(out_dir, CHECKPOINTS, f"step_{step:08d}")
     tmp = os.path.join(out_dir, CHECKPOINTS, f".tmp_step_{step:08d}")
     if d.master:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
         os.makedirs(tmp)
     barrier(d)
-    free_gathered(model)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -406,7 +420,7 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in _checkpoint_dirs(out_dir)[max(1, keep):]:
+        for old in checkpoint_dirs(out_dir)[max(1, keep):]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(d)
     return final
@@ -442,6 +456,19 @@ def _copy_state(state):
     return state
 
 
+def _load_failure(e):
+    """One line saying why a load failed; for a CheckpointException, its first failing rank's own error.
+
+    CheckpointException's own text begins `CheckpointException ranks:dict_keys([0])`, then tracebacks.
+    """
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, failure = min(failures.items(), key=lambda kv: kv[0])
+        e = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def load_latest_checkpoint(out_dir, model, optimizer, d):
     """Load the newest complete checkpoint in out_dir into model and optimizer (collective).
 
@@ -455,7 +482,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    paths = _checkpoint_dirs(out_dir)
+    paths = checkpoint_dirs(out_dir)
     if d.world_size > 1:  # rank 0's listing for all: ranks that saw different files would diverge in collectives
         shared = [paths]
         dist.broadcast_object_list(shared, src=0)
@@ -477,14 +504,13 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
                 rng_file = os.path.join(path, f"rng_{d.rank}.pt")
                 rng = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else None
             except (Exception, CheckpointException) as e:  # any failure to read means: not this one
-                problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        # every rank must pick the same checkpoint
-        failed = all_reduce_sum([float(problem is not None)], d)[0]
-        if failed:
+                problem = _load_failure(e)
+        # every rank must pick the same checkpoint, and can say why another rank could not load it
+        problem = first_problem(problem, d)
+        if problem is not None:
             if d.master:
-                warnings.warn(f"skipping checkpoint {path}: {problem or 'failed to load on another rank'}",
-                              stacklevel=2)
-            skipped.append(f"{path}: {problem or 'failed to load on another rank'}")
+                warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+            skipped.append(f"{path}: {problem}")
             continue
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -495,8 +521,8 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
     optimizer.state.clear()  # get_optimizer_state_dict initialised AdamW's state: a fresh start has none
     if skipped:
         # starting over would overwrite this run's checkpoints and metrics: stop and say why instead
-        raise SystemExit("out_dir holds checkpoints but none could be loaded (a different model, config or "
-                         "damaged files?):\n  " + "\n  ".join(skipped) +
+        raise SystemExit(f"out_dir {out_dir} holds checkpoints but none fits this model (saved from another "
+                         "model or config, or damaged):\n  " + "\n  ".join(skipped) +
                          "\nUse another --out_dir to start a new run, or remove these folders.")
     return None
 
