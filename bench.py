@@ -26,7 +26,6 @@ import torch
 
 import grpo
 import model_loading
-import rewards
 import sharding
 import tasks
 import train
@@ -191,75 +190,30 @@ def decode_bandwidth(model, enc, ours, s, device):
 
 
 class OurStep:
-    """One GRPO step the way train.py's loop does it, on one process."""
+    """train.py's own step (`train.train_step`) on a run built by `train.setup`, on one process."""
 
-    def __init__(self, path, s, device):
-        self.s, self.device = s, device
-        self.tokenizer = model_loading.load_tokenizer(path)
-        self.policy = load(path, s, device)
-        self.ref = model_loading.build_reference_model(self.policy, s["beta"])
-        self.eos = model_loading.eos_token_ids(self.policy, self.tokenizer)
-        self.task = tasks.get_task("next_letter")
-        # train.py's optimizer (fused AdamW) with TRL's default betas and decay, so both sides do the same work
-        self.params = list(self.policy.parameters())
-        # train.py's default: on CPU, two micro-batches at a time on threads
+    def __init__(self, path, s, device, root):
+        # TRL's default AdamW betas and no decay, so both sides do the same work; no checkpoints or logs
+        cfg = train.Config(model=path, device=str(device), model_init_kwargs={"dtype": s["dtype"],
+                           "attn_implementation": "sdpa"}, task="next_letter", num_generations=s["num_generations"],
+                           prompts_per_step=s["prompts"], micro_batch_size=s["micro_batch"], lr=s["lr"],
+                           adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, beta=s["beta"],
+                           temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                           max_completion_length=s["step_new_tokens"], max_prompt_length=512, out_dir=root,
+                           save_every=0, print_completions_every=0)
         one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=device)
-        self.workers = sharding.MicroBatchWorkers(sharding.MicroBatchWorkers.count(0, one, self.policy))
-        self.opt = train.make_optimizer(self.params,
-                                        train.Config(lr=s["lr"], adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0))
+        self.run = train.setup(cfg, one)
+        self.policy = self.run.policy.lm
         self.step_no = 0
         self.sample_time, self.train_time, self.train_tokens = [], [], []
 
     def __call__(self):
-        s, dev, tok = self.s, self.device, self.tokenizer
         self.step_no += 1
-        G = s["num_generations"]
-        rows = self.task.make_prompts(random.Random(self.step_no), s["prompts"])
-        prompts = [r["prompt"] for r in rows for _ in range(G)]
-        fields = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
-        n = len(prompts)
-        self.policy.eval()
-        sync(dev)
-        t_sample = time.perf_counter()
-        roll = grpo.sample(self.policy, enc.input_ids, enc.attention_mask, max_new_tokens=s["step_new_tokens"],
-                           eos_ids=self.eos, pad_id=tok.pad_token_id, temperature=s["temperature"], top_k=s["top_k"],
-                           top_p=s["top_p"], seeds=torch.arange(n, device=dev) + self.step_no * n)
-        sync(dev)
-        self.sample_time.append(time.perf_counter() - t_sample)
-        self.policy.train()
-        completions = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)  # padded after the first EOS
-        total, _ = rewards.score_completions(self.task.reward_funcs, [1.0], prompts, completions, fields)
-        adv, _ = grpo.group_advantages(total, G)
-        adv = adv.to(dev)
-        sync(dev)
-        t_train = time.perf_counter()
-        ids = torch.cat([enc.input_ids, roll.completion_ids], 1)
-        attn = torch.cat([enc.attention_mask, torch.ones_like(roll.completion_ids)], 1)
-        T, mask = roll.completion_ids.shape[1], roll.completion_mask.float()
-        micro = grpo.micro_batches(attn, mask, T, s["micro_batch"])
-
-        @torch.no_grad()
-        def reference(m):
-            return grpo.completion_logprobs(self.ref, *m.take(ids, attn), m.t, s["temperature"])[0]
-        ref_logp = list(self.workers.map(reference, micro))
-
-        def policy(item):
-            m, ref = item
-            logp, _ = grpo.completion_logprobs(self.policy, *m.take(ids, attn), m.t, s["temperature"])
-            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv[m.rows], mask[m.rows, :m.t], beta=s["beta"],
-                                     epsilon=0.2, epsilon_high=0.2, loss_type="grpo", num_sequences=n,
-                                     num_tokens=mask.sum(), max_completion_length=s["step_new_tokens"])
-            return self.workers.backward(loss, self.params)
-        for grads in self.workers.map(policy, zip(micro, ref_logp)):
-            self.workers.accumulate(self.params, grads)
-            del grads
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        sync(dev)
-        self.train_time.append(time.perf_counter() - t_train)
-        self.train_tokens.append(sum(m.rows.numel() * (m.cols.stop - m.cols.start) for m in micro))  # positions run
+        metrics, _ = train.train_step(self.run, self.step_no)
+        self.sample_time.append(metrics["generation_time"])
+        self.train_time.append(metrics["update_time"])
+        # tokens the training phase runs: prompt + completion tokens of the batch (tokens_per_s * step_time)
+        self.train_tokens.append(metrics["tokens_per_s"] * metrics["step_time"])
 
 
 def trl_version():
@@ -276,7 +230,7 @@ def bench_step(path, s, device, root):
     TRL's step time is measured from the moment our step returns to TRL's next step end, so neither
     side's time includes the other's, and both run under the same machine conditions.
     """
-    ours = OurStep(path, s, device)
+    ours = OurStep(path, s, device, root)
     ours_times = []
     total_steps = s["warmup"] + s["reps"]
     if trl_version() is None:
@@ -332,8 +286,7 @@ def phases(ours, warmup):
     """Where our step's time goes: sampling, and the training phase (reference + policy log-probs, loss,
     backward, optimizer step); the rest is prompts, tokenising and scoring."""
     return {"step_ours_sample_s": statistics.median(ours.sample_time[warmup:]),
-            "step_ours_train_s": statistics.median(ours.train_time[warmup:]),
-            "step_ours_micro_batch_workers": ours.workers.n}
+            "step_ours_train_s": statistics.median(ours.train_time[warmup:])}
 
 
 def matmul_flops(device, n=8192):
@@ -471,8 +424,7 @@ def table(r):
         ("GRPO step time", fmt(r["step_ours_s"], "s"), fmt(r["step_trl_s"], "s"), "TRL GRPOTrainer",
          f"{r['step_speedup_vs_trl']:.2f}x" if r["step_speedup_vs_trl"] else "skipped (TRL not installed)"),
         ("our step: sampling / training phase", f"{fmt(r.get('step_ours_sample_s'), 's')} / "
-         f"{fmt(r.get('step_ours_train_s'), 's')}", "", "", f"{r.get('step_ours_micro_batch_workers', 1)} micro-batch "
-         "worker(s)"),
+         f"{fmt(r.get('step_ours_train_s'), 's')}", "", "", ""),
         ("log-prob + loss peak memory", fmt(r["logprob_peak_bytes_ours"], "B"), fmt(r["logprob_peak_bytes_naive"], "B"),
          "full logits", f"{r['logprob_memory_ratio']:.3f} (ours/naive)"),
     ]

@@ -1,14 +1,13 @@
-"""GRPO training, top to bottom: config, setup, then the loop.
+"""GRPO training, top to bottom: config, setup, the step, then the loop.
 
     python train.py                                   # the tiny offline default, on CPU, a few minutes
-    python train.py --model=Qwen/Qwen2.5-0.5B-Instruct --task=... --lr=1e-6
+    python train.py --help                            # every setting, its type, default and meaning
+    python train.py --model=Qwen/Qwen2.5-0.5B-Instruct --task=... --lr 1e-6
     torchrun --nproc_per_node 8 train.py --model=... --task=...
 
-Every Config field below can be set as --key=value.
+Every Config field below can be set as --key=value or --key value.
 """
 
-import dataclasses
-import json
 import math
 import os
 import sys
@@ -17,32 +16,41 @@ import typing
 import uuid
 from dataclasses import dataclass, field
 
+import huggingface_hub
 import torch
 import transformers
 
+import cli
+import evaluation
 import grpo
 import model_loading
 import rewards
+import run_log
 import sharding
 import tasks
+
+
+def _env(name, default):  # a Config default that an environment variable may set (wandb's usual variables)
+    return field(default_factory=lambda: os.environ.get(name, default))
 
 
 @dataclass
 class Config:
     # model
     model: str = "tiny"                   # local folder or hub id; "tiny" builds a 2-layer byte-level model
-    model_init_kwargs: dict = field(default_factory=lambda: {"attn_implementation": "sdpa"})  # no dtype: bf16 on CUDA, fp32 on CPU
+    model_init_kwargs: dict = field(default_factory=lambda: {"attn_implementation": "sdpa"})  # for from_pretrained;
+                                          # no dtype = float32 weights (bf16 compute under torchrun on a GPU)
     gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
     # task and rewards
     task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
-    reward_weights: list = field(default_factory=list)  # one per reward function, comma-separated; empty = all 1
+    reward_funcs: str = ""                # your own reward functions instead of the task's, comma-separated
+                                          # file.py:name or package.module:name (README: "Your own reward functions")
+    reward_weights: list = field(default_factory=list)  # one per reward function, comma-separated; empty = defaults
     # batch
     num_generations: int = 8              # G, completions per prompt
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
     micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
-    micro_batch_workers: int = 0          # CPU, one process: micro-batches computed this many at a time, on threads;
-                                          # 0 = 2 where that helps and is safe (sharding.MicroBatchWorkers), 1 = one at a time
     num_iterations: int = 1               # mu: optimizer steps on each generated batch
     # optimisation
     lr: float = 1e-3
@@ -52,6 +60,8 @@ class Config:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0
+    max_bad_steps: int = 3                # optimizer steps in a row with a non-finite loss or gradient (each one
+                                          # skipped, not applied) before the run stops
     # objective
     beta: float = 0.04                    # KL coefficient; 0 builds no reference model
     epsilon: float = 0.2                  # clip range below: ratio >= 1 - epsilon
@@ -68,18 +78,20 @@ class Config:
     # run
     seed: int = 0
     max_steps: int = 300
-    out_dir: str = "out"
+    out_dir: str = "out"                  # metrics, config.json, checkpoints and the exported model; one run at a time
+    resume: str = "auto"                  # auto: continue out_dir's run if the settings that define it are unchanged;
+                                          # force: continue even if they changed; never: stop if out_dir holds a run
     log_every: int = 1
     print_completions_every: int = 50     # print a few sampled completions every N steps; 0 = never
-    wandb_project: str = "grpo"
-    wandb_run_name: typing.Optional[str] = None
-    wandb_mode: str = "disabled"          # disabled, offline (no account needed) or online
+    wandb_project: str = _env("WANDB_PROJECT", "grpo")
+    wandb_run_name: typing.Optional[str] = _env("WANDB_NAME", None)
+    wandb_mode: str = _env("WANDB_MODE", "disabled")  # disabled, offline (no account needed) or online
     # several processes and checkpoints (sharding.py)
     mixed_precision: str = "auto"         # auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU), bf16, fp32
     save_every: int = 100                 # checkpoint every N steps and at the last step; 0 = never
     keep_checkpoints: int = 2             # newest K checkpoints kept in out_dir/checkpoints
     # workloads: data, reward model, evaluation, LoRA, dashboards
-    preset: str = ""                      # a named set of overrides from PRESETS, applied before the other --key=value
+    preset: str = ""                      # a named set of overrides from PRESETS, applied before the other settings
     dataset: str = ""                     # .jsonl / .parquet file (or hub id) replacing the task's prompt source
     reward_model: str = ""                # sequence-classification model scoring completions ("tiny" builds one);
                                           # "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
@@ -91,7 +103,14 @@ class Config:
     completions_table_every: int = 0      # wandb table of sampled completions every N steps; 0 = never
 
 
-# Named runs: Config overrides applied before the command line's (README: "Tasks, presets, LoRA and evaluation").
+# The settings that define a run: resuming in an out_dir whose config.json differs in one of them stops
+# (--resume=force goes on anyway). The others (max_steps, logging, checkpoints, micro-batch size, ...) may change.
+RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_weights", "num_generations",
+            "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
+            "mask_truncated_completions", "temperature", "top_p", "top_k", "max_completion_length",
+            "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules")
+
+# Named runs: Config overrides applied before the command line's (README: "Presets").
 _QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
 PRESETS = {
     "gsm8k-qwen2.5-0.5b": dict(
@@ -117,60 +136,11 @@ PRESETS["gsm8k-qwen2.5-0.5b-lora"] = {**PRESETS["gsm8k-qwen2.5-0.5b"], "lr": 2e-
 # ----------------------------------------------------------------------------- config parsing
 
 
-class ConfigError(SystemExit):
-    def __init__(self, key, message):
-        super().__init__(f"config error: --{key}: {message}")
-
-
-def _cast(key, value, typ):
-    origin = typing.get_origin(typ)
-    if origin is typing.Union:  # Optional[X]
-        if value.lower() in ("none", "null", ""):
-            return None
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
-    try:
-        if typ is bool:
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if typ is float:
-            number = float(value)
-            if not math.isfinite(number):  # inf or nan would pass every range check below
-                raise ValueError
-            return number
-        if typ in (int, str):
-            return typ(value)
-        if typ is dict:
-            parsed = json.loads(value)
-            if not isinstance(parsed, dict):
-                raise ValueError
-            return parsed
-        if typ is list:
-            return [float(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        pass
-    expected = {dict: "a JSON object", list: "comma-separated numbers"}.get(typ, getattr(typ, "__name__", str(typ)))
-    raise ConfigError(key, f"expected {expected}, got {value!r}")
+ConfigError = cli.ConfigError
 
 
 def parse_config(argv):
-    cfg = Config()
-    hints = typing.get_type_hints(Config)
-    presets = [a.split("=", 1)[1] for a in argv if a.startswith("--preset=")]
-    for name in presets[-1:]:  # a preset's values first, so that every other --key=value wins over it
-        if name not in PRESETS:
-            raise ConfigError("preset", f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
-        for key, value in PRESETS[name].items():
-            setattr(cfg, key, dict(value) if isinstance(value, dict) else value)
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(arg.lstrip("-").split("=")[0] or arg, f"arguments are --key=value, got {arg!r}")
-        key, value = arg[2:].split("=", 1)
-        if key not in hints:
-            raise ConfigError(key, f"unknown key (known: {', '.join(hints)})")
-        setattr(cfg, key, _cast(key, value, hints[key]))
+    cfg = cli.parse(Config, argv, PRESETS, doc=__doc__)
     validate(cfg)
     return cfg
 
@@ -184,15 +154,13 @@ def validate(cfg, world_size=1):
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
          f"{cfg.prompts_per_step} prompts x {cfg.num_generations} generations do not split evenly over {world_size} processes")
     need(cfg.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {cfg.micro_batch_size}")
-    need(cfg.micro_batch_workers >= 0, "micro_batch_workers", f"must be >= 0, got {cfg.micro_batch_workers}")
-    need(cfg.micro_batch_workers <= 1 or world_size == 1, "micro_batch_workers",
-         f"threads share micro-batches within one process only; under {world_size} processes set 0 or 1")
     need(cfg.num_iterations >= 1, "num_iterations", f"must be >= 1, got {cfg.num_iterations}")
     need(cfg.lr > 0, "lr", f"must be > 0, got {cfg.lr}")
     need(cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", f"constant, linear or cosine, got {cfg.lr_schedule!r}")
     need(cfg.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {cfg.warmup_steps}")
     need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
     need(cfg.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {cfg.max_grad_norm}")
+    need(cfg.max_bad_steps >= 1, "max_bad_steps", f"must be >= 1, got {cfg.max_bad_steps}")
     need(0 <= cfg.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {cfg.adam_beta1}")
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {cfg.adam_beta2}")
     need(cfg.weight_decay >= 0, "weight_decay", f"must be >= 0, got {cfg.weight_decay}")
@@ -207,6 +175,7 @@ def validate(cfg, world_size=1):
     need(cfg.max_completion_length >= 1, "max_completion_length", f"must be >= 1, got {cfg.max_completion_length}")
     need(cfg.max_prompt_length >= 1, "max_prompt_length", f"must be >= 1, got {cfg.max_prompt_length}")
     need(cfg.max_steps >= 1, "max_steps", f"must be >= 1, got {cfg.max_steps}")
+    need(cfg.resume in ("auto", "force", "never"), "resume", f"auto, force or never, got {cfg.resume!r}")
     need(cfg.log_every >= 1, "log_every", f"must be >= 1, got {cfg.log_every}")
     need(cfg.print_completions_every >= 0, "print_completions_every", f"must be >= 0, got {cfg.print_completions_every}")
     need(cfg.mixed_precision in ("auto", "bf16", "fp32"), "mixed_precision", f"auto, bf16 or fp32, got {cfg.mixed_precision!r}")
@@ -214,6 +183,8 @@ def validate(cfg, world_size=1):
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {cfg.keep_checkpoints}")
     need(cfg.wandb_mode in ("disabled", "offline", "online"), "wandb_mode", f"disabled, offline or online, got {cfg.wandb_mode!r}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
+    need(not cfg.device.startswith("cuda") or torch.cuda.is_available(), "device",
+         f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
@@ -223,6 +194,9 @@ def validate(cfg, world_size=1):
     need(cfg.lora_rank >= 0, "lora_rank", f"must be >= 0, got {cfg.lora_rank}")
     need(cfg.lora_alpha > 0, "lora_alpha", f"must be > 0, got {cfg.lora_alpha}")
     need(cfg.completions_table_every >= 0, "completions_table_every", f"must be >= 0, got {cfg.completions_table_every}")
+
+
+# ----------------------------------------------------------------------------- optimizer
 
 
 def make_optimizer(params, cfg):
@@ -248,172 +222,56 @@ def lr_factor(cfg, opt_step, total_opt_steps):
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-# ----------------------------------------------------------------------------- logging
+# ----------------------------------------------------------------------------- setup
 
 
-def _step_of(line):
-    """The step of a metrics.jsonl line; None for a line cut short when a run was killed mid-write."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
+@dataclass
+class Run:
+    """What setup() builds once and every step uses."""
+    cfg: Config
+    d: sharding.Dist
+    tokenizer: object
+    policy: sharding.Root               # the language model behind its (sharded) root wrapper
+    ref: typing.Optional[sharding.Root]  # the frozen reference; None when beta == 0 or with LoRA
+    eos_ids: list
+    task: tasks.Task
+    weights: list                       # one per reward function
+    reward_model: object                # (root-wrapped model, its tokenizer) or None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
 
 
-class Logger:
-    """stdout line, out_dir/metrics.jsonl, and wandb when asked for; only the master process writes."""
-
-    def __init__(self, cfg, master, resume_step=0, run_id=None):
-        self.master, self.wandb = master, None
-        if not master:
-            return
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        # steps after the checkpoint we resume from are about to be redone: drop their lines
-        kept = []
-        if os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-        self.jsonl = open(path, "a")
-        if cfg.wandb_mode != "disabled":
-            import wandb
-            # mode offline needs no account; online without credentials fails here instead of prompting.
-            # A resumed run continues the same wandb run (its id is saved in the checkpoint).
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, mode=cfg.wandb_mode,
-                                    dir=cfg.out_dir, config=dataclasses.asdict(cfg), id=run_id, resume="allow")
-
-    def log(self, metrics):
-        if not self.master:
-            return
-        self.jsonl.write(json.dumps(metrics) + "\n")
-        self.jsonl.flush()
-        shown = ["reward", "reward_std", "kl", "loss", "completion_length", "entropy", "grad_norm", "step_time",
-                 "eval/reward", "eval/accuracy_greedy", "eval/accuracy"]
-        line = f"step {metrics['step']:5d} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown if k in metrics)
-        print(line, flush=True)
-        if self.wandb is not None:
-            self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
-
-    def table(self, step, name, columns):
-        """A wandb.Table from {column: values} (no-op without wandb); log it before the step's metrics."""
-        if self.wandb is None:
-            return
-        import wandb
-        self.wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in zip(*columns.values())])},
-                       step=step)
-
-    def close(self):
-        if self.master:
-            self.jsonl.close()
-            if self.wandb is not None:
-                self.wandb.finish()
+def _user_error(what, e):
+    """A bad path, file or row as one line (the traceback stays on the exception, for GRPO_DEBUG=1)."""
+    return SystemExit(f"{what}: {e}")
 
 
-def wandb_key(key):
-    """Dashboard sections: reward/..., perf/..., eval/..., train/..."""
-    if key.startswith(("eval/", "train/", "perf/")):
-        return key
-    if key.startswith("reward"):
-        return key if "/" in key else f"reward/{key}"
-    if key in ("step_time", "tokens_per_s", "generation_time"):
-        return f"perf/{key}"
-    return f"train/{key}"
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def encode_prompts(tokenizer, prompts, cfg, device):
-    """Left-padded prompt ids and mask; prompts longer than max_prompt_length keep their end."""
-    return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=cfg.max_prompt_length,
-                     add_special_tokens=False).to(device)
-
-
-def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids):
-    """Sample one completion per row on the gathered weights; return the rollout and the completions' text."""
-    with sharding.gathered(policy):  # full weights once for the whole decode loop
-        rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
-                         eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-                         top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
-    text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padded after the first EOS
-    return rollout, text
-
-
-def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
-    """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
-
-    The rows are split over the processes (the last rank's share padded with
-    copies of the last row, dropped again), and the scores gathered: every rank
-    samples the same number of rows, so all of them make the same collectives.
-    """
-    device = d.device
-    rows = task.eval_rows
-    if not rows:
-        return {}
-    was_training = policy.training
-    policy.eval()
-    results = {}
-    for label, G, temperature in (("greedy", 1, 0.0), ("sampled", cfg.num_generations, cfg.temperature)):
-        totals, correct = [], []
-        comp = {}
-        for start in range(0, len(rows), cfg.prompts_per_step):
-            chunk = rows[start:start + cfg.prompts_per_step]
-            count = len(chunk) * G
-            per_rank = -(-count // d.world_size)
-            # row i is prompt i // G; the padding rows copy the last row, seed included, so they sample alike
-            index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
-            prompts = [chunk[i // G]["prompt"] for i in index]
-            enc = encode_prompts(tokenizer, prompts, cfg, device)  # all rows: the same padding on every rank
-            mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
-            fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
-            # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
-            seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            rollout, completions = generate(policy, tokenizer, enc.input_ids[mine], enc.attention_mask[mine], seeds,
-                                            temperature, cfg, d, eos_ids)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts[mine], completions, fields)
-            totals.append(sharding.all_gather_rows(total, d)[:count])
-            for k, v in parts.items():
-                comp.setdefault(k, []).append(sharding.all_gather_rows(v, d)[:count])
-            if task.accuracy_reward is not None:
-                correct.append(comp[task.accuracy_reward][-1] >= 1.0)
-        total = torch.cat(totals)
-        suffix = "" if label == "sampled" else "_greedy"
-        results[f"eval/reward{suffix}"] = total.nanmean().item()
-        if correct:
-            results[f"eval/accuracy{suffix}"] = torch.cat(correct).float().mean().item()
-        if label == "sampled":
-            results.update({f"eval/reward/{k}": torch.cat(v).nanmean().item() for k, v in comp.items()})
-    policy.train(was_training)
-    return results
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def main(argv):
-    cfg = parse_config(argv)
-    d = sharding.setup(cfg.device)
-    validate(cfg, d.world_size)
+def setup(cfg, d):
+    """Models, task and optimizer for one run; nothing is read from or written to out_dir but the tiny model."""
     torch.manual_seed(cfg.seed)
-    t_start = time.time()
+    # transformers' bars for loading and saving off; the hub's download bars on, so a long download shows progress
     transformers.utils.logging.disable_progress_bar()
-
-    # models: the policy, and the frozen reference when beta > 0
+    huggingface_hub.utils.enable_progress_bars()
     model_path = cfg.model
     if cfg.model == model_loading.TINY:
         model_path = os.path.join(cfg.out_dir, "tiny_model_init")
         if d.master:
             model_loading.write_tiny_model(model_path)
         sharding.barrier(d)  # the others read it once written
-    tokenizer = model_loading.load_tokenizer(model_path)
-    # several processes: load on the CPU, fully_shard moves each process's shard to its device
-    load_device = "cpu" if d.world_size > 1 else d.device
-    policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
-                                      gradient_checkpointing=cfg.gradient_checkpointing)
+    try:
+        tokenizer = model_loading.load_tokenizer(model_path)
+        # several processes: load on the CPU, fully_shard moves each process's shard to its device
+        load_device = "cpu" if d.world_size > 1 else d.device
+        policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
+                                          gradient_checkpointing=cfg.gradient_checkpointing)
+    except (OSError, ValueError) as e:
+        raise _user_error("model", e) from e
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
-        model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        try:
+            model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        except ValueError as e:
+            raise ConfigError("lora_target_modules", e) from e
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
     eos_ids = model_loading.eos_token_ids(policy, tokenizer)
     low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
@@ -437,104 +295,119 @@ def main(argv):
         sharding.barrier(d)
     reward_model = None  # (model behind its root wrapper, its own tokenizer)
     if rm_path:
-        rm, rm_tokenizer = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, load_device, cfg.seed + 1)
+        try:
+            rm, rm_tokenizer = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, load_device,
+                                                               cfg.seed + 1)
+        except (OSError, ValueError) as e:
+            raise _user_error("reward_model", e) from e
         # sharded like the reference; every rank scores as many completions in as many forwards
         reward_model = (sharding.shard(sharding.Root(rm), d, cfg.mixed_precision).eval(), rm_tokenizer)
     try:
+        own = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError("reward_funcs", e) from e
+    try:
         task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
-                                eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model)
+                              eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model,
+                              reward_funcs=own)
     except (ValueError, OSError) as e:
-        raise SystemExit(f"task {cfg.task}: {e}") from e
+        raise _user_error(f"task {cfg.task}", e) from e
     weights = cfg.reward_weights or task.weights or [1.0] * len(task.reward_funcs)
     if len(weights) != len(task.reward_funcs):
         raise ConfigError("reward_weights", f"{len(weights)} weights for {len(task.reward_funcs)} reward functions "
-                          f"({', '.join(f.__name__ for f in task.reward_funcs)})")
+                          f"({', '.join(rewards.reward_name(f) for f in task.reward_funcs)})")
 
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, cfg)
-    try:
-        workers = sharding.MicroBatchWorkers(sharding.MicroBatchWorkers.count(cfg.micro_batch_workers, d, policy.lm))
-    except ValueError as e:
-        raise ConfigError("micro_batch_workers", f"{e}; set 0 or 1") from e
+    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     total_opt_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
+    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, scheduler)
 
-    # resume from the newest complete checkpoint in out_dir, if any
-    start_step, run_id = 0, None
-    resumed = sharding.load_latest_checkpoint(cfg.out_dir, policy, optimizer, d)
-    if resumed is not None:
-        scheduler.load_state_dict(resumed["scheduler"])
-        start_step, run_id = resumed["step"], resumed["wandb_id"]
-        if d.master:
-            print(f"resuming from {resumed['path']} (step {start_step}, saved by {resumed['world_size']} "
-                  f"process(es), now {d.world_size})", flush=True)
-    run_id = run_id or uuid.uuid4().hex[:12]  # os.urandom: leaves the seeded generators alone
-    logger = Logger(cfg, d.master, resume_step=start_step, run_id=run_id)
-    G, eps_high = cfg.num_generations, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    history = []
 
-    for step in range(start_step + 1, cfg.max_steps + 1):
-        t0 = time.time()
-        # 1. prompts for this step: a pure function of (seed, step), so a resumed run sees the same ones.
-        # Tokenized all together (the same padding on every rank), then each rank takes its slice of rows.
-        rows = task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
-        all_prompts = [r["prompt"] for r in rows for _ in range(G)]                 # (N,) grouped by prompt
-        enc = encode_prompts(tokenizer, all_prompts, cfg, d.device)
-        N = len(all_prompts)
-        n = N // d.world_size                                                       # rows on this rank
-        mine = slice(d.rank * n, (d.rank + 1) * n)
-        prompts = all_prompts[mine]
-        fields = {k: [r[k] for r in rows for _ in range(G)][mine] for k in rows[0] if k != "prompt"}
-        prompt_ids, prompt_mask = enc.input_ids[mine], enc.attention_mask[mine]
+# ----------------------------------------------------------------------------- the step
 
-        # 2. sample G completions per prompt; row seeds are global row indices, so any world size samples alike
-        seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
-        policy.eval()
-        rollout, completions = generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, cfg.temperature, cfg, d,
-                                        eos_ids)
-        policy.train()
-        t_gen = time.time() - t0
 
-        # 3. score this rank's completions, 4. advantages over each whole group: all rewards, then our rows
-        total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
-        if reward_model is not None:
-            sharding.free_gathered(reward_model[0])  # forward only: nothing else frees its gathered root weights
-        all_total = sharding.all_gather_rows(total, d)                             # (N,)
-        all_advantages, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)
-        advantages = all_advantages[mine].to(d.device)
+@dataclass
+class Batch:
+    """One step's rows on this rank: prompts, their data and the sampled completions."""
+    prompts: list                       # (n,) prompt text as the policy saw it
+    fields: dict                        # {column: (n,) values}: the rows' other data, for the reward functions
+    mine: slice                         # this rank's rows of the step's N = P * G
+    prompt_ids: torch.Tensor            # (n, S) left-padded
+    prompt_mask: torch.Tensor           # (n, S)
+    rollout: grpo.Rollout               # completion ids (n, T), mask, log-probs, truncation
+    completions: list                   # (n,) completion text
 
-        input_ids = torch.cat([prompt_ids, rollout.completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, torch.ones_like(rollout.completion_ids)], dim=1)
-        T = rollout.completion_ids.shape[1]
-        loss_mask = rollout.completion_mask.float()
-        if cfg.mask_truncated_completions:
-            loss_mask = loss_mask * (~rollout.truncated).float()[:, None]
-        # normalisers over the whole batch on all ranks, so any world size gives the same gradient
-        num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
 
-        # 5. log-probs that stay fixed during the update: the reference's, and the sampling policy's when reused
-        # rows of similar length together, each micro-batch cut to the columns its rows use
-        micro = grpo.micro_batches(attention_mask, loss_mask, T, cfg.micro_batch_size)
+def rollout(run, step):
+    """The step's prompts, G completions sampled for each; this rank's rows."""
+    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    # prompts are a pure function of (seed, step), so a resumed run sees the same ones. Tokenized all
+    # together (the same padding on every rank), then each rank takes its slice of rows.
+    rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
+    all_prompts = [r["prompt"] for r in rows for _ in range(G)]                     # (N,) grouped by prompt
+    enc = evaluation.encode_prompts(run.tokenizer, all_prompts, cfg, d.device)
+    N = len(all_prompts)
+    n = N // d.world_size
+    mine = slice(d.rank * n, (d.rank + 1) * n)
+    fields = {k: [r[k] for r in rows for _ in range(G)][mine] for k in rows[0] if k != "prompt"}
+    # row seeds are global row indices, so any world size samples the same completions
+    seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
+    run.policy.eval()
+    sampled, completions = evaluation.generate(run.policy, run.tokenizer, enc.input_ids[mine], enc.attention_mask[mine], seeds,
+                                    cfg.temperature, cfg, d, run.eos_ids)
+    run.policy.train()
+    return Batch(all_prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], sampled, completions)
 
-        def fixed_logprobs(model):  # one (m, t) tensor per micro-batch
-            @torch.no_grad()  # inside: a worker thread has its own grad mode
-            def one(mb):
-                return model(grpo.completion_logprobs, *mb.take(input_ids, attention_mask), mb.t, cfg.temperature)[0]
-            logp = list(workers.map(one, micro))
-            if model is ref:
-                sharding.free_gathered(ref)  # never backward: nothing else would free the root's gathered weights
-            return logp
-        ref_logp = None
-        if cfg.beta > 0:
-            with model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus its adapters
-                ref_logp = fixed_logprobs(ref if ref is not None else policy)
-        old_logp = fixed_logprobs(policy) if cfg.num_iterations > 1 else None
 
-        # 6. mu optimizer steps on this batch, each accumulating over micro-batches
-        def micro_step(i):  # forward, loss and backward of micro-batch i
-            mb = micro[i]
-            logp, entropy = policy(grpo.completion_logprobs, *mb.take(input_ids, attention_mask), mb.t,
-                                   cfg.temperature)
+def score(run, batch):
+    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored."""
+    total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts, batch.completions,
+                                             batch.fields)
+    if run.reward_model is not None:
+        sharding.free_gathered(run.reward_model[0])  # forward only: nothing else frees its gathered root weights
+    return total, parts
+
+
+def fixed_logprobs(run, model, ids, mask, micro):
+    """Log-probs that stay fixed during the update (the reference's, the sampling policy's): one per micro-batch."""
+    with torch.no_grad():
+        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature)[0] for mb in micro]
+    if model is run.ref:
+        sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
+    return logp
+
+
+def update(run, batch, advantages):
+    """Reference log-probs, then mu optimizer steps, each a micro-batched loss and backward, clip, step.
+
+    Returns the sums behind the step's metrics (on this rank), and the gradient norm and learning rate of the
+    last optimizer step, and how many optimizer steps were skipped.
+    """
+    cfg, d, policy = run.cfg, run.d, run.policy
+    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
+    mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
+    T = batch.rollout.completion_ids.shape[1]
+    loss_mask = batch.rollout.completion_mask.float()                                          # (n, T)
+    if cfg.mask_truncated_completions:
+        loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
+    # normalisers over the whole batch on all ranks, so any world size gives the same gradient
+    N = batch.prompt_ids.shape[0] * d.world_size
+    num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
+    # rows of similar length together, each micro-batch cut to the columns its rows use
+    micro = grpo.micro_batches(mask, loss_mask, T, cfg.micro_batch_size)
+    ref_logp = old_logp = None
+    if cfg.beta > 0:
+        with model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus its adapters
+            ref_logp = fixed_logprobs(run, run.ref if run.ref is not None else policy, ids, mask, micro)
+    if cfg.num_iterations > 1:
+        old_logp = fixed_logprobs(run, policy, ids, mask, micro)
+
+    skipped = 0
+    for _ in range(cfg.num_iterations):
+        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
+        for i, mb in enumerate(micro):
+            logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature)
             old = old_logp[i] if old_logp is not None else logp.detach()  # ratio 1, gradient of A * logp
             mb_mask = loss_mask[mb.rows, :mb.t]
             loss, m = grpo.grpo_loss(logp, old, ref_logp[i] if ref_logp is not None else None, advantages[mb.rows],
@@ -542,89 +415,212 @@ def main(argv):
                                      loss_type=cfg.loss_type, num_sequences=N, num_tokens=num_tokens,
                                      max_completion_length=cfg.max_completion_length)
             # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
-            grads = workers.backward(loss * d.world_size, trainable)
-            return loss.detach(), m, (entropy * mb_mask).sum(), grads
+            (loss * d.world_size).backward()
+            sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read
+            for k in ("kl", "clip_low", "clip_high"):
+                sums[k] += m[k] * m["tokens"]
+            sums["entropy"] += (entropy.detach() * mb_mask).sum()
+            sums["tokens"] += m["tokens"]
+        grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+        # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted)
+        finite = math.isfinite(grad_norm.item()) and math.isfinite(sharding.all_reduce_sum(
+            [torch.as_tensor(sums["loss"], dtype=torch.float32).item()], d)[0])
+        if finite:
+            run.optimizer.step()
+            run.bad_steps = 0
+        else:
+            skipped += 1
+            run.bad_steps += 1
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    return sums, grad_norm, lr, skipped
 
-        for _ in range(cfg.num_iterations):
-            sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
-            for loss, m, entropy_sum, grads in workers.map(micro_step, range(len(micro))):
-                workers.accumulate(trainable, grads)
-                del grads  # added: held no longer than it has to be
-                # summed on the device: no wait for it until the step's metrics are read
-                sums["loss"] += loss
-                for k in ("kl", "clip_low", "clip_high"):
-                    sums[k] += m[k] * m["tokens"]
-                sums["entropy"] += entropy_sum
-                sums["tokens"] += m["tokens"]
-            grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
 
-        # 7. log, with every metric over all ranks
-        step_time = time.time() - t0
-        keys = ["loss", "kl", "clip_low", "clip_high", "entropy", "tokens"]
-        local = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=d.device) for k in keys]).tolist()
-        totals = sharding.all_reduce_sum(local + [attention_mask.sum().item()], d)
-        sums = dict(zip(keys + ["seen"], totals))
-        lengths = sharding.all_gather_rows(rollout.completion_mask.sum(1).float(), d)
-        truncated = sharding.all_gather_rows(rollout.truncated.float(), d)
-        parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
-        valid = all_total[~torch.isnan(all_total)]
-        tok = max(sums["tokens"], 1.0)
-        metrics = {
-            "step": step,
-            "reward": valid.mean().item() if valid.numel() else float("nan"),
-            **{f"reward/{k}": v[~torch.isnan(v)].mean().item() if (~torch.isnan(v)).any() else float("nan")
-               for k, v in parts.items()},
-            "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": (all_advantages.view(-1, G).abs().sum(1) == 0).float().mean().item(),
-            "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
-            "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
-            "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
-            "completion_length_max": lengths.max().item(),
-            "truncated_frac": truncated.mean().item(),
-            "grad_norm": grad_norm.item(), "lr": lr, "step_time": step_time, "generation_time": t_gen,
-            "tokens_per_s": sums["seen"] / step_time,
-        }
-        history.append(metrics["reward"])
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            metrics.update(evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids))
-            if reward_model is not None:
-                sharding.free_gathered(reward_model[0])
-        if cfg.completions_table_every and step % cfg.completions_table_every == 0:
-            shown = slice(0, min(n, 4 * G))  # the first four groups, whole
-            logger.table(step, "completions", {
-                "prompt": prompts[shown], "completion": completions[shown],
-                **{k: v[shown].tolist() for k, v in parts.items()},
-                "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
-        if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics:
-            logger.log(metrics)
-        if d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
-            for i in range(0, min(n, 3 * G), G):
-                print(f"  [{total[i]:.2f}] {prompts[i][-60:]!r} -> {completions[i][:120]!r}")
-        # 8. checkpoint (every rank writes its shard)
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-            trainer_state = {"scheduler": scheduler.state_dict(), "wandb_id": run_id,
-                             "data": {"seed": cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
-            sharding.save_checkpoint(cfg.out_dir, step, policy, optimizer, trainer_state, d, keep=cfg.keep_checkpoints)
+def train_step(run, step):
+    """One GRPO step. Returns its metrics, reduced over all ranks, and this rank's batch (for tables and prints)."""
+    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    t0 = time.time()
+    batch = rollout(run, step)                                       # 1. sample G completions per prompt
+    t_gen = time.time() - t0
+    try:
+        total, parts = score(run, batch)                             # 2. score them: (n,)
+        all_total = sharding.all_gather_rows(total, d)               # (N,): every group whole on every rank
+        all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
+    except (rewards.RewardFunctionError, ValueError) as e:  # a reward function failed or returned absurd values
+        raise SystemExit(f"step {step}: {e}") from e
+    t1 = time.time()
+    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device))  # 4-6. ref, loss, step
+    if skipped and d.master:
+        print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
+              f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
+    if run.bad_steps >= cfg.max_bad_steps:
+        raise SystemExit(f"step {step}: the last {run.bad_steps} optimizer steps had a non-finite loss or gradient "
+                         f"norm and were skipped (--max_bad_steps={cfg.max_bad_steps}); stopping. Nothing non-finite "
+                         f"was applied or saved. Check the reward functions' scale or lower --lr")
+
+    # 7. metrics over all ranks
+    keys = ["loss", "kl", "clip_low", "clip_high", "entropy", "tokens"]
+    local = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=d.device) for k in keys]).tolist()
+    t_update = time.time() - t1  # the list above waited for the device
+    seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
+    sums = dict(zip(keys + ["seen"], sharding.all_reduce_sum(local + [seen], d)))
+    lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
+    truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
+    parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
+    valid = all_total[~torch.isnan(all_total)]
+    tok = max(sums["tokens"], 1.0)
+    step_time = time.time() - t0
+    metrics = {
+        "step": step,
+        "reward": valid.mean().item() if valid.numel() else float("nan"),
+        **{f"reward/{k}": v[~torch.isnan(v)].mean().item() if (~torch.isnan(v)).any() else float("nan")
+           for k, v in parts.items()},
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": (all_adv.view(-1, G).abs().sum(1) == 0).float().mean().item(),
+        "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
+        "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
+        "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
+        "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
+        "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped,
+        "step_time": step_time, "generation_time": t_gen, "update_time": t_update,
+        "tokens_per_s": sums["seen"] / step_time,
+    }
+    return metrics, (batch, total, parts, all_adv[batch.mine])
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def check_start(cfg, d):
+    """Why this run may not start (None if it may), decided on the master before any model is loaded and
+    told to every rank: out_dir holds a run with other settings, or wandb would ask for a login."""
+    problem = None
+    if d.master and cfg.wandb_mode == "online" and not run_log.wandb_credentials():
+        problem = ("wandb: --wandb_mode=online needs credentials and this machine has none: run `wandb login` or "
+                   "set WANDB_API_KEY, or use --wandb_mode=offline")
+    elif d.master:
+        try:
+            saved = run_log.read_saved_config(cfg.out_dir)
+        except ValueError as e:
+            return sharding.broadcast_object(str(e), d)
+        has_run = saved is not None or bool(sharding.checkpoint_dirs(cfg.out_dir))
+        if cfg.resume == "never" and has_run:
+            problem = (f"out_dir {cfg.out_dir} already holds a run and --resume=never: use another --out_dir "
+                       f"to start a new one")
+        elif cfg.resume == "auto" and saved is not None:
+            changes = run_log.changed_keys(saved, cfg, RUN_KEYS)
+            if changes:
+                problem = "\n".join(
+                    [f"out_dir {cfg.out_dir} holds a run with other settings:"] +
+                    [f"  --{k}: {old!r} there, {new!r} now" for k, old, new in changes] +
+                    ["Use another --out_dir to start a new run, or add --resume=force to continue this one with "
+                     "the new settings."])
+    return sharding.broadcast_object(problem, d)
+
+
+def resume(run):
+    """Load out_dir's newest complete checkpoint, if any; the trainer state saved with it (step, wandb id, path,
+    world size), or None."""
+    resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d)
+    if resumed is not None:
+        run.scheduler.load_state_dict(resumed["scheduler"])
+    return resumed
+
+
+def main(argv):
+    cfg = parse_config(argv)
+    d = sharding.setup(cfg.device)
+    validate(cfg, d.world_size)
+    try:
+        lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
+    except sharding.OutDirBusy as e:
+        raise SystemExit(str(e)) from e
+    with lock:
+        loop(cfg, d)
+    sharding.teardown()
+
+
+def loop(cfg, d):
+    """Setup, the loop, the export; out_dir is locked for this run."""
+    problem = check_start(cfg, d)
+    if problem:
+        raise SystemExit(problem)
+    t_start = time.time()
+    run = setup(cfg, d)
+    resumed = resume(run) or {"step": 0, "path": None, "wandb_id": None}
+    start_step, last_checkpoint = resumed["step"], resumed["path"]
+    run_id = resumed["wandb_id"] or uuid.uuid4().hex[:12]  # os.urandom: leaves the seeded generators alone
+    if d.master:
+        run_log.write_config(cfg)
+        print(run_log.banner(run, resumed), flush=True)
+    logger = run_log.Logger(cfg, d.master, resume_step=start_step, run_id=run_id)
+    history, step, t_loop = [], start_step, time.time()
+    try:
+        for step in range(start_step + 1, cfg.max_steps + 1):
+            metrics, (batch, total, parts, advantages) = train_step(run, step)
+            history.append(metrics["reward"])
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                t = time.time()
+                ev = evaluation.evaluate(run.policy, run.tokenizer, run.task, run.weights, cfg, d, run.eos_ids)
+                if run.reward_model is not None:
+                    sharding.free_gathered(run.reward_model[0])
+                metrics.update(ev)
+                if d.master:
+                    print(f"eval at step {step} on {len(run.task.eval_rows)} held-out prompts ({time.time() - t:.1f}s): "
+                          + " | ".join(f"{k[5:]} {v:.4g}" for k, v in ev.items() if k.count("/") == 1), flush=True)
+            if cfg.completions_table_every and step % cfg.completions_table_every == 0:
+                shown = slice(0, min(len(batch.prompts), 4 * cfg.num_generations))  # the first four groups, whole
+                logger.table(step, "completions", {
+                    "prompt": batch.prompts[shown], "completion": batch.completions[shown],
+                    **{k: v[shown].tolist() for k, v in parts.items()},
+                    "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
+            if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics:
+                eta = (time.time() - t_loop) / (step - start_step) * (cfg.max_steps - step)
+                logger.log(metrics, eta=eta)
+            if d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
+                for i in range(0, min(len(batch.prompts), 3 * cfg.num_generations), cfg.num_generations):
+                    print(f"  [{total[i]:.2f}] {batch.prompts[i][-60:]!r} -> {batch.completions[i][:120]!r}")
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):  # every rank its shard
+                t = time.time()
+                trainer_state = {"scheduler": run.scheduler.state_dict(), "wandb_id": run_id,
+                                 "data": {"seed": cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
+                last_checkpoint = sharding.save_checkpoint(cfg.out_dir, step, run.policy, run.optimizer,
+                                                           trainer_state, d, keep=cfg.keep_checkpoints)
+                if d.master:
+                    print(f"saved {last_checkpoint} in {time.time() - t:.1f}s", flush=True)
+    except KeyboardInterrupt:
+        logger.close()
+        if d.master:
+            saved = (f"the last checkpoint is {last_checkpoint}; run the same command again to resume from it"
+                     if last_checkpoint else "no checkpoint was saved yet; the same command starts over")
+            print(f"\ninterrupted during step {step}: {saved}", flush=True)
+        raise SystemExit(130)
 
     # the trained policy as one Hugging Face folder with full tensors
+    t = time.time()
     export_dir = os.path.join(cfg.out_dir, "model")
-    full_weights = sharding.full_state_dict(policy)  # a collective: every rank takes part
+    full_weights = sharding.full_state_dict(run.policy)  # a collective: every rank takes part
     if d.master:
-        model_loading.export_model(policy.lm, tokenizer, export_dir, state_dict=full_weights)
+        model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, state_dict=full_weights)
+        print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")
         if history:  # the steps this call ran (a resumed run: those after the checkpoint)
             k = max(1, len(history) // 10)
             print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward first 10% "
                   f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
         else:
             print(f"done: {cfg.out_dir} already holds step {start_step} of {cfg.max_steps}; no step left to run")
-        print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | model: {export_dir}")
+        print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | config: "
+              f"{os.path.join(cfg.out_dir, 'config.json')} | model: {export_dir}")
     logger.close()
-    sharding.teardown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except SystemExit as e:
+        # errors about the user's input are one line; GRPO_DEBUG=1 shows where they came from
+        if os.environ.get("GRPO_DEBUG") and e.__cause__ is not None:
+            import traceback
+            traceback.print_exception(e.__cause__)
+        raise

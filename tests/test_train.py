@@ -4,8 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -13,7 +11,6 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 import model_loading
-import sharding
 import tasks
 import train
 
@@ -169,158 +166,6 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     torch.testing.assert_close(trimmed, naive, atol=1e-6, rtol=1e-4)
 
 
-def test_micro_batch_workers_compute_what_one_at_a_time_does(model, tokenizer):
-    """Two threads over the micro-batches: the same reference log-probs and the same accumulated gradient as
-    one micro-batch after another with backward(), and as one naive pass over the whole batch."""
-    ids, mask, r, adv = rollout_batch(model, tokenizer)
-    n, t = ids.shape[0], r.completion_ids.shape[1]
-    cmask = r.completion_mask.float()
-    micro = grpo.micro_batches(mask, cmask, t, 2)
-    params = list(model.parameters())
-    main_threads = torch.get_num_threads()
-    seen = []
-
-    def run(workers):
-        @torch.no_grad()
-        def reference(m):
-            seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
-            return grpo.completion_logprobs(model, *m.take(ids, mask), m.t)[0] + 0.05
-
-        ref_logp = list(workers.map(reference, micro))
-
-        def step(i):
-            m = micro[i]
-            logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, chunk_tokens=5)
-            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[i], adv[m.rows], cmask[m.rows, :m.t], beta=0.1,
-                                     epsilon=0.2, epsilon_high=0.2, loss_type="grpo", num_sequences=n,
-                                     num_tokens=cmask.sum(), max_completion_length=6)
-            return workers.backward(loss, params)
-
-        model.zero_grad()
-        for grads in workers.map(step, range(len(micro))):
-            workers.accumulate(params, grads)
-        full = torch.zeros(n, t)
-        for m, lp in zip(micro, ref_logp):
-            full[m.rows, :m.t] = lp
-        return full, torch.cat([p.grad.flatten() for p in params])
-
-    ref_one, grad_one = run(sharding.MicroBatchWorkers(1))
-    assert all(name == "MainThread" and threads == main_threads and not grad for name, threads, grad in seen)
-    seen.clear()
-    ref_two, grad_two = run(sharding.MicroBatchWorkers(2))
-    assert len(micro) == 4 and all(name.startswith("micro-batch") and not grad for name, _, grad in seen)
-    assert {threads for _, threads, _ in seen} == {max(1, main_threads // 2)}
-    assert torch.get_num_threads() == main_threads  # the caller's thread count is left as it was...
-    fresh = []
-    later = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
-    later.start()
-    later.join()
-    assert fresh == [main_threads]  # ...and so is the default of threads started later
-    torch.testing.assert_close(ref_two, ref_one, rtol=1e-6, atol=1e-6)
-    assert grad_one.abs().max() > 0
-    torch.testing.assert_close(grad_two, grad_one, rtol=1e-5, atol=1e-7)
-    naive = naive_full_batch_grad(model, ref_one, ids, mask, r, adv, "grpo")
-    torch.testing.assert_close(grad_two, naive, atol=1e-6, rtol=1e-4)
-
-
-def test_micro_batch_workers_return_results_in_order_and_raise_errors():
-    workers = sharding.MicroBatchWorkers(2)
-    started = []
-
-    def slow_first(i):
-        started.append(i)
-        time.sleep(0.3 if i == 0 else 0.0)  # the first item finishes last
-        return i * i
-    results = workers.map(slow_first, range(10))
-    assert next(results) == 0
-    assert len(started) <= 4  # while the first ran, no more than 2n were handed out: finished ones wait in bounds
-    assert list(results) == [1, 4, 9, 16, 25, 36, 49, 64, 81]
-
-    def fails_on_three(i):
-        if i == 3:
-            raise ValueError(f"micro-batch {i}: bad")
-        return i
-    with pytest.raises(ValueError, match="micro-batch 3: bad"):
-        list(workers.map(fails_on_three, range(5)))
-
-
-def test_micro_batch_workers_default(tiny_dir, monkeypatch):
-    def count(setting, device="cpu", world_size=1, model=None):
-        d = sharding.Dist(rank=0, local_rank=0, world_size=world_size, device=torch.device(device))
-        return sharding.MicroBatchWorkers.count(setting, d, plain if model is None else model)
-
-    plain = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert count(0) == 2
-    assert count(3) == 3  # a set value is kept
-    assert count(0, "cuda") == 1 and count(0, world_size=2) == 1
-    with pytest.raises(ValueError, match="CPU only"):
-        count(2, "cuda")
-    # dropout masks would be drawn by the threads in no fixed order, and dynamic rotary tables are rewritten
-    # by the forward: one at a time
-    unsafe = []
-    for change in ("attention_dropout", "dropout", "module", "rope"):
-        m = model_loading.load_model(tiny_dir, {"dtype": "float32"}, "cpu")
-        if change == "module":
-            m.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
-        elif change == "rope":
-            m.model.rotary_emb.rope_type = "dynamic"
-        else:
-            setattr(m.config, change, 0.1)  # "dropout" as OPT names it
-        unsafe.append(sharding.MicroBatchWorkers.unsafe(m))
-        assert count(0, model=m) == 1, change
-        with pytest.raises(ValueError, match="cannot share"):
-            count(2, model=m)
-    assert sharding.MicroBatchWorkers.unsafe(plain) is None
-    assert "attention_dropout" in unsafe[0] and "config.dropout" in unsafe[1] and "layers.0.mlp" in unsafe[2]
-    assert "dynamic" in unsafe[3]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert count(0) == 1
-
-
-def test_micro_batch_workers_config_errors(tmp_path, monkeypatch):
-    with pytest.raises(SystemExit, match="--micro_batch_workers"):
-        train.parse_config(["--micro_batch_workers=-1"])
-    with pytest.raises(SystemExit, match="--micro_batch_workers"):
-        train.validate(train.parse_config(["--micro_batch_workers=2"]), world_size=2)
-    load = model_loading.load_model
-
-    def with_dropout(*a, **k):
-        m = load(*a, **k)
-        m.config.attention_dropout = 0.1
-        return m
-    monkeypatch.setattr(model_loading, "load_model", with_dropout)
-    with pytest.raises(SystemExit, match="--micro_batch_workers.*attention_dropout"):
-        train.main([f"--out_dir={tmp_path}", "--max_steps=1", "--micro_batch_workers=2"])
-
-
-def test_micro_batch_workers_accumulate_like_backward():
-    """Gradients that autograd returns as one tensor for two parameters, and a parameter stored transposed:
-    accumulated over two micro-batches, they equal what two backward() calls leave in .grad."""
-    torch.manual_seed(0)
-    a, b = torch.randn(4, 3), torch.randn(4, 3)
-    c = torch.randn(3, 5).t()  # (5, 3), not contiguous
-    xs = [torch.randn(3, 4), torch.randn(3, 4)]
-
-    def loss(params, x):
-        p1, p2, p3 = params
-        return ((p1 + p2) @ x).pow(2).sum() + (p3 @ x).sin().sum()
-
-    seq = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
-    for x in xs:
-        loss(seq, x).backward()
-    workers = sharding.MicroBatchWorkers(2)
-    thr = [t.clone().requires_grad_() for t in (a, b)] + [c.clone().t().contiguous().t().requires_grad_()]
-    grads = [workers.backward(loss(thr, x), thr) for x in xs]
-    assert grads[0][0] is grads[0][1]  # the case that needs a copy
-    for g in grads:
-        workers.accumulate(thr, g)
-    for s_, t_ in zip(seq, thr):
-        assert t_.grad.stride() == s_.grad.stride() == s_.stride()
-        assert torch.equal(t_.grad, s_.grad)
-    assert thr[0].grad.data_ptr() != thr[1].grad.data_ptr()
-
-
 @pytest.mark.parametrize("rows", [slice(0, 8), slice(4, 8)], ids=["left-padded", "unpadded"])
 def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer, rows):
     ids, mask, r, _ = rollout_batch(model, tokenizer)
@@ -410,15 +255,3 @@ def test_short_default_run_learns_and_exports(tmp_path, monkeypatch):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, policy(ids).logits)
-
-
-def test_threaded_micro_batches_train_like_one_at_a_time(tmp_path, monkeypatch):
-    """Whole steps, two reuses of each batch (the old log-prob pass too): every metric of two runs matches."""
-    args = ["--max_steps=3", "--max_completion_length=8", "--micro_batch_size=4", "--num_iterations=2",
-            "--beta=0.1", "--lr=1e-2", "--save_every=0"]
-    one, _, _ = run_train(tmp_path / "one", monkeypatch, *args, "--micro_batch_workers=1")
-    two, _, _ = run_train(tmp_path / "two", monkeypatch, *args, "--micro_batch_workers=2")
-    assert len(one) == len(two) == 3 and one[-1]["kl"] > 0
-    for a, b in zip(one, two):
-        for k in set(a) - {"step_time", "generation_time", "tokens_per_s"}:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)

@@ -1,0 +1,188 @@
+"""What a run writes for people to read: the step line on stdout, out_dir/metrics.jsonl, out_dir/config.json, wandb.
+
+Only the master process writes. Every file that is rewritten (config.json, metrics.jsonl on resume) is written
+to a temporary file first and renamed over the old one, so a kill at any moment leaves the old file or the new
+one, never half of either.
+"""
+
+import dataclasses
+import json
+import math
+import netrc
+import os
+from urllib.parse import urlparse
+
+
+def write_atomic(path, text):
+    """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def strict_json(value):
+    """NaN and infinities as null: json.dumps would write bare NaN / Infinity, which strict JSON readers reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _step_of(line):
+    """The step of a metrics.jsonl line; None for a line cut short when a run was killed mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def duration(seconds):
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def wandb_key(key):
+    """Dashboard sections: reward/..., perf/..., eval/..., train/..."""
+    if key.startswith(("eval/", "train/", "perf/")):
+        return key
+    if key.startswith("reward"):
+        return key if "/" in key else f"reward/{key}"
+    if key in ("step_time", "tokens_per_s", "generation_time", "update_time"):
+        return f"perf/{key}"
+    return f"train/{key}"
+
+
+def wandb_credentials():
+    """True when wandb can log in without asking: an API key in the environment or in ~/.netrc for its host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class Logger:
+    """The step line, metrics.jsonl and wandb (when asked for); a no-op outside the master process."""
+
+    # what the step line shows, with short names, so that it fits a 120-column terminal
+    SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
+             ("entropy", "entropy"), ("grad_norm", "grad"))
+
+    def __init__(self, cfg, master, resume_step=0, run_id=None):
+        self.master, self.wandb, self.max_steps = master, None, cfg.max_steps
+        if not master:
+            return
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        # steps after the checkpoint we resume from are about to be redone: drop their lines, by writing the
+        # kept ones to a new file that replaces the old one only once complete
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
+            write_atomic(self.path, "".join(kept))
+        self.jsonl = open(self.path, "a")
+        if cfg.wandb_mode != "disabled":
+            import wandb
+            # A resumed run continues the same wandb run (its id is saved in the checkpoint).
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, mode=cfg.wandb_mode,
+                                    dir=cfg.out_dir, config=cfg_dict(cfg), id=run_id, resume="allow")
+
+    def log(self, metrics, eta=None):
+        if not self.master:
+            return
+        self.jsonl.write(json.dumps(strict_json(metrics)) + "\n")
+        self.jsonl.flush()
+        parts = [f"step {metrics['step']:>{len(str(self.max_steps))}}/{self.max_steps}"]
+        parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
+        parts.append(f"{metrics['step_time']:.2f}s")
+        if eta is not None:
+            parts.append(f"eta {duration(eta)}")
+        print(" | ".join(parts), flush=True)
+        if self.wandb is not None:
+            self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def table(self, step, name, columns):
+        """A wandb.Table from {column: values} (no-op without wandb); log it before the step's metrics."""
+        if self.wandb is None:
+            return
+        import wandb
+        self.wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in zip(*columns.values())])},
+                       step=step)
+
+    def close(self):
+        if self.master:
+            self.jsonl.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def banner(run, resumed):
+    """A few lines on what is about to run (a train.Run), where, and where its output goes."""
+    cfg, d, lm = run.cfg, run.d, run.policy.lm
+    total = sum(p.numel() for p in lm.parameters())
+    trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    device = f"{d.device}" + (" (no CUDA GPU found)" if cfg.device == "auto" and d.device.type == "cpu" else "")
+    data = (f"{len(run.task.rows):,} rows of {cfg.dataset or 'the task dataset'}" if run.task.rows is not None
+            else "prompts generated in code")
+    funcs = ", ".join(f"{getattr(f, '__name__', type(f).__name__)} ({w:g})"
+                      for f, w in zip(run.task.reward_funcs, run.weights))
+    lines = [
+        f"device {device} x {d.world_size} process(es) | out_dir {cfg.out_dir}",
+        f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable"
+        f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: "
+        f"{'none (beta 0)' if cfg.beta == 0 else 'the policy without adapters' if cfg.lora_rank else 'frozen copy'}",
+        f"task {cfg.task}: {data} | rewards: {funcs}",
+        f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, micro-batches of "
+        f"{cfg.micro_batch_size}, up to {cfg.max_completion_length} new tokens, {cfg.max_steps} steps",
+    ]
+    if resumed["path"]:
+        lines.append(f"resuming from {resumed['path']} (step {resumed['step']}, saved by {resumed['world_size']} "
+                     f"process(es), now {d.world_size})")
+    if d.device.type == "cpu" and cfg.preset:
+        lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- out_dir/config.json
+
+
+def cfg_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def read_saved_config(out_dir):
+    """The config.json an earlier run left in out_dir, or None; a damaged one is named, not ignored."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+        return saved
+    except ValueError as e:
+        raise ValueError(f"out_dir: {path} cannot be read ({e}); move it away to continue or start a run there") from e
+
+
+def write_config(cfg):
+    write_atomic(os.path.join(cfg.out_dir, "config.json"), json.dumps(strict_json(cfg_dict(cfg)), indent=1) + "\n")
+
+
+def changed_keys(saved, cfg, keys):
+    """[(key, saved value, new value)] for the run-defining keys whose value differs."""
+    now = strict_json(cfg_dict(cfg))
+    return [(k, saved.get(k), now[k]) for k in keys if k in saved and saved[k] != now[k]]

@@ -1,0 +1,224 @@
+"""A run as a user drives it: --help, --key value, config.json and resume, own reward functions, the step line,
+non-finite steps, Ctrl-C, wandb settings."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+import torch
+
+import cli
+import grpo
+import run_log
+import sharding
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = ["--max_steps=2", "--num_generations=2", "--prompts_per_step=2", "--print_completions_every=0"]
+
+
+def rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_help_lists_every_field_with_type_default_and_comment():
+    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    hints = typing.get_type_hints(train.Config)
+    for name in hints:
+        assert f"--{name} (" in p.stdout, name
+    # a comment continued on a second line is kept, under its own field
+    block = p.stdout.split("--reward_funcs (")[1].split("\n    --")[0]
+    assert "instead of the task's" in block and "file.py:name" in block
+    assert "--max_steps (int, default 300)" in p.stdout and "--epsilon_high (float or none, default none)" in p.stdout
+
+
+def test_space_separated_values_and_bare_bool_flags():
+    cfg = train.parse_config(["--lr", "1e-6", "--max_steps", "7", "--mask_truncated_completions",
+                              "--wandb_run_name=x", "--reward_weights", "1,0.5"])
+    assert cfg.lr == 1e-6 and cfg.max_steps == 7 and cfg.mask_truncated_completions is True
+    assert cfg.wandb_run_name == "x" and cfg.reward_weights == [1.0, 0.5]
+    for argv, key in ((["--max_steps"], "max_steps"), (["--no_such", "3"], "no_such"), (["max_steps", "3"], "max_steps"),
+                      (["--lr", "--max_steps=3"], "lr")):
+        with pytest.raises(SystemExit, match=f"--{key}"):
+            train.parse_config(argv)
+    # a preset first, whatever its place: the other settings win over it
+    cfg = train.parse_config(["--lr", "3e-6", "--preset", "gsm8k-qwen2.5-0.5b"])
+    assert cfg.lr == 3e-6 and cfg.task == "gsm8k"
+
+
+def test_cast_agrees_with_the_field_types():
+    assert cli.cast("k", "none", typing.Optional[float]) is None
+    assert cli.cast("k", "0.28", typing.Optional[float]) == 0.28
+    with pytest.raises(SystemExit, match="--k: expected float"):
+        cli.cast("k", "inf", float)
+
+
+def test_space_separated_run_from_the_command_line(tmp_path):
+    out = str(tmp_path / "o")
+    p = subprocess.run([sys.executable, "train.py", "--max_steps", "2", "--out_dir", out, "--print_completions_every",
+                        "0"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in rows(out)] == [1, 2]
+    lines = p.stdout.splitlines()
+    assert any(line.startswith("step 1/2 |") and "eta" in line for line in lines)
+    assert all(len(line) <= 120 for line in lines if out not in line), max(lines, key=len)  # paths aside
+    assert any(line.startswith("device cpu") for line in lines)  # the banner
+    assert any(line.startswith("saved ") for line in lines) and any(line.startswith("exported ") for line in lines)
+
+
+def test_config_json_and_resume_only_with_the_same_settings(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    train.main([f"--out_dir={out}", *QUICK, "--save_every=1"])
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    assert set(saved) == set(train.Config.__dataclass_fields__) and saved["max_steps"] == 2
+    before = rows(out)
+
+    with pytest.raises(SystemExit) as e:
+        train.main([f"--out_dir={out}", *QUICK, "--task=countdown", "--seed=3"])
+    message = str(e.value.code)
+    assert "--task: 'next_letter' there, 'countdown' now" in message and "--seed: 0 there, 3 now" in message
+    assert "--resume=force" in message
+    assert rows(out) == before  # nothing written
+
+    with pytest.raises(SystemExit, match="--resume=never"):
+        train.main([f"--out_dir={out}", *QUICK, "--resume=never"])
+
+    # the same command, with more steps, goes on from the checkpoint
+    train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=3", "--save_every=1"])
+    assert [r["step"] for r in rows(out)] == [1, 2, 3] and rows(out)[:2] == before
+    assert "resuming from" in capsys.readouterr().out
+
+    # on purpose: a changed setting with --resume=force continues, and config.json says what runs now
+    train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=4", "--temperature=0.7", "--resume=force"])
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["temperature"] == 0.7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_a_config_error():
+    with pytest.raises(SystemExit, match="--device: cuda"):
+        train.parse_config(["--device=cuda"])
+
+
+REWARDS_FILE = '''
+def brevity(completions, **kwargs):
+    return [-len(c) / 10 for c in completions]
+
+def knows(prompts, completions, answer, prompt_text, **kwargs):
+    assert all(p.endswith(">") for p in prompt_text) and len(answer) == len(completions)
+    return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, answer)]
+
+not_callable = 3
+'''
+
+
+def test_reward_funcs_from_a_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(REWARDS_FILE)
+    out = str(tmp_path / "o")
+    p = subprocess.run([sys.executable, "train.py", f"--reward_funcs={path}:brevity,{path}:knows",
+                        "--reward_weights=0.5,1", f"--out_dir={out}", *QUICK], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    for r in rows(out):
+        assert set(r) >= {"reward/brevity", "reward/knows"} and "reward/next_letter_reward" not in r
+        assert r["reward/brevity"] <= 0
+    for spec, named in ((f"{tmp_path}/nope.py:f", "nope.py"), (f"{path}:missing", "missing"),
+                        (f"{path}:not_callable", "not_callable"), ("no_such_module_xyz:f", "no_such_module_xyz"),
+                        (f"{path}", str(path))):
+        p = subprocess.run([sys.executable, "train.py", f"--reward_funcs={spec}", f"--out_dir={tmp_path / 'bad'}",
+                            *QUICK], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode != 0 and "--reward_funcs" in p.stderr and named in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def test_non_finite_loss_skips_the_step_and_a_run_of_them_stops(tmp_path, monkeypatch):
+    """Steps 2 and later return a NaN loss: step 2 and 3 are skipped with the weights untouched, the third bad
+    optimizer step stops the run, and the checkpoint of step 1 is the last one written."""
+    real_loss, calls = grpo.grpo_loss, {"step": 0}
+    real_step = train.train_step
+
+    def counting_step(run, step):
+        calls["step"] = step
+        return real_step(run, step)
+
+    def poisoned(*a, **k):
+        loss, m = real_loss(*a, **k)
+        return (loss * float("nan") if calls["step"] >= 2 else loss), m
+    weights = {}
+    real_update = train.update
+
+    def spying_update(run, batch, adv):
+        weights[calls["step"]] = [p.detach().clone() for p in run.policy.parameters()]
+        return real_update(run, batch, adv)
+    monkeypatch.setattr(grpo, "grpo_loss", poisoned)
+    monkeypatch.setattr(train, "train_step", counting_step)
+    monkeypatch.setattr(train, "update", spying_update)
+    out = str(tmp_path / "o")
+    with pytest.raises(SystemExit, match="last 3 optimizer steps had a non-finite"):
+        train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=10", "--save_every=1", "--max_bad_steps=3"])
+    got = rows(out)
+    assert [r["skipped_steps"] for r in got] == [0, 1, 1]  # the third bad step stops before it is logged
+    assert math.isfinite(got[0]["loss"]) and got[1]["loss"] is None  # strict JSON: NaN is written as null
+    for a, b, c in zip(weights[2], weights[3], weights[4]):  # the skipped steps 2 and 3 left the weights alone
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert [os.path.basename(p) for p in sharding.checkpoint_dirs(out)] == ["step_00000003", "step_00000002"]
+
+
+def test_keyboard_interrupt_names_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    real_step = train.train_step
+
+    def interrupted(run, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(run, step)
+    monkeypatch.setattr(train, "train_step", interrupted)
+    out = str(tmp_path / "o")
+    with pytest.raises(SystemExit) as e:
+        train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=5", "--save_every=2"])
+    assert e.value.code == 130
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "interrupted during step 3" in last and "step_00000002" in last and "same command" in last
+
+
+def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
+    """A kill while metrics.jsonl is rewritten on resume (here: the rename never happens) leaves it whole."""
+    out = tmp_path / "o"
+    out.mkdir()
+    original = "".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in range(1, 1001))
+    (out / "metrics.jsonl").write_text(original)
+
+    def killed(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", killed)
+    cfg = train.Config(out_dir=str(out))
+    with pytest.raises(KeyboardInterrupt):
+        run_log.Logger(cfg, True, resume_step=10)
+    assert (out / "metrics.jsonl").read_text() == original
+    monkeypatch.undo()
+    run_log.Logger(cfg, True, resume_step=10).close()
+    assert [r["step"] for r in rows(out)] == list(range(1, 11))
+
+
+def test_wandb_settings_from_the_environment_and_no_prompt_online(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_NAME", "named")
+    cfg = train.Config()
+    assert (cfg.wandb_project, cfg.wandb_mode, cfg.wandb_run_name) == ("from-env", "offline", "named")
+    assert train.parse_config(["--wandb_mode=disabled"]).wandb_mode == "disabled"  # the command line wins
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no credentials anywhere
+    p = subprocess.run([sys.executable, "train.py", "--wandb_mode=online", f"--out_dir={tmp_path / 'o'}", *QUICK],
+                       cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                       env={**os.environ, "HOME": str(tmp_path)})
+    assert p.returncode != 0 and "wandb login" in p.stderr and "offline" in p.stderr
+    assert "Traceback" not in p.stderr
