@@ -12,6 +12,8 @@ import netrc
 import os
 from urllib.parse import urlparse
 
+import sharding
+
 
 def write_atomic(path, text):
     """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed."""
@@ -186,3 +188,30 @@ def changed_keys(saved, cfg, keys):
     """[(key, saved value, new value)] for the run-defining keys whose value differs."""
     now = strict_json(cfg_dict(cfg))
     return [(k, saved.get(k), now[k]) for k in keys if k in saved and saved[k] != now[k]]
+
+
+def start_problem(cfg, d, run_keys):
+    """Why this run may not start (None if it may), decided on the master before any model is loaded and told
+    to every rank: out_dir holds a run whose `run_keys` settings differ, or wandb would ask for a login."""
+    problem = None
+    if d.master and cfg.wandb_mode == "online" and not wandb_credentials():
+        problem = ("wandb: --wandb_mode=online needs credentials and this machine has none: run `wandb login` or "
+                   "set WANDB_API_KEY, or use --wandb_mode=offline")
+    elif d.master:
+        try:
+            saved = read_saved_config(cfg.out_dir)
+        except ValueError as e:
+            return sharding.broadcast_object(str(e), d)
+        has_run = saved is not None or bool(sharding.checkpoint_dirs(cfg.out_dir))
+        if cfg.resume == "never" and has_run:
+            problem = (f"out_dir {cfg.out_dir} already holds a run and --resume=never: use another --out_dir "
+                       f"to start a new one")
+        elif cfg.resume == "auto" and saved is not None:
+            changes = changed_keys(saved, cfg, run_keys)
+            if changes:
+                problem = "\n".join(
+                    [f"out_dir {cfg.out_dir} holds a run with other settings:"] +
+                    [f"  --{k}: {old!r} there, {new!r} now" for k, old, new in changes] +
+                    ["Use another --out_dir to start a new run, or add --resume=force to continue this one with "
+                     "the new settings."])
+    return sharding.broadcast_object(problem, d)

@@ -242,85 +242,91 @@ class Run:
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
 
 
-def _user_error(what, e):
-    """A bad path, file or row as one line (the traceback stays on the exception, for GRPO_DEBUG=1)."""
-    return SystemExit(f"{what}: {e}")
-
-
 def setup(cfg, d):
-    """Models, task and optimizer for one run; nothing is read from or written to out_dir but the tiny model."""
+    """Models, task and optimizer for one run; nothing is read from or written to out_dir but the tiny models."""
     torch.manual_seed(cfg.seed)
     # transformers' bars for loading and saving off; the hub's download bars on, so a long download shows progress
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.enable_progress_bars()
-    model_path = cfg.model
-    if cfg.model == model_loading.TINY:
-        model_path = os.path.join(cfg.out_dir, "tiny_model_init")
-        if d.master:
-            model_loading.write_tiny_model(model_path)
-        sharding.barrier(d)  # the others read it once written
+    try:  # first: a spec that does not resolve stops the run before any model loads
+        own_rewards = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
+    except ValueError as e:
+        raise ConfigError("reward_funcs", e) from e
+    # several processes: load on the CPU, fully_shard moves each process's shard to its device
+    load_device = "cpu" if d.world_size > 1 else d.device
+    tokenizer, policy, ref = load_models(cfg, d, load_device)
+    task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
+    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
+    total_opt_steps = cfg.max_steps * cfg.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
+    eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
+    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, scheduler)
+
+
+def _local_tiny(cfg, d, name, write):
+    """The folder of a tiny model written into out_dir (by the master; the others wait until it is there)."""
+    path = os.path.join(cfg.out_dir, name)
+    if d.master:
+        write(path)
+    sharding.barrier(d)
+    return path
+
+
+def load_models(cfg, d, load_device):
+    """The tokenizer, the policy and the frozen reference (None when beta == 0 or with LoRA), each sharded."""
+    path = _local_tiny(cfg, d, "tiny_model_init", model_loading.write_tiny_model) if cfg.model == model_loading.TINY else cfg.model
+    if d.master:
+        print(f"loading {cfg.model} on {load_device} ...", flush=True)
     try:
-        tokenizer = model_loading.load_tokenizer(model_path)
-        # several processes: load on the CPU, fully_shard moves each process's shard to its device
-        load_device = "cpu" if d.world_size > 1 else d.device
-        policy = model_loading.load_model(model_path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
+        tokenizer = model_loading.load_tokenizer(path)
+        policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
                                           gradient_checkpointing=cfg.gradient_checkpointing)
-    except (OSError, ValueError) as e:
-        raise _user_error("model", e) from e
+    except (OSError, ValueError) as e:  # a missing folder, damaged weights: one line (GRPO_DEBUG=1: the traceback)
+        raise SystemExit(f"model: {e}") from e
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
             model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
         except ValueError as e:
-            raise ConfigError("lora_target_modules", e) from e
+            raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
-    eos_ids = model_loading.eos_token_ids(policy, tokenizer)
     low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
     if low and cfg.lr < 1e-4 and d.master:
         print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
               f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
               f"torchrun + FSDP2 compute in bfloat16", flush=True)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
-    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision)
-    policy.train()
+    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision).train()
     if ref is not None:
         ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
         sharding.check_same_placement(policy, ref)
+    return tokenizer, policy, ref
 
-    # task: prompts, reward functions (plus a reward model's score), held-out evaluation prompts
+
+def load_task(cfg, d, tokenizer, own_rewards, load_device):
+    """Prompts, reward functions (plus a reward model's score) and their weights, held-out evaluation prompts."""
     rm_path = cfg.reward_model or tasks.TASK_REWARD_MODELS.get(cfg.task, "")
     if rm_path == model_loading.TINY:
-        rm_path = os.path.join(cfg.out_dir, "tiny_reward_model_init")
-        if d.master:
-            model_loading.write_tiny_reward_model(rm_path)
-        sharding.barrier(d)
+        rm_path = _local_tiny(cfg, d, "tiny_reward_model_init", model_loading.write_tiny_reward_model)
     reward_model = None  # (model behind its root wrapper, its own tokenizer)
     if rm_path:
         try:
             rm, rm_tokenizer = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, load_device,
                                                                cfg.seed + 1)
         except (OSError, ValueError) as e:
-            raise _user_error("reward_model", e) from e
+            raise SystemExit(f"reward_model: {e}") from e
         # sharded like the reference; every rank scores as many completions in as many forwards
         reward_model = (sharding.shard(sharding.Root(rm), d, cfg.mixed_precision).eval(), rm_tokenizer)
     try:
-        own = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError("reward_funcs", e) from e
-    try:
         task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
                               eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model,
-                              reward_funcs=own)
+                              reward_funcs=own_rewards)
     except (ValueError, OSError) as e:
-        raise _user_error(f"task {cfg.task}", e) from e
+        raise SystemExit(f"task {cfg.task}: {e}") from e
     weights = cfg.reward_weights or task.weights or [1.0] * len(task.reward_funcs)
     if len(weights) != len(task.reward_funcs):
         raise ConfigError("reward_weights", f"{len(weights)} weights for {len(task.reward_funcs)} reward functions "
                           f"({', '.join(rewards.reward_name(f) for f in task.reward_funcs)})")
-
-    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
-    total_opt_steps = cfg.max_steps * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
-    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, scheduler)
+    return task, weights, reward_model
 
 
 # ----------------------------------------------------------------------------- the step
@@ -353,8 +359,8 @@ def rollout(run, step):
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
     run.policy.eval()
-    sampled, completions = evaluation.generate(run.policy, run.tokenizer, enc.input_ids[mine], enc.attention_mask[mine], seeds,
-                                    cfg.temperature, cfg, d, run.eos_ids)
+    sampled, completions = evaluation.generate(run.policy, run.tokenizer, enc.input_ids[mine],
+                                               enc.attention_mask[mine], seeds, cfg.temperature, cfg, d, run.eos_ids)
     run.policy.train()
     return Batch(all_prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], sampled, completions)
 
@@ -438,7 +444,8 @@ def update(run, batch, advantages):
 
 
 def train_step(run, step):
-    """One GRPO step. Returns its metrics, reduced over all ranks, and this rank's batch (for tables and prints)."""
+    """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
+    (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     t0 = time.time()
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
@@ -450,7 +457,7 @@ def train_step(run, step):
     except (rewards.RewardFunctionError, ValueError) as e:  # a reward function failed or returned absurd values
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
-    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device))  # 4-6. ref, loss, step
+    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device))  # 4. ref, loss, step
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
               f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
@@ -458,65 +465,42 @@ def train_step(run, step):
         raise SystemExit(f"step {step}: the last {run.bad_steps} optimizer steps had a non-finite loss or gradient "
                          f"norm and were skipped (--max_bad_steps={cfg.max_bad_steps}); stopping. Nothing non-finite "
                          f"was applied or saved. Check the reward functions' scale or lower --lr")
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
+    t_update = time.time() - t1  # .tolist() waited for the device
+    parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
+    metrics = {"step": step, **step_metrics(run, batch, dict(zip(sums, local)), all_total, parts, all_adv, group_std),
+               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
+    step_time = time.time() - t0
+    metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
+                   tokens_per_s=metrics.pop("batch_tokens") / step_time)
+    return metrics, (batch, total, parts, all_adv[batch.mine])
 
-    # 7. metrics over all ranks
-    keys = ["loss", "kl", "clip_low", "clip_high", "entropy", "tokens"]
-    local = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32, device=d.device) for k in keys]).tolist()
-    t_update = time.time() - t1  # the list above waited for the device
+
+def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
+    """The step's metrics over all ranks, from this rank's sums and every rank's rewards (see README: metrics)."""
+    d, G = run.d, run.cfg.num_generations
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
-    sums = dict(zip(keys + ["seen"], sharding.all_reduce_sum(local + [seen], d)))
+    sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
     truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
-    parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
-    valid = all_total[~torch.isnan(all_total)]
     tok = max(sums["tokens"], 1.0)
-    step_time = time.time() - t0
-    metrics = {
-        "step": step,
-        "reward": valid.mean().item() if valid.numel() else float("nan"),
-        **{f"reward/{k}": v[~torch.isnan(v)].mean().item() if (~torch.isnan(v)).any() else float("nan")
-           for k, v in parts.items()},
+
+    def mean(x):  # over the completions some function scored; NaN where none did
+        x = x[~torch.isnan(x)]
+        return x.mean().item() if x.numel() else float("nan")
+    return {
+        "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
         "reward_std": group_std.mean().item(),
         "frac_reward_zero_std": (all_adv.view(-1, G).abs().sum(1) == 0).float().mean().item(),
         "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
         "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
         "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
         "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
-        "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped,
-        "step_time": step_time, "generation_time": t_gen, "update_time": t_update,
-        "tokens_per_s": sums["seen"] / step_time,
+        "batch_tokens": sums["seen"],
     }
-    return metrics, (batch, total, parts, all_adv[batch.mine])
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-def check_start(cfg, d):
-    """Why this run may not start (None if it may), decided on the master before any model is loaded and
-    told to every rank: out_dir holds a run with other settings, or wandb would ask for a login."""
-    problem = None
-    if d.master and cfg.wandb_mode == "online" and not run_log.wandb_credentials():
-        problem = ("wandb: --wandb_mode=online needs credentials and this machine has none: run `wandb login` or "
-                   "set WANDB_API_KEY, or use --wandb_mode=offline")
-    elif d.master:
-        try:
-            saved = run_log.read_saved_config(cfg.out_dir)
-        except ValueError as e:
-            return sharding.broadcast_object(str(e), d)
-        has_run = saved is not None or bool(sharding.checkpoint_dirs(cfg.out_dir))
-        if cfg.resume == "never" and has_run:
-            problem = (f"out_dir {cfg.out_dir} already holds a run and --resume=never: use another --out_dir "
-                       f"to start a new one")
-        elif cfg.resume == "auto" and saved is not None:
-            changes = run_log.changed_keys(saved, cfg, RUN_KEYS)
-            if changes:
-                problem = "\n".join(
-                    [f"out_dir {cfg.out_dir} holds a run with other settings:"] +
-                    [f"  --{k}: {old!r} there, {new!r} now" for k, old, new in changes] +
-                    ["Use another --out_dir to start a new run, or add --resume=force to continue this one with "
-                     "the new settings."])
-    return sharding.broadcast_object(problem, d)
 
 
 def resume(run):
@@ -543,7 +527,7 @@ def main(argv):
 
 def loop(cfg, d):
     """Setup, the loop, the export; out_dir is locked for this run."""
-    problem = check_start(cfg, d)
+    problem = run_log.start_problem(cfg, d, RUN_KEYS)
     if problem:
         raise SystemExit(problem)
     t_start = time.time()

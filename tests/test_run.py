@@ -222,3 +222,52 @@ def test_wandb_settings_from_the_environment_and_no_prompt_online(tmp_path, monk
                        env={**os.environ, "HOME": str(tmp_path)})
     assert p.returncode != 0 and "wandb login" in p.stderr and "offline" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+EXPLODING = '''
+def explode(completions, **kwargs):
+    return [1e39 if i == 3 else 0.5 for i in range(len(completions))]
+'''
+
+
+def test_an_exploding_reward_stops_the_run_naming_function_and_completion(tmp_path):
+    """1e39 is a finite Python float but inf in float32: the run stops at step 1 and nothing is saved or exported."""
+    path = tmp_path / "boom.py"
+    path.write_text(EXPLODING)
+    out = tmp_path / "o"
+    p = subprocess.run([sys.executable, "train.py", f"--reward_funcs={path}:explode", f"--out_dir={out}", *QUICK,
+                        "--save_every=1"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "step 1:" in p.stderr and "'explode'" in p.stderr and "completion 3" in p.stderr, p.stderr
+    assert not os.path.exists(out / "checkpoints") or not os.listdir(out / "checkpoints")
+    assert not os.path.exists(out / "model")
+
+
+def test_a_second_run_on_a_busy_out_dir_stops_naming_the_holder(tmp_path):
+    out = str(tmp_path / "o")
+    one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with sharding.lock_out_dir(out, one):
+        p = subprocess.run([sys.executable, "train.py", f"--out_dir={out}", *QUICK], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert p.returncode != 0 and f"pid {os.getpid()}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+    # released: the same command runs now
+    p = subprocess.run([sys.executable, "train.py", f"--out_dir={out}", *QUICK], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--model=./no/such/mdoel"], "no/such/mdoel"),
+    (["--task=gsm8k", "--dataset=BAD"], "row 0"),
+    (["--lora_rank=2", "--lora_target_modules=q_proj,v_prj"], "'v_prj'"),
+])
+def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, args, named):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": ["two", "strings"], "answer": "#### 1"}) + "\n")
+    args = [a.replace("BAD", str(bad)) for a in args]
+    cmd = [sys.executable, "train.py", f"--out_dir={tmp_path / 'o'}", *QUICK, *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and named in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GRPO_DEBUG": "1"})
+    assert "Traceback" in p.stderr and named in p.stderr
