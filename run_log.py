@@ -120,6 +120,19 @@ class Logger:
         self.wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in zip(*columns.values())])},
                        step=step)
 
+    def show_completions(self, run, step, batch, total, parts, advantages):
+        """Some of the step's completions: a wandb table of the first four groups, a few printed lines."""
+        cfg, G = run.cfg, run.cfg.num_generations
+        if cfg.completions_table_every and step % cfg.completions_table_every == 0:
+            shown = slice(0, min(len(batch.prompts), 4 * G))  # the first four groups, whole
+            self.table(step, "completions", {
+                "prompt": batch.prompts[shown], "completion": batch.completions[shown],
+                **{k: v[shown].tolist() for k, v in parts.items()},
+                "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
+        if run.d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
+            for i in range(0, min(len(batch.prompts), 3 * G), G):
+                print(f"  [{total[i]:.2f}] {batch.prompts[i][-60:]!r} -> {batch.completions[i][:120]!r}")
+
     def close(self):
         if self.master:
             self.jsonl.close()

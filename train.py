@@ -146,54 +146,39 @@ def parse_config(argv):
 
 
 def validate(cfg, world_size=1):
+    """ConfigError naming the first setting that is impossible (alone, or for `world_size` processes)."""
     def need(ok, key, message):
         if not ok:
             raise ConfigError(key, message)
+    for key, low in (("prompts_per_step", 1), ("micro_batch_size", 1), ("num_iterations", 1), ("warmup_steps", 0),
+                     ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
+                     ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
+                     ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
+                     ("completions_table_every", 0)):
+        need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
+    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", grpo.LOSS_TYPES),
+                         ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
+                         ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
+                         ("task", tasks.TASKS)):
+        need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
+    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha"):
+        need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
     need(cfg.num_generations >= 2, "num_generations", f"must be >= 2 to compare completions within a group, got {cfg.num_generations}")
-    need(cfg.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {cfg.prompts_per_step}")
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
          f"{cfg.prompts_per_step} prompts x {cfg.num_generations} generations do not split evenly over {world_size} processes")
-    need(cfg.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {cfg.micro_batch_size}")
-    need(cfg.num_iterations >= 1, "num_iterations", f"must be >= 1, got {cfg.num_iterations}")
-    need(cfg.lr > 0, "lr", f"must be > 0, got {cfg.lr}")
-    need(cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", f"constant, linear or cosine, got {cfg.lr_schedule!r}")
-    need(cfg.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {cfg.warmup_steps}")
-    need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
-    need(cfg.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {cfg.max_grad_norm}")
-    need(cfg.max_bad_steps >= 1, "max_bad_steps", f"must be >= 1, got {cfg.max_bad_steps}")
     need(0 <= cfg.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {cfg.adam_beta1}")
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {cfg.adam_beta2}")
-    need(cfg.weight_decay >= 0, "weight_decay", f"must be >= 0, got {cfg.weight_decay}")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 < cfg.epsilon < 1, "epsilon", f"must be in (0, 1), got {cfg.epsilon}")
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
-    need(cfg.loss_type in grpo.LOSS_TYPES, "loss_type", f"one of {', '.join(grpo.LOSS_TYPES)}, got {cfg.loss_type!r}")
-    need(cfg.scale_rewards in ("group", "batch", "none"), "scale_rewards", f"group, batch or none, got {cfg.scale_rewards!r}")
-    need(cfg.temperature > 0, "temperature", f"must be > 0 for training, got {cfg.temperature}")
     need(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1], got {cfg.top_p}")
-    need(cfg.top_k >= 0, "top_k", f"must be >= 0, got {cfg.top_k}")
-    need(cfg.max_completion_length >= 1, "max_completion_length", f"must be >= 1, got {cfg.max_completion_length}")
-    need(cfg.max_prompt_length >= 1, "max_prompt_length", f"must be >= 1, got {cfg.max_prompt_length}")
-    need(cfg.max_steps >= 1, "max_steps", f"must be >= 1, got {cfg.max_steps}")
-    need(cfg.resume in ("auto", "force", "never"), "resume", f"auto, force or never, got {cfg.resume!r}")
-    need(cfg.log_every >= 1, "log_every", f"must be >= 1, got {cfg.log_every}")
-    need(cfg.print_completions_every >= 0, "print_completions_every", f"must be >= 0, got {cfg.print_completions_every}")
-    need(cfg.mixed_precision in ("auto", "bf16", "fp32"), "mixed_precision", f"auto, bf16 or fp32, got {cfg.mixed_precision!r}")
-    need(cfg.save_every >= 0, "save_every", f"must be >= 0, got {cfg.save_every}")
-    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {cfg.keep_checkpoints}")
-    need(cfg.wandb_mode in ("disabled", "offline", "online"), "wandb_mode", f"disabled, offline or online, got {cfg.wandb_mode!r}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
     need(not cfg.device.startswith("cuda") or torch.cuda.is_available(), "device",
          f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
-    need(cfg.task in tasks.TASKS, "task", f"one of {', '.join(tasks.TASKS)}, got {cfg.task!r}")
-    need(cfg.eval_every >= 0, "eval_every", f"must be >= 0, got {cfg.eval_every}")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
-    need(cfg.lora_rank >= 0, "lora_rank", f"must be >= 0, got {cfg.lora_rank}")
-    need(cfg.lora_alpha > 0, "lora_alpha", f"must be > 0, got {cfg.lora_alpha}")
-    need(cfg.completions_table_every >= 0, "completions_table_every", f"must be >= 0, got {cfg.completions_table_every}")
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -473,7 +458,7 @@ def train_step(run, step):
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
                    tokens_per_s=metrics.pop("batch_tokens") / step_time)
-    return metrics, (batch, total, parts, all_adv[batch.mine])
+    return metrics, (batch, total, parts, all_adv[batch.mine])  # what Logger.show_completions shows
 
 
 def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
@@ -542,61 +527,70 @@ def loop(cfg, d):
     history, step, t_loop = [], start_step, time.time()
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
-            metrics, (batch, total, parts, advantages) = train_step(run, step)
+            metrics, shown = train_step(run, step)
             history.append(metrics["reward"])
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                t = time.time()
-                ev = evaluation.evaluate(run.policy, run.tokenizer, run.task, run.weights, cfg, d, run.eos_ids)
-                if run.reward_model is not None:
-                    sharding.free_gathered(run.reward_model[0])
-                metrics.update(ev)
-                if d.master:
-                    print(f"eval at step {step} on {len(run.task.eval_rows)} held-out prompts ({time.time() - t:.1f}s): "
-                          + " | ".join(f"{k[5:]} {v:.4g}" for k, v in ev.items() if k.count("/") == 1), flush=True)
-            if cfg.completions_table_every and step % cfg.completions_table_every == 0:
-                shown = slice(0, min(len(batch.prompts), 4 * cfg.num_generations))  # the first four groups, whole
-                logger.table(step, "completions", {
-                    "prompt": batch.prompts[shown], "completion": batch.completions[shown],
-                    **{k: v[shown].tolist() for k, v in parts.items()},
-                    "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
+                metrics.update(evaluate(run, step))
+            logger.show_completions(run, step, *shown)
             if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics:
-                eta = (time.time() - t_loop) / (step - start_step) * (cfg.max_steps - step)
-                logger.log(metrics, eta=eta)
-            if d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
-                for i in range(0, min(len(batch.prompts), 3 * cfg.num_generations), cfg.num_generations):
-                    print(f"  [{total[i]:.2f}] {batch.prompts[i][-60:]!r} -> {batch.completions[i][:120]!r}")
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):  # every rank its shard
-                t = time.time()
-                trainer_state = {"scheduler": run.scheduler.state_dict(), "wandb_id": run_id,
-                                 "data": {"seed": cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
-                last_checkpoint = sharding.save_checkpoint(cfg.out_dir, step, run.policy, run.optimizer,
-                                                           trainer_state, d, keep=cfg.keep_checkpoints)
-                if d.master:
-                    print(f"saved {last_checkpoint} in {time.time() - t:.1f}s", flush=True)
+                logger.log(metrics, eta=(time.time() - t_loop) / (step - start_step) * (cfg.max_steps - step))
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+                last_checkpoint = save(run, step, run_id)
     except KeyboardInterrupt:
-        logger.close()
         if d.master:
             saved = (f"the last checkpoint is {last_checkpoint}; run the same command again to resume from it"
                      if last_checkpoint else "no checkpoint was saved yet; the same command starts over")
             print(f"\ninterrupted during step {step}: {saved}", flush=True)
         raise SystemExit(130)
+    finally:
+        logger.close()
+    export(run, start_step, history, t_start)
 
-    # the trained policy as one Hugging Face folder with full tensors
+
+def evaluate(run, step):
+    """Held-out evaluation (eval/ metrics), with one line on how it went."""
     t = time.time()
+    metrics = evaluation.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids)
+    if run.reward_model is not None:
+        sharding.free_gathered(run.reward_model[0])
+    if run.d.master:
+        print(f"eval at step {step} on {len(run.task.eval_rows)} held-out prompts ({time.time() - t:.1f}s): "
+              + " | ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.count("/") == 1), flush=True)
+    return metrics
+
+
+def save(run, step, run_id):
+    """A checkpoint of this step (every rank writes its shard); its folder."""
+    t = time.time()
+    trainer_state = {"scheduler": run.scheduler.state_dict(), "wandb_id": run_id,
+                     "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
+    path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
+                                    keep=run.cfg.keep_checkpoints)
+    if run.d.master:
+        print(f"saved {path} in {time.time() - t:.1f}s", flush=True)
+    return path
+
+
+def export(run, start_step, history, t_start):
+    """The trained policy as one Hugging Face folder with full tensors, and a summary of the run."""
+    cfg, d, t = run.cfg, run.d, time.time()
     export_dir = os.path.join(cfg.out_dir, "model")
     full_weights = sharding.full_state_dict(run.policy)  # a collective: every rank takes part
-    if d.master:
+    if not d.master:
+        return
+    try:
         model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, state_dict=full_weights)
-        print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")
-        if history:  # the steps this call ran (a resumed run: those after the checkpoint)
-            k = max(1, len(history) // 10)
-            print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward first 10% "
-                  f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
-        else:
-            print(f"done: {cfg.out_dir} already holds step {start_step} of {cfg.max_steps}; no step left to run")
-        print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | config: "
-              f"{os.path.join(cfg.out_dir, 'config.json')} | model: {export_dir}")
-    logger.close()
+    except ValueError as e:  # non-finite weights: nothing is written
+        raise SystemExit(str(e)) from e
+    print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")
+    if history:  # the steps this call ran (a resumed run: those after the checkpoint)
+        k = max(1, len(history) // 10)
+        print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward first 10% "
+              f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
+    else:
+        print(f"done: {cfg.out_dir} already holds step {start_step} of {cfg.max_steps}; no step left to run")
+    print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | config: "
+          f"{os.path.join(cfg.out_dir, 'config.json')} | model: {export_dir}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import grpo
 
 
 def naive_advantages(rewards, g, scale, eps=1e-4):
+    """Plain Python floats (double precision), one group at a time."""
     out = []
     valid_all = [r for r in rewards if r is not None]
     batch_std = statistics.stdev(valid_all) if len(valid_all) > 1 else 0.0
@@ -19,7 +20,8 @@ def naive_advantages(rewards, g, scale, eps=1e-4):
         if len(valid) < 2 or len(set(valid)) == 1:
             out += [0.0] * g
             continue
-        mean, std = statistics.mean(valid), statistics.stdev(valid)
+        mean = math.fsum(valid) / len(valid)
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
         denom = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
         out += [0.0 if r is None else (r - mean) / denom for r in group]
     return out

@@ -1,8 +1,6 @@
 """Rewards a model could game, rewards that overflow, and how reward functions are called."""
 
-import math
 import signal
-import statistics
 from fractions import Fraction
 
 import numpy as np
@@ -11,6 +9,7 @@ import torch
 
 import grpo
 import rewards
+from test_objective import naive_advantages
 
 
 def correctness(gold, completion):
@@ -152,24 +151,6 @@ def test_largest_rewards_that_fit_are_kept():
 
     total, parts = rewards.score_completions([edge], [1.0], ["p"] * 3, ["a", "b", "c"], {})
     assert total[0] == big and total[1] == -big and torch.isnan(total[2]) and parts["edge"].dtype == torch.float32
-
-
-def naive_advantages(rewards, g, scale, eps=1e-4):
-    """Plain Python floats (double precision), one group at a time."""
-    out = []
-    valid_all = [r for r in rewards if r is not None]
-    batch_std = statistics.stdev(valid_all) if len(valid_all) > 1 else 0.0
-    for i in range(0, len(rewards), g):
-        group = rewards[i:i + g]
-        valid = [r for r in group if r is not None]
-        if len(valid) < 2 or len(set(valid)) == 1:
-            out += [0.0] * g
-            continue
-        mean = math.fsum(valid) / len(valid)
-        std = math.sqrt(math.fsum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
-        denom = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
-        out += [0.0 if r is None else (r - mean) / denom for r in group]
-    return out
 
 
 def as_tensor(values):
