@@ -212,8 +212,7 @@ class OurStep:
         metrics, _ = train.train_step(self.run, self.step_no)
         self.sample_time.append(metrics["generation_time"])
         self.train_time.append(metrics["update_time"])
-        # tokens the training phase runs: prompt + completion tokens of the batch (tokens_per_s * step_time)
-        self.train_tokens.append(metrics["tokens_per_s"] * metrics["step_time"])
+        self.train_tokens.append(metrics["batch_tokens"])  # prompt + completion positions of the batch
 
 
 def trl_version():

@@ -4,7 +4,6 @@
     cfg = cli.parse(Config, argv, presets={"name": {...}})   # SystemExit naming the key on bad input
 """
 
-import dataclasses
 import inspect
 import json
 import math
@@ -136,7 +135,3 @@ def parse(cls, argv, presets=None, doc=""):
     for key, value in pairs:
         setattr(cfg, key, cast(key, value, hints[key]))
     return cfg
-
-
-def as_dict(cfg):
-    return dataclasses.asdict(cfg)

@@ -1,4 +1,5 @@
-"""What a run writes for people to read: the step line on stdout, out_dir/metrics.jsonl, out_dir/config.json, wandb.
+"""What a run writes for people to read: the step line on stdout, out_dir/metrics.jsonl, out_dir/config.json
+(and whether a run may continue the one it describes), wandb.
 
 Only the master process writes. Every file that is rewritten (config.json, metrics.jsonl on resume) is written
 to a temporary file first and renamed over the old one, so a kill at any moment leaves the old file or the new
@@ -56,7 +57,7 @@ def wandb_key(key):
         return key
     if key.startswith("reward"):
         return key if "/" in key else f"reward/{key}"
-    if key in ("step_time", "tokens_per_s", "generation_time", "update_time"):
+    if key in ("step_time", "tokens_per_s", "generation_time", "update_time", "batch_tokens"):
         return f"perf/{key}"
     return f"train/{key}"
 
@@ -221,6 +222,10 @@ def start_problem(cfg, d, run_keys):
                        f"to start a new one")
         elif cfg.resume == "auto" and saved is not None:
             changes = changed_keys(saved, cfg, run_keys)
+            # a --dataset's training rows are those not held out, and how many are held out depends on two settings
+            held = [c["eval_prompts"] if c.get("dataset") and c.get("eval_every") else 0 for c in (saved, cfg_dict(cfg))]
+            if "eval_prompts" in saved and held[0] != held[1]:
+                changes.append(("eval_prompts", f"{held[0]} rows held out", f"{held[1]} rows held out"))
             if changes:
                 problem = "\n".join(
                     [f"out_dir {cfg.out_dir} holds a run with other settings:"] +

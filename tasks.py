@@ -237,7 +237,8 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         random.Random(f"eval-{seed}").shuffle(eval_rows)
         eval_rows = eval_rows[:eval_prompts]
         source = hub[0]
-    else:
+    else:  # generated prompts: check one row for what the reward functions need, before any training starts
+        _check_rows(task, task.make_prompts(random.Random(seed), 1), f"task {name}", "generated row")
         return task
     if not rows:
         raise ValueError(f"dataset {source}: no rows")
@@ -247,8 +248,8 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         task.to_row = _prompt_column_row(chat, messages)
     task.rows = rows
     # a local file is checked before the hold-out split, so row numbers are the file's
-    _check_rows(task, rows, source, "row")
-    _check_rows(task, eval_rows, source, "held-out row")
+    _check_rows(task, rows, f"dataset {source}", "row")
+    _check_rows(task, eval_rows, f"dataset {source}", "held-out row")
     if dataset:
         task.rows, eval_rows = _holdout(rows, eval_prompts, seed, dataset)
     task.eval_rows = [task._format(r) for r in eval_rows]
@@ -298,35 +299,38 @@ def _prompt_problem(prompt):
 
 
 def _check_rows(task, rows, source, kind):
-    """Every row carries what the reward functions need, and gold answers parse, before any training starts."""
+    """Every row carries what the reward functions need, and gold answers parse, before any training starts.
+
+    source and kind name a row in messages: "dataset PATH" / "task NAME", "row" / "held-out row" / ...
+    """
     needed = {f: rewards.reward_name(fn) for fn in task.reward_funcs for f in _required_fields(fn)}
     columns = set(rows[0]) if rows else set()
     keys = None
     for i, row in enumerate(rows):
         if set(row) != columns:  # a step's fields are read from its first row: all rows must agree
-            raise ValueError(f"dataset {source}, {kind} {i}: columns {sorted(row)} differ from the first row's "
+            raise ValueError(f"{source}, {kind} {i}: columns {sorted(row)} differ from the first row's "
                              f"{sorted(columns)}")
         problem = _prompt_problem(row["prompt"]) if "prompt" in row else None
         if problem:
-            raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text or a list of "
+            raise ValueError(f"{source}, {kind} {i}: 'prompt' must be text or a list of "
                              f"{{\"role\", \"content\"}} messages; {problem}")
         try:
             formatted = task._format(row)
         except KeyError as e:
-            raise ValueError(f"dataset {source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
+            raise ValueError(f"{source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
         except Exception as e:  # a column of the wrong type (nums not a list), messages a chat template refuses
             reason = next(iter(str(e).splitlines()), "")[:200]
-            raise ValueError(f"dataset {source}, {kind} {i}: cannot be read ({type(e).__name__}: {reason}); "
+            raise ValueError(f"{source}, {kind} {i}: cannot be read ({type(e).__name__}: {reason}); "
                              f"columns: {sorted(row)}") from e
         if not isinstance(formatted.get("prompt"), str):
-            raise ValueError(f"dataset {source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
+            raise ValueError(f"{source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
         keys = set(formatted) if keys is None else keys
         if set(formatted) != keys:
-            raise ValueError(f"dataset {source}, {kind} {i}: fields {sorted(formatted)} differ from the first row's "
+            raise ValueError(f"{source}, {kind} {i}: fields {sorted(formatted)} differ from the first row's "
                              f"{sorted(keys)}")
         for f, fn in needed.items():
             if f not in formatted and f not in row:
-                raise ValueError(f"dataset {source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
+                raise ValueError(f"{source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
                                  f"(columns: {sorted(row)})")
         if "answer" in row and any(rewards.reward_name(fn) == "gsm8k_correctness_reward" for fn in task.reward_funcs):
-            row["answer"] = rewards.parse_gold_answer(row["answer"], f"dataset {source}, {kind} {i}")
+            row["answer"] = rewards.parse_gold_answer(row["answer"], f"{source}, {kind} {i}")

@@ -21,11 +21,11 @@ import torch
 import transformers
 
 import cli
-import evaluation
 import grpo
 import model_loading
 import rewards
 import run_log
+import sampling
 import sharding
 import tasks
 
@@ -223,7 +223,6 @@ class Run:
     weights: list                       # one per reward function
     reward_model: object                # (root-wrapped model, its tokenizer) or None
     optimizer: torch.optim.Optimizer
-    scheduler: object
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
 
 
@@ -242,10 +241,8 @@ def setup(cfg, d):
     tokenizer, policy, ref = load_models(cfg, d, load_device)
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
-    total_opt_steps = cfg.max_steps * cfg.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, total_opt_steps))
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
-    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, scheduler)
+    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer)
 
 
 def _local_tiny(cfg, d, name, write):
@@ -336,7 +333,7 @@ def rollout(run, step):
     # together (the same padding on every rank), then each rank takes its slice of rows.
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
     all_prompts = [r["prompt"] for r in rows for _ in range(G)]                     # (N,) grouped by prompt
-    enc = evaluation.encode_prompts(run.tokenizer, all_prompts, cfg, d.device)
+    enc = sampling.encode_prompts(run.tokenizer, all_prompts, cfg, d.device)
     N = len(all_prompts)
     n = N // d.world_size
     mine = slice(d.rank * n, (d.rank + 1) * n)
@@ -344,16 +341,26 @@ def rollout(run, step):
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
     run.policy.eval()
-    sampled, completions = evaluation.generate(run.policy, run.tokenizer, enc.input_ids[mine],
+    sampled, completions = sampling.generate(run.policy, run.tokenizer, enc.input_ids[mine],
                                                enc.attention_mask[mine], seeds, cfg.temperature, cfg, d, run.eos_ids)
     run.policy.train()
     return Batch(all_prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], sampled, completions)
 
 
-def score(run, batch):
-    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored."""
-    total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts, batch.completions,
-                                             batch.fields)
+def score(run, batch, step):
+    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored.
+
+    A reward function that fails (or returns absurd values) on any rank stops every rank with its message.
+    """
+    problem = None
+    try:
+        total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
+                                                 batch.completions, batch.fields)
+    except rewards.RewardFunctionError as e:
+        problem = f"step {step}: {e}"
+    problem = sharding.first_problem(problem, run.d)
+    if problem:
+        raise SystemExit(problem)
     if run.reward_model is not None:
         sharding.free_gathered(run.reward_model[0])  # forward only: nothing else frees its gathered root weights
     return total, parts
@@ -368,7 +375,16 @@ def fixed_logprobs(run, model, ids, mask, micro):
     return logp
 
 
-def update(run, batch, advantages):
+def set_hyperparameters(optimizer, cfg, opt_step):
+    """This optimizer step's learning rate (a function of the step, so a resumed run follows the schedule of the
+    settings it runs with) and the AdamW settings of the config (a loaded optimizer state brings its own)."""
+    lr = cfg.lr * lr_factor(cfg, opt_step, cfg.max_steps * cfg.num_iterations)
+    for group in optimizer.param_groups:
+        group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    return lr
+
+
+def update(run, batch, advantages, step):
     """Reference log-probs, then mu optimizer steps, each a micro-batched loss and backward, clip, step.
 
     Returns the sums behind the step's metrics (on this rank), and the gradient norm and learning rate of the
@@ -395,7 +411,7 @@ def update(run, batch, advantages):
         old_logp = fixed_logprobs(run, policy, ids, mask, micro)
 
     skipped = 0
-    for _ in range(cfg.num_iterations):
+    for iteration in range(cfg.num_iterations):
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
         for i, mb in enumerate(micro):
             logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature)
@@ -413,17 +429,16 @@ def update(run, batch, advantages):
             sums["entropy"] += (entropy.detach() * mb_mask).sum()
             sums["tokens"] += m["tokens"]
         grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-        # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted)
-        finite = math.isfinite(grad_norm.item()) and math.isfinite(sharding.all_reduce_sum(
-            [torch.as_tensor(sums["loss"], dtype=torch.float32).item()], d)[0])
-        if finite:
+        # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
+        # rank alike (the loss summed over ranks)
+        loss_sum = sharding.all_reduce_sum([torch.as_tensor(sums["loss"], dtype=torch.float32).item()], d)[0]
+        lr = set_hyperparameters(run.optimizer, cfg, (step - 1) * cfg.num_iterations + iteration)
+        if math.isfinite(grad_norm.item()) and math.isfinite(loss_sum):
             run.optimizer.step()
             run.bad_steps = 0
         else:
             skipped += 1
             run.bad_steps += 1
-        lr = run.scheduler.get_last_lr()[0]
-        run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
     return sums, grad_norm, lr, skipped
 
@@ -435,30 +450,26 @@ def train_step(run, step):
     t0 = time.time()
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
     t_gen = time.time() - t0
+    total, parts = score(run, batch, step)                           # 2. score them: (n,)
+    all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     try:
-        total, parts = score(run, batch)                             # 2. score them: (n,)
-        all_total = sharding.all_gather_rows(total, d)               # (N,): every group whole on every rank
         all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
-    except (rewards.RewardFunctionError, ValueError) as e:  # a reward function failed or returned absurd values
+    except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
-    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device))  # 4. ref, loss, step
+    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4. ref, loss, step
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
               f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
-    if run.bad_steps >= cfg.max_bad_steps:
-        raise SystemExit(f"step {step}: the last {run.bad_steps} optimizer steps had a non-finite loss or gradient "
-                         f"norm and were skipped (--max_bad_steps={cfg.max_bad_steps}); stopping. Nothing non-finite "
-                         f"was applied or saved. Check the reward functions' scale or lower --lr")
     local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
-    parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
-    metrics = {"step": step, **step_metrics(run, batch, dict(zip(sums, local)), all_total, parts, all_adv, group_std),
-               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
+    all_parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
+    metrics = {"step": step, **step_metrics(run, batch, dict(zip(sums, local)), all_total, all_parts, all_adv,
+                                            group_std), "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
-                   tokens_per_s=metrics.pop("batch_tokens") / step_time)
-    return metrics, (batch, total, parts, all_adv[batch.mine])  # what Logger.show_completions shows
+                   tokens_per_s=metrics["batch_tokens"] / step_time)
+    return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 
 def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
@@ -493,7 +504,7 @@ def resume(run):
     world size), or None."""
     resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d)
     if resumed is not None:
-        run.scheduler.load_state_dict(resumed["scheduler"])
+        run.bad_steps = resumed.get("bad_steps", 0)
     return resumed
 
 
@@ -532,8 +543,12 @@ def loop(cfg, d):
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(evaluate(run, step))
             logger.show_completions(run, step, *shown)
-            if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics:
+            if step % cfg.log_every == 0 or step == cfg.max_steps or "eval/reward" in metrics or run.bad_steps:
                 logger.log(metrics, eta=(time.time() - t_loop) / (step - start_step) * (cfg.max_steps - step))
+            if run.bad_steps >= cfg.max_bad_steps:
+                raise SystemExit(f"step {step}: the last {run.bad_steps} optimizer steps had a non-finite loss or "
+                                 f"gradient norm and were skipped (--max_bad_steps={cfg.max_bad_steps}); stopping. "
+                                 f"Nothing non-finite was applied or saved. Check the rewards' scale or lower --lr")
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
                 last_checkpoint = save(run, step, run_id)
     except KeyboardInterrupt:
@@ -550,7 +565,10 @@ def loop(cfg, d):
 def evaluate(run, step):
     """Held-out evaluation (eval/ metrics), with one line on how it went."""
     t = time.time()
-    metrics = evaluation.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids)
+    try:
+        metrics = sampling.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids)
+    except rewards.RewardFunctionError as e:
+        raise SystemExit(f"evaluation at step {step}: {e}") from e
     if run.reward_model is not None:
         sharding.free_gathered(run.reward_model[0])
     if run.d.master:
@@ -562,10 +580,13 @@ def evaluate(run, step):
 def save(run, step, run_id):
     """A checkpoint of this step (every rank writes its shard); its folder."""
     t = time.time()
-    trainer_state = {"scheduler": run.scheduler.state_dict(), "wandb_id": run_id,
+    trainer_state = {"wandb_id": run_id, "bad_steps": run.bad_steps,  # the learning rate is a function of the step
                      "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
-    path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
-                                    keep=run.cfg.keep_checkpoints)
+    try:
+        path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
+                                        keep=run.cfg.keep_checkpoints)
+    except RuntimeError as e:  # non-finite weights: nothing is written, the earlier checkpoints stay
+        raise SystemExit(str(e)) from e
     if run.d.master:
         print(f"saved {path} in {time.time() - t:.1f}s", flush=True)
     return path
@@ -596,9 +617,12 @@ def export(run, start_step, history, t_start):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:  # outside the loop (which says where its checkpoint is): loading, the export
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130)
     except SystemExit as e:
         # errors about the user's input are one line; GRPO_DEBUG=1 shows where they came from
-        if os.environ.get("GRPO_DEBUG") and e.__cause__ is not None:
+        if os.environ.get("GRPO_DEBUG", "0") not in ("", "0") and e.__cause__ is not None:
             import traceback
             traceback.print_exception(e.__cause__)
         raise

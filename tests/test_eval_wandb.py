@@ -10,10 +10,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import evaluation  # noqa: E402
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
 import run_log  # noqa: E402
+import sampling  # noqa: E402
 import tasks  # noqa: E402
 import sharding  # noqa: E402
 import train  # noqa: E402
@@ -103,7 +103,7 @@ def test_evaluation_reports_greedy_accuracy_and_sampled_reward(tmp_path):
     task = tasks.Task("probe", None, [matches, length], accuracy_reward="matches",
                         eval_rows=[{"prompt": p, "expected": e} for p, e in zip(prompts, expected)])
     policy = sharding.Root(model).train()  # what train.py passes: the model behind its (here unsharded) root
-    m = evaluation.evaluate(policy, tok, task, [1.0, 0.0], cfg, sharding.setup("cpu"), eos)
+    m = sampling.evaluate(policy, tok, task, [1.0, 0.0], cfg, sharding.setup("cpu"), eos)
     assert model.training  # put back as it was
     assert m["eval/accuracy_greedy"] == pytest.approx(3 / 5)
     assert m["eval/reward_greedy"] == pytest.approx(3 / 5)  # weights: matches counts, length does not

@@ -140,8 +140,8 @@ def test_reward_funcs_from_a_file(tmp_path):
 
 
 def test_non_finite_loss_skips_the_step_and_a_run_of_them_stops(tmp_path, monkeypatch):
-    """Steps 2 and later return a NaN loss: step 2 and 3 are skipped with the weights untouched, the third bad
-    optimizer step stops the run, and the checkpoint of step 1 is the last one written."""
+    """From step 2 on the loss is NaN: steps 2, 3 and 4 are skipped with the weights untouched and logged, the
+    third bad optimizer step in a row stops the run, and no checkpoint after step 3 is written."""
     real_loss, calls = grpo.grpo_loss, {"step": 0}
     real_step = train.train_step
 
@@ -155,21 +155,45 @@ def test_non_finite_loss_skips_the_step_and_a_run_of_them_stops(tmp_path, monkey
     weights = {}
     real_update = train.update
 
-    def spying_update(run, batch, adv):
-        weights[calls["step"]] = [p.detach().clone() for p in run.policy.parameters()]
-        return real_update(run, batch, adv)
+    def spying_update(run, batch, adv, step):
+        weights[step] = [p.detach().clone() for p in run.policy.parameters()]
+        out = real_update(run, batch, adv, step)
+        weights[step + 0.5] = [p.detach().clone() for p in run.policy.parameters()]
+        return out
     monkeypatch.setattr(grpo, "grpo_loss", poisoned)
     monkeypatch.setattr(train, "train_step", counting_step)
     monkeypatch.setattr(train, "update", spying_update)
     out = str(tmp_path / "o")
-    with pytest.raises(SystemExit, match="last 3 optimizer steps had a non-finite"):
-        train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=10", "--save_every=1", "--max_bad_steps=3"])
+    with pytest.raises(SystemExit, match="step 4: the last 3 optimizer steps had a non-finite"):
+        train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=10", "--save_every=1", "--max_bad_steps=3",
+                    "--weight_decay=0.1"])  # an applied step moves the weights, whatever its gradient
     got = rows(out)
-    assert [r["skipped_steps"] for r in got] == [0, 1, 1]  # the third bad step stops before it is logged
+    assert [r["skipped_steps"] for r in got] == [0, 1, 1, 1]
     assert math.isfinite(got[0]["loss"]) and got[1]["loss"] is None  # strict JSON: NaN is written as null
-    for a, b, c in zip(weights[2], weights[3], weights[4]):  # the skipped steps 2 and 3 left the weights alone
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert any(not torch.equal(a, b) for a, b in zip(weights[1], weights[1.5]))  # a good step moves the weights
+    for step in (2, 3, 4):
+        assert all(torch.equal(a, b) for a, b in zip(weights[step], weights[step + 0.5])), step
     assert [os.path.basename(p) for p in sharding.checkpoint_dirs(out)] == ["step_00000003", "step_00000002"]
+
+
+def test_resume_takes_the_learning_rate_and_adamw_settings_given_now(tmp_path):
+    """The schedule is a function of the step and of the settings the run is started with, not of the saved ones."""
+    out = str(tmp_path / "o")
+    args = [f"--out_dir={out}", *QUICK[1:], "--lr_schedule=linear", "--save_every=1"]
+    train.main([*args, "--max_steps=2"])
+    train.main([*args, "--max_steps=4", "--lr=1e-4", "--weight_decay=0.1"])
+    lrs = [r["lr"] for r in rows(out)]
+    assert lrs[:2] == pytest.approx([1e-3 * 1.0, 1e-3 * 0.5])  # linear to 0 over 2 steps
+    assert lrs[2:] == pytest.approx([1e-4 * 0.5, 1e-4 * 0.25])  # linear to 0 over 4 steps, from 1e-4
+
+
+def test_a_reward_function_needing_a_missing_column_stops_before_training(tmp_path):
+    path = tmp_path / "needs.py"
+    path.write_text("def needs_nums(completions, nums, **kw):\n    return [0.0] * len(completions)\n")
+    p = subprocess.run([sys.executable, "train.py", f"--reward_funcs={path}:needs_nums", f"--out_dir={tmp_path / 'o'}",
+                        *QUICK], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "'needs_nums' needs a column 'nums'" in p.stderr, p.stderr
+    assert "step 1" not in p.stdout and not os.path.exists(tmp_path / "o" / "metrics.jsonl")
 
 
 def test_keyboard_interrupt_names_the_last_checkpoint(tmp_path, monkeypatch, capsys):
@@ -271,3 +295,16 @@ def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, 
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GRPO_DEBUG": "1"})
     assert "Traceback" in p.stderr and named in p.stderr
+
+
+def test_resume_refuses_another_hold_out_of_the_dataset(tmp_path):
+    """With --dataset and evaluation on, eval_prompts decides which rows train: changing it on resume stops."""
+    one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    first = train.Config(out_dir=str(tmp_path), task="gsm8k", dataset="d.jsonl", eval_every=5, eval_prompts=2)
+    run_log.write_config(first)
+    same = train.Config(out_dir=str(tmp_path), task="gsm8k", dataset="d.jsonl", eval_every=10, eval_prompts=2)
+    assert run_log.start_problem(same, one, train.RUN_KEYS) is None  # how often it evaluates may change
+    for other in (train.Config(out_dir=str(tmp_path), task="gsm8k", dataset="d.jsonl", eval_every=5, eval_prompts=3),
+                  train.Config(out_dir=str(tmp_path), task="gsm8k", dataset="d.jsonl", eval_every=0, eval_prompts=2)):
+        problem = run_log.start_problem(other, one, train.RUN_KEYS)
+        assert "--eval_prompts: '2 rows held out' there" in problem

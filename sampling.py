@@ -1,4 +1,5 @@
-"""Sampling on the (sharded) policy for a batch of prompts, and evaluation on held-out prompts built on it."""
+"""Sampling completions on the (sharded) policy: the sampler call behind each training step's rollout, and the
+evaluation on held-out prompts built on it. The decode loop itself is grpo.sample."""
 
 import torch
 
@@ -7,7 +8,6 @@ import rewards
 import sharding
 
 
-@torch.no_grad()
 def encode_prompts(tokenizer, prompts, cfg, device):
     """Left-padded prompt ids and mask; prompts longer than max_prompt_length keep their end."""
     return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=cfg.max_prompt_length,
