@@ -1,5 +1,5 @@
-"""What a run writes for people to read: the step line on stdout, out_dir/metrics.jsonl, out_dir/config.json
-(and whether a run may continue the one it describes), wandb.
+"""What a run writes for people to read: the step's metrics (reduced over ranks) and its line on stdout,
+out_dir/metrics.jsonl, out_dir/config.json (and whether a run may continue the one it describes), wandb.
 
 Only the master process writes. Every file that is rewritten (config.json, metrics.jsonl on resume) is written
 to a temporary file first and renamed over the old one, so a kill at any moment leaves the old file or the new
@@ -12,6 +12,8 @@ import math
 import netrc
 import os
 from urllib.parse import urlparse
+
+import torch
 
 import sharding
 
@@ -170,6 +172,32 @@ def banner(run, resumed):
     if d.device.type == "cpu" and cfg.preset:
         lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
     return "\n".join(lines)
+
+
+def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
+    """The step's metrics over all ranks (README: "Logged metrics"), from this rank's sums and reward parts and
+    every rank's rewards and advantages."""
+    d, G = run.d, run.cfg.num_generations
+    seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
+    sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
+    lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
+    truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
+    parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
+    tok = max(sums["tokens"], 1.0)
+
+    def mean(x):  # over the completions some function scored; NaN where none did
+        x = x[~torch.isnan(x)]
+        return x.mean().item() if x.numel() else float("nan")
+    return {
+        "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": (all_adv.view(-1, G).abs().sum(1) == 0).float().mean().item(),
+        "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
+        "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
+        "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
+        "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
+        "batch_tokens": sums["seen"],
+    }
 
 
 # ----------------------------------------------------------------------------- out_dir/config.json

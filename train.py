@@ -463,37 +463,13 @@ def train_step(run, step):
               f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
-    all_parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
-    metrics = {"step": step, **step_metrics(run, batch, dict(zip(sums, local)), all_total, all_parts, all_adv,
-                                            group_std), "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
+    metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), all_total, parts, all_adv,
+                                                    group_std),
+               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
                    tokens_per_s=metrics["batch_tokens"] / step_time)
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
-
-
-def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
-    """The step's metrics over all ranks, from this rank's sums and every rank's rewards (see README: metrics)."""
-    d, G = run.d, run.cfg.num_generations
-    seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
-    sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
-    lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
-    truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
-    tok = max(sums["tokens"], 1.0)
-
-    def mean(x):  # over the completions some function scored; NaN where none did
-        x = x[~torch.isnan(x)]
-        return x.mean().item() if x.numel() else float("nan")
-    return {
-        "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
-        "reward_std": group_std.mean().item(),
-        "frac_reward_zero_std": (all_adv.view(-1, G).abs().sum(1) == 0).float().mean().item(),
-        "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
-        "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
-        "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
-        "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
-        "batch_tokens": sums["seen"],
-    }
 
 
 # ----------------------------------------------------------------------------- the loop
