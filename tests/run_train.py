@@ -7,6 +7,7 @@ Records, in out_dir:
   after_rank<r>.json     checks on the reference model and the policy once training is done
   logits.pt              (rank 0) the trained policy's logits on a fixed input, to compare with the export
   sample_rank<r>.json    (several processes) sampling when ranks' completions end at different lengths
+  finished_rank<r>       written when all of rank r's work is done: what is left is the teardown and the exit
 """
 
 import json
@@ -132,6 +133,7 @@ def main(argv):
         policy.eval()
         with open(os.path.join(out_dir, f"sample_rank{rank}.json"), "w") as f:
             json.dump(uneven_sampling(policy, d, model_loading.build_byte_tokenizer().pad_token_id), f)
+    open(os.path.join(out_dir, f"finished_rank{rank}"), "w").close()  # all this rank's work is done
     teardown()
 
 
