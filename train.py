@@ -207,6 +207,15 @@ def lr_factor(cfg, opt_step, total_opt_steps):
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def set_hyperparameters(optimizer, cfg, opt_step):
+    """This optimizer step's learning rate (a function of the step, so a resumed run follows the schedule of the
+    settings it runs with) and the AdamW settings of the config (a loaded optimizer state brings its own)."""
+    lr = cfg.lr * lr_factor(cfg, opt_step, cfg.max_steps * cfg.num_iterations)
+    for group in optimizer.param_groups:
+        group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    return lr
+
+
 # ----------------------------------------------------------------------------- setup
 
 
@@ -373,15 +382,6 @@ def fixed_logprobs(run, model, ids, mask, micro):
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
-
-
-def set_hyperparameters(optimizer, cfg, opt_step):
-    """This optimizer step's learning rate (a function of the step, so a resumed run follows the schedule of the
-    settings it runs with) and the AdamW settings of the config (a loaded optimizer state brings its own)."""
-    lr = cfg.lr * lr_factor(cfg, opt_step, cfg.max_steps * cfg.num_iterations)
-    for group in optimizer.param_groups:
-        group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    return lr
 
 
 def update(run, batch, advantages, step):
