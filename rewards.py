@@ -59,6 +59,9 @@ def _call_reward(fn, prompts, completions, fields):
                     f"  on completion {i}: {completion[:500]!r}\n  of prompt: {prompts[i][:300]!r}") from e
         raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} "
                                   f"on the batch, though on no completion alone") from batch_error
+    if scores is not None and (isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__iter__")):
+        raise RewardFunctionError(f"reward function '{name}' returned a {type(scores).__name__} ({scores!r:.80}); "
+                                  f"expected a list of {len(completions)} scores, one per completion")
     scores = list(scores) if scores is not None else None
     if scores is None or len(scores) != len(completions):
         got = "None" if scores is None else f"{len(scores)} scores"

@@ -169,6 +169,10 @@ def banner(run, resumed):
     if resumed["path"]:
         lines.append(f"resuming from {resumed['path']} (step {resumed['step']}, saved by {resumed['world_size']} "
                      f"process(es), now {d.world_size})")
+    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if not resumed["path"] and os.path.exists(metrics) and os.path.getsize(metrics):
+        lines.append(f"warning: {metrics} holds steps of an earlier run but out_dir has no checkpoint to resume from "
+                     f"(--save_every 0?): starting over at step 1 and replacing them")
     if d.device.type == "cpu" and cfg.preset:
         lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
     return "\n".join(lines)

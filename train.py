@@ -274,6 +274,8 @@ def load_models(cfg, d, load_device):
                                           gradient_checkpointing=cfg.gradient_checkpointing)
     except (OSError, ValueError) as e:  # a missing folder, damaged weights: one line (GRPO_DEBUG=1: the traceback)
         raise SystemExit(f"model: {e}") from e
+    except TypeError as e:  # from_pretrained given a keyword the model does not take
+        raise ConfigError("model_init_kwargs", e) from e
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
             model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
@@ -492,6 +494,8 @@ def main(argv):
         lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
     except sharding.OutDirBusy as e:
         raise SystemExit(str(e)) from e
+    except OSError as e:  # a file where the folder should be, no permission, ...
+        raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
     with lock:
         loop(cfg, d)
     sharding.teardown()
@@ -563,6 +567,10 @@ def save(run, step, run_id):
                                         keep=run.cfg.keep_checkpoints)
     except RuntimeError as e:  # non-finite weights: nothing is written, the earlier checkpoints stay
         raise SystemExit(str(e)) from e
+    except BaseException as e:  # torch.distributed.checkpoint reports a Ctrl-C in its writers as its own error
+        if "KeyboardInterrupt" in repr(getattr(e, "failures", "")):
+            raise KeyboardInterrupt from e
+        raise
     if run.d.master:
         print(f"saved {path} in {time.time() - t:.1f}s", flush=True)
     return path
@@ -582,8 +590,8 @@ def export(run, start_step, history, t_start):
     print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")
     if history:  # the steps this call ran (a resumed run: those after the checkpoint)
         k = max(1, len(history) // 10)
-        print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward first 10% "
-              f"{sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
+        print(f"done: steps {start_step + 1}-{cfg.max_steps} in {time.time() - t_start:.0f}s | reward over the first "
+              f"10% of them {sum(history[:k]) / k:.3f} -> last 10% {sum(history[-k:]) / k:.3f}")
     else:
         print(f"done: {cfg.out_dir} already holds step {start_step} of {cfg.max_steps}; no step left to run")
     print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')} | config: "

@@ -13,6 +13,7 @@ import torch
 
 import cli
 import grpo
+import rewards
 import run_log
 import sharding
 import train
@@ -284,11 +285,14 @@ def test_a_second_run_on_a_busy_out_dir_stops_naming_the_holder(tmp_path):
     (["--model=./no/such/mdoel"], "no/such/mdoel"),
     (["--task=gsm8k", "--dataset=BAD"], "row 0"),
     (["--lora_rank=2", "--lora_target_modules=q_proj,v_prj"], "'v_prj'"),
+    (["--out_dir=FILE"], "--out_dir"),
+    (['--model_init_kwargs={"bogus_kw": 1}'], "bogus_kw"),
 ])
 def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, args, named):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": ["two", "strings"], "answer": "#### 1"}) + "\n")
-    args = [a.replace("BAD", str(bad)) for a in args]
+    (tmp_path / "a_file").write_text("")
+    args = [a.replace("BAD", str(bad)).replace("FILE", str(tmp_path / "a_file")) for a in args]
     cmd = [sys.executable, "train.py", f"--out_dir={tmp_path / 'o'}", *QUICK, *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and named in p.stderr, p.stderr
@@ -308,3 +312,11 @@ def test_resume_refuses_another_hold_out_of_the_dataset(tmp_path):
                   train.Config(out_dir=str(tmp_path), task="gsm8k", dataset="d.jsonl", eval_every=0, eval_prompts=2)):
         problem = run_log.start_problem(other, one, train.RUN_KEYS)
         assert "--eval_prompts: '2 rows held out' there" in problem
+
+
+@pytest.mark.parametrize("returned", [1.0, {0: 1.0, 1: 0.0}, "10"])
+def test_a_reward_function_must_return_a_list(returned):
+    def odd(completions, **kwargs):
+        return returned
+    with pytest.raises(rewards.RewardFunctionError, match="'odd' returned a .*expected a list of 2 scores"):
+        rewards.score_completions([odd], [1.0], ["p", "p"], ["a", "b"], {})
