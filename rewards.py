@@ -580,13 +580,13 @@ def load_reward_funcs(spec):
     ValueError naming the entry that does not resolve: no such file or module, an error while loading it,
     no such name, not callable, or a name given twice (each function is logged under its name).
     """
-    funcs = []
+    funcs, modules = [], {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         where, _, name = item.rpartition(":")
         if not where or not name:
             raise ValueError(f"{item!r}: expected file.py:function or package.module:function")
         try:
-            module = _load_module(where)
+            module = modules[where] = modules.get(where) or _load_module(where)  # a file named twice runs once
         except Exception as e:  # whatever loading the user's code raises, named with the entry
             raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
         fn = getattr(module, name, None)

@@ -407,7 +407,12 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
+        try:
+            dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
+        except BaseException as e:  # DCP reports a Ctrl-C in its writers as its own error: let it be one again
+            if any(isinstance(f, KeyboardInterrupt) for f in _rank_errors(e)):
+                raise KeyboardInterrupt from e
+            raise
     torch.save(_rng_state(), os.path.join(tmp, f"rng_{d.rank}.pt"))
     if d.master:
         torch.save({**trainer_state, "step": step, "world_size": d.world_size}, os.path.join(tmp, "trainer.pt"))
@@ -456,15 +461,19 @@ def _copy_state(state):
     return state
 
 
+def _rank_errors(e):
+    """The errors behind a CheckpointException, first rank first (its `failures`: rank -> error, or
+    (error, traceback summary)); none for any other exception."""
+    failures = getattr(e, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items(), key=lambda kv: kv[0])]
+
+
 def _load_failure(e):
     """One line saying why a load failed; for a CheckpointException, its first failing rank's own error.
 
     CheckpointException's own text begins `CheckpointException ranks:dict_keys([0])`, then tracebacks.
     """
-    failures = getattr(e, "failures", None)
-    if failures:
-        rank, failure = min(failures.items(), key=lambda kv: kv[0])
-        e = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+    e = next(iter(_rank_errors(e)), e)
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
@@ -483,10 +492,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     paths = checkpoint_dirs(out_dir)
-    if d.world_size > 1:  # rank 0's listing for all: ranks that saw different files would diverge in collectives
-        shared = [paths]
-        dist.broadcast_object_list(shared, src=0)
-        paths = shared[0]
+    paths = broadcast_object(paths, d)  # rank 0's listing for all: ranks that saw other files would diverge
     skipped = []
     for path in paths:
         problem = _check_manifest(path)

@@ -567,10 +567,6 @@ def save(run, step, run_id):
                                         keep=run.cfg.keep_checkpoints)
     except RuntimeError as e:  # non-finite weights: nothing is written, the earlier checkpoints stay
         raise SystemExit(str(e)) from e
-    except BaseException as e:  # torch.distributed.checkpoint reports a Ctrl-C in its writers as its own error
-        if "KeyboardInterrupt" in repr(getattr(e, "failures", "")):
-            raise KeyboardInterrupt from e
-        raise
     if run.d.master:
         print(f"saved {path} in {time.time() - t:.1f}s", flush=True)
     return path

@@ -320,3 +320,21 @@ def test_a_reward_function_must_return_a_list(returned):
         return returned
     with pytest.raises(rewards.RewardFunctionError, match="'odd' returned a .*expected a list of 2 scores"):
         rewards.score_completions([odd], [1.0], ["p", "p"], ["a", "b"], {})
+
+
+def test_ctrl_c_inside_a_checkpoint_write_ends_like_any_ctrl_c(tmp_path, monkeypatch, capsys):
+    """torch.distributed.checkpoint turns a KeyboardInterrupt in its writer into a CheckpointException."""
+    import torch.distributed.checkpoint.filesystem as fs
+    real_write = fs._write_item
+    out = str(tmp_path / "o")
+
+    def write_item(*a, **k):
+        if os.path.exists(os.path.join(out, "checkpoints", "step_00000001")):  # the second save
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+    monkeypatch.setattr(fs, "_write_item", write_item)
+    with pytest.raises(SystemExit) as e:
+        train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=5", "--save_every=1"])
+    assert e.value.code == 130
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "interrupted during step 2" in last and "the last checkpoint is" in last and "step_00000001" in last
