@@ -27,6 +27,18 @@ class Rollout:
     logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied)
 
 
+def cat_rollouts(rollouts, pad_id):
+    """One Rollout of the rows of several, in order; shorter completions padded (pad_id, mask 0, log-prob 0)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    t = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def cat(name, value):
+        return torch.cat([F.pad(getattr(r, name), (0, t - r.completion_ids.shape[1]), value=value) for r in rollouts])
+    return Rollout(cat("completion_ids", pad_id), cat("completion_mask", 0), torch.cat([r.truncated for r in rollouts]),
+                   cat("logprobs", 0.0))
+
+
 def position_ids_from_mask(attention_mask):
     """Left padding shifts where real tokens start: position 0 is each row's first real token."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -140,7 +152,7 @@ def sample_tokens(logits, temperature, top_k, top_p, uniform):
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
            top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
-           keep_decoder=False):
+           keep_decoder=False, attention_kernel=False):
     """Generate completions for left-padded prompts: a prefill, then one token at a time over a KV cache.
 
     Each row stops at its first EOS; the loop stops once every row has, checking
@@ -159,6 +171,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     keep_decoder: keep StaticDecoder's weight copies, cache and graphs on the
     model for the next call (no re-copy or re-capture) at the price of that
     memory between calls; by default they are freed when sampling ends.
+    attention_kernel: on CUDA, StaticDecoder's attention runs as the split-KV
+    Triton kernel of kernels.py instead of SDPA (where the shapes allow it).
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -174,7 +188,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
             (temperature, top_k, top_p), uniforms, check_every, all_done)
     if static_cache and static_decode_supported(model):
         tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph,
-                                             keep_decoder=keep_decoder)
+                                             keep_decoder=keep_decoder, attention_kernel=attention_kernel)
     else:
         tokens, logps, done = _sample_hf(model, *args)
     mask = completion_mask_from_ids(tokens, eos_ids)
@@ -211,7 +225,7 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, u
 
 
 def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every,
-                   all_done, compact, cuda_graph, keep_decoder):
+                   all_done, compact, cuda_graph, keep_decoder, attention_kernel):
     """The fast loop: StaticDecoder, with finished rows compacted out of the decode batch.
 
     Live state covers only the rows still decoding (`rows` holds their indices in
@@ -219,7 +233,8 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
     """
     n, p = prompt_ids.shape
     device = prompt_ids.device
-    dec = StaticDecoder.for_model(model, n, p + max_new_tokens, cuda_graph=cuda_graph)
+    dec = StaticDecoder.for_model(model, n, p + max_new_tokens, cuda_graph=cuda_graph,
+                                  attention_kernel=attention_kernel)
     positions = position_ids_from_mask(attn)
     logits = dec.prefill(prompt_ids, attn, positions)  # (N, V)
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -440,8 +455,8 @@ class MicroBatch:
         return tuple(x[self.rows, self.cols] for x in sequences)
 
 
-def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
-    """Split a batch into micro-batches of `size` rows that spend little compute on padding.
+def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0):
+    """Split a batch into micro-batches that spend little compute on padding.
 
     attention_mask (N, P + T) over left-padded prompts then completions;
     token_mask (N, T) marks the completion tokens that count (loss, metrics).
@@ -452,6 +467,9 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
     leading prompt padding, and completion positions after every row's last
     counted token. Neither changes a counted token's log-prob: padding is
     masked out, and in a causal model later positions do not affect earlier ones.
+    A micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as
+    keep rows x columns within it (a row longer than that alone): the forward's
+    activations then stay about the same size whether completions are short or long.
     """
     t_all = num_completion_tokens
     p = attention_mask.shape[1] - t_all
@@ -462,13 +480,26 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size):
     need = (prompt_len + completion_len).tolist()
     prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
     order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
-    out = []
-    for s in range(0, len(order), size):
-        rows = order[s:s + size]
+
+    def shape(rows):  # (first column, completion positions) of a micro-batch of these rows
         t = max(1, max(completion_len[i] for i in rows))
         # keep at least the last prompt column: it predicts the first completion token
-        start = max(0, min(p - 1, p - max(prompt_len[i] for i in rows)))
-        out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t))
+        return max(0, min(p - 1, p - max(prompt_len[i] for i in rows))), t
+
+    groups = [[]]
+    for i in order:
+        rows = groups[-1] + [i]
+        start, t = shape(rows)
+        fits = len(rows) * (p - start + t) <= max_tokens if max_tokens > 0 else len(rows) <= size
+        if fits or not groups[-1]:
+            groups[-1] = rows
+        else:
+            groups.append([i])
+    out = []
+    for rows in groups:
+        if rows:
+            start, t = shape(rows)
+            out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t))
     return out
 
 
@@ -533,15 +564,51 @@ def k3_kl(ref_logp, logp):
 
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(old_logp, sampler_logp, mask, mode, low=0.0, high=3.0):
+    """Weights correcting for the sampler's probabilities differing from the trainer's (detached).
+
+    The sampler (a KV-cache decode, often in bf16) and the training forward
+    compute slightly different log-probs for the same policy, so the batch was
+    drawn from pi_sampler while the objective assumes pi_old. Each token's
+    policy loss is reweighted by the ratio pi_old / pi_sampler, truncated so
+    that its variance stays bounded (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"; TRL's
+    `vllm_importance_sampling_mode` offers the same four forms):
+      token_truncate:    per token, the ratio clipped to [low, high]
+      token_mask:        per token, the ratio, or 0 where it lies outside [low, high]
+      sequence_truncate: per sequence, exp(sum of the token log-ratios) clipped to [low, high]
+      sequence_mask:     per sequence, that ratio, or 0 where it lies outside [low, high]
+    old_logp, sampler_logp (n, T) float32; mask (n, T) marks the tokens that count.
+    Returns (n, T) for token modes, (n, 1) for sequence modes.
+    """
+    diff = (old_logp.float() - sampler_logp.float()) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(1, keepdim=True)
+    ratio = torch.exp(diff.clamp(max=80.0))  # finite in float32; anything this large is clipped or masked anyway
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    if mode.endswith("mask"):
+        return torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+    raise ValueError(f"importance_sampling: unknown value {mode!r} (one of {', '.join(IMPORTANCE_SAMPLING)})")
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsilon_high, loss_type,
-              num_sequences, num_tokens, max_completion_length):
+              num_sequences, num_tokens, max_completion_length, is_weight=None, bias_correction_kl=False):
     """Clipped surrogate plus beta * k3 KL for one micro-batch, normalised over the whole batch.
 
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
     that sampled (logp.detach() when each batch is used once, so the ratio is 1);
     ref_logp is None when beta == 0; advantages (n,); mask (n, T).
+    is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each
+    token's surrogate term (not the KL term), as in TRL.
+    bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
+    gradient included (TRL's `use_bias_correction_kl`, on by default in TRL 1.16;
+    from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref)
+    also when the batch was sampled by an older policy. At ratio 1 the loss's
+    value is unchanged, but its gradient is not.
     The normalisers describe the whole batch (all micro-batches, all ranks), so
     summing this loss's gradients over micro-batches gives the full-batch gradient:
       grpo:    mean over sequences of the per-sequence token mean (DeepSeekMath)
@@ -554,11 +621,11 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None].to(logp.dtype)  # (n, 1)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)
-    per_token = -surrogate
+    per_token = -surrogate if is_weight is None else -surrogate * is_weight
     kl = None
     if beta != 0:
         kl = k3_kl(ref_logp, logp)
-        per_token = per_token + beta * kl
+        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     elif loss_type == "dapo":

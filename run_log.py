@@ -178,12 +178,13 @@ def banner(run, resumed):
     return "\n".join(lines)
 
 
-def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
-    """The step's metrics over all ranks (README: "Logged metrics"), from this rank's sums and reward parts and
-    every rank's rewards and advantages."""
+def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group_std):
+    """The step's metrics over all ranks (README: "Logged metrics"), from this rank's sums, largest
+    sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
+    lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
     lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
     truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
     parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
@@ -201,6 +202,10 @@ def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
         "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
         "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
         "batch_tokens": sums["seen"],
+        # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning
+        "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
+        "sampler_logprob_diff_max": lp_diff_max,
+        **({"is_weight": sums["is_weight"] / tok} if run.cfg.importance_sampling != "none" else {}),
     }
 
 

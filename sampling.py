@@ -15,11 +15,24 @@ def encode_prompts(tokenizer, prompts, cfg, device):
 
 
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids):
-    """Sample one completion per row on the gathered weights; return the rollout and the completions' text."""
+    """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
+
+    Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
+    many rows. A row samples the same tokens whatever batch it is in (its own seed), so the setting
+    changes memory and speed, not the completions. Every rank has as many rows, so as many batches.
+    """
+    n = prompt_ids.shape[0]
+    size = cfg.generation_batch_size or n
+    parts = []
     with sharding.gathered(policy):  # full weights once for the whole decode loop
-        rollout = policy(grpo.sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length,
-                         eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-                         top_p=cfg.top_p, seeds=seeds, all_done=sharding.all_done_fn(d))
+        for s in range(0, n, size):
+            rows = slice(s, s + size)
+            parts.append(policy(grpo.sample, prompt_ids[rows], prompt_mask[rows],
+                                max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
+                                pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
+                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel))  # the next batch reuses the weight copies and cache
+    rollout = grpo.cat_rollouts(parts, tokenizer.pad_token_id)
     text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padded after the first EOS
     return rollout, text
 

@@ -8,12 +8,14 @@ allocated once, CUDA graphs on GPU. `grpo.completion_logprobs` asks
 autograd. Both compute what the Hugging Face forward computes (the tests
 compare them); other models take that forward.
 
-Nothing here imports the rest of the project.
+Of the project it imports only kernels.py (the optional Triton decode attention).
 """
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+import kernels
 
 _STATIC_LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 
@@ -197,7 +199,7 @@ class StaticDecoder:
     """
 
     @classmethod
-    def for_model(cls, model, batch, length, cuda_graph=True):
+    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False):
         dec = getattr(model, "_static_decoder", None)
         device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or length > dec.max_len:
@@ -206,6 +208,11 @@ class StaticDecoder:
             dec = cls(model, batch, -(-length // 64) * 64)  # slots in multiples of 64: fewer regrowths, aligned
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
+        kernel = attention_kernel and device.type == "cuda" and kernels.triton_supports(dec.head_dim,
+                                                                                        dec.n_heads // dec.n_kv)
+        if kernel != dec.attention_kernel:  # graphs captured with the other attention must not replay
+            dec.graphs.clear()
+            dec.attention_kernel = kernel
         dec.load(model)
         return dec
 
@@ -233,6 +240,7 @@ class StaticDecoder:
         self.span_step = 64 * -(-max_len // (64 * 8))
         self.use_graph = False
         self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
+        self.attention_kernel = False  # decode attention by kernels.decode_attention (CUDA, Triton) instead
         self.unpadded = False
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
 
@@ -341,7 +349,10 @@ class StaticDecoder:
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
-            if self.sdpa_decode:
+            if self.attention_kernel:  # split-KV Triton kernel: reads each cached key and value once
+                o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
+                                             self.scale)
+            elif self.sdpa_decode:
                 o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
             else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
                 scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)

@@ -51,6 +51,8 @@ class Config:
     num_generations: int = 8              # G, completions per prompt
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
     micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
+    micro_batch_tokens: int = 0           # > 0: instead, as many completions per forward/backward as fit this many
+                                          # (prompt + completion) positions, padding included: many short, few long
     num_iterations: int = 1               # mu: optimizer steps on each generated batch
     # optimisation
     lr: float = 1e-3
@@ -69,12 +71,21 @@ class Config:
     loss_type: str = "grpo"               # grpo (per-sequence mean), dapo (token-level), dr_grpo (constant)
     scale_rewards: str = "group"          # group, batch or none: what the centred reward is divided by
     mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO)
+    use_bias_correction_kl: bool = False  # the k3 term times the ratio pi / pi_old, as TRL 1.16 does by default
+    importance_sampling: str = "none"     # correct for the sampler's log-probs differing from the trainer's: none,
+                                          # token_truncate, token_mask, sequence_truncate or sequence_mask (README)
+    importance_sampling_min: float = 0.0  # weights are clipped to [min, max] (truncate) or zeroed outside (mask)
+    importance_sampling_max: float = 3.0
     # sampling
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                        # 0 = off
     max_completion_length: int = 4
     max_prompt_length: int = 512          # longer prompts are cut from the left
+    generation_batch_size: int = 0        # completions decoded at once on each process; 0 = all of them. Fewer
+                                          # = a smaller KV cache (long completions); the same completions either way
+    decode_attention_kernel: bool = False  # CUDA: decode attention by the split-KV Triton kernel (kernels.py)
+                                          # instead of SDPA; tested against it, speed not yet measured
     # run
     seed: int = 0
     max_steps: int = 300
@@ -107,7 +118,8 @@ class Config:
 # (--resume=force goes on anyway). The others (max_steps, logging, checkpoints, micro-batch size, ...) may change.
 RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_weights", "num_generations",
             "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
-            "mask_truncated_completions", "temperature", "top_p", "top_k", "max_completion_length",
+            "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
+            "importance_sampling_max", "temperature", "top_p", "top_k", "max_completion_length",
             "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules")
 
 # Named runs: Config overrides applied before the command line's (README: "Presets").
@@ -150,7 +162,8 @@ def validate(cfg, world_size=1):
     def need(ok, key, message):
         if not ok:
             raise ConfigError(key, message)
-    for key, low in (("prompts_per_step", 1), ("micro_batch_size", 1), ("num_iterations", 1), ("warmup_steps", 0),
+    for key, low in (("prompts_per_step", 1), ("micro_batch_size", 1), ("micro_batch_tokens", 0), ("generation_batch_size", 0),
+                     ("num_iterations", 1), ("warmup_steps", 0), ("importance_sampling_min", 0),
                      ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
                      ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
                      ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
@@ -159,7 +172,7 @@ def validate(cfg, world_size=1):
     for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", grpo.LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
-                         ("task", tasks.TASKS)):
+                         ("task", tasks.TASKS), ("importance_sampling", grpo.IMPORTANCE_SAMPLING)):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     for key in ("lr", "max_grad_norm", "temperature", "lora_alpha"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
@@ -172,6 +185,8 @@ def validate(cfg, world_size=1):
     need(0 < cfg.epsilon < 1, "epsilon", f"must be in (0, 1), got {cfg.epsilon}")
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
     need(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1], got {cfg.top_p}")
+    need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
+         f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
     need(not cfg.device.startswith("cuda") or torch.cuda.is_available(), "device",
          f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
@@ -377,9 +392,11 @@ def score(run, batch, step):
     return total, parts
 
 
-def fixed_logprobs(run, model, ids, mask, micro):
-    """Log-probs that stay fixed during the update (the reference's, the sampling policy's): one per micro-batch."""
-    with torch.no_grad():
+def reference_logprobs(run, ids, mask, micro):
+    """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
+    policy = run.policy
+    model = run.ref if run.ref is not None else policy
+    with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
         logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature)[0] for mb in micro]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
@@ -389,8 +406,10 @@ def fixed_logprobs(run, model, ids, mask, micro):
 def update(run, batch, advantages, step):
     """Reference log-probs, then mu optimizer steps, each a micro-batched loss and backward, clip, step.
 
-    Returns the sums behind the step's metrics (on this rank), and the gradient norm and learning rate of the
-    last optimizer step, and how many optimizer steps were skipped.
+    The first pass's forward is also the old policy's (the weights that sampled): its log-probs, kept, are
+    the old log-probs of the later passes, and are compared with the sampler's (`sampler_logprob_diff`).
+    Returns the sums and maxima behind the step's metrics (on this rank), the gradient norm and learning
+    rate of the last optimizer step, and how many optimizer steps were skipped.
     """
     cfg, d, policy = run.cfg, run.d, run.policy
     eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
@@ -404,25 +423,33 @@ def update(run, batch, advantages, step):
     N = batch.prompt_ids.shape[0] * d.world_size
     num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
     # rows of similar length together, each micro-batch cut to the columns its rows use
-    micro = grpo.micro_batches(mask, loss_mask, T, cfg.micro_batch_size)
-    ref_logp = old_logp = None
-    if cfg.beta > 0:
-        with model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus its adapters
-            ref_logp = fixed_logprobs(run, run.ref if run.ref is not None else policy, ids, mask, micro)
-    if cfg.num_iterations > 1:
-        old_logp = fixed_logprobs(run, policy, ids, mask, micro)
+    micro = grpo.micro_batches(mask, loss_mask, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
+    old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
+    zero = torch.zeros((), device=d.device)
+    lp_diff = {"sum": zero, "max": zero, "tokens": zero}
 
     skipped = 0
     for iteration in range(cfg.num_iterations):
-        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
+        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
+                "is_weight": 0.0}
         for i, mb in enumerate(micro):
             logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature)
-            old = old_logp[i] if old_logp is not None else logp.detach()  # ratio 1, gradient of A * logp
             mb_mask = loss_mask[mb.rows, :mb.t]
-            loss, m = grpo.grpo_loss(logp, old, ref_logp[i] if ref_logp is not None else None, advantages[mb.rows],
-                                     mb_mask, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_high,
-                                     loss_type=cfg.loss_type, num_sequences=N, num_tokens=num_tokens,
-                                     max_completion_length=cfg.max_completion_length)
+            if iteration == 0:  # the weights that sampled: this forward is the old policy's
+                old_logp[i] = logp.detach()
+                sampler = batch.rollout.logprobs[mb.rows, :mb.t]
+                diff = (old_logp[i] - sampler).abs() * batch.rollout.completion_mask[mb.rows, :mb.t]
+                lp_diff = {"sum": lp_diff["sum"] + diff.sum(), "max": torch.maximum(lp_diff["max"], diff.max()),
+                           "tokens": lp_diff["tokens"] + batch.rollout.completion_mask[mb.rows, :mb.t].sum()}
+                if cfg.importance_sampling != "none":
+                    is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
+                                                           cfg.importance_sampling_min, cfg.importance_sampling_max)
+            loss, m = grpo.grpo_loss(logp, old_logp[i], ref_logp[i] if ref_logp is not None else None,
+                                     advantages[mb.rows], mb_mask, beta=cfg.beta, epsilon=cfg.epsilon,
+                                     epsilon_high=eps_high, loss_type=cfg.loss_type, num_sequences=N,
+                                     num_tokens=num_tokens, max_completion_length=cfg.max_completion_length,
+                                     is_weight=is_weight[i], bias_correction_kl=cfg.use_bias_correction_kl)
             # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
             (loss * d.world_size).backward()
             sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read
@@ -430,6 +457,8 @@ def update(run, batch, advantages, step):
                 sums[k] += m[k] * m["tokens"]
             sums["entropy"] += (entropy.detach() * mb_mask).sum()
             sums["tokens"] += m["tokens"]
+            if is_weight[i] is not None:
+                sums["is_weight"] += (is_weight[i] * mb_mask).sum()
         grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
         # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
         # rank alike (the loss summed over ranks)
@@ -442,7 +471,8 @@ def update(run, batch, advantages, step):
             skipped += 1
             run.bad_steps += 1
         run.optimizer.zero_grad(set_to_none=True)
-    return sums, grad_norm, lr, skipped
+    sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff["sum"], lp_diff["tokens"]
+    return sums, lp_diff["max"], grad_norm, lr, skipped
 
 
 def train_step(run, step):
@@ -459,14 +489,14 @@ def train_step(run, step):
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
-    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4. ref, loss, step
+    sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
               f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
-    metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), all_total, parts, all_adv,
-                                                    group_std),
+    metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
+                                                    all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,

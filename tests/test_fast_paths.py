@@ -528,6 +528,26 @@ def test_cuda_graph_spans_and_buckets_match_eager():
 
 
 @cuda
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cuda_decode_attention_kernel_samples_like_sdpa(arch):
+    """The split-KV Triton kernel in the decoder, eager and in graphs (with compaction), against SDPA; the
+    llama model's 4 query heads share one KV head."""
+    pytest.importorskip("triton")
+    import kernels
+    model, tok = tiny_model(arch)
+    model = model.to("cuda")
+    dec_shape = model.config.hidden_size // model.config.num_attention_heads
+    assert kernels.triton_supports(dec_shape, model.config.num_attention_heads // model.config.num_key_value_heads)
+    enc = prompts(tok, "cuda")
+    kw = dict(seeds=torch.arange(6, device="cuda") * 5 + 1, max_new_tokens=100)
+    for graph in (False, True):
+        sdpa = run(model, tok, enc, cuda_graph=graph, **kw)
+        kernel = run(model, tok, enc, cuda_graph=graph, attention_kernel=True, **kw)
+        assert model._static_decoder.attention_kernel
+        assert_same_rollout(kernel, sdpa, logp_atol=1e-4)
+
+
+@cuda
 def test_cuda_greedy_matches_hf_forward():
     model, tok = tiny_model()
     model = model.to("cuda")

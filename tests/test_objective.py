@@ -158,3 +158,93 @@ def test_clipped_tokens_get_no_gradient():
     # the other side of the clip range is not clipped for that sign of advantage
     assert logp.grad[0, 0] != 0 and logp.grad[0, 2] != 0 and logp.grad[1, 0] != 0 and logp.grad[1, 2] != 0
     assert m["clip_high"].item() == pytest.approx(1 / 6) and m["clip_low"].item() == pytest.approx(1 / 6)
+
+
+def naive_importance_weights(old, sampler, mask, mode, low, high):
+    """Row by row, token by token in Python floats: exp(old - sampler), per token or summed over a sequence."""
+    out = []
+    for i in range(old.shape[0]):
+        diffs = [float(old[i, t] - sampler[i, t]) if mask[i, t] else 0.0 for t in range(old.shape[1])]
+        ratios = [math.exp(sum(diffs))] if mode.startswith("sequence") else [math.exp(d) for d in diffs]
+        if mode.endswith("truncate"):
+            out.append([min(max(r, low), high) for r in ratios])
+        else:
+            out.append([r if low <= r <= high else 0.0 for r in ratios])
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_match_naive(mode):
+    logp, _, _, mask = make_batch()
+    sampler = logp + torch.randn(4, 6, generator=torch.Generator().manual_seed(2)) * 0.3
+    low, high = (0.6, 1.4) if mode.startswith("token") else (0.3, 2.0)
+    w = grpo.importance_weights(logp, sampler, mask, mode, low, high)
+    expected = naive_importance_weights(logp, sampler, mask, mode, low, high)
+    torch.testing.assert_close(w, expected)
+    inside = (expected > low) & (expected < high)
+    assert inside.any() and (~inside).any()  # the case exercises both sides of the bounds
+
+
+def test_importance_weights_finite_for_any_gap():
+    old = torch.tensor([[0.0, -50.0, 0.0], [-1e4, 0.0, 0.0]])
+    sampler = torch.tensor([[-100.0, 0.0, 0.0], [0.0, -1e4, 0.0]])
+    mask = torch.ones(2, 3)
+    for mode in ("token_truncate", "sequence_truncate", "token_mask", "sequence_mask"):
+        w = grpo.importance_weights(old, sampler, mask, mode, 0.0, 3.0)
+        assert torch.isfinite(w).all() and (w >= 0).all() and (w <= 3.0).all()
+
+
+def naive_weighted_loss(logp, old, ref, adv, mask, is_weight, beta, epsilon, epsilon_high, bias_correction_kl):
+    """TRL's per-token GRPO loss written out (loss_type grpo): the surrogate times the importance weight, plus
+    beta times k3, times the ratio when bias-corrected; each sequence's token mean, averaged."""
+    total = 0.0
+    for i in range(logp.shape[0]):
+        s = 0.0
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            ratio = torch.exp(logp[i, t] - old[i, t])
+            w = is_weight[i, t if is_weight.shape[1] > 1 else 0]
+            term = -torch.min(ratio * adv[i], ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv[i]) * w
+            d = ref[i, t] - logp[i, t]
+            kl = torch.exp(d) - d - 1
+            term = term + beta * (kl * ratio if bias_correction_kl else kl)
+            s = s + term
+        total = total + s / mask[i].sum()
+    return total / logp.shape[0]
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bias_correction_kl", [False, True])
+def test_weighted_and_bias_corrected_loss_matches_naive(mode, bias_correction_kl):
+    logp0, ref, adv, mask = make_batch()
+    g = torch.Generator().manual_seed(3)
+    old = logp0 + torch.randn(4, 6, generator=g) * 0.2
+    sampler = old + torch.randn(4, 6, generator=g) * 0.3
+    w = grpo.importance_weights(old, sampler, mask, mode, 0.5, 2.0)
+    a = logp0.clone().requires_grad_()
+    loss, _ = grpo.grpo_loss(a, old, ref, adv, mask, is_weight=w, bias_correction_kl=bias_correction_kl,
+                             **loss_kwargs(num_tokens=mask.sum()))
+    loss.backward()
+    b = logp0.clone().requires_grad_()
+    expected = naive_weighted_loss(b, old, ref, adv, mask, w, 0.1, 0.2, 0.3, bias_correction_kl)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_bias_corrected_kl_changes_the_gradient_not_the_value_at_ratio_one():
+    logp0, ref, adv, mask = make_batch()
+    grads, values = [], []
+    for corrected in (False, True):
+        logp = logp0.clone().requires_grad_()
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask, bias_correction_kl=corrected,
+                                 **loss_kwargs(num_tokens=mask.sum()))
+        loss.backward()
+        grads.append(logp.grad)
+        values.append(loss.detach())
+    torch.testing.assert_close(values[0], values[1])
+    # d/dlogp of k3 * ratio at ratio 1 adds k3 itself: the difference is beta * k3 / sequence length / N
+    d = ref - logp0
+    extra = 0.1 * (d.exp() - d - 1) * mask / mask.sum(1, keepdim=True) / 4
+    torch.testing.assert_close(grads[1] - grads[0], extra)

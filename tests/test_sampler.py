@@ -144,3 +144,36 @@ def test_sampler_stops_once_every_row_is_done(model, tokenizer):
                     all_done=lambda done: seen.append(bool(done.all())) or False)
     assert r.completion_ids.shape[1] == 20 and seen == [False, True, True, True]
     assert r.completion_mask.sum(1).tolist() == [1, 6, 3]
+
+
+def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
+    """sampling.generate a few rows at a time: the same completions (own seeds), padded to the longest batch."""
+    import types
+
+    import sampling
+    import sharding
+    prompts = PROMPTS * 3
+    ids, mask = encode(tokenizer, prompts)
+    seeds = torch.arange(len(prompts)) * 13 + 5
+    d = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    policy = sharding.Root(model)
+    eos = [tokenizer.eos_token_id]
+    with torch.no_grad():  # EOS likely, not certain: rows stop at varied lengths, batches after varied steps
+        model.get_output_embeddings().weight[eos[0]] *= 5
+    out = {}
+    for size in (0, 4):
+        cfg = types.SimpleNamespace(max_completion_length=9, top_k=0, top_p=1.0, generation_batch_size=size,
+                                    decode_attention_kernel=False)
+        out[size] = sampling.generate(policy, tokenizer, ids, mask, seeds, 1.0, cfg, d, eos)
+    whole, batched = out[0][0], out[4][0]
+    assert out[0][1] == out[4][1]  # the text
+    lengths = whole.completion_mask.sum(1)
+    assert lengths.unique().numel() > 2 and whole.truncated.any() != whole.truncated.all()
+    t = whole.completion_ids.shape[1]
+    assert batched.completion_ids.shape[1] == t  # padded to the longest batch, which holds the longest row
+    assert not whole.truncated[4:8].any() and lengths[4:8].max() < 8  # the second batch stopped early: padded
+    assert torch.equal(batched.completion_ids, whole.completion_ids)
+    assert torch.equal(batched.completion_mask, whole.completion_mask)
+    assert torch.equal(batched.truncated, whole.truncated)
+    torch.testing.assert_close(batched.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+    assert not hasattr(model, "_static_decoder") or "_static_decoder" not in model.__dict__  # freed at the end

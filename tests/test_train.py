@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--top_p=0", "top_p"), ("--scale_rewards=std", "scale_rewards"), ("max_steps=3", "max_steps"),
     ("--lr=inf", "lr"), ("--beta=nan", "beta"), ("--max_grad_norm=-1", "max_grad_norm"),
     ("--adam_beta2=1.5", "adam_beta2"), ("--weight_decay=-1", "weight_decay"), ("--reward_weights=1,nan", "reward_weights"),
+    ("--importance_sampling=tis", "importance_sampling"), ("--importance_sampling_max=0", "importance_sampling_max"),
+    ("--micro_batch_tokens=-1", "micro_batch_tokens"), ("--importance_sampling_min=-1", "importance_sampling_min"),
 ])
 def test_bad_config_names_the_key(arg, key):
     with pytest.raises(SystemExit) as e:
@@ -133,13 +135,25 @@ def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
     torch.testing.assert_close(naive, whole, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
-def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, tokenizer, loss_type):
-    """The trainer's micro-batches (rows sorted by length, padding columns dropped) against one naive pass.
+# Rows 0-3 have a short left-padded prompt (2 tokens), rows 4-7 a long one (12: the prompt columns); row 5
+# counts no token (as a masked truncated completion), so it sorts last and needs no prompt column. Columns
+# needed, prompt + counted completion: rows 0-7 need 8 3 5 8 | 14 0 17 16.
+MICRO_BATCH_CASES = {
+    # 3 rows each, longest first (stable)
+    "rows": (dict(size=3), [[6, 7, 4], [0, 3, 2], [1, 5]], [5, 6, 1], [(0, 17), (10, 18), (10, 13)]),
+    # at most 40 positions each: 2 x 17, 2 x 18 (row 0's completion with row 4's prompt), 4 x 8
+    "tokens": (dict(size=3, max_tokens=40), [[6, 7], [4, 0], [3, 2, 1, 5]], [5, 6, 6], [(0, 17), (0, 18), (10, 18)]),
+    # a budget below every row's length: one row each
+    "tiny budget": (dict(size=3, max_tokens=5), [[6], [7], [4], [0], [3], [2], [1], [5]], [5, 4, 2, 6, 6, 3, 1, 1],
+                    [(0, 17), (0, 16), (0, 14), (10, 18), (10, 18), (10, 15), (10, 13), (11, 13)]),
+}
 
-    Rows 0-3 have a short left-padded prompt, rows 4-7 a long one; row 5 counts no token (as a masked
-    truncated completion), so it sorts last and needs no prompt column.
-    """
+
+@pytest.mark.parametrize("case", MICRO_BATCH_CASES)
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, tokenizer, loss_type, case):
+    """The trainer's micro-batches (rows sorted by length, padding columns dropped; by row count or by
+    token budget) against one naive pass."""
     ids, mask, r, adv = rollout_batch(model, tokenizer)
     n, t = ids.shape[0], r.completion_ids.shape[1]
     lengths = torch.tensor([6, 1, 3, 6, 2, 0, 5, 4])  # counted completion tokens per row
@@ -147,12 +161,12 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     temperature = 0.7
     with torch.no_grad():
         ref_logp = grpo.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
-    micro = grpo.micro_batches(mask, counted, t, 3)
+    kwargs, rows, ts, cols = MICRO_BATCH_CASES[case]
+    micro = grpo.micro_batches(mask, counted, t, **kwargs)
     assert sorted(torch.cat([m.rows for m in micro]).tolist()) == list(range(n))  # every row exactly once
-    # columns needed: rows 0-3 2 + length, rows 4-7 12 + length, row 5 none: 8 3 5 8 | 14 0 17 16
-    assert [m.rows.tolist() for m in micro] == [[6, 7, 4], [0, 3, 2], [1, 5]]  # longest first, stable
-    assert [m.t for m in micro] == [5, 6, 1]
-    assert [(m.cols.start, m.cols.stop) for m in micro] == [(0, 17), (10, 18), (10, 13)]  # prompt columns 0-11
+    assert [m.rows.tolist() for m in micro] == rows
+    assert [m.t for m in micro] == ts
+    assert [(m.cols.start, m.cols.stop) for m in micro] == cols
     model.zero_grad()
     for m in micro:
         logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5)
@@ -250,8 +264,79 @@ def test_short_default_run_learns_and_exports(tmp_path, monkeypatch):
     last = sum(r["reward"] for r in rows[-10:]) / 10
     assert first < 0.05 and last > 0.2, (first, last)
 
-    policy = seen["policy"].eval()
-    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model")).eval()
+    policy = seen["policy"].eval()  # on CUDA where there is one: the default device is auto
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model")).eval()  # on CPU
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, policy(ids).logits)
+        same_device = policy.device.type == "cpu"
+        torch.testing.assert_close(exported(ids).logits, policy(ids.to(policy.device)).logits.cpu(),
+                                   **({} if same_device else dict(atol=1e-3, rtol=1e-3)))
+
+
+@pytest.mark.parametrize("importance_sampling", ["none", "token_truncate", "sequence_mask"])
+def test_update_matches_a_naive_multi_iteration_update(tmp_path, importance_sampling):
+    """train.update with mu = 2, token-budget micro-batches, importance weights and the bias-corrected KL,
+    against the objective written out on full logits: the gradient each optimizer step applies, with the old
+    log-probs from a separate forward at the sampling weights, and the sampler/trainer difference it reports."""
+    import copy
+    import sharding
+    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
+                       max_completion_length=5, micro_batch_size=3, micro_batch_tokens=30, num_iterations=2,
+                       beta=0.1, temperature=0.7, use_bias_correction_kl=True, importance_sampling=importance_sampling,
+                       importance_sampling_min=0.7, importance_sampling_max=1.3, save_every=0)
+    run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    batch = train.rollout(run, 1)
+    r = batch.rollout
+    sampled = r.logprobs.clone()
+    noise = torch.randn(sampled.shape, generator=torch.Generator().manual_seed(0)) * 0.3 * r.completion_mask
+    r.logprobs = sampled + noise  # a sampler that disagrees with the trainer: some weights clip
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    lm = run.policy.lm
+    init = copy.deepcopy(lm)
+    steps = []  # (weights, gradient) at each optimizer step
+    real_step = run.optimizer.step
+
+    def recording_step(*a, **k):
+        steps.append(([p.detach().clone() for p in lm.parameters()], [p.grad.clone() for p in lm.parameters()]))
+        return real_step(*a, **k)
+    run.optimizer.step = recording_step
+    sums, lp_diff_max, *_ = train.update(run, batch, adv, 1)
+    assert len(steps) == 2
+
+    ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)
+    mask = torch.cat([batch.prompt_mask, torch.ones_like(r.completion_ids)], 1)
+    t = r.completion_ids.shape[1]
+
+    def naive_logp(model):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+        return torch.log_softmax(logits[:, -t - 1:-1].float() / 0.7, -1).gather(-1, ids[:, -t:, None])[..., 0]
+    loss_mask = r.completion_mask.float()
+    with torch.no_grad():
+        old = naive_logp(init)
+        ref = naive_logp(init)
+    if importance_sampling == "none":
+        w = torch.ones(8, 1)
+    else:
+        from test_objective import naive_importance_weights
+        w = naive_importance_weights(old, r.logprobs, loss_mask, importance_sampling, 0.7, 1.3)
+        assert ((w > 0.7) & (w < 1.3)).any() and ((w <= 0.7) | (w >= 1.3)).any()
+    from test_objective import naive_weighted_loss
+    model = copy.deepcopy(init)
+    for weights, applied in steps:
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), weights):
+                p.copy_(v)
+        model.zero_grad()
+        logp = naive_logp(model)
+        naive_weighted_loss(logp, old, ref, adv, loss_mask, w, 0.1, 0.2, 0.2, True).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for p, g in zip(model.parameters(), applied):
+            torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().max() > 0 for g in steps[1][1])
+    # the reported sampler/trainer difference is the noise added to the sampler's log-probs
+    counted = r.completion_mask.bool()
+    gap = (old - sampled).abs()[counted]
+    assert gap.max() < 1e-4  # float32: the sampler's own log-probs agree with the training forward
+    torch.testing.assert_close(sums["lp_diff_sum"] / sums["lp_diff_tokens"], noise.abs()[counted].mean(), atol=1e-4,
+                               rtol=1e-3)
+    torch.testing.assert_close(lp_diff_max, noise.abs().max(), atol=1e-4, rtol=1e-3)
