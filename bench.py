@@ -2,28 +2,40 @@
 
     python bench.py                       # the tiny default model, on CUDA when there is one, else CPU
     python bench.py --json results.json   # also write every figure, the machine, versions and settings
-    python bench.py --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU)
+    python bench.py --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU); also qwen2.5-1.5b
+    python bench.py --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
+    python bench.py --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
 
 Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
   step     one GRPO step (sample, score, reference + policy log-probs, loss, backward, optimizer step) vs
            TRL's GRPOTrainer configured the same way (bench-only dependency; the row is skipped without it)
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
+  long     (not run by default) one GRPO step of ours with long completions that all run to the limit, gradient
+           checkpointing on: step time, sampling / training split, peak memory, tokens/s, bandwidth and MFU
 Each pair is measured alternately after a warm-up; figures are medians over the repetitions.
+On CUDA, decode is also reported as a fraction of the copy bandwidth and training as MFU (step and long rows).
 """
 
 import argparse
+import dataclasses
+import functools
+import gc
 import json
 import os
 import platform
 import random
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import typing
 
 import torch
 
+import cli
 import grpo
 import model_loading
 import sharding
@@ -33,6 +45,8 @@ import train
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, vocab_size=151936)
+QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
+MODELS = {"tiny": {}, "qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
 
 
 def settings_for(args, device):
@@ -43,8 +57,14 @@ def settings_for(args, device):
         # decode row
         decode_batch=512 if gpu else 128, decode_prompt_len=64 if gpu else 16, decode_new_tokens=512 if gpu else 64,
         # step row: P prompts x G completions, micro-batches of `micro_batch` completions
-        prompts=64 if gpu else 16, num_generations=8, micro_batch=64 if gpu else 16,
+        # (1.5B: micro-batches of 16, as 64 x 576 positions of its activations would not fit on one 80 GB GPU)
+        prompts=64 if gpu else 16, num_generations=8, micro_batch=(16 if args.model == "qwen2.5-1.5b" else 64) if gpu else 16,
         step_new_tokens=512 if gpu else 64, beta=0.04, lr=1e-6 if gpu else 1e-3,
+        # long row: P x G completions of long_new_tokens each, EOS out of reach; warm-up steps (--warmup of them)
+        # run at long_warmup_new_tokens, then long_reps steps are measured
+        long_prompts=32 if gpu else 2, long_num_generations=8 if gpu else 4, long_micro_batch=8 if gpu else 4,
+        long_new_tokens=4096 if gpu else 256, long_gradient_checkpointing=True,
+        long_warmup_new_tokens=256 if gpu else 32, long_reps=1 if gpu else args.reps,
         # memory row
         mem_vocab=151936, mem_rows=8, mem_prompt_len=16, mem_completion_len=256,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
@@ -68,8 +88,7 @@ def timed(fn, device):
 def build_model_dir(root, args):
     """A model folder with weights (so TRL and we load identical ones) and the byte-level tokenizer."""
     path = os.path.join(root, "model")
-    overrides = QWEN25_05B if args.model == "qwen2.5-0.5b" else {}
-    model_loading.write_tiny_model(path, **overrides)
+    model_loading.write_tiny_model(path, **MODELS[args.model])
     model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
     model.save_pretrained(path)
     return path
@@ -145,6 +164,7 @@ def bench_decode(path, s, device):
     return out
 
 
+@functools.cache  # once per run: the step and long rows share it
 def copy_bandwidth(device, nbytes=1 << 30):
     """Bytes read + written per second by a large device-to-device copy: the machine's memory ceiling."""
     x = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -173,46 +193,92 @@ def decode_bandwidth(model, enc, ours, s, device):
     full = statistics.median(timed(ours, device)[0] for _ in range(3))
     one = statistics.median(timed(lambda: ours(max_new=1), device)[0] for _ in range(3))
     step = (full - one) / (t - 1)
+    nbytes = decode_bytes_per_step(model, s["decode_batch"], s["decode_prompt_len"] + t / 2)
+    achieved = nbytes / step
+    ceiling = copy_bandwidth(device)
+    return {"decode_step_s": step, "decode_bytes_per_step": nbytes,
+            "decode_bandwidth_GBps": achieved / 1e9, "copy_bandwidth_GBps": ceiling / 1e9,
+            "decode_bandwidth_frac_of_copy": achieved / ceiling}
+
+
+def decode_bytes_per_step(model, rows, mean_len):
+    """Bytes one decode step must read: every weight once, and the K and V of `mean_len` filled positions per row."""
     cfg = model.config
     elt = next(model.parameters()).element_size()
     weight_bytes = sum(p.numel() for p in model.parameters()) * elt
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    mean_len = s["decode_prompt_len"] + t / 2
-    kv_bytes = 2 * cfg.num_hidden_layers * s["decode_batch"] * cfg.num_key_value_heads * head_dim * mean_len * elt
-    achieved = (weight_bytes + kv_bytes) / step
-    ceiling = copy_bandwidth(device)
-    return {"decode_step_s": step, "decode_bytes_per_step": weight_bytes + kv_bytes,
-            "decode_bandwidth_GBps": achieved / 1e9, "copy_bandwidth_GBps": ceiling / 1e9,
-            "decode_bandwidth_frac_of_copy": achieved / ceiling}
+    return weight_bytes + 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * head_dim * mean_len * elt
 
 
 # ----------------------------------------------------------------------------- one GRPO step: ours vs TRL
 
 
-class OurStep:
-    """train.py's own step (`train.train_step`) on a run built by `train.setup`, on one process."""
+# train.Config fields that bench.py sets itself (a row's shapes, what TRL's side mirrors): --train refuses them
+BENCH_OWNED = {"model": "set by --model", "device": "set by --device", "out_dir": "a temporary folder",
+               "task": "next_letter, as on TRL's side", "preset": "train.setup applies none: give its settings one by one",
+               "model_init_kwargs": "its dtype is --set dtype", "lr": "set by --set lr", "beta": "set by --set beta",
+               "num_generations": "set by --set num_generations / long_num_generations",
+               "prompts_per_step": "set by --set prompts / long_prompts",
+               "micro_batch_size": "set by --set micro_batch / long_micro_batch",
+               "max_completion_length": "set by --set step_new_tokens / long_new_tokens",
+               **{k: f"set by --set {k}" for k in ("temperature", "top_k", "top_p")}}
 
-    def __init__(self, path, s, device, root):
+
+def train_overrides(items, error):
+    """--train KEY=VALUE items -> {field: value} for train.Config, cast by train.py's own parser (cli.cast);
+    `error(message)` (argparse's) names the key that is no Config field, is bench.py's own, or has a bad value."""
+    hints = typing.get_type_hints(train.Config)
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in hints:
+            error(f"--train {item!r}: " + (f"{key!r} is not a train.Config field (python train.py --help lists them)"
+                                           if eq else "expected KEY=VALUE with KEY a train.Config field"))
+        if key in BENCH_OWNED:
+            error(f"--train {key}: not accepted, {BENCH_OWNED[key]}")
+        try:
+            out[key] = cli.cast(key, value, hints[key])
+            train.validate(dataclasses.replace(train.Config(), **out))  # a bad value stops before any model loads
+        except cli.ConfigError as e:
+            error(f"--train {item!r}: {e}")
+    return out
+
+
+class OurStep:
+    """train.py's own step (`train.train_step`) on a run built by `train.setup`, on one process.
+
+    `overrides` (--train) are applied last, to any row's run. never_eos: the run's EOS ids are replaced by an id
+    past the vocabulary, which no row can sample, so every completion runs to `new_tokens`.
+    """
+
+    def __init__(self, path, s, device, root, prompts, num_generations, micro_batch, new_tokens, overrides=None,
+                 never_eos=False, **config):
         # TRL's default AdamW betas and no decay, so both sides do the same work; no checkpoints or logs
         cfg = train.Config(model=path, device=str(device), model_init_kwargs={"dtype": s["dtype"],
-                           "attn_implementation": "sdpa"}, task="next_letter", num_generations=s["num_generations"],
-                           prompts_per_step=s["prompts"], micro_batch_size=s["micro_batch"], lr=s["lr"],
+                           "attn_implementation": "sdpa"}, task="next_letter", num_generations=num_generations,
+                           prompts_per_step=prompts, micro_batch_size=micro_batch, lr=s["lr"],
                            adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, beta=s["beta"],
                            temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
-                           max_completion_length=s["step_new_tokens"], max_prompt_length=512, out_dir=root,
-                           save_every=0, print_completions_every=0)
+                           max_completion_length=new_tokens, max_prompt_length=512, out_dir=root,
+                           save_every=0, print_completions_every=0, **config)
+        cfg = dataclasses.replace(cfg, **(overrides or {}))
+        train.validate(cfg)
         one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=device)
         self.run = train.setup(cfg, one)
         self.policy = self.run.policy.lm
+        if never_eos:
+            self.run.eos_ids = [self.policy.config.vocab_size]
         self.step_no = 0
-        self.sample_time, self.train_time, self.train_tokens = [], [], []
+        self.sample_time, self.train_time, self.train_tokens, self.lengths, self.prompt_lengths = [], [], [], [], []
 
     def __call__(self):
         self.step_no += 1
-        metrics, _ = train.train_step(self.run, self.step_no)
+        metrics, (batch, *_) = train.train_step(self.run, self.step_no)
         self.sample_time.append(metrics["generation_time"])
         self.train_time.append(metrics["update_time"])
         self.train_tokens.append(metrics["batch_tokens"])  # prompt + completion positions of the batch
+        self.lengths.append(metrics["completion_length"])  # mean over the batch
+        self.prompt_lengths.append(batch.prompt_mask.sum(1).float().mean().item())
 
 
 def trl_version():
@@ -223,13 +289,14 @@ def trl_version():
         return None
 
 
-def bench_step(path, s, device, root):
+def bench_step(path, s, device, root, overrides):
     """Alternate: one TRL step, then one of ours (run from TRL's step-end callback), and so on.
 
     TRL's step time is measured from the moment our step returns to TRL's next step end, so neither
     side's time includes the other's, and both run under the same machine conditions.
     """
-    ours = OurStep(path, s, device, root)
+    ours = OurStep(path, s, device, root, s["prompts"], s["num_generations"], s["micro_batch"], s["step_new_tokens"],
+                   overrides)
     ours_times = []
     total_steps = s["warmup"] + s["reps"]
     if trl_version() is None:
@@ -285,9 +352,11 @@ def phases(ours, warmup):
     """Where our step's time goes: sampling, and the training phase (reference + policy log-probs, loss,
     backward, optimizer step); the rest is prompts, tokenising and scoring."""
     return {"step_ours_sample_s": statistics.median(ours.sample_time[warmup:]),
-            "step_ours_train_s": statistics.median(ours.train_time[warmup:])}
+            "step_ours_train_s": statistics.median(ours.train_time[warmup:]),
+            "step_ours_completion_length": statistics.mean(ours.lengths[warmup:])}  # EOS is in reach in this row
 
 
+@functools.cache
 def matmul_flops(device, n=8192):
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn_like(a)
@@ -299,15 +368,54 @@ def matmul_flops(device, n=8192):
     return 2 * n ** 3 / statistics.median(times)
 
 
-def training_mfu(ours, s, device):
-    """Model FLOPs utilisation of the training phase: 6 N per policy token (forward + backward), 2 N per reference token."""
+def training_mfu(ours, beta, warmup, device, prefix=""):
+    """Model FLOPs utilisation of the training phase: 6 N per policy token (forward + backward), 2 N per reference
+    token. Neither attention's FLOPs nor gradient checkpointing's recomputation count (the usual 6 N convention)."""
     params = sum(p.numel() for p in ours.policy.parameters())
-    w = s["warmup"]
-    t = statistics.median(ours.train_time[w:])
-    tokens = statistics.median(ours.train_tokens[w:])
-    flops = (6 + (2 if s["beta"] > 0 else 0)) * params * tokens
+    t = statistics.median(ours.train_time[warmup:])
+    tokens = statistics.median(ours.train_tokens[warmup:])
+    flops = (6 + (2 if beta > 0 else 0)) * params * tokens
     peak = matmul_flops(device)
-    return {"train_phase_s": t, "train_flops_per_s": flops / t, "bf16_matmul_flops_per_s": peak, "train_mfu": flops / t / peak}
+    return {f"{prefix}train_phase_s": t, f"{prefix}train_flops_per_s": flops / t, "bf16_matmul_flops_per_s": peak,
+            f"{prefix}train_mfu": flops / t / peak}
+
+
+# ----------------------------------------------------------------------------- long: one step with long completions
+
+
+def bench_long(path, s, device, root, overrides):
+    """Our step with long completions, every one to long_new_tokens (EOS out of reach), gradient checkpointing on.
+
+    The --warmup steps run the same batch at long_warmup_new_tokens: they compile the log-prob head (dynamic in
+    shape) and warm the kernels, and the sampler captures its CUDA graphs anew on every call anyway. Then
+    long_reps steps are measured, each with its peak memory (absolute: weights, optimizer state, reference).
+    """
+    ours = OurStep(path, s, device, root, s["long_prompts"], s["long_num_generations"], s["long_micro_batch"],
+                   s["long_new_tokens"], overrides, never_eos=True, gradient_checkpointing=s["long_gradient_checkpointing"])
+    cfg, w = ours.run.cfg, s["warmup"]
+    cfg.max_completion_length = s["long_warmup_new_tokens"]
+    for _ in range(w):
+        ours()
+    cfg.max_completion_length = t = s["long_new_tokens"]
+    times, memory = [], []
+    for _ in range(s["long_reps"]):
+        memory.append(memory_during(lambda: times.append(timed(ours, device)[0]), device))
+    step, sample = statistics.median(times), statistics.median(ours.sample_time[w:])
+    rows, length = cfg.prompts_per_step * cfg.num_generations, statistics.mean(ours.lengths[w:])
+    out = {"long_step_s": step, "long_sample_s": sample, "long_train_s": statistics.median(ours.train_time[w:]),
+           "long_tokens_per_s": statistics.median(ours.train_tokens[w:]) / step,  # prompt + completion tokens
+           "long_generated_tokens_per_s": rows * length / sample, "long_completion_length": length,
+           "long_gradient_checkpointing": cfg.gradient_checkpointing,  # --train may have changed it
+           "long_peak_bytes": max(p for p, _ in memory), "long_held_bytes": statistics.median(b for _, b in memory),
+           "long_memory_method": MEMORY_METHOD[device.type] + ", absolute"}
+    if device.type == "cuda":
+        # sampling time over t decode steps (the prefill, tokenizing and the first token included: a lower bound)
+        nbytes = decode_bytes_per_step(ours.policy, rows, statistics.mean(ours.prompt_lengths[w:]) + t / 2)
+        achieved, ceiling = nbytes * t / sample, copy_bandwidth(device)
+        out.update(long_decode_bandwidth_GBps=achieved / 1e9, copy_bandwidth_GBps=ceiling / 1e9,
+                   long_decode_bandwidth_frac_of_copy=achieved / ceiling)
+        out.update(training_mfu(ours, s["beta"], w, device, prefix="long_"))
+    return out
 
 
 # ----------------------------------------------------------------------------- memory: chunked vs naive log-probs
@@ -325,13 +433,16 @@ def _proc_status_kib(key):
         return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))
 
 
-def peak_bytes(fn, device):
-    """Peak memory while fn runs, above what was held before it.
+MEMORY_METHOD = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "peak resident set (VmHWM after /proc/self/clear_refs)"}
 
-    CUDA: the caching allocator's max_memory_allocated. CPU (Linux): the process's peak resident set
-    (VmHWM, reset through /proc/self/clear_refs) minus the resident set before; tensors this large are
-    mmapped by malloc and handed back on free, so the resident set follows the live tensors.
-    tracemalloc would not see torch's CPU allocations at all.
+
+def memory_during(fn, device):
+    """(peak, held before) bytes while fn runs, both absolute.
+
+    CUDA: the caching allocator's max_memory_allocated (reset first) and memory_allocated. CPU (Linux): the
+    process's peak resident set (VmHWM, reset through /proc/self/clear_refs) and the resident set before;
+    tensors this large are mmapped by malloc and handed back on free, so the resident set follows the live
+    tensors. tracemalloc would not see torch's CPU allocations at all.
     """
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -339,12 +450,18 @@ def peak_bytes(fn, device):
         torch.cuda.reset_peak_memory_stats()
         fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return torch.cuda.max_memory_allocated(), base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
     base = _proc_status_kib("VmRSS")
     fn()
-    return (_proc_status_kib("VmHWM") - base) * 1024
+    return _proc_status_kib("VmHWM") * 1024, base * 1024
+
+
+def peak_bytes(fn, device):
+    """Peak memory while fn runs, above what was held before it."""
+    peak, base = memory_during(fn, device)
+    return peak - base
 
 
 def bench_memory(s, device):
@@ -380,8 +497,7 @@ def bench_memory(s, device):
         peaks["naive"].append(peak_bytes(naive, device))
     o, nv = statistics.median(peaks["ours"]), statistics.median(peaks["naive"])
     return {"logprob_peak_bytes_ours": o, "logprob_peak_bytes_naive": nv, "logprob_memory_ratio": o / nv,
-            "memory_method": "torch.cuda.max_memory_allocated" if device.type == "cuda" else
-            "peak resident set (VmHWM after /proc/self/clear_refs) minus resident set before"}
+            "memory_method": MEMORY_METHOD[device.type] + ("" if device.type == "cuda" else " minus resident set before")}
 
 
 # ----------------------------------------------------------------------------- report
@@ -399,8 +515,26 @@ def machine(device):
     info["transformers"] = transformers.__version__
     info["trl"] = trl_version()
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version())
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
     return info
+
+
+def git_state():
+    """The commit and the files changed since (bench often runs on a working tree), or None outside a checkout."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                              text=True, timeout=30, check=True).stdout
+    try:
+        return {"commit": git("rev-parse", "HEAD").strip(), "changed": git("status", "--porcelain").splitlines()}
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def fmt(x, unit=""):
@@ -413,26 +547,49 @@ def fmt(x, unit=""):
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def table(r):
-    rows = [
-        ("decode tokens/s", fmt(r["decode_ours_tokens_per_s"]), fmt(r["decode_generate_tokens_per_s"]), "model.generate",
-         f"{r['sampler_speedup_vs_generate']:.2f}x"),
-        ("decode tokens/s, our loop on the HF forward", fmt(r["decode_ours_hf_forward_tokens_per_s"]),
-         fmt(r["decode_generate_tokens_per_s"]), "model.generate", f"{r['sampler_hf_forward_speedup_vs_generate']:.2f}x"),
-        ("decode with EOS, compaction on vs off", "", "", "compaction off", f"{r['compaction_speedup']:.2f}x"),
-        ("GRPO step time", fmt(r["step_ours_s"], "s"), fmt(r["step_trl_s"], "s"), "TRL GRPOTrainer",
-         f"{r['step_speedup_vs_trl']:.2f}x" if r["step_speedup_vs_trl"] else "skipped (TRL not installed)"),
-        ("our step: sampling / training phase", f"{fmt(r.get('step_ours_sample_s'), 's')} / "
-         f"{fmt(r.get('step_ours_train_s'), 's')}", "", "", ""),
-        ("log-prob + loss peak memory", fmt(r["logprob_peak_bytes_ours"], "B"), fmt(r["logprob_peak_bytes_naive"], "B"),
-         "full logits", f"{r['logprob_memory_ratio']:.3f} (ours/naive)"),
-    ]
-    if "decode_bandwidth_frac_of_copy" in r:
+def table(r, s):
+    """The rows that ran, as a markdown table."""
+    def has(*keys):
+        return all(r.get(k) is not None for k in keys)
+    rows = []
+    if has("sampler_speedup_vs_generate"):
+        rows += [
+            ("decode tokens/s", fmt(r["decode_ours_tokens_per_s"]), fmt(r["decode_generate_tokens_per_s"]),
+             "model.generate", f"{r['sampler_speedup_vs_generate']:.2f}x"),
+            ("decode tokens/s, our loop on the HF forward", fmt(r["decode_ours_hf_forward_tokens_per_s"]),
+             fmt(r["decode_generate_tokens_per_s"]), "model.generate", f"{r['sampler_hf_forward_speedup_vs_generate']:.2f}x"),
+            ("decode with EOS, compaction on vs off", "", "", "compaction off", f"{r['compaction_speedup']:.2f}x")]
+    if has("decode_bandwidth_frac_of_copy"):
         rows.append(("decode bandwidth", f"{r['decode_bandwidth_GBps']:,.0f} GB/s", f"{r['copy_bandwidth_GBps']:,.0f} GB/s",
                      "copy bandwidth", f"{r['decode_bandwidth_frac_of_copy']:.2f}"))
-    if "train_mfu" in r:
+    if has("step_ours_s"):
+        rows += [
+            ("GRPO step time", fmt(r["step_ours_s"], "s"), fmt(r["step_trl_s"], "s"), "TRL GRPOTrainer",
+             f"{r['step_speedup_vs_trl']:.2f}x" if r["step_speedup_vs_trl"] else "skipped (TRL not installed)"),
+            ("our step: sampling / training phase", f"{fmt(r['step_ours_sample_s'], 's')} / "
+             f"{fmt(r['step_ours_train_s'], 's')}", "", "",
+             f"mean completion {r['step_ours_completion_length']:.1f} of {s['step_new_tokens']} tokens")]
+    if has("train_mfu"):
         rows.append(("training phase MFU", f"{r['train_flops_per_s'] / 1e12:,.1f} TFLOP/s",
                      f"{r['bf16_matmul_flops_per_s'] / 1e12:,.0f} TFLOP/s", "bf16 matmul", f"{r['train_mfu']:.2f}"))
+    if has("logprob_memory_ratio"):
+        rows.append(("log-prob + loss peak memory", fmt(r["logprob_peak_bytes_ours"], "B"),
+                     fmt(r["logprob_peak_bytes_naive"], "B"), "full logits", f"{r['logprob_memory_ratio']:.3f} (ours/naive)"))
+    if has("long_step_s"):
+        shape = f"{s['long_prompts']} x {s['long_num_generations']} x {s['long_new_tokens']:,} tokens"
+        rows += [
+            (f"long step, {shape}" + (", checkpointing" if r["long_gradient_checkpointing"] else ""),
+             fmt(r["long_step_s"], "s"), "", "", f"{fmt(r['long_tokens_per_s'])} tokens/s"),
+            ("long step: sampling / training phase", f"{fmt(r['long_sample_s'], 's')} / {fmt(r['long_train_s'], 's')}",
+             "", "", f"mean completion {r['long_completion_length']:,.1f} tokens"),
+            ("long step peak memory", fmt(r["long_peak_bytes"], "B"), fmt(r["long_held_bytes"], "B"),
+             "held before the step", "")]
+    if has("long_decode_bandwidth_frac_of_copy"):
+        rows.append(("long step decode bandwidth", f"{r['long_decode_bandwidth_GBps']:,.0f} GB/s",
+                     f"{r['copy_bandwidth_GBps']:,.0f} GB/s", "copy bandwidth", f"{r['long_decode_bandwidth_frac_of_copy']:.2f}"))
+    if has("long_train_mfu"):
+        rows.append(("long step training phase MFU", f"{r['long_train_flops_per_s'] / 1e12:,.1f} TFLOP/s",
+                     f"{r['bf16_matmul_flops_per_s'] / 1e12:,.0f} TFLOP/s", "bf16 matmul", f"{r['long_train_mfu']:.2f}"))
     head = ("measure", "ours", "baseline", "baseline is", "ratio")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(5)]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in [head] + rows]
@@ -440,17 +597,30 @@ def table(r):
     return "\n".join(lines)
 
 
+def free(device):
+    """Give a finished row's models back before the next row (its peak memory counts from here)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+ROWS = ("decode", "step", "memory", "long")
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--model", default="tiny", choices=["tiny", "qwen2.5-0.5b"])
+    parser.add_argument("--model", default="tiny", choices=list(MODELS))
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--only", default="decode,step,memory", help="comma-separated rows to run")
+    parser.add_argument("--only", default="decode,step,memory", help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting (see 'settings' in the JSON), e.g. --set micro_batch=32")
+    parser.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                        help="a train.Config setting for our step (step and long rows; TRL's side is unchanged), "
+                             "e.g. --train gradient_checkpointing=true; repeatable")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.reps < 1:
         parser.error("--warmup and --reps must be >= 1")
@@ -465,40 +635,58 @@ def main(argv):
         key, _, value = item.partition("=")
         if key not in s or not value:
             parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(s)}")
-        s[key] = type(s[key])(value) if s[key] is not None else value
+        try:
+            s[key] = cli.cast(key, value, type(s[key])) if s[key] is not None else value
+        except cli.ConfigError as e:
+            parser.error(f"--set {item!r}: {e}")
+    if s["long_reps"] < 1:
+        parser.error("--set long_reps must be >= 1")
+    overrides = train_overrides(args.train, parser.error)
     only = set(args.only.split(","))
-    unknown = only - {"decode", "step", "memory"}
+    unknown = only - set(ROWS)
     if unknown:
-        parser.error(f"--only: unknown rows {sorted(unknown)} (decode, step, memory)")
+        parser.error(f"--only: unknown rows {sorted(unknown)} ({', '.join(ROWS)})")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {k: None for k in ("sampler_speedup_vs_generate", "sampler_hf_forward_speedup_vs_generate",
                                  "compaction_speedup", "step_speedup_vs_trl", "logprob_memory_ratio",
                                  "decode_ours_tokens_per_s", "decode_generate_tokens_per_s",
                                  "decode_ours_hf_forward_tokens_per_s", "step_ours_s", "step_trl_s",
-                                 "logprob_peak_bytes_ours", "logprob_peak_bytes_naive")}
+                                 "logprob_peak_bytes_ours", "logprob_peak_bytes_naive", "long_step_s")}
     with tempfile.TemporaryDirectory() as root:
         path = build_model_dir(root, args)
         if "decode" in only:
             print("decode: our sampler vs model.generate ...", flush=True)
             results.update(bench_decode(path, s, device))
+            free(device)
         if "step" in only:
             print(f"step: ours vs TRL {trl_version() or '(not installed: skipped)'} ...", flush=True)
-            step, ours = bench_step(path, s, device, root)
+            step, ours = bench_step(path, s, device, root, overrides)
             results.update(step)
             if device.type == "cuda":
-                results.update(training_mfu(ours, s, device))
+                results.update(training_mfu(ours, s["beta"], s["warmup"], device))
+            del ours
+            free(device)
         if "memory" in only:
             print("memory: chunked vs full-logits log-probs ...", flush=True)
             results.update(bench_memory(s, device))
-    report = {"date": started, "command": "python bench.py " + " ".join(argv), "machine": machine(device),
-              "settings": s, **results}
-    if all(results[k] is not None for k in ("sampler_speedup_vs_generate", "compaction_speedup", "logprob_memory_ratio")):
-        print(table({**results, "step_speedup_vs_trl": results["step_speedup_vs_trl"]}))
-    else:
-        print(json.dumps(results, indent=1))
+            free(device)
+        if "long" in only:
+            print(f"long: our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
+                  f"{s['long_new_tokens']} tokens ...", flush=True)
+            try:
+                results.update(bench_long(path, s, device, root, overrides))
+            except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
+                results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+    report = {"date": started, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": shlex.join(["python", "bench.py", *argv]), "argv": sys.argv, "machine": machine(device),
+              "git": git_state(), "settings": s, "train_overrides": overrides, **results}
+    print(table(results, s))
+    if results.get("long_error"):
+        print(f"long row: {results['long_error']}; smaller shapes: --set long_prompts=... / long_micro_batch=...")
     m = report["machine"]
     print(f"{started} | {m.get('gpu', m['cpu'])}, {m['cpu_cores']} cores | torch {m['torch']}, transformers "
-          f"{m['transformers']}, trl {m['trl']} | memory: {results.get('memory_method')}")
+          f"{m['transformers']}, trl {m['trl']} | memory: {results.get('memory_method') or results.get('long_memory_method')}"
+          + (f" | --train {overrides}" if overrides else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

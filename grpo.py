@@ -54,22 +54,39 @@ def completion_mask_from_ids(ids, eos_ids):
     return (eos_before == 0).to(torch.long)
 
 
-def row_uniform(seeds, step):
-    """One uniform number in (0, 1] per row, a pure function of (row seed, step).
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """The "lowbias32" integer finaliser (Chris Wellons' hash prospector) on int64 tensors holding 32-bit
+    values: int64 products wrap, and their low 32 bits are exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds, step):
+    """A 32-bit key per row, a pure function of (row seed, step): the row's random numbers for that token.
 
     A counter-based hash instead of a stateful generator: a row draws the same
     numbers whatever else is in its batch (padding, other rows, other ranks), and
     drawing them needs no host synchronisation.
     """
-    mask32 = 0xFFFFFFFF
-    x = (seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & mask32
-    # "lowbias32" integer finaliser (Chris Wellons' hash prospector); int64 products wrap, low 32 bits are exact
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & mask32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & mask32
-    x = x ^ (x >> 16)
-    return ((x >> 8) + 1).to(torch.float32) / float(1 << 24)
+    return _mix32((seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & _MASK32)
+
+
+def gumbel_noise(keys, vocab):
+    """Standard Gumbel noise (n, V), float32, a pure function of each row's key and the vocabulary index.
+
+    Uniforms of 23 bits, u = (k + 1/2) / 2^23, strictly inside (0, 1) in float32, so the noise
+    -log(-log u) is always finite (between about -2.8 and 16.6).
+    """
+    index = torch.arange(vocab, device=keys.device)
+    x = _mix32((keys[:, None] ^ (index * 0x27D4EB2F)) & _MASK32)
+    u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
 
 
 def filter_logits(logits, top_k=0, top_p=1.0):
@@ -87,66 +104,39 @@ def filter_logits(logits, top_k=0, top_p=1.0):
     return logits
 
 
-def _last_below(weights, target):
-    """Per row, the last entry of positive weight whose preceding mass is below `target` (n, 1).
-
-    The inverse CDF written so that it lands on a positive-weight entry however
-    the cumulative sum rounds (GPU scans are not sequential). A row with no mass
-    (NaN logits) gets 0 rather than an index out of range.
-    """
-    before = weights.cumsum(-1) - weights
-    index = torch.arange(weights.shape[-1], device=weights.device)
-    return torch.where((before < target) & (weights > 0), index, -1).amax(-1, keepdim=True).clamp(min=0)
+def _gumbel_max(logits, keys, inv_temperature):
+    """argmax(logits / T + Gumbel noise): a draw from softmax(logits / T) (the Gumbel-max trick), and its
+    log-prob. Elementwise work and three reductions over the vocabulary, which torch.compile fuses into one
+    pass over the (bf16) logits with the noise computed in registers: no float32 copy, no cumulative sum."""
+    z = logits.float() * inv_temperature
+    token = (z + gumbel_noise(keys, z.shape[-1])).argmax(-1)
+    return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
-def _inverse_cdf(filtered, top, uniform, block=1024):
-    """A token drawn with probability proportional to exp(filtered - top), by inverse CDF; returns (index, total),
-    index (n, 1) and total (n, 1).
-
-    A large vocabulary is searched in two levels (block sums, then inside one
-    block) so that no full-width scan runs per token; a small one takes the
-    plain cumulative sum and a binary search.
-    """
-    n, v = filtered.shape
-    if v <= 4 * block:
-        cdf = (filtered - top).exp_().cumsum(-1)
-        total = cdf[:, -1:]
-        # the first index whose cdf reaches u * total = the number of entries below it (cdf is non-decreasing)
-        return torch.searchsorted(cdf, uniform[:, None] * total).clamp_(max=v - 1), total
-    nb = -(-v // block)
-    weights = torch.empty(n, nb * block, device=filtered.device, dtype=torch.float32)
-    weights[:, v:].zero_()  # padding to whole blocks carries no mass
-    torch.sub(filtered, top, out=weights[:, :v]).exp_()
-    weights = weights.view(n, nb, block)
-    sums = weights.sum(-1)  # (n, nb)
-    total = sums.sum(-1)
-    target = uniform[:, None] * total[:, None]  # (n, 1), > 0
-    b = _last_below(sums, target)  # the block holding the target
-    mass_before = (sums.cumsum(-1) - sums).gather(1, b)
-    inner = weights.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0]  # (n, block)
-    j = _last_below(inner, target - mass_before)
-    return b * block + j, total[:, None]
+def fused_sampling_available(device):
+    """On CUDA with Triton, `_gumbel_max` runs compiled (as the log-prob head does)."""
+    return fused_head_available(device)
 
 
-def sample_tokens(logits, temperature, top_k, top_p, uniform):
+def sample_tokens(logits, temperature, top_k, top_p, keys):
     """Pick one token per row; return it with its log-prob under the unfiltered tempered distribution.
 
     The log-prob ignores top-k / top-p on purpose: it is what the training
     forward computes for the same token, so the first iteration's ratio is 1.
-    Sampling is by inverse CDF with the row's own uniform number.
+    Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
+    argmax over the filtered logits of logits / T + noise.
     """
-    logits = logits.float()
     if temperature == 0:  # greedy
+        logits = logits.float()
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    scaled = logits if temperature == 1 else logits / temperature
-    top = scaled.amax(-1, keepdim=True)
-    filtered = filter_logits(scaled, top_k, top_p)
-    # unnormalised probabilities exp(filtered - top): the search compares against u * total, so no division
-    token, total = _inverse_cdf(filtered, top, uniform)  # (n, 1) each
-    if filtered is not scaled:  # the log-prob is normalised over the unfiltered distribution
-        total = (scaled - top).exp().sum(-1, keepdim=True)
-    return token[:, 0], (scaled.gather(-1, token) - top - total.log())[:, 0]
+    if top_k or top_p < 1.0:
+        scaled = logits.float() / temperature
+        token = (filter_logits(scaled, top_k, top_p) + gumbel_noise(keys, scaled.shape[-1])).argmax(-1)
+        return token, scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+    if fused_sampling_available(logits.device):
+        return _fused("gumbel")(logits, keys, 1.0 / temperature)
+    return _gumbel_max(logits, keys, 1.0 / temperature)
 
 
 @torch.no_grad()
@@ -181,11 +171,11 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     if seeds is None:
         seeds = torch.arange(n, device=device)
     seeds = seeds.to(device=device, dtype=torch.long)
-    # every row's random numbers for the whole completion at once: row_uniform is elementwise, so these
-    # are the same numbers as drawing step by step
-    uniforms = row_uniform(seeds[:, None], torch.arange(max_new_tokens, device=device)[None, :])  # (N, T)
+    # every row's keys for the whole completion at once: row_keys is elementwise, so these are the same
+    # numbers as drawing step by step
+    keys = row_keys(seeds[:, None], torch.arange(max_new_tokens, device=device)[None, :])  # (N, T)
     args = (prompt_ids, prompt_mask.long(), max_new_tokens, torch.as_tensor(eos_ids, device=device), pad_id,
-            (temperature, top_k, top_p), uniforms, check_every, all_done)
+            (temperature, top_k, top_p), keys, check_every, all_done)
     if static_cache and static_decode_supported(model):
         tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph,
                                              keep_decoder=keep_decoder, attention_kernel=attention_kernel)
@@ -195,7 +185,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     return Rollout(tokens.masked_fill(mask == 0, pad_id), mask, ~done, logps.masked_fill(mask == 0, 0.0))
 
 
-def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every, all_done):
+def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, keys, check_every, all_done):
     """The plain loop: the model's own forward over a DynamicCache, all rows to the end."""
     from transformers import DynamicCache
 
@@ -210,7 +200,7 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, u
     done = torch.zeros(n, dtype=torch.bool, device=device)
     length = max_new_tokens
     for t in range(max_new_tokens):
-        tok, lp = sample_tokens(logits, *sampling, uniforms[:, t])
+        tok, lp = sample_tokens(logits, *sampling, keys[:, t])
         tokens[:, t] = torch.where(done, pad_id, tok)
         logps[:, t] = torch.where(done, 0.0, lp)
         done = done | torch.isin(tok, eos)
@@ -224,7 +214,7 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, u
     return tokens[:, :length], logps[:, :length], done
 
 
-def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, uniforms, check_every,
+def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, keys, check_every,
                    all_done, compact, cuda_graph, keep_decoder, attention_kernel):
     """The fast loop: StaticDecoder, with finished rows compacted out of the decode batch.
 
@@ -244,11 +234,11 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
     live_tok, live_lp = tokens.clone(), logps.clone()
     live_done = torch.zeros(n, dtype=torch.bool, device=device)
     checked = 0  # tokens up to here have been looked at for EOS
-    live_uni = uniforms
+    live_keys = keys
     length = max_new_tokens
     for t in range(max_new_tokens):
         # a finished row keeps sampling until the next check; `sample` masks what follows its first EOS
-        live_tok[:, t], live_lp[:, t] = sample_tokens(logits, *sampling, live_uni[:, t])
+        live_tok[:, t], live_lp[:, t] = sample_tokens(logits, *sampling, live_keys[:, t])
         last = t == max_new_tokens - 1
         if last or (t + 1) % check_every == 0:
             live_done |= torch.isin(live_tok[:, checked:t + 1], eos).any(1)  # the tokens since the last check
@@ -263,7 +253,7 @@ def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, samplin
                     tokens[rows], logps[rows] = live_tok, live_lp
                     dec.compact(keep, p + t + 1)
                     rows = rows[keep]
-                    live_tok, live_lp, live_done, live_uni = live_tok[keep], live_lp[keep], live_done[keep], live_uni[keep]
+                    live_tok, live_lp, live_done, live_keys = live_tok[keep], live_lp[keep], live_done[keep], live_keys[keep]
         logits = dec.decode(live_tok[:, t], p + t)
     tokens[rows], logps[rows] = live_tok, live_lp
     done[rows] = live_done
@@ -318,6 +308,7 @@ def _fused(name):
     if not _FUSED:  # compiled on first use; dynamic: chunks of any number of rows share one kernel
         _FUSED["stats"] = torch.compile(_chunk_stats, dynamic=True)
         _FUSED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+        _FUSED["gumbel"] = torch.compile(_gumbel_max, dynamic=True)
     return _FUSED[name]
 
 
