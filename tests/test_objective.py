@@ -96,7 +96,10 @@ def make_batch(seed=0):
     return logp, ref, adv, mask
 
 
-def naive_loss(logp, old, ref, adv, mask, beta, epsilon, epsilon_high, loss_type, max_len):
+def naive_loss(logp, old, ref, adv, mask, beta, epsilon, epsilon_high, loss_type, max_len, is_weight=None,
+               bias_correction_kl=False):
+    """TRL's per-token loss written out: the surrogate (times the importance weight, (n, T) or (n, 1)) plus beta
+    times k3 (times the ratio when bias-corrected), token by token."""
     per_seq_sums, per_seq_lens, total = [], [], 0.0
     for i in range(logp.shape[0]):
         s = 0.0
@@ -105,8 +108,11 @@ def naive_loss(logp, old, ref, adv, mask, beta, epsilon, epsilon_high, loss_type
                 continue
             ratio = torch.exp(logp[i, t] - old[i, t])
             term = -torch.min(ratio * adv[i], ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv[i])
+            if is_weight is not None:
+                term = term * is_weight[i, t if is_weight.shape[1] > 1 else 0]
             d = ref[i, t] - logp[i, t]
-            term = term + beta * (torch.exp(d) - d - 1)
+            kl = torch.exp(d) - d - 1
+            term = term + beta * (kl * ratio if bias_correction_kl else kl)
             s = s + term
         per_seq_sums.append(s)
         per_seq_lens.append(mask[i].sum())
@@ -194,26 +200,6 @@ def test_importance_weights_finite_for_any_gap():
         assert torch.isfinite(w).all() and (w >= 0).all() and (w <= 3.0).all()
 
 
-def naive_weighted_loss(logp, old, ref, adv, mask, is_weight, beta, epsilon, epsilon_high, bias_correction_kl):
-    """TRL's per-token GRPO loss written out (loss_type grpo): the surrogate times the importance weight, plus
-    beta times k3, times the ratio when bias-corrected; each sequence's token mean, averaged."""
-    total = 0.0
-    for i in range(logp.shape[0]):
-        s = 0.0
-        for t in range(logp.shape[1]):
-            if mask[i, t] == 0:
-                continue
-            ratio = torch.exp(logp[i, t] - old[i, t])
-            w = is_weight[i, t if is_weight.shape[1] > 1 else 0]
-            term = -torch.min(ratio * adv[i], ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv[i]) * w
-            d = ref[i, t] - logp[i, t]
-            kl = torch.exp(d) - d - 1
-            term = term + beta * (kl * ratio if bias_correction_kl else kl)
-            s = s + term
-        total = total + s / mask[i].sum()
-    return total / logp.shape[0]
-
-
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 @pytest.mark.parametrize("bias_correction_kl", [False, True])
 def test_weighted_and_bias_corrected_loss_matches_naive(mode, bias_correction_kl):
@@ -227,7 +213,8 @@ def test_weighted_and_bias_corrected_loss_matches_naive(mode, bias_correction_kl
                              **loss_kwargs(num_tokens=mask.sum()))
     loss.backward()
     b = logp0.clone().requires_grad_()
-    expected = naive_weighted_loss(b, old, ref, adv, mask, w, 0.1, 0.2, 0.3, bias_correction_kl)
+    expected = naive_loss(b, old, ref, adv, mask, 0.1, 0.2, 0.3, "grpo", 6, is_weight=w,
+                          bias_correction_kl=bias_correction_kl)
     expected.backward()
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(a.grad, b.grad)

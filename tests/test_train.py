@@ -320,7 +320,7 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, importance_samp
         from test_objective import naive_importance_weights
         w = naive_importance_weights(old, r.logprobs, loss_mask, importance_sampling, 0.7, 1.3)
         assert ((w > 0.7) & (w < 1.3)).any() and ((w <= 0.7) | (w >= 1.3)).any()
-    from test_objective import naive_weighted_loss
+    from test_objective import naive_loss
     model = copy.deepcopy(init)
     for weights, applied in steps:
         with torch.no_grad():
@@ -328,7 +328,8 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, importance_samp
                 p.copy_(v)
         model.zero_grad()
         logp = naive_logp(model)
-        naive_weighted_loss(logp, old, ref, adv, loss_mask, w, 0.1, 0.2, 0.2, True).backward()
+        naive_loss(logp, old, ref, adv, loss_mask, 0.1, 0.2, 0.2, "grpo", 5, is_weight=w,
+                   bias_correction_kl=True).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for p, g in zip(model.parameters(), applied):
             torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
