@@ -472,26 +472,42 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
     order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
 
-    def shape(rows):  # (first column, completion positions) of a micro-batch of these rows
-        t = max(1, max(completion_len[i] for i in rows))
-        # keep at least the last prompt column: it predicts the first completion token
-        return max(0, min(p - 1, p - max(prompt_len[i] for i in rows))), t
+    def micro_batch(rows, longest_prompt, longest_completion):
+        t = max(1, longest_completion)
+        start = max(0, min(p - 1, p - longest_prompt))  # keep at least the last prompt column: it predicts
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t)  # token 1
 
-    groups = [[]]
+    out, rows, lp, lc = [], [], 0, 0  # the micro-batch being filled and its longest prompt and completion
     for i in order:
-        rows = groups[-1] + [i]
-        start, t = shape(rows)
-        fits = len(rows) * (p - start + t) <= max_tokens if max_tokens > 0 else len(rows) <= size
-        if fits or not groups[-1]:
-            groups[-1] = rows
-        else:
-            groups.append([i])
-    out = []
-    for rows in groups:
-        if rows:
-            start, t = shape(rows)
-            out.append(MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t))
+        new_lp, new_lc = max(lp, prompt_len[i]), max(lc, completion_len[i])
+        cols = min(p, max(1, new_lp)) + max(1, new_lc)
+        fits = (len(rows) + 1) * cols <= max_tokens if max_tokens > 0 else len(rows) < size
+        if rows and not fits:
+            out.append(micro_batch(rows, lp, lc))
+            rows, new_lp, new_lc = [], prompt_len[i], completion_len[i]
+        rows.append(i)
+        lp, lc = new_lp, new_lc
+    if rows:
+        out.append(micro_batch(rows, lp, lc))
     return out
+
+
+def split_micro_batches(micro, count):
+    """`micro` split further until there are `count` micro-batches: the one with the most rows is halved.
+
+    Under several processes every rank must run as many forwards and backwards (each is a collective under
+    FSDP); a token budget gives each rank its own number. A half keeps its micro-batch's columns, a superset
+    of what its rows need. Needs count <= the number of rows.
+    """
+    micro = list(micro)
+    while len(micro) < count:
+        i = max(range(len(micro)), key=lambda j: len(micro[j].rows))
+        mb = micro.pop(i)
+        half = len(mb.rows) // 2
+        if half == 0:
+            raise ValueError(f"split_micro_batches: {count} micro-batches asked of fewer rows")
+        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t), MicroBatch(mb.rows[half:], mb.cols, mb.t)]
+    return micro
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -424,6 +424,9 @@ def update(run, batch, advantages, step):
     num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
     # rows of similar length together, each micro-batch cut to the columns its rows use
     micro = grpo.micro_batches(mask, loss_mask, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
+        count = sharding.all_gather_rows(torch.tensor([len(micro)], device=d.device), d).max().item()
+        micro = grpo.split_micro_batches(micro, count)
     ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
     old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
     zero = torch.zeros((), device=d.device)

@@ -246,6 +246,28 @@ def test_ranks_finishing_at_different_lengths_do_not_hang(runs):
         assert r["all_gathers_per_forward"] > 5 * r["fsdp_groups"]
 
 
+def test_token_budget_micro_batches_agree_across_ranks(tmp_path):
+    """Prompts of 2 and 61 characters: with a token budget the ranks would run different numbers of
+    micro-batches (10 against 14 at step 1 with this data), each a collective under FSDP; split to the same
+    count, 2 processes finish and train as 1 does."""
+    data = tmp_path / "uneven.jsonl"
+    with open(data, "w") as f:
+        for i in range(64):
+            f.write(json.dumps({"prompt": "x" * (1 if i % 2 else 60) + f" {chr(97 + i % 26)}>",
+                                "answer": chr(98 + i % 25)}) + "\n")
+    runs = {}
+    for nproc in (1, 2):
+        out_dir = str(tmp_path / f"p{nproc}")
+        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", f"--dataset={data}",
+                           "--micro_batch_tokens=200", *FLAGS], nproc)
+        runs[nproc] = metrics(out_dir)
+    assert [m["step"] for m in runs[2]] == [1, 2]
+    for a, b in zip(runs[1], runs[2]):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
 def test_evaluation_splits_rows_over_processes(tmp_path):
     """Each of 2 ranks samples half the held-out rows (the odd one padded); the gathered scores equal 1 process's.
 

@@ -143,6 +143,9 @@ MICRO_BATCH_CASES = {
     "rows": (dict(size=3), [[6, 7, 4], [0, 3, 2], [1, 5]], [5, 6, 1], [(0, 17), (10, 18), (10, 13)]),
     # at most 40 positions each: 2 x 17, 2 x 18 (row 0's completion with row 4's prompt), 4 x 8
     "tokens": (dict(size=3, max_tokens=40), [[6, 7], [4, 0], [3, 2, 1, 5]], [5, 6, 6], [(0, 17), (0, 18), (10, 18)]),
+    # then split to 5 micro-batches (as under several processes): the largest halved, columns kept
+    "tokens, split": (dict(size=3, max_tokens=40, split=5), [[6], [7], [4, 0], [3, 2], [1, 5]], [5, 5, 6, 6, 6],
+                      [(0, 17), (0, 17), (0, 18), (10, 18), (10, 18)]),
     # a budget below every row's length: one row each
     "tiny budget": (dict(size=3, max_tokens=5), [[6], [7], [4], [0], [3], [2], [1], [5]], [5, 4, 2, 6, 6, 3, 1, 1],
                     [(0, 17), (0, 16), (0, 14), (10, 18), (10, 18), (10, 15), (10, 13), (11, 13)]),
@@ -162,7 +165,11 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     with torch.no_grad():
         ref_logp = grpo.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
     kwargs, rows, ts, cols = MICRO_BATCH_CASES[case]
+    kwargs = dict(kwargs)
+    split = kwargs.pop("split", None)
     micro = grpo.micro_batches(mask, counted, t, **kwargs)
+    if split:
+        micro = grpo.split_micro_batches(micro, split)
     assert sorted(torch.cat([m.rows for m in micro]).tolist()) == list(range(n))  # every row exactly once
     assert [m.rows.tolist() for m in micro] == rows
     assert [m.t for m in micro] == ts
