@@ -119,10 +119,13 @@ def fused_sampling_available(device):
 
 
 def sample_tokens(logits, temperature, top_k, top_p, keys):
-    """Pick one token per row; return it with its log-prob under the unfiltered tempered distribution.
+    """Pick one token per row; return it with its log-prob under the distribution that drew it.
 
-    The log-prob ignores top-k / top-p on purpose: it is what the training
-    forward computes for the same token, so the first iteration's ratio is 1.
+    That is softmax(logits / T), renormalised over the top-k / top-p tokens
+    when those are on (what vLLM calls processed log-probs): the behaviour
+    policy that `importance_weights` corrects for. The training forward
+    computes the unfiltered tempered log-prob, so with filters on the two differ
+    by the filtered mass, also in `sampler_logprob_diff`.
     Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
     argmax over the filtered logits of logits / T + noise.
     """
@@ -131,9 +134,9 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     if top_k or top_p < 1.0:
-        scaled = logits.float() / temperature
-        token = (filter_logits(scaled, top_k, top_p) + gumbel_noise(keys, scaled.shape[-1])).argmax(-1)
-        return token, scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+        filtered = filter_logits(logits.float() / temperature, top_k, top_p)
+        token = (filtered + gumbel_noise(keys, filtered.shape[-1])).argmax(-1)
+        return token, filtered.gather(-1, token[:, None])[:, 0] - torch.logsumexp(filtered, -1)
     if fused_sampling_available(logits.device):
         return _fused("gumbel")(logits, keys, 1.0 / temperature)
     return _gumbel_max(logits, keys, 1.0 / temperature)

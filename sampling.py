@@ -18,8 +18,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
-    many rows. A row samples the same tokens whatever batch it is in (its own seed), so the setting
-    changes memory and speed, not the completions. Every rank has as many rows, so as many batches.
+    many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
+    changes memory and speed, not the completions (up to rounding where bf16 logits depend on the batch size). Every rank has as many rows, so as many batches.
     """
     n = prompt_ids.shape[0]
     size = cfg.generation_batch_size or n

@@ -83,7 +83,7 @@ class Config:
     max_completion_length: int = 4
     max_prompt_length: int = 512          # longer prompts are cut from the left
     generation_batch_size: int = 0        # completions decoded at once on each process; 0 = all of them. Fewer
-                                          # = a smaller KV cache (long completions); the same completions either way
+                                          # = a smaller KV cache (long completions); same seeds either way
     decode_attention_kernel: bool = False  # CUDA: decode attention by the split-KV Triton kernel (kernels.py)
                                           # instead of SDPA; tested against it, speed not yet measured
     # run
@@ -442,9 +442,9 @@ def update(run, batch, advantages, step):
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()
                 sampler = batch.rollout.logprobs[mb.rows, :mb.t]
-                diff = (old_logp[i] - sampler).abs() * batch.rollout.completion_mask[mb.rows, :mb.t]
+                diff = (old_logp[i] - sampler).abs() * mb_mask  # over the tokens the loss counts
                 lp_diff = {"sum": lp_diff["sum"] + diff.sum(), "max": torch.maximum(lp_diff["max"], diff.max()),
-                           "tokens": lp_diff["tokens"] + batch.rollout.completion_mask[mb.rows, :mb.t].sum()}
+                           "tokens": lp_diff["tokens"] + mb_mask.sum()}
                 if cfg.importance_sampling != "none":
                     is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
                                                            cfg.importance_sampling_min, cfg.importance_sampling_max)

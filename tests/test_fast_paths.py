@@ -299,9 +299,10 @@ def test_gumbel_sampling_never_picks_a_token_without_mass():
     assert torch.isfinite(logits.gather(1, tok[:, None])).all()
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)
     tok_k, lp_k = grpo.sample_tokens(logits, 1.0, 5, 1.0, keys)  # top-5: one of each row's five largest
-    assert (logits.gather(1, tok_k[:, None]) >= logits.topk(5).values[:, -1:]).all()
-    torch.testing.assert_close(lp_k, torch.log_softmax(logits, -1).gather(-1, tok_k[:, None])[:, 0], atol=1e-5,
-                               rtol=0)
+    top5 = logits.topk(5).values
+    assert (logits.gather(1, tok_k[:, None]) >= top5[:, -1:]).all()
+    # its log-prob renormalised over those five: the distribution that drew it
+    torch.testing.assert_close(lp_k, logits.gather(1, tok_k[:, None])[:, 0] - top5.logsumexp(-1), atol=1e-5, rtol=0)
     noise = grpo.gumbel_noise(grpo.row_keys(torch.arange(2000), 0), 1000)
     assert torch.isfinite(noise).all() and -3 < noise.min() and noise.max() < 17
     assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.std().item() - math.pi / math.sqrt(6)) < 0.01
@@ -572,10 +573,13 @@ def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
     for n in (300, 17):  # dynamic shapes: one kernel for any number of rows
         tok, lp = grpo.sample_tokens(logits[:n], 0.7, 0, 1.0, keys[:n])
         want_tok, want_lp = grpo._gumbel_max(logits[:n], keys[:n], 1 / 0.7)
-        # exp/log may round differently compiled: only near-ties may resolve otherwise
-        assert (tok == want_tok).float().mean() > 0.99
+        # log may round differently compiled: only a near-tie of the two best noisy logits may resolve otherwise
+        noisy = logits[:n].float() / 0.7 + grpo.gumbel_noise(keys[:n], logits.shape[1])
+        top2 = noisy.topk(2).values
+        assert ((tok == want_tok) | (top2[:, 0] - top2[:, 1] < 1e-4)).all()
         same = tok == want_tok
         torch.testing.assert_close(lp[same], want_lp[same], atol=1e-4, rtol=0)
+        assert torch.isfinite(lp).all()
 
 
 @cuda
