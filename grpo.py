@@ -133,13 +133,10 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
         logits = logits.float()
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    if top_k or top_p < 1.0:
-        filtered = filter_logits(logits.float() / temperature, top_k, top_p)
-        token = (filtered + gumbel_noise(keys, filtered.shape[-1])).argmax(-1)
-        return token, filtered.gather(-1, token[:, None])[:, 0] - torch.logsumexp(filtered, -1)
-    if fused_sampling_available(logits.device):
-        return _fused("gumbel")(logits, keys, 1.0 / temperature)
-    return _gumbel_max(logits, keys, 1.0 / temperature)
+    pick = _fused("gumbel") if fused_sampling_available(logits.device) else _gumbel_max
+    if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
+        return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
+    return pick(logits, keys, 1.0 / temperature)
 
 
 @torch.no_grad()

@@ -580,6 +580,13 @@ def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
         same = tok == want_tok
         torch.testing.assert_close(lp[same], want_lp[same], atol=1e-4, rtol=0)
         assert torch.isfinite(lp).all()
+    # filtered: the compiled draw over the filtered logits (-inf outside top-k / top-p)
+    filtered = grpo.filter_logits(logits.float() / 0.7, 50, 0.9)
+    tok, lp = grpo.sample_tokens(logits, 0.7, 50, 0.9, keys)
+    want_tok, want_lp = grpo._gumbel_max(filtered, keys, 1.0)
+    top2 = (filtered + grpo.gumbel_noise(keys, logits.shape[1])).topk(2).values
+    assert ((tok == want_tok) | (top2[:, 0] - top2[:, 1] < 1e-4)).all()
+    assert torch.isfinite(filtered.gather(1, tok[:, None])).all() and torch.isfinite(lp).all()
 
 
 @cuda
