@@ -19,7 +19,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
     many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
-    changes memory and speed, not the completions (up to rounding where bf16 logits depend on the batch size). Every rank has as many rows, so as many batches.
+    changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
+    size). Every rank has as many rows, so as many batches.
     """
     n = prompt_ids.shape[0]
     size = cfg.generation_batch_size or n
@@ -31,7 +32,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
                                 max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
-                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel))  # the next batch reuses the weight copies and cache
+                                # the next batch reuses the weight copies and the cache
+                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel))
     rollout = grpo.cat_rollouts(parts, tokenizer.pad_token_id)
     text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padded after the first EOS
     return rollout, text
