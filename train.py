@@ -75,7 +75,7 @@ class Config:
     importance_sampling: str = "none"     # correct for the sampler's log-probs differing from the trainer's: none,
                                           # token_truncate, token_mask, sequence_truncate or sequence_mask (README)
     importance_sampling_min: float = 0.0  # weights are clipped to [min, max] (truncate) or zeroed outside (mask)
-    importance_sampling_max: float = 3.0
+    importance_sampling_max: float = 3.0  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by default)
     # sampling
     temperature: float = 1.0
     top_p: float = 1.0
