@@ -113,11 +113,6 @@ def _gumbel_max(logits, keys, inv_temperature):
     return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
-def fused_sampling_available(device):
-    """On CUDA with Triton, `_gumbel_max` runs compiled (as the log-prob head does)."""
-    return fused_head_available(device)
-
-
 def sample_tokens(logits, temperature, top_k, top_p, keys):
     """Pick one token per row; return it with its log-prob under the distribution that drew it.
 
@@ -133,7 +128,8 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
         logits = logits.float()
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    pick = _fused("gumbel") if fused_sampling_available(logits.device) else _gumbel_max
+    # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
+    pick = _fused("gumbel") if fused_head_available(logits.device) else _gumbel_max
     if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
         return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
     return pick(logits, keys, 1.0 / temperature)
@@ -474,8 +470,9 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
 
     def micro_batch(rows, longest_prompt, longest_completion):
         t = max(1, longest_completion)
-        start = max(0, min(p - 1, p - longest_prompt))  # keep at least the last prompt column: it predicts
-        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t)  # token 1
+        # keep at least the last prompt column: it predicts the first completion token
+        start = max(0, min(p - 1, p - longest_prompt))
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t)
 
     out, rows, lp, lc = [], [], 0, 0  # the micro-batch being filled and its longest prompt and completion
     for i in order:

@@ -49,11 +49,11 @@ def decode_attention_reference(q, k, v, key_mask=None, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # (B, nkv, rep, L)
     if key_mask is not None:
-        mask = key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
-        s.masked_fill_(~mask, float("-inf"))
+        dropped = ~key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
+        s.masked_fill_(dropped, float("-inf"))
     p = s.softmax(-1)
     if key_mask is not None:
-        p.masked_fill_(~mask, 0.0)  # a row without keys is NaN after softmax (0/0): zeros, as in the kernel
+        p.masked_fill_(dropped, 0.0)  # a row without keys is NaN after softmax (0/0): zeros, as in the kernel
     return torch.matmul(p, v.float()).to(q.dtype)
 
 

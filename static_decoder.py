@@ -349,16 +349,12 @@ class StaticDecoder:
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
-            if self.attention_kernel:  # split-KV Triton kernel: reads each cached key and value once
+            if self.sdpa_decode and not self.attention_kernel:
+                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
+            else:  # the split-KV Triton kernel (CUDA), or on CPU its plain version: two batched matmuls, which
+                # beat SDPA's setup cost at small CPU shapes
                 o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
                                              self.scale)
-            elif self.sdpa_decode:
-                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
-            else:  # small CPU shapes: two batched matmuls beat the fused kernel's setup cost
-                scores = torch.matmul(qg, kk.transpose(-1, -2)).mul_(self.scale)
-                if attn_mask is not None:
-                    scores.masked_fill_(~attn_mask, float("-inf"))
-                o = torch.matmul(scores.softmax(-1), vv)
             x = self._mlp(x, o.reshape(b, nh * hd), w, eps2)
         return x
 

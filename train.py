@@ -429,8 +429,8 @@ def update(run, batch, advantages, step):
         micro = grpo.split_micro_batches(micro, count)
     ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
     old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
-    zero = torch.zeros((), device=d.device)
-    lp_diff = {"sum": zero, "max": zero, "tokens": zero}
+    # |trainer - sampler| log-prob over the counted tokens, summed and largest (the first pass)
+    lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
 
     skipped = 0
     for iteration in range(cfg.num_iterations):
@@ -442,9 +442,9 @@ def update(run, batch, advantages, step):
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()
                 sampler = batch.rollout.logprobs[mb.rows, :mb.t]
-                diff = (old_logp[i] - sampler).abs() * mb_mask  # over the tokens the loss counts
-                lp_diff = {"sum": lp_diff["sum"] + diff.sum(), "max": torch.maximum(lp_diff["max"], diff.max()),
-                           "tokens": lp_diff["tokens"] + mb_mask.sum()}
+                diff = (old_logp[i] - sampler).abs() * mb_mask
+                lp_diff_sum, lp_diff_tokens = lp_diff_sum + diff.sum(), lp_diff_tokens + mb_mask.sum()
+                lp_diff_max = torch.maximum(lp_diff_max, diff.max())
                 if cfg.importance_sampling != "none":
                     is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
                                                            cfg.importance_sampling_min, cfg.importance_sampling_max)
@@ -474,8 +474,8 @@ def update(run, batch, advantages, step):
             skipped += 1
             run.bad_steps += 1
         run.optimizer.zero_grad(set_to_none=True)
-    sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff["sum"], lp_diff["tokens"]
-    return sums, lp_diff["max"], grad_norm, lr, skipped
+    sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff_sum, lp_diff_tokens
+    return sums, lp_diff_max, grad_norm, lr, skipped
 
 
 def train_step(run, step):

@@ -566,7 +566,7 @@ def test_cuda_decode_attention_kernel_samples_like_sdpa(arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
     """The compiled sampler (one fused pass over the logits) against the eager Gumbel-max, on a real vocabulary."""
-    assert grpo.fused_sampling_available("cuda")
+    assert grpo.fused_head_available("cuda")
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(300, 151_936, generator=g) * 3).to("cuda", dtype)
     keys = grpo.row_keys(torch.arange(300, device="cuda"), 5)
