@@ -397,21 +397,48 @@ def default_chunk_tokens(vocab_size, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None, fused=None, fast_forward=None):
+                        chunk_tokens=None, fused=None, fast_forward=None, width=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
-    The transformer runs once; the vocabulary projection runs over chunks of
-    `chunk_tokens` positions and is recomputed chunk by chunk in backward, so
-    no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as
-    in `sample`. Returns (logp, entropy), each (N, T); entropy has no gradient.
+    input_ids (N, S) are left-padded prompts then completions; attention_mask
+    (N, S) marks the real tokens. The transformer runs once; the vocabulary
+    projection runs over chunks of `chunk_tokens` positions and is recomputed
+    chunk by chunk in backward, so no (N, T, V) float32 tensor ever exists.
+    Temperature is applied exactly as in `sample`. Returns (logp, entropy),
+    each (N, T); entropy has no gradient.
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     `fast_forward` (default: where supported) runs the transformer as
     `static_decoder.hidden_states` instead of the Hugging Face forward.
+
+    Each row's left padding is moved to its right end before the forward, so
+    every row starts at column 0 with position 0 and attention needs no mask:
+    plain causal attention gives each real token exactly the keys it had, and
+    the padding, now after the row's last token, is never attended by a real
+    one. Without a mask SDPA takes its flash kernel, with grouped-query
+    attention and no copies of K/V, where a mask forces the slower
+    memory-efficient kernel and, on CUDA, repeated K/V. A mask with holes
+    other than left padding is passed to the forward as it is.
+    `width` (with left padding only): the forward runs over the first `width`
+    columns of the moved rows: for the row whose real prompt plus counted
+    completion is longest, all but its last token (`MicroBatch.width`).
+    Completion tokens predicted from past `width` then get finite log-probs
+    that mean nothing, for the caller to mask.
     """
     t = num_completion_tokens
-    positions = position_ids_from_mask(attention_mask)
-    # no padding (every prompt the same length): plain causal attention, with no mask to build or apply
-    mask = None if bool(attention_mask.all()) else attention_mask
+    n, s = input_ids.shape
+    targets = input_ids[:, -t:]
+    lead = (attention_mask.cumsum(1) == 0).sum(1)  # (N,) leading padding columns
+    left_padded_only, padded = torch.stack([(attention_mask.sum(1) + lead == s).all(), lead.any()]).tolist()
+    if left_padded_only:
+        if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
+            cols = torch.arange(s, device=input_ids.device)
+            input_ids = input_ids.gather(1, (cols + lead[:, None]) % s)
+        if width is not None and width < s:
+            input_ids = input_ids[:, :width]
+        mask, positions = None, torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+    else:
+        lead = torch.zeros_like(lead)
+        mask, positions = attention_mask, position_ids_from_mask(attention_mask)
     if fast_forward is None:
         fast_forward = training_forward_supported(model)
     if fast_forward:
@@ -419,14 +446,18 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     else:
         hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                   use_cache=False).last_hidden_state
-    hidden = hidden[:, -t - 1:-1]  # (N, T, H): the position before each completion token predicts it
-    n, _, h = hidden.shape
-    hidden, targets = hidden.reshape(n * t, h), input_ids[:, -t:].reshape(n * t)
+    h = hidden.shape[-1]
+    # the position before each completion token predicts it: column s - t - 1 + j, moved left with its row
+    # (clamped: a row with an empty prompt has no predictor for its first token, as without the move; past
+    # `width`, the last column stands in)
+    before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - lead[:, None]).clamp(0, hidden.shape[1] - 1)
+    hidden = hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
     weight = model.get_output_embeddings().weight
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
     if fused is None:
         fused = fused_head_available(weight.device)
-    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, bool(fused))
+    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
+                                                bool(fused))
     return logp.view(n, t), entropy.view(n, t)
 
 
@@ -436,6 +467,9 @@ class MicroBatch:
     rows: torch.Tensor  # (m,) indices into the batch
     cols: slice         # columns of the (N, P + T) prompt + completion tensors these rows use
     t: int              # completion positions kept: per-token (N, T) tensors are read as x[rows, :t]
+    width: int          # positions the forward runs once each row's padding is moved to its end: the longest
+                        # real prompt + counted completion of these rows, less its last token (which predicts
+                        # nothing); completion_logprobs(width=...)
 
     def take(self, *sequences):
         """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
@@ -454,8 +488,12 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     leading prompt padding, and completion positions after every row's last
     counted token. Neither changes a counted token's log-prob: padding is
     masked out, and in a causal model later positions do not affect earlier ones.
+    `completion_logprobs` then moves each row's padding to its end, so the
+    forward runs `width` positions: the longest real prompt + counted
+    completion of the rows (less its last token, which predicts nothing), not
+    the longest prompt plus the longest completion.
     A micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as
-    keep rows x columns within it (a row longer than that alone): the forward's
+    keep rows x width within it (a row longer than that alone): the forward's
     activations then stay about the same size whether completions are short or long.
     """
     t_all = num_completion_tokens
@@ -472,18 +510,18 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
         t = max(1, longest_completion)
         # keep at least the last prompt column: it predicts the first completion token
         start = max(0, min(p - 1, p - longest_prompt))
-        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t)
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, width(rows))
+
+    def width(rows):  # rows[0] is the longest; its last token predicts nothing
+        return max(1, need[rows[0]] - 1)
 
     out, rows, lp, lc = [], [], 0, 0  # the micro-batch being filled and its longest prompt and completion
-    for i in order:
-        new_lp, new_lc = max(lp, prompt_len[i]), max(lc, completion_len[i])
-        cols = min(p, max(1, new_lp)) + max(1, new_lc)
-        fits = (len(rows) + 1) * cols <= max_tokens if max_tokens > 0 else len(rows) < size
-        if rows and not fits:
+    for i in order:  # longest first: a micro-batch's first row sets its width
+        if rows and (len(rows) >= size if max_tokens <= 0 else (len(rows) + 1) * width(rows) > max_tokens):
             out.append(micro_batch(rows, lp, lc))
-            rows, new_lp, new_lc = [], prompt_len[i], completion_len[i]
+            rows, lp, lc = [], 0, 0
         rows.append(i)
-        lp, lc = new_lp, new_lc
+        lp, lc = max(lp, prompt_len[i]), max(lc, completion_len[i])
     if rows:
         out.append(micro_batch(rows, lp, lc))
     return out
@@ -503,7 +541,8 @@ def split_micro_batches(micro, count):
         half = len(mb.rows) // 2
         if half == 0:
             raise ValueError(f"split_micro_batches: {count} micro-batches asked of fewer rows")
-        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t), MicroBatch(mb.rows[half:], mb.cols, mb.t)]
+        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t, mb.width),
+                      MicroBatch(mb.rows[half:], mb.cols, mb.t, mb.width)]
     return micro
 
 

@@ -52,7 +52,7 @@ class Config:
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
     micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
     micro_batch_tokens: int = 0           # > 0: instead, as many completions per forward/backward as fit this many
-                                          # (prompt + completion) positions, padding included: many short, few long
+                                          # positions (rows x the longest prompt + completion): many short, few long
     num_iterations: int = 1               # mu: optimizer steps on each generated batch
     # optimisation
     lr: float = 1e-3
@@ -397,7 +397,8 @@ def reference_logprobs(run, ids, mask, micro):
     policy = run.policy
     model = run.ref if run.ref is not None else policy
     with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
-        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature)[0] for mb in micro]
+        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width)[0]
+                for mb in micro]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
@@ -437,7 +438,8 @@ def update(run, batch, advantages, step):
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
                 "is_weight": 0.0}
         for i, mb in enumerate(micro):
-            logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature)
+            logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                                   width=mb.width)
             mb_mask = loss_mask[mb.rows, :mb.t]
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()

@@ -357,6 +357,32 @@ def test_chunked_logprobs_loss_and_grads_match_naive(chunk_tokens):
     assert slow[3]["model.embed_tokens.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("padding", ["left", "holes"])
+def test_left_padding_needs_no_attention_mask(monkeypatch, padding):
+    """Rows rolled so that their left padding comes last attend with plain causal attention, no mask, and give
+    the log-probs of the masked naive forward; a mask with holes is still applied."""
+    model, tok = tiny_model()
+    t = 5
+    ids, attn = with_completions(prompts(tok), t, seed=6)
+    if padding == "holes":
+        ids, attn = with_hole(ids, attn)
+    assert not attn.all()
+    with torch.no_grad():
+        want, _ = naive_logprobs(model, ids, attn, t, 0.9)
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(static_decoder.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, ids, attn, t, 0.9, fast_forward=True)
+    assert len(masks) >= model.config.num_hidden_layers
+    assert all((m is None) == (padding == "left") for m in masks)
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+
+
 def test_chunked_logprobs_in_bfloat16_match_naive():
     """bfloat16 weights (as FSDP computes on GPUs): the log-prob function's dtype handling matches autograd's."""
     model, tok = tiny_model()
@@ -438,10 +464,18 @@ def hf_and_fast_logprobs(model, ids, attn, t, temperature=0.8):
     return out
 
 
+def with_hole(ids, attn):
+    """The mask with a hole in the longest prompt (a masked token between real ones), not only left padding."""
+    attn = attn.clone()
+    attn[attn.sum(1).argmax(), 3] = 0
+    return ids, attn
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("padded", [True, False])
-def test_training_forward_matches_hf_forward(arch, padded):
-    """Values and gradients of every parameter, with left padding (mask) and without (plain causal)."""
+@pytest.mark.parametrize("padding", ["left", "none", "holes"])
+def test_training_forward_matches_hf_forward(arch, padding):
+    """Values and gradients of every parameter, with left padding (moved to the right end, no mask), without
+    padding (plain causal), and with a hole in a prompt (a mask)."""
     # Llama: a head_dim other than hidden / heads, and another norm epsilon
     model, tok = tiny_model(arch, **(dict(head_dim=32, rms_norm_eps=1e-5) if arch == "llama" else {}))
     with torch.no_grad():  # norm weights and biases away from their initial ones and zeros
@@ -451,7 +485,9 @@ def test_training_forward_matches_hf_forward(arch, padded):
     assert static_decoder.training_forward_supported(model)
     enc = prompts(tok)
     t = 6
-    ids, attn = with_completions(enc, t, seed=3, last=None if padded else 9)
+    ids, attn = with_completions(enc, t, seed=3, last=9 if padding == "none" else None)
+    if padding == "holes":
+        ids, attn = with_hole(ids, attn)
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
     torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
     assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))

@@ -137,18 +137,24 @@ def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
 
 # Rows 0-3 have a short left-padded prompt (2 tokens), rows 4-7 a long one (12: the prompt columns); row 5
 # counts no token (as a masked truncated completion), so it sorts last and needs no prompt column. Columns
-# needed, prompt + counted completion: rows 0-7 need 8 3 5 8 | 14 0 17 16.
+# needed, prompt + counted completion: rows 0-7 need 8 3 5 8 | 14 0 17 16. A micro-batch keeps the columns
+# of its longest prompt and longest completion; its forward runs its longest row's need less 1 (width).
 MICRO_BATCH_CASES = {
     # 3 rows each, longest first (stable)
-    "rows": (dict(size=3), [[6, 7, 4], [0, 3, 2], [1, 5]], [5, 6, 1], [(0, 17), (10, 18), (10, 13)]),
-    # at most 40 positions each: 2 x 17, 2 x 18 (row 0's completion with row 4's prompt), 4 x 8
-    "tokens": (dict(size=3, max_tokens=40), [[6, 7], [4, 0], [3, 2, 1, 5]], [5, 6, 6], [(0, 17), (0, 18), (10, 18)]),
-    # then split to 5 micro-batches (as under several processes): the largest halved, columns kept
-    "tokens, split": (dict(size=3, max_tokens=40, split=5), [[6], [7], [4, 0], [3, 2], [1, 5]], [5, 5, 6, 6, 6],
-                      [(0, 17), (0, 17), (0, 18), (10, 18), (10, 18)]),
+    "rows": (dict(size=3), [[6, 7, 4], [0, 3, 2], [1, 5]], [5, 6, 1], [(0, 17), (10, 18), (10, 13)], [16, 7, 2]),
+    # at most 40 positions (rows x width) each: 2 x 16, 3 x 13, 3 x 4
+    "tokens": (dict(size=3, max_tokens=40), [[6, 7], [4, 0, 3], [2, 1, 5]], [5, 6, 3], [(0, 17), (0, 18), (10, 15)],
+               [16, 13, 4]),
+    # 26 positions: row 0 joins row 4 (2 x 13) only because the width counts, not prompt 12 + completion 6
+    "tokens 26": (dict(size=3, max_tokens=26), [[6], [7], [4, 0], [3, 2, 1], [5]], [5, 4, 6, 6, 1],
+                  [(0, 17), (0, 16), (0, 18), (10, 18), (11, 13)], [16, 15, 13, 7, 1]),
+    # then split to 5 micro-batches (as under several processes): the largest halved, columns and width kept
+    "tokens, split": (dict(size=3, max_tokens=40, split=5), [[6, 7], [4], [0, 3], [2], [1, 5]], [5, 6, 6, 3, 3],
+                      [(0, 17), (0, 18), (0, 18), (10, 15), (10, 15)], [16, 13, 13, 4, 4]),
     # a budget below every row's length: one row each
-    "tiny budget": (dict(size=3, max_tokens=5), [[6], [7], [4], [0], [3], [2], [1], [5]], [5, 4, 2, 6, 6, 3, 1, 1],
-                    [(0, 17), (0, 16), (0, 14), (10, 18), (10, 18), (10, 15), (10, 13), (11, 13)]),
+    "tiny budget": (dict(size=3, max_tokens=3), [[6], [7], [4], [0], [3], [2], [1], [5]], [5, 4, 2, 6, 6, 3, 1, 1],
+                    [(0, 17), (0, 16), (0, 14), (10, 18), (10, 18), (10, 15), (10, 13), (11, 13)],
+                    [16, 15, 13, 7, 7, 4, 2, 1]),
 }
 
 
@@ -164,7 +170,7 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     temperature = 0.7
     with torch.no_grad():
         ref_logp = grpo.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
-    kwargs, rows, ts, cols = MICRO_BATCH_CASES[case]
+    kwargs, rows, ts, cols, widths = MICRO_BATCH_CASES[case]
     kwargs = dict(kwargs)
     split = kwargs.pop("split", None)
     micro = grpo.micro_batches(mask, counted, t, **kwargs)
@@ -174,9 +180,10 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     assert [m.rows.tolist() for m in micro] == rows
     assert [m.t for m in micro] == ts
     assert [(m.cols.start, m.cols.stop) for m in micro] == cols
+    assert [m.width for m in micro] == widths
     model.zero_grad()
     for m in micro:
-        logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5)
+        logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5, width=m.width)
         loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[m.rows, :m.t], adv[m.rows], counted[m.rows, :m.t],
                                  beta=0.1, epsilon=0.2, epsilon_high=0.2, loss_type=loss_type, num_sequences=n,
                                  num_tokens=counted.sum(), max_completion_length=6)
