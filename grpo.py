@@ -397,7 +397,7 @@ def default_chunk_tokens(vocab_size, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None, fused=None, fast_forward=None, width=None):
+                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask
@@ -408,7 +408,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     each (N, T); entropy has no gradient.
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     `fast_forward` (default: where supported) runs the transformer as
-    `static_decoder.hidden_states` instead of the Hugging Face forward.
+    `static_decoder.hidden_states` instead of the Hugging Face forward, with
+    its layers compiled when `compile_layers` (the Hugging Face forward is
+    never compiled here).
 
     Each row's left padding is moved to its right end before the forward, so
     every row starts at column 0 with position 0 and attention needs no mask:
@@ -442,7 +444,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     if fast_forward is None:
         fast_forward = training_forward_supported(model)
     if fast_forward:
-        hidden = hidden_states(model, input_ids, mask, positions)
+        hidden = hidden_states(model, input_ids, mask, positions, compiled=compile_layers)
     else:
         hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                   use_cache=False).last_hidden_state

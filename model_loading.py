@@ -257,14 +257,19 @@ def load_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0, gradi
     """
     model = _instantiate(AutoModelForCausalLM, name_or_path, model_init_kwargs, seed, device)
     if gradient_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it; set it to false")
-        # non-reentrant: works with inputs that need no grad and composes with FSDP2
-        if hasattr(model, "activation_checkpointing_enable"):  # the newer name; the older one is deprecated
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model.to(device)
+
+
+def enable_checkpointing(model):
+    """Activation checkpointing on every layer of a Hugging Face model."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it; set it to false")
+    # non-reentrant: works with inputs that need no grad and composes with FSDP2
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name; the older one is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def write_tiny_reward_model(path, chat_template=TINY_CHAT_TEMPLATE, **config_overrides):

@@ -130,7 +130,7 @@ def training_forward_supported(model):
     return _reproduced(model) and not _is_sharded(model)
 
 
-def hidden_states(model, input_ids, attention_mask, position_ids):
+def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
     """The final-norm hidden states (N, S, H) of a Llama/Qwen2 model, on its own parameters, differentiable.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the
@@ -139,20 +139,23 @@ def hidden_states(model, input_ids, attention_mask, position_ids):
     forward spends much of its time there. attention_mask None means no
     padding (plain causal attention). With activation checkpointing on, the
     layers the Hugging Face forward would recompute in backward are recomputed,
-    with the same checkpoint function.
+    with the same checkpoint function. compiled: each layer's arithmetic runs
+    through `torch.compile` (`compiled_layer`), one graph shared by all layers.
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)  # the module: its padding_idx row gets no gradient, as in the HF forward
     cos, sin = inner.rotary_emb(x, position_ids)  # (N, S, head_dim) in x's dtype
     cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
+    math = compiled_layer() if compiled else _layer
     for layer in inner.layers:
+        args = (x, cos, sin, mask, *_layer_params(layer))
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
-            x = checkpoint(_training_layer, layer, x, cos, sin, mask)
+            x = checkpoint(math, *args)
         else:
-            x = _training_layer(layer, x, cos, sin, mask)
+            x = math(*args)
     return _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
 
 
@@ -160,12 +163,22 @@ def _default_checkpoint(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
-def _training_layer(layer, x, cos, sin, mask):
+def _layer_params(layer):
+    """A decoder layer's tensors and constants, in `_layer`'s order after (x, cos, sin, mask)."""
     a, m = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    return (n1.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight,
+            a.v_proj.bias, a.o_proj.weight, a.o_proj.bias, n2.weight, m.gate_proj.weight, m.gate_proj.bias,
+            m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
+            n1.variance_epsilon, n2.variance_epsilon, a.head_dim, a.scaling)
+
+
+def _layer(x, cos, sin, mask, n1, wq, bq, wk, bk, wv, bv, wo, bo, n2, wg, bg, wu, bu, wd, bd, eps1, eps2, hd, scaling):
+    """One decoder layer on explicit tensors (None for a missing bias): plain functions of tensors, so that
+    one compiled graph serves every layer."""
     b, s, _ = x.shape
-    hd = a.head_dim
-    h = _rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-    q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, hd) for p in (a.q_proj, a.k_proj, a.v_proj))
+    h = _rms_norm(x, n1, eps1)
+    q, k, v = (F.linear(h, w, bias).view(b, s, -1, hd) for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
     q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
     # grouped-query attention (each K/V head serves `rep` query heads): SDPA's enable_gqa needs no copies of
     # K/V, but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy
@@ -173,12 +186,23 @@ def _training_layer(layer, x, cos, sin, mask):
     gqa = rep > 1 and (mask is None or not q.is_cuda)
     if rep > 1 and not gqa:
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.scaling,
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
                                        enable_gqa=gqa)
-    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), a.o_proj.weight, a.o_proj.bias)
-    h = _rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-    gate, up = (F.linear(h, p.weight, p.bias) for p in (m.gate_proj, m.up_proj))
-    return x + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), wo, bo)
+    h = _rms_norm(x, n2, eps2)
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+
+
+_COMPILED = {}
+
+
+def compiled_layer():
+    """`_layer` through torch.compile, built on first use: the norms, rotary, SiLU gate and residual adds
+    fused around the matmuls and the attention kernel, which eager runs as separate passes. Dynamic shapes
+    (micro-batches of any rows and width) and one graph for all layers (the weights are its inputs)."""
+    if "layer" not in _COMPILED:
+        _COMPILED["layer"] = torch.compile(_layer, dynamic=True, fullgraph=True)
+    return _COMPILED["layer"]
 
 
 class StaticDecoder:

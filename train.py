@@ -86,6 +86,8 @@ class Config:
                                           # = a smaller KV cache (long completions); same seeds either way
     decode_attention_kernel: bool = False  # CUDA: decode attention by the split-KV Triton kernel (kernels.py)
                                           # instead of SDPA; tested against it, speed not yet measured
+    compile_layers: bool = False          # torch.compile the training forward's decoder layers (meant for GPUs;
+                                          # unsharded Llama/Qwen2 only, where the written-out forward runs)
     # run
     seed: int = 0
     max_steps: int = 300
@@ -307,6 +309,9 @@ def load_models(cfg, d, load_device):
     if ref is not None:
         ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
         sharding.check_same_placement(policy, ref)
+    if cfg.compile_layers and not grpo.training_forward_supported(policy.lm) and d.master:
+        print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
+              "(sharded, LoRA, attention dropout or another architecture), which is not compiled", flush=True)
     return tokenizer, policy, ref
 
 
@@ -397,8 +402,8 @@ def reference_logprobs(run, ids, mask, micro):
     policy = run.policy
     model = run.ref if run.ref is not None else policy
     with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
-        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width)[0]
-                for mb in micro]
+        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
+                      compile_layers=run.cfg.compile_layers)[0] for mb in micro]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
@@ -439,7 +444,7 @@ def update(run, batch, advantages, step):
                 "is_weight": 0.0}
         for i, mb in enumerate(micro):
             logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                   width=mb.width)
+                                   width=mb.width, compile_layers=cfg.compile_layers)
             mb_mask = loss_mask[mb.rows, :mb.t]
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()

@@ -25,3 +25,21 @@ def model(tiny_dir):
     torch.manual_seed(0)
     m = model_loading.load_model(tiny_dir, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
     return m.eval()
+
+
+@pytest.fixture
+def traced_layers(monkeypatch):
+    """static_decoder's compiled layer through torch.compile with a backend that records each graph it is
+    given and runs it as traced (no code generation: fast, and exact): a test then sees that the layer
+    traces whole (fullgraph), how many graphs it took, and that it computes what the eager layer does."""
+    import static_decoder
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    monkeypatch.setitem(static_decoder._COMPILED, "layer",
+                        torch.compile(static_decoder._layer, backend=backend, dynamic=True, fullgraph=True))
+    yield graphs
+    torch._dynamo.reset()

@@ -144,6 +144,18 @@ def test_train_with_lora_and_kl_builds_no_reference(tmp_path, monkeypatch):
         assert not any("lora" in k for k in f.keys())
 
 
+def test_compile_layers_warns_where_the_hugging_face_forward_runs(tmp_path, capsys):
+    """LoRA layers train through the Hugging Face forward, which --compile_layers does not reach: it says so."""
+    import sharding
+    d = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    for lora_rank in (0, 4):
+        cfg = train.Config(device="cpu", out_dir=str(tmp_path / str(lora_rank)), compile_layers=True,
+                           lora_rank=lora_rank)
+        train.load_models(cfg, d, "cpu")
+        said = capsys.readouterr().out
+        assert ("compile_layers has no effect" in said) == (lora_rank > 0), said
+
+
 def test_fixed_reference_matches_a_separate_copy(tmp_path):
     """The adapters-off reference gives the same log-probs a frozen copy of the starting model would."""
     model, tok = _tiny(tmp_path)

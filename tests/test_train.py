@@ -290,17 +290,20 @@ def test_short_default_run_learns_and_exports(tmp_path, monkeypatch):
                                    **({} if same_device else dict(atol=1e-3, rtol=1e-3)))
 
 
-@pytest.mark.parametrize("importance_sampling", ["none", "token_truncate", "sequence_mask"])
-def test_update_matches_a_naive_multi_iteration_update(tmp_path, importance_sampling):
+@pytest.mark.parametrize("importance_sampling,compiled", [("none", False), ("token_truncate", False),
+                                                          ("sequence_mask", True)])
+def test_update_matches_a_naive_multi_iteration_update(tmp_path, request, importance_sampling, compiled):
     """train.update with mu = 2, token-budget micro-batches, importance weights and the bias-corrected KL,
     against the objective written out on full logits: the gradient each optimizer step applies, with the old
-    log-probs from a separate forward at the sampling weights, and the sampler/trainer difference it reports."""
+    log-probs from a separate forward at the sampling weights, and the sampler/trainer difference it reports.
+    One case with compile_layers (traced, see conftest.traced_layers)."""
+    traced = request.getfixturevalue("traced_layers") if compiled else None
     import copy
     import sharding
     cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
                        max_completion_length=5, micro_batch_size=3, micro_batch_tokens=30, num_iterations=2,
                        beta=0.1, temperature=0.7, use_bias_correction_kl=True, importance_sampling=importance_sampling,
-                       importance_sampling_min=0.7, importance_sampling_max=1.3, save_every=0)
+                       importance_sampling_min=0.7, importance_sampling_max=1.3, save_every=0, compile_layers=compiled)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     batch = train.rollout(run, 1)
     r = batch.rollout
@@ -319,6 +322,7 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, importance_samp
     run.optimizer.step = recording_step
     sums, lp_diff_max, *_ = train.update(run, batch, adv, 1)
     assert len(steps) == 2
+    assert traced is None or len(traced) == 2  # the compiled layer ran: with grad (policy), without (reference)
 
     ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(r.completion_ids)], 1)
