@@ -419,7 +419,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     one. Without a mask SDPA takes its flash kernel, with grouped-query
     attention and no copies of K/V, where a mask forces the slower
     memory-efficient kernel and, on CUDA, repeated K/V. A mask with holes
-    other than left padding is passed to the forward as it is.
+    other than left padding, or a row with no real prompt token, is passed
+    to the forward as it is (and `width` is then not applied).
     `width` (with left padding only): the forward runs over the first `width`
     columns of the moved rows: for the row whose real prompt plus counted
     completion is longest, all but its last token (`MicroBatch.width`).
@@ -430,7 +431,10 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     n, s = input_ids.shape
     targets = input_ids[:, -t:]
     lead = (attention_mask.cumsum(1) == 0).sum(1)  # (N,) leading padding columns
-    left_padded_only, padded = torch.stack([(attention_mask.sum(1) + lead == s).all(), lead.any()]).tolist()
+    # left padding only, and every row with a real prompt token (an empty prompt's first token would be
+    # predicted from itself once moved): then the move applies
+    movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
+    left_padded_only, padded = torch.stack([movable, lead.any()]).tolist()
     if left_padded_only:
         if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
             cols = torch.arange(s, device=input_ids.device)
@@ -450,8 +454,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
                                   use_cache=False).last_hidden_state
     h = hidden.shape[-1]
     # the position before each completion token predicts it: column s - t - 1 + j, moved left with its row
-    # (clamped: a row with an empty prompt has no predictor for its first token, as without the move; past
-    # `width`, the last column stands in)
+    # (clamped: past `width` the last column stands in, for tokens the caller does not count)
     before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - lead[:, None]).clamp(0, hidden.shape[1] - 1)
     hidden = hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
     weight = model.get_output_embeddings().weight
@@ -489,7 +492,7 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     share a micro-batch; each then drops the columns none of its rows needs:
     leading prompt padding, and completion positions after every row's last
     counted token. Neither changes a counted token's log-prob: padding is
-    masked out, and in a causal model later positions do not affect earlier ones.
+    never attended, and in a causal model later positions do not affect earlier ones.
     `completion_logprobs` then moves each row's padding to its end, so the
     forward runs `width` positions: the longest real prompt + counted
     completion of the rows (less its last token, which predicts nothing), not

@@ -148,7 +148,11 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
     math = compiled_layer() if compiled else _layer
+    if compiled:
+        _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
     for layer in inner.layers:
+        if compiled:
+            _dynamic_shape(x, 0, 1)
         args = (x, cos, sin, mask, *_layer_params(layer))
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
@@ -198,11 +202,24 @@ _COMPILED = {}
 
 def compiled_layer():
     """`_layer` through torch.compile, built on first use: the norms, rotary, SiLU gate and residual adds
-    fused around the matmuls and the attention kernel, which eager runs as separate passes. Dynamic shapes
-    (micro-batches of any rows and width) and one graph for all layers (the weights are its inputs)."""
+    fused around the matmuls and the attention kernel, which eager runs as separate passes. The weights
+    are the graph's inputs, so every layer shares it; rows and positions are dynamic (`_dynamic_shape`),
+    the weights' shapes static. A few variants still compile apart: with and without grad (the
+    reference's forward), a micro-batch of one row, an attention mask."""
     if "layer" not in _COMPILED:
-        _COMPILED["layer"] = torch.compile(_layer, dynamic=True, fullgraph=True)
+        _COMPILED["layer"] = compile_layer()
     return _COMPILED["layer"]
+
+
+def compile_layer(backend="inductor"):
+    return torch.compile(_layer, backend=backend, fullgraph=True)
+
+
+def _dynamic_shape(t, *dims):
+    """Mark these dims of t dynamic for torch.compile (not an error where it specialises them, as for 1)."""
+    if t is not None:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 class StaticDecoder:

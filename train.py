@@ -52,7 +52,8 @@ class Config:
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
     micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
     micro_batch_tokens: int = 0           # > 0: instead, as many completions per forward/backward as fit this many
-                                          # positions (rows x the longest prompt + completion): many short, few long
+                                          # positions (rows x the longest row's prompt + completion): many short,
+                                          # few long
     num_iterations: int = 1               # mu: optimizer steps on each generated batch
     # optimisation
     lr: float = 1e-3

@@ -39,7 +39,6 @@ def traced_layers(monkeypatch):
         graphs.append(gm)
         return gm.forward
     torch._dynamo.reset()
-    monkeypatch.setitem(static_decoder._COMPILED, "layer",
-                        torch.compile(static_decoder._layer, backend=backend, dynamic=True, fullgraph=True))
+    monkeypatch.setitem(static_decoder._COMPILED, "layer", static_decoder.compile_layer(backend))
     yield graphs
     torch._dynamo.reset()

@@ -161,9 +161,11 @@ def _interpreter_runs_loops():
     out = torch.zeros(1, dtype=torch.int32)
     try:
         _count_to[(1,)](out, 3)
-    except Exception as e:  # noqa: BLE001 - any failure of this one-line kernel is the interpreter's
+    except Exception as e:  # noqa: BLE001 - only the known failure skips; any other lets the cases fail
+        if "only 0-dimensional arrays can be converted" not in str(e):
+            return None
         return f"triton {kernels.triton.__version__}'s interpreter cannot run a loop to a run-time bound: {e!r}"
-    return None if out.item() == 3 else f"triton's interpreter counted to {out.item()}, not 3"
+    return None
 
 
 def _interpreter_worker(path):
