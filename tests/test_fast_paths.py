@@ -529,6 +529,17 @@ def test_training_forward_matches_hf_forward(arch, padding):
         torch.testing.assert_close(fast_grads[k], g, atol=2e-6 * g.abs().max().item(), rtol=1e-4, msg=k)
 
 
+def eager_and_compiled(model, ids, attn, t):
+    """(log-probs, float gradients of their sum) through the eager layers, then through the compiled ones."""
+    out = []
+    for compiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = grpo.completion_logprobs(model, ids, attn, t, 0.8, fast_forward=True, compile_layers=compiled)
+        logp.sum().backward()
+        out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters()}))
+    return out
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_layers_trace_whole_and_match_eager(traced_layers, checkpointing):
     """compile_layers: every layer and micro-batch shape runs one traced graph of the layer (no graph
@@ -539,12 +550,7 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, checkpointin
         model_loading.enable_checkpointing(model)
     batches = [with_completions(prompts(tok), 6, seed=3), with_completions(prompts(tok), 4, seed=4, last=7)]
     for ids, attn in batches + batches[:1]:
-        out = []
-        for compiled in (False, True):
-            model.zero_grad(set_to_none=True)
-            logp, _ = grpo.completion_logprobs(model, ids, attn, 3, 0.8, fast_forward=True, compile_layers=compiled)
-            logp.sum().backward()
-            out.append((logp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        out = eager_and_compiled(model, ids, attn, 3)
         torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
         for k, g in out[0][1].items():
             torch.testing.assert_close(out[1][1][k], g, atol=1e-7, rtol=1e-5, msg=k)
@@ -560,12 +566,7 @@ def test_compiled_layers_match_eager_on_cuda():
     for checkpointing in (False, True):
         if checkpointing:
             model_loading.enable_checkpointing(model)
-        out = []
-        for compiled in (False, True):
-            model.zero_grad(set_to_none=True)
-            logp, _ = grpo.completion_logprobs(model, ids, attn, 6, 0.8, fast_forward=True, compile_layers=compiled)
-            logp.sum().backward()
-            out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters()}))
+        out = eager_and_compiled(model, ids, attn, 6)
         torch.testing.assert_close(out[1][0], out[0][0], atol=3e-2, rtol=0)
         for k, g in out[0][1].items():
             torch.testing.assert_close(out[1][1][k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
