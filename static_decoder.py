@@ -11,6 +11,9 @@ compare them); other models take that forward.
 Of the project it imports only kernels.py (the optional Triton decode attention).
 """
 
+import functools
+import types
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -119,15 +122,32 @@ def _padded_causal_mask(attn):
 def training_forward_supported(model):
     """True when `hidden_states` may stand in for the Hugging Face forward in training.
 
-    The architectures StaticDecoder reproduces, with every parameter whole: an
-    FSDP2 shard is gathered by hooks around its module's forward, which this
-    plain function does not call, so sharded models keep the Hugging Face
-    forward. So does a model in training mode with attention dropout. Forward
-    hooks registered on the layers, projections or norms do not run here.
+    The architectures StaticDecoder reproduces, whole or sharded by FSDP2 the
+    way sharding.shard does it: each decoder layer its own group, which
+    `hidden_states` calls through a method registered with FSDP (so the
+    layer's weights are gathered around it, as around its own forward), and
+    everything else (embeddings, final norm, head) already gathered, as inside
+    the root's forward. A model in training mode with attention dropout keeps
+    the Hugging Face forward. Forward hooks registered on the layers,
+    projections or norms do not run here.
     """
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
-    return _reproduced(model) and not _is_sharded(model)
+    if not _reproduced(model):
+        return False
+    layers = model.model.layers
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in layers):
+        return False
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    return not _any_dtensor(p for p in model.parameters() if id(p) not in in_layers)
+
+
+def _any_dtensor(params):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
@@ -148,19 +168,34 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
     math = compiled_layer() if compiled else _layer
-    if compiled:
-        _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
     for layer in inner.layers:
-        if compiled:
-            _dynamic_shape(x, 0, 1)
-        args = (x, cos, sin, mask, *_layer_params(layer))
+        call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
-            x = checkpoint(math, *args)
+            x = checkpoint(call, math, x, cos, sin, mask)
         else:
-            x = math(*args)
+            x = call(math, x, cos, sin, mask)
     return _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
+
+
+def _layer_on(layer, math, x, cos, sin, mask):
+    """`math` (`_layer` or its compiled form) on this layer's parameters, as they are at the call: gathered,
+    under FSDP, by the hooks around `_fsdp_layer_method`."""
+    if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
+        _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
+    return math(x, cos, sin, mask, *_layer_params(layer))
+
+
+def _fsdp_layer_method(layer):
+    """`_layer_on` as a method of an FSDP2-sharded layer, registered with FSDP as a forward method: its hooks
+    gather the layer's weights before the call and free them after, and reduce-scatter their gradients in
+    backward, as they do around the layer's own forward."""
+    if "grpo_layer" not in layer.__dict__:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+        layer.grpo_layer = types.MethodType(_layer_on, layer)
+        register_fsdp_forward_method(layer, "grpo_layer")
+    return layer.grpo_layer
 
 
 def _default_checkpoint(fn, *args):

@@ -88,7 +88,7 @@ class Config:
     decode_attention_kernel: bool = False  # CUDA: decode attention by the split-KV Triton kernel (kernels.py)
                                           # instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = False          # torch.compile the training forward's decoder layers (meant for GPUs;
-                                          # unsharded Llama/Qwen2 only, where the written-out forward runs)
+                                          # Llama/Qwen2 without LoRA, where the written-out forward runs)
     # run
     seed: int = 0
     max_steps: int = 300
@@ -305,14 +305,14 @@ def load_models(cfg, d, load_device):
         print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
               f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
               f"torchrun + FSDP2 compute in bfloat16", flush=True)
+    if cfg.compile_layers and not grpo.training_forward_supported(policy.train()) and d.master:  # as it trains
+        print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
+              "(LoRA, attention dropout or another architecture), which is not compiled", flush=True)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
     policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision).train()
     if ref is not None:
         ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
         sharding.check_same_placement(policy, ref)
-    if cfg.compile_layers and not grpo.training_forward_supported(policy.lm) and d.master:
-        print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
-              "(sharded, LoRA, attention dropout or another architecture), which is not compiled", flush=True)
     return tokenizer, policy, ref
 
 

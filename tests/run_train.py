@@ -96,6 +96,12 @@ def main(argv):
         return original_check(policy, ref)
 
     grpo.sample, sharding.check_same_placement = recording_sample, spying_check
+    original_layer, layer_calls = static_decoder._layer_on, [0]
+
+    def counting_layer(*args):  # the written-out training forward's layer, sharded or not
+        layer_calls[0] += 1
+        return original_layer(*args)
+    static_decoder._layer_on = counting_layer
     if not any(a.startswith("--out_dir") for a in argv):
         raise SystemExit("run_train.py needs --out_dir")
     d = sharding.setup("cpu")  # train.main sets up the same process group again: a no-op then
@@ -122,6 +128,7 @@ def main(argv):
         "ref_devices": sorted({str(p.device) for p in ref.parameters()}),
         "policy_devices": sorted({str(p.device) for p in policy.parameters()}),
         "sharded": d.world_size > 1 and all(hasattr(p, "device_mesh") for p in policy.parameters()),
+        "written_out_layer_calls": layer_calls[0],
     })
     with open(os.path.join(out_dir, f"after_rank{rank}.json"), "w") as f:
         json.dump(report, f)
