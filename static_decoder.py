@@ -136,10 +136,17 @@ def training_forward_supported(model):
     if not _reproduced(model):
         return False
     layers = model.model.layers
-    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in layers):
+    if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
         return False
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     return not _any_dtensor(p for p in model.parameters() if id(p) not in in_layers)
+
+
+def _one_fsdp_group(layer):
+    """An FSDP2 group of its own with no other group inside: one gather brings all its weights."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(layer, FSDPModule) and not any(isinstance(m, FSDPModule) for m in layer.modules()
+                                                     if m is not layer)
 
 
 def _any_dtensor(params):

@@ -270,6 +270,41 @@ def test_token_budget_micro_batches_agree_across_ranks(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+LAYOUT_WORKER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+import model_loading, sharding, static_decoder
+dist.init_process_group("gloo")
+for nested in (False, True):
+    lm = AutoModelForCausalLM.from_config(model_loading.tiny_config(model_loading.build_byte_tokenizer()))
+    root = sharding.Root(lm)
+    for layer in lm.model.layers:
+        if nested:
+            fully_shard(layer.mlp)  # a group inside the layer's group: one gather would not bring every weight
+        fully_shard(layer)
+    fully_shard(root)
+    before = static_decoder.training_forward_supported(lm)  # outside the root's forward: the embeddings are shards
+    inside = root(static_decoder.training_forward_supported)
+    if dist.get_rank() == 0:
+        print(f"nested={nested} before={before} inside={inside}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_written_out_forward_takes_only_the_layout_it_gathers(tmp_path):
+    """Sharded as sharding.shard does (each layer one group, the root gathered around the call): the written-
+    out forward applies inside the root's forward, not before it (the embeddings are shards there), and
+    not where a layer holds another group."""
+    script = tmp_path / "layout.py"
+    script.write_text(LAYOUT_WORKER)
+    out = launch(str(script), [ROOT], 2, timeout=120)
+    assert "nested=False before=False inside=True" in out
+    assert "nested=True before=False inside=False" in out
+
+
 def test_evaluation_splits_rows_over_processes(tmp_path):
     """Each of 2 ranks samples half the held-out rows (the odd one padded); the gathered scores equal 1 process's.
 
