@@ -186,9 +186,31 @@ def gathered(root):
 
 
 def free_gathered(root):
-    """Release the root group's gathered parameters (FSDP keeps the root's after a forward for backward)."""
+    """Release the root group's gathered parameters (FSDP keeps the root's after a forward for backward).
+
+    Also forgets FSDP's record of the forwards run since the last backward,
+    which only a backward clears: for a model that never runs one (the
+    reference, a reward model) it would grow by a few entries per forward for
+    the whole run. Call it where no backward is pending.
+    """
     for m in fsdp_modules(root):
         m.reshard()
+        _forget_forwards(m)
+
+
+def _forget_forwards(module):
+    """Clear an FSDP2 group's per-forward records (kept for backward prefetching). Private state, whose
+    layout differs between torch versions: one group per module (2.11) or a list (2.13)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    for group in groups:
+        if hasattr(group, "_post_forward_indices"):
+            group._post_forward_indices.clear()
+        order = getattr(getattr(group, "comm_ctx", None), "post_forward_order", None)
+        if order is not None:
+            order.clear()
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -290,19 +290,34 @@ for nested in (False, True):
     inside = root(static_decoder.training_forward_supported)
     if dist.get_rank() == 0:
         print(f"nested={nested} before={before} inside={inside}", flush=True)
+# forwards only, as the reference model runs: FSDP's per-forward records must not pile up
+import grpo
+ids = torch.arange(3, 23).view(2, 10)
+records = []
+for _ in range(3):
+    with torch.no_grad():
+        root(grpo.completion_logprobs, ids, torch.ones_like(ids), 4)
+    sharding.free_gathered(root)
+    records.append(len(lm.model.layers[0]._get_fsdp_state()._comm_ctx.post_forward_order))
+if dist.get_rank() == 0:
+    print(f"records after each forward and free_gathered={records}", flush=True)
 dist.destroy_process_group()
 """
 
 
-def test_written_out_forward_takes_only_the_layout_it_gathers(tmp_path):
+def test_written_out_forward_layouts_and_forward_only_records(tmp_path):
     """Sharded as sharding.shard does (each layer one group, the root gathered around the call): the written-
     out forward applies inside the root's forward, not before it (the embeddings are shards there), and
-    not where a layer holds another group."""
+    not where a layer holds another group. A model that only runs forwards (the reference) keeps no growing
+    record of them."""
     script = tmp_path / "layout.py"
     script.write_text(LAYOUT_WORKER)
     out = launch(str(script), [ROOT], 2, timeout=120)
     assert "nested=False before=False inside=True" in out
     assert "nested=True before=False inside=False" in out
+    # free_gathered forgets them (without it: 6, 11, 16 here)
+    records = json.loads(out.split("records after each forward and free_gathered=")[1].splitlines()[0])
+    assert records == [0, 0, 0], records
 
 
 def test_evaluation_splits_rows_over_processes(tmp_path):
