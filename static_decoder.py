@@ -220,7 +220,7 @@ def _layer_params(layer):
 
 
 def _layer(x, cos, sin, mask, n1, wq, bq, wk, bk, wv, bv, wo, bo, n2, wg, bg, wu, bu, wd, bd, eps1, eps2, hd, scaling):
-    """One decoder layer on explicit tensors (None for a missing bias): plain functions of tensors, so that
+    """One decoder layer as a function of tensors (None for a missing bias), the weights among them, so that
     one compiled graph serves every layer."""
     b, s, _ = x.shape
     h = _rms_norm(x, n1, eps1)
