@@ -29,11 +29,15 @@ def _class_names(module):
 
 def _is_sharded(module):
     """True when some parameter of `module` is a DTensor shard (FSDP2 outside a gather)."""
+    return _any_dtensor(module.parameters())
+
+
+def _any_dtensor(params):
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
         return False
-    return any(isinstance(w, DTensor) for w in module.parameters())
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def _gathers_itself(module):
@@ -147,14 +151,6 @@ def _one_fsdp_group(layer):
     from torch.distributed.fsdp import FSDPModule
     return isinstance(layer, FSDPModule) and not any(isinstance(m, FSDPModule) for m in layer.modules()
                                                      if m is not layer)
-
-
-def _any_dtensor(params):
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return any(isinstance(p, DTensor) for p in params)
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):

@@ -229,6 +229,14 @@ def test_training_forward_matches_hf_forward(arch, padding):
         torch.testing.assert_close(fast_grads[k], g, atol=2e-6 * g.abs().max().item(), rtol=1e-4, msg=k)
 
 
+def assert_close_in_bfloat16(got, want):
+    """(log-probs, {name: gradient}) pairs from bf16 runs: log-probs within 3e-2, each gradient within 3% of its
+    largest entry (bf16 rounds each side differently)."""
+    torch.testing.assert_close(got[0], want[0], atol=3e-2, rtol=0)
+    for k, g in want[1].items():
+        torch.testing.assert_close(got[1][k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+
+
 def eager_and_compiled(model, ids, attn, t):
     """(log-probs, float gradients of their sum) through the eager layers, then through the compiled ones."""
     out = []
@@ -267,9 +275,7 @@ def test_compiled_layers_match_eager_on_cuda():
         if checkpointing:
             model_loading.enable_checkpointing(model)
         out = eager_and_compiled(model, ids, attn, 6)
-        torch.testing.assert_close(out[1][0], out[0][0], atol=3e-2, rtol=0)
-        for k, g in out[0][1].items():
-            torch.testing.assert_close(out[1][1][k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+        assert_close_in_bfloat16(out[1], out[0])
 
 
 def test_training_forward_matches_hf_forward_in_bfloat16():
@@ -278,10 +284,8 @@ def test_training_forward_matches_hf_forward_in_bfloat16():
     enc = prompts(tok)
     t = 3
     ids, attn = with_completions(enc, t, seed=4)
-    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
-    torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
-    for k, g in hf_grads.items():
-        torch.testing.assert_close(fast_grads[k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+    hf, fast = hf_and_fast_logprobs(model, ids, attn, t)
+    assert_close_in_bfloat16(fast, hf)
 
 
 def test_training_forward_checkpoints_its_layers(tmp_path):
@@ -362,7 +366,5 @@ def test_cuda_training_forward_matches_hf_forward(padding):
     ids, attn = with_completions(enc, t, seed=5, last=5 if padding == "none" else None)
     if padding == "holes":
         ids, attn = with_hole(ids, attn)
-    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
-    torch.testing.assert_close(fast_logp, hf_logp, atol=3e-2, rtol=0)
-    for k, g in hf_grads.items():
-        torch.testing.assert_close(fast_grads[k], g, atol=3e-2 * g.abs().max().item(), rtol=5e-2, msg=k)
+    hf, fast = hf_and_fast_logprobs(model, ids, attn, t)
+    assert_close_in_bfloat16(fast, hf)
