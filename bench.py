@@ -37,6 +37,7 @@ import torch
 
 import cli
 import grpo
+import sampling
 import model_loading
 import sharding
 import tasks
@@ -116,7 +117,7 @@ def bench_decode(path, s, device):
     sampling = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
 
     def ours(max_new=t, **kw):
-        return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=never,
+        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=never,
                            pad_id=tokenizer.pad_token_id, **sampling, **kw)
 
     def generate():
@@ -145,7 +146,7 @@ def bench_decode(path, s, device):
     # other matmul kernels whose rounding moves a few draws, so the share of identical rows is reported.
     stop_ids = list(range(40, 40 + max(1, round(2 * model.config.vocab_size / t))))
     def stopping(compact):
-        return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
+        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
                            pad_id=tokenizer.pad_token_id, compact=compact, **sampling)
     ct = {True: [], False: []}
     for _ in range(s["warmup"]):

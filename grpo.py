@@ -1,12 +1,13 @@
-"""The GRPO algorithm as small functions: sampling, token log-probs, advantages, KL, loss.
+"""The GRPO objective as small functions: token log-probs, micro-batches, advantages, KL, loss.
 
 Shapes: N completions in a batch, P prompts, G completions per prompt
 (N = P * G, grouped so that rows g*G .. g*G+G-1 belong to prompt g),
 T completion length, V vocabulary.
 
-Of the project it imports only the fast decoder the sampler uses
-(static_decoder.py); each function can be called from a test with tensors
-and, where needed, a Hugging Face causal LM.
+The sampler that produces the rollouts is sampling.py. Of the project this
+file imports only the written-out training forward (static_decoder.py); each
+function can be called from a test with tensors and, where needed, a Hugging
+Face causal LM.
 """
 
 from dataclasses import dataclass
@@ -14,248 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from static_decoder import StaticDecoder, hidden_states, static_decode_supported, training_forward_supported
+from static_decoder import hidden_states, training_forward_supported
 
-# ----------------------------------------------------------------------------- sampling
-
-
-@dataclass
-class Rollout:
-    completion_ids: torch.Tensor   # (N, T) sampled tokens, pad after the first EOS
-    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
-    truncated: torch.Tensor        # (N,) True when no EOS was produced within the length limit
-    logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied)
-
-
-def cat_rollouts(rollouts, pad_id):
-    """One Rollout of the rows of several, in order; shorter completions padded (pad_id, mask 0, log-prob 0)."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    t = max(r.completion_ids.shape[1] for r in rollouts)
-
-    def cat(name, value):
-        return torch.cat([F.pad(getattr(r, name), (0, t - r.completion_ids.shape[1]), value=value) for r in rollouts])
-    return Rollout(cat("completion_ids", pad_id), cat("completion_mask", 0), torch.cat([r.truncated for r in rollouts]),
-                   cat("logprobs", 0.0))
+# ----------------------------------------------------------------------------- positions
 
 
 def position_ids_from_mask(attention_mask):
     """Left padding shifts where real tokens start: position 0 is each row's first real token."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def completion_mask_from_ids(ids, eos_ids):
-    """1 for every token up to and including the first EOS of its row, 0 after it.
-
-    Works when pad == eos: padding after the first EOS is excluded, the first EOS is kept.
-    """
-    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))
-    eos_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS tokens strictly before t
-    return (eos_before == 0).to(torch.long)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x):
-    """The "lowbias32" integer finaliser (Chris Wellons' hash prospector) on int64 tensors holding 32-bit
-    values: int64 products wrap, and their low 32 bits are exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def row_keys(seeds, step):
-    """A 32-bit key per row, a pure function of (row seed, step): the row's random numbers for that token.
-
-    A counter-based hash instead of a stateful generator: a row draws the same
-    numbers whatever else is in its batch (padding, other rows, other ranks), and
-    drawing them needs no host synchronisation.
-    """
-    return _mix32((seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & _MASK32)
-
-
-def gumbel_noise(keys, vocab):
-    """Standard Gumbel noise (n, V), float32, a pure function of each row's key and the vocabulary index.
-
-    Uniforms of 23 bits, u = (k + 1/2) / 2^23, strictly inside (0, 1) in float32, so the noise
-    -log(-log u) is always finite (between about -2.8 and 16.6).
-    """
-    index = torch.arange(vocab, device=keys.device)
-    x = _mix32((keys[:, None] ^ (index * 0x27D4EB2F)) & _MASK32)
-    u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
-
-
-def filter_logits(logits, top_k=0, top_p=1.0):
-    """Set logits outside the top-k and outside the top-p nucleus to -inf."""
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _gumbel_max(logits, keys, inv_temperature):
-    """argmax(logits / T + Gumbel noise): a draw from softmax(logits / T) (the Gumbel-max trick), and its
-    log-prob. Elementwise work and three reductions over the vocabulary, which torch.compile fuses into one
-    pass over the (bf16) logits with the noise computed in registers: no float32 copy, no cumulative sum."""
-    z = logits.float() * inv_temperature
-    token = (z + gumbel_noise(keys, z.shape[-1])).argmax(-1)
-    return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
-
-
-def sample_tokens(logits, temperature, top_k, top_p, keys):
-    """Pick one token per row; return it with its log-prob under the distribution that drew it.
-
-    That is softmax(logits / T), renormalised over the top-k / top-p tokens
-    when those are on (what vLLM calls processed log-probs): the behaviour
-    policy that `importance_weights` corrects for. The training forward
-    computes the unfiltered tempered log-prob, so with filters on the two differ
-    by the filtered mass, also in `sampler_logprob_diff`.
-    Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
-    argmax over the filtered logits of logits / T + noise.
-    """
-    if temperature == 0:  # greedy
-        logits = logits.float()
-        token = logits.argmax(-1)
-        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
-    pick = _fused("gumbel") if fused_head_available(logits.device) else _gumbel_max
-    if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
-        return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
-    return pick(logits, keys, 1.0 / temperature)
-
-
-@torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
-           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
-           keep_decoder=False, attention_kernel=False):
-    """Generate completions for left-padded prompts: a prefill, then one token at a time over a KV cache.
-
-    Each row stops at its first EOS; the loop stops once every row has, checking
-    on the host only every `check_every` tokens, or at `max_new_tokens`.
-    `seeds` (N,) int64 fixes each row's random stream; rows with equal seeds
-    and equal prompts sample equal completions.
-    `all_done(done) -> bool` decides when to stop; under several processes it
-    must agree across ranks (an all-reduce), so that every rank runs the same
-    number of forwards and none waits forever on a collective.
-
-    static_cache: for Llama/Qwen2-family models, decode with `StaticDecoder`
-    (a preallocated cache and no per-token framework overhead); other models,
-    or static_cache=False, run the Hugging Face forward over a DynamicCache.
-    compact: at each check, drop finished rows from the decode batch.
-    cuda_graph: on CUDA, replay each decode step as a captured CUDA graph.
-    keep_decoder: keep StaticDecoder's weight copies, cache and graphs on the
-    model for the next call (no re-copy or re-capture) at the price of that
-    memory between calls; by default they are freed when sampling ends.
-    attention_kernel: on CUDA, StaticDecoder's attention runs as the split-KV
-    Triton kernel of kernels.py instead of SDPA (where the shapes allow it).
-    """
-    if all_done is None:
-        all_done = lambda done: bool(done.all())  # noqa: E731
-    n = prompt_ids.shape[0]
-    device = prompt_ids.device
-    if seeds is None:
-        seeds = torch.arange(n, device=device)
-    seeds = seeds.to(device=device, dtype=torch.long)
-    # every row's keys for the whole completion at once: row_keys is elementwise, so these are the same
-    # numbers as drawing step by step
-    keys = row_keys(seeds[:, None], torch.arange(max_new_tokens, device=device)[None, :])  # (N, T)
-    args = (prompt_ids, prompt_mask.long(), max_new_tokens, torch.as_tensor(eos_ids, device=device), pad_id,
-            (temperature, top_k, top_p), keys, check_every, all_done)
-    if static_cache and static_decode_supported(model):
-        tokens, logps, done = _sample_static(model, *args, compact=compact, cuda_graph=cuda_graph,
-                                             keep_decoder=keep_decoder, attention_kernel=attention_kernel)
-    else:
-        tokens, logps, done = _sample_hf(model, *args)
-    mask = completion_mask_from_ids(tokens, eos_ids)
-    return Rollout(tokens.masked_fill(mask == 0, pad_id), mask, ~done, logps.masked_fill(mask == 0, 0.0))
-
-
-def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, keys, check_every, all_done):
-    """The plain loop: the model's own forward over a DynamicCache, all rows to the end."""
-    from transformers import DynamicCache
-
-    n, device = prompt_ids.shape[0], prompt_ids.device
-    positions = position_ids_from_mask(attn)
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
-    next_pos = positions[:, -1] + 1  # (N,)
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=device)
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    length = max_new_tokens
-    for t in range(max_new_tokens):
-        tok, lp = sample_tokens(logits, *sampling, keys[:, t])
-        tokens[:, t] = torch.where(done, pad_id, tok)
-        logps[:, t] = torch.where(done, 0.0, lp)
-        done = done | torch.isin(tok, eos)
-        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and all_done(done)):
-            length = t + 1
-            break
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        logits = model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
-        next_pos = next_pos + 1
-    return tokens[:, :length], logps[:, :length], done
-
-
-def _sample_static(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, keys, check_every,
-                   all_done, compact, cuda_graph, keep_decoder, attention_kernel):
-    """The fast loop: StaticDecoder, with finished rows compacted out of the decode batch.
-
-    Live state covers only the rows still decoding (`rows` holds their indices in
-    the batch); a row's results are written out when it leaves, or at the end.
-    """
-    n, p = prompt_ids.shape
-    device = prompt_ids.device
-    dec = StaticDecoder.for_model(model, n, p + max_new_tokens, cuda_graph=cuda_graph,
-                                  attention_kernel=attention_kernel)
-    positions = position_ids_from_mask(attn)
-    logits = dec.prefill(prompt_ids, attn, positions)  # (N, V)
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=device)
-    done = torch.ones(n, dtype=torch.bool, device=device)  # rows no longer live are done
-    rows = torch.arange(n, device=device)
-    live_tok, live_lp = tokens.clone(), logps.clone()
-    live_done = torch.zeros(n, dtype=torch.bool, device=device)
-    checked = 0  # tokens up to here have been looked at for EOS
-    live_keys = keys
-    length = max_new_tokens
-    for t in range(max_new_tokens):
-        # a finished row keeps sampling until the next check; `sample` masks what follows its first EOS
-        live_tok[:, t], live_lp[:, t] = sample_tokens(logits, *sampling, live_keys[:, t])
-        last = t == max_new_tokens - 1
-        if last or (t + 1) % check_every == 0:
-            live_done |= torch.isin(live_tok[:, checked:t + 1], eos).any(1)  # the tokens since the last check
-            checked = t + 1
-            done[rows] = live_done
-            if last or all_done(done):
-                length = t + 1
-                break
-            if compact:
-                keep = (~live_done).nonzero()[:, 0]
-                if dec.worth_compacting(keep.numel(), rows.numel()):
-                    tokens[rows], logps[rows] = live_tok, live_lp
-                    dec.compact(keep, p + t + 1)
-                    rows = rows[keep]
-                    live_tok, live_lp, live_done, live_keys = live_tok[keep], live_lp[keep], live_done[keep], live_keys[keep]
-        logits = dec.decode(live_tok[:, t], p + t)
-    tokens[rows], logps[rows] = live_tok, live_lp
-    done[rows] = live_done
-    if not keep_decoder:  # give the weight copies and the cache back before training needs the memory
-        model.__dict__.pop("_static_decoder", None)
-    return tokens[:, :length], logps[:, :length], done
 
 
 # ----------------------------------------------------------------------------- token log-probs
@@ -304,7 +71,6 @@ def _fused(name):
     if not _FUSED:  # compiled on first use; dynamic: chunks of any number of rows share one kernel
         _FUSED["stats"] = torch.compile(_chunk_stats, dynamic=True)
         _FUSED["grad"] = torch.compile(_chunk_grad, dynamic=True)
-        _FUSED["gumbel"] = torch.compile(_gumbel_max, dynamic=True)
     return _FUSED[name]
 
 

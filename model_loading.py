@@ -39,7 +39,7 @@ def resolve_dtype(value):
 
 # ----------------------------------------------------------------------------- the tiny model
 
-def build_byte_tokenizer():
+def build_byte_tokenizer(extra_tokens=()):
     """A tokenizer that encodes any text: one token per UTF-8 byte, plus a few special tokens.
 
     Built with the `tokenizers` library (byte-level BPE with no merges), so it
@@ -53,6 +53,9 @@ def build_byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(TINY_SPECIAL_TOKENS)
+    if extra_tokens:  # whole-word tokens that stay in decoded text (a task's markup)
+        from tokenizers import AddedToken
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
@@ -70,10 +73,10 @@ def tiny_config(tokenizer, **overrides):
     return Qwen2Config(**cfg)
 
 
-def write_tiny_model(path, chat_template=None, **config_overrides):
+def write_tiny_model(path, chat_template=None, extra_tokens=(), **config_overrides):
     """Write config + tokenizer (no weights) to `path`; loading it gives a randomly initialised model."""
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_byte_tokenizer()
+    tokenizer = build_byte_tokenizer(extra_tokens)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)

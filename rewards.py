@@ -601,3 +601,23 @@ def load_reward_funcs(spec):
     if not funcs:
         raise ValueError(f"{spec!r} names no function")
     return funcs
+
+
+# ----------------------------------------------------------------------------- the vault task (tools)
+
+
+def vault_reward(completions, messages, environments, **_):
+    """1 when the policy's last turn starts with the code its environment drew, else 0."""
+    scores = []
+    for conversation, env in zip(messages, environments):
+        last = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")
+        scores.append(1.0 if last.strip()[:1] == env.code else 0.0)
+    return scores
+
+
+def tool_format_reward(completions, messages, **_):
+    """The tool-call format, in two steps: 1 when the completion made a call, 0.5 when it at least opened one
+    with its first token, else 0. A format reward like format_reward: it lets a model that starts from random
+    weights find the call, after which the task's own reward teaches what to do with the result."""
+    return [1.0 if any(m["role"] == "tool" for m in conversation) else 0.5 if c.startswith("<tool_call>") else 0.0
+            for c, conversation in zip(completions, messages)]

@@ -80,7 +80,7 @@ class Logger:
 
     # what the step line shows, with short names, so that it fits a 120-column terminal
     SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
-             ("entropy", "entropy"), ("grad_norm", "grad"))
+             ("entropy", "entropy"), ("grad_norm", "grad"), ("tool_calls", "tools"))
 
     def __init__(self, cfg, master, resume_step=0, run_id=None):
         self.master, self.wandb, self.max_steps = master, None, cfg.max_steps
@@ -131,10 +131,14 @@ class Logger:
             self.table(step, "completions", {
                 "prompt": batch.prompts[shown], "completion": batch.completions[shown],
                 **{k: v[shown].tolist() for k, v in parts.items()},
+                # with tools: each turn, call and result as its own message
+                **({"conversation": [json.dumps(e.messages) for e in batch.episodes[shown]]} if batch.episodes else {}),
+                "turns": batch.rollout.turns[shown].tolist(),
                 "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
         if run.d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
             for i in range(0, min(len(batch.prompts), 3 * G), G):
-                print(f"  [{total[i]:.2f}] {batch.prompts[i][-60:]!r} -> {batch.completions[i][:120]!r}")
+                print(f"  [{total[i]:.2f}] {batch.prompts[i][-60:]!r} -> {batch.completions[i][:120]!r}"
+                      + (f" ({batch.rollout.turns[i].item()} turns)" if batch.episodes else ""))
 
     def close(self):
         if self.master:
@@ -185,7 +189,16 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
-    lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)
+    lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)  # policy + environment
+    policy_lengths = sharding.all_gather_rows(batch.rollout.policy_mask.sum(1).float(), d)
+    turns = sharding.all_gather_rows(batch.rollout.turns.float(), d)
+    tools = {}
+    if batch.episodes is not None:  # tool calls and failed calls per completion
+        counts = torch.tensor([[e.tool_calls, e.tool_errors] for e in batch.episodes], dtype=torch.float32,
+                              device=d.device)
+        counts = sharding.all_gather_rows(counts, d)
+        tools = {"tool_calls": counts[:, 0].mean().item(), "tool_errors": counts[:, 1].mean().item(),
+                 "turns": turns.mean().item(), "turns_max": turns.max().item()}
     truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
     parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
     tok = max(sums["tokens"], 1.0)
@@ -200,7 +213,8 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
         "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
         "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
-        "completion_length_max": lengths.max().item(), "truncated_frac": truncated.mean().item(),
+        "completion_length_max": lengths.max().item(), "completion_policy_length": policy_lengths.mean().item(),
+        "truncated_frac": truncated.mean().item(), **tools,
         "batch_tokens": sums["seen"],
         # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning
         "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),

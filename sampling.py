@@ -1,11 +1,477 @@
-"""Sampling completions on the (sharded) policy: the sampler call behind each training step's rollout, and the
-evaluation on held-out prompts built on it. The decode loop itself is grpo.sample."""
+"""The sampler: completions for left-padded prompts on the (sharded) policy, one or several turns each.
 
+`sample` is one decode loop over a KV cache. Each step either decodes one
+token per row or, where rows paused for an environment, appends the
+environment's answer to those rows' cache and resumes them; a row ends at EOS
+or a stop sequence (unless the environment answers), or at the length limit.
+The loop runs on either of two ways to run a step: `_StaticSteps`
+(static_decoder.StaticDecoder: Llama/Qwen2 layers written out, a preallocated
+cache, CUDA graphs) or `_HFSteps` (the model's own forward over a
+DynamicCache, for every other model). `generate` runs it on the gathered
+weights of the policy for a step's rollout, `evaluate` on held-out prompts.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 
+import agents
 import grpo
 import rewards
 import sharding
+from static_decoder import StaticDecoder, static_decode_supported
+
+POLICY, ENVIRONMENT = 1, 2  # who wrote a completion token
+
+
+@dataclass
+class Rollout:
+    """The sampled trajectories: every (N, T) field is padded on the right, every field has one row per completion.
+
+    A field added here is carried through `cat_rollouts` without more code: (N, T) fields are padded with 0
+    (or with the pad id where their metadata says so), (N,) fields concatenated.
+    """
+    completion_ids: torch.Tensor = field(metadata={"pad": "pad_id"})  # (N, T) the policy's tokens and the
+                                   # environment's answers in order, pad after the end
+    completion_mask: torch.Tensor  # (N, T) 1 for every real token (the policy's and the environment's), 0 for padding
+    policy_mask: torch.Tensor      # (N, T) 1 for the tokens the policy sampled: the only ones the loss trains on
+    truncated: torch.Tensor        # (N,) True when the length limit cut the trajectory before it ended
+    logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied), 0 elsewhere
+    turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
+
+
+def cat_rollouts(rollouts, pad_id):
+    """One Rollout of the rows of several, in order; shorter completions padded on the right."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    t = max(r.completion_ids.shape[1] for r in rollouts)
+    out = {}
+    for f in dataclasses.fields(Rollout):
+        parts = [getattr(r, f.name) for r in rollouts]
+        if parts[0].dim() == 2:
+            value = pad_id if f.metadata.get("pad") == "pad_id" else 0
+            parts = [F.pad(x, (0, t - x.shape[1]), value=value) for x in parts]
+        out[f.name] = torch.cat(parts)
+    return Rollout(**out)
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """The "lowbias32" integer finaliser (Chris Wellons' hash prospector) on int64 tensors holding 32-bit
+    values: int64 products wrap, and their low 32 bits are exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds, step):
+    """A 32-bit key per row, a pure function of (row seed, step): the row's random numbers for that token.
+
+    A counter-based hash instead of a stateful generator: a row draws the same
+    numbers whatever else is in its batch (padding, other rows, other ranks), and
+    drawing them needs no host synchronisation.
+    """
+    return _mix32((seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & _MASK32)
+
+
+def gumbel_noise(keys, vocab):
+    """Standard Gumbel noise (n, V), float32, a pure function of each row's key and the vocabulary index.
+
+    Uniforms of 23 bits, u = (k + 1/2) / 2^23, strictly inside (0, 1) in float32, so the noise
+    -log(-log u) is always finite (between about -2.8 and 16.6).
+    """
+    index = torch.arange(vocab, device=keys.device)
+    x = _mix32((keys[:, None] ^ (index * 0x27D4EB2F)) & _MASK32)
+    u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
+def filter_logits(logits, top_k=0, top_p=1.0):
+    """Set logits outside the top-k and outside the top-p nucleus to -inf."""
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _gumbel_max(logits, keys, inv_temperature):
+    """argmax(logits / T + Gumbel noise): a draw from softmax(logits / T) (the Gumbel-max trick), and its
+    log-prob. Elementwise work and three reductions over the vocabulary, which torch.compile fuses into one
+    pass over the (bf16) logits with the noise computed in registers: no float32 copy, no cumulative sum."""
+    z = logits.float() * inv_temperature
+    token = (z + gumbel_noise(keys, z.shape[-1])).argmax(-1)
+    return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
+
+
+def sample_tokens(logits, temperature, top_k, top_p, keys):
+    """Pick one token per row; return it with its log-prob under the distribution that drew it.
+
+    That is softmax(logits / T), renormalised over the top-k / top-p tokens
+    when those are on (what vLLM calls processed log-probs): the behaviour
+    policy that `importance_weights` corrects for. The training forward
+    computes the unfiltered tempered log-prob, so with filters on the two differ
+    by the filtered mass, also in `sampler_logprob_diff`.
+    Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
+    argmax over the filtered logits of logits / T + noise.
+    """
+    if temperature == 0:  # greedy
+        logits = logits.float()
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+    # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
+    pick = _compiled_gumbel_max() if grpo.fused_head_available(logits.device) else _gumbel_max
+    if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
+        return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
+    return pick(logits, keys, 1.0 / temperature)
+
+_COMPILED = {}
+
+
+def _compiled_gumbel_max():
+    """`_gumbel_max` through torch.compile, built on first use; dynamic: any number of rows shares one kernel."""
+    if "gumbel" not in _COMPILED:
+        _COMPILED["gumbel"] = torch.compile(_gumbel_max, dynamic=True)
+    return _COMPILED["gumbel"]
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+class Turn(NamedTuple):
+    """A row that paused: what an environment's `respond` is shown."""
+    row: int    # the row's index in the batch given to `sample`
+    ids: list   # the row's completion so far: every token after the prompt, the environment's answers included
+    start: int  # where in `ids` the policy's latest turn starts
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
+           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
+           keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1):
+    """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
+
+    A row pauses at its first EOS or at the end of one of `stop_sequences`
+    (lists of token ids). Without `respond`, or after `max_turns` turns, a
+    pause ends the row. Otherwise `respond(turns)` is called with a `Turn` per
+    paused row and returns, for each, the environment's answer as token ids,
+    or None to end the row; the answer is appended to the row's cache (a
+    prefill of those tokens only) and the row samples on. A completion holds
+    at most `max_new_tokens` tokens, the answers included: an answer that
+    leaves no room for another token ends the row as truncated.
+    Rows are looked at on the host every `check_every` tokens (and when one
+    reaches the length limit); a row keeps sampling until then, and what it
+    sampled past its pause is forgotten: dropped from the completion, its
+    cache slots no longer attended.
+    `seeds` (N,) int64 fixes each row's random stream: the token at
+    completion position j draws row_keys(seed, j), so rows with equal seeds,
+    prompts and answers sample equal completions, whatever their batch.
+    `all_done(done) -> bool` decides at each check when to stop; under several
+    processes it must agree across ranks (an all-reduce), so that every rank
+    runs the same number of steps and none waits forever on a collective.
+    The loop's steps and checks happen at the same iterations on every rank
+    whatever its rows do; pauses and answers make no collective call.
+
+    static_cache: for Llama/Qwen2-family models, run the steps on
+    `StaticDecoder` (a preallocated cache, no per-token framework overhead);
+    other models, or static_cache=False, on the Hugging Face forward over a
+    DynamicCache. compact: at each check, drop finished rows from the
+    StaticDecoder batch. cuda_graph: on CUDA, replay each decode step as a
+    captured CUDA graph. keep_decoder: keep StaticDecoder's weight copies,
+    cache and graphs on the model for the next call (no re-copy or
+    re-capture), at the price of that memory between calls. attention_kernel:
+    on CUDA, StaticDecoder's decode attention runs as the split-KV Triton
+    kernel of kernels.py instead of SDPA (where the shapes allow it).
+    """
+    if all_done is None:
+        all_done = lambda done: bool(done.all())  # noqa: E731
+    n = prompt_ids.shape[0]
+    device = prompt_ids.device
+    if seeds is None:
+        seeds = torch.arange(n, device=device)
+    seeds = seeds.to(device=device, dtype=torch.long)
+    # every row's keys for every completion position at once (the last column for rows that finished): row_keys
+    # is elementwise, so these are the numbers of drawing them one step at a time
+    keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
+    attn = prompt_mask.long()
+    positions = grpo.position_ids_from_mask(attn)
+    if static_cache and static_decode_supported(model):
+        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel)
+    else:
+        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens), False
+    try:
+        return _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p), keys,
+                       check_every, all_done, respond, max_turns, compact, device)
+    finally:
+        if isinstance(steps, _StaticSteps) and not keep_decoder:  # give the memory back before training needs it
+            model.__dict__.pop("_static_decoder", None)
+
+
+class _StaticSteps:
+    """Steps on StaticDecoder: completion position j of a row lives in cache slot P + j (P the padded prompt
+    length), so every row's rotary table, set at prefill, stays right however long its turns; finished rows
+    can be compacted out of the batch."""
+
+    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel):
+        self.p = ids.shape[1]
+        # slot P + max_new: where finished rows write what they still decode; never attended
+        self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
+                                           attention_kernel=attention_kernel)
+        self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
+
+    def decode(self, tok, cols, cols_h):
+        top = int(cols_h.max())
+        if cols_h.min() == top:  # every row at the same position: the shared-slot form
+            return self.dec.decode(tok, self.p + top)
+        return self.dec.decode(tok, cols + self.p, self.p + top)
+
+    def extend(self, ids, valid, start, top):
+        return self.dec.extend(ids, valid, start + self.p, self.p + top)
+
+    def truncate(self, batch_rows, ends):
+        self.dec.truncate(batch_rows, ends + self.p)
+
+    def compact(self, keep, live, fed_top):
+        """Keep the batch rows `keep` (a tensor) if that is worth a copy of the cache; True if it was done."""
+        if not self.dec.worth_compacting(keep.numel(), live):
+            return False
+        self.dec.compact(keep, self.p + fed_top + 1)
+        return True
+
+
+class _HFSteps:
+    """Steps on the model's own forward over a DynamicCache, every row to the end (no compaction). The cache
+    grows by a column per decoded token for all rows; a row's own tokens are the columns its attention mask
+    marks, so an answer appended to some rows, or samples forgotten, leave holes that are never attended."""
+
+    def __init__(self, model, ids, attn, positions, max_new):
+        from transformers import DynamicCache
+
+        n = ids.shape[0]
+        self.model, self.attn = model, attn
+        self.cache = DynamicCache(config=model.config)
+        self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
+        self.where = torch.full((n, max_new + 1), -1, dtype=torch.long, device=ids.device)  # cache column of each
+        self.first_logits = model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                                  past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def decode(self, tok, cols, cols_h):
+        return self.extend(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), cols, None)
+
+    def extend(self, ids, valid, start, top):
+        n, k = ids.shape
+        cols = start[:, None] + torch.arange(k, device=ids.device)  # (N, K) completion positions
+        length = self.attn.shape[1]
+        self.attn = torch.cat([self.attn, valid.long()], dim=1)
+        r, c = valid.nonzero(as_tuple=True)
+        self.where[r, cols[r, c]] = length + c
+        extra = {} if k == 1 else {"logits_to_keep": k}
+        logits = self.model(input_ids=ids, attention_mask=self.attn, position_ids=self.first_pos[:, None] + cols,
+                            past_key_values=self.cache, use_cache=True, **extra).logits
+        last = valid.long().sum(1) - 1 + (logits.shape[1] - k)
+        return logits[torch.arange(n, device=ids.device), last]
+
+    def truncate(self, batch_rows, ends):
+        where = self.where[batch_rows]  # (m, T + 1)
+        forget = torch.arange(where.shape[1], device=where.device) >= ends[:, None]
+        hit = forget & (where >= 0)
+        self.attn[batch_rows[:, None].expand_as(where)[hit], where[hit]] = 0
+        self.where[batch_rows] = where.masked_fill(forget, -1)
+
+    def compact(self, keep, live, fed_top):
+        return False
+
+
+def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
+    """The first completion position in [begin, end) that ends a turn: an EOS token, or the last token of a
+    stop sequence that lies within the turn. seq holds positions lo, lo + 1, ... ; None if there is none."""
+    for c in range(begin, end):
+        if seq[c - lo] in eos:
+            return c
+        for s in stops:
+            if c - len(s) + 1 >= turn_start and tuple(seq[c - len(s) + 1 - lo:c + 1 - lo]) == s:
+                return c
+    return None
+
+
+def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, check_every, all_done, respond,
+            max_turns, compact, device):
+    """The loop behind `sample`. Each iteration samples a token for every row of the batch, then (at a check)
+    finds the rows that paused, asks for the environment's answers, and feeds the batch: one decode step,
+    or an extend step where some rows take an answer.
+
+    State per row, on the device and mirrored on the host (which knows every change without reading the
+    device): `ptr`, the row's completion length so far (where its next token goes), and `active`, False once
+    the row has ended. The batch (`rows`, global row indices) is what the steps run on; per batch row,
+    `feed` is the completion position fed this iteration. A finished row still in the batch samples into
+    the spare last column and feeds in step with the others, so that the steps keep their shared-slot
+    form where every live row is at the same position (always, for single-turn sampling).
+    """
+    spare = max_new  # the column and cache position finished rows write to
+    tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
+    kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # POLICY, ENVIRONMENT or 0
+    ptr_d, active_d = torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, dtype=torch.bool, device=device)
+    ptr, active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+    truncated, turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
+    turn_start, checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    rows_h, rows = np.arange(n), torch.arange(n, device=device)
+    feed_h, feed_d = np.full(n, -1, dtype=np.int64), torch.full((n,), -1, dtype=torch.long, device=device)
+    eos = set(int(e) for e in eos_ids)
+    stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
+    longest_stop = max((len(s) for s in stops), default=1)
+    triggers = torch.tensor(sorted(eos | {s[-1] for s in stops}), dtype=torch.long, device=device)
+    # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
+    # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times)
+    limit = max_new + (max_turns - 1) * (check_every - 1)
+    logits = steps.first_logits
+
+    def finish(global_rows, cut):
+        active[global_rows] = False
+        truncated[global_rows] = cut
+        active_d[torch.as_tensor(global_rows, device=device)] = False
+
+    def check(tok):
+        """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
+        [(batch row, first position, token ids)]."""
+        live = rows_h[active[rows_h]]
+        found = {}  # global row -> the position its turn ended at
+        if len(live):
+            lo = int(np.maximum(checked[live] - (longest_stop - 1), turn_start[live]).min())
+            hi = int(ptr[live].max())
+            live_t = torch.as_tensor(live, device=device)
+            window = tokens[live_t, lo:hi]
+            hit = torch.isin(window, triggers).any(1).tolist()  # rows with no EOS or stop end need no Python scan
+            for r, seq in zip(live[np.flatnonzero(hit)], window[torch.tensor(hit, device=device)].tolist()):
+                e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(turn_start[r]), eos, stops)
+                if e is not None:
+                    found[r] = e
+            checked[live] = ptr[live]
+        feeds = []
+        if found:
+            ended = np.array(sorted(found))
+            ends = np.array([found[r] + 1 for r in ended])
+            old_ptr = ptr[ended].copy()
+            ended_t, ends_t = torch.as_tensor(ended, device=device), torch.as_tensor(ends, device=device)
+            # forget what each row sampled past its stop
+            past = torch.arange(max_new + 1, device=device) >= ends_t[:, None]
+            tokens[ended_t] = tokens[ended_t].masked_fill(past, pad_id)
+            kind[ended_t] = kind[ended_t].masked_fill(past, 0)
+            logps[ended_t] = logps[ended_t].masked_fill(past, 0.0)
+            batch_of = np.full(n, -1)
+            batch_of[rows_h] = np.arange(len(rows_h))
+            steps.truncate(torch.as_tensor(batch_of[ended], device=device), ends_t)
+            ptr[ended], checked[ended], ptr_d[ended_t] = ends, ends, ends_t
+            asking = ended[turns[ended] < max_turns] if respond is not None else ended[:0]
+            finish(ended[~np.isin(ended, asking)], False)
+            if len(asking):
+                ask_t = torch.as_tensor(asking, device=device)
+                so_far = tokens[ask_t, :int(ptr[asking].max())].tolist()
+                answers = respond([Turn(int(r), ids[:ptr[r]], int(turn_start[r])) for r, ids in zip(asking, so_far)])
+                if len(answers) != len(asking):
+                    raise ValueError(f"respond returned {len(answers)} answers for {len(asking)} turns")
+                for r, answer in zip(asking, answers):
+                    answer = [int(t) for t in answer] if answer is not None else []
+                    if not answer:
+                        finish([r], False)
+                        continue
+                    at = int(ptr[r])
+                    if at + len(answer) >= max_new:  # no room left for the policy to answer back
+                        finish([r], True)
+                        continue
+                    tokens[r, at:at + len(answer)] = torch.tensor(answer, device=device)
+                    kind[r, at:at + len(answer)] = ENVIRONMENT
+                    # the token that ended the turn is fed with the answer unless an earlier step fed it
+                    unfed = found[r] == old_ptr[np.searchsorted(ended, r)] - 1
+                    block = ([int(tok[batch_of[r]])] if unfed else []) + answer
+                    feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
+                    ptr[r] = checked[r] = turn_start[r] = at + len(answer)
+                    ptr_d[r] = at + len(answer)
+                    turns[r] += 1
+        over = rows_h[active[rows_h] & (ptr[rows_h] >= max_new)]
+        if len(over):  # the length limit, with no stop in its last tokens
+            finish(over, True)
+        return feeds
+
+    it = 0
+    while True:
+        if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
+            tok, feeds = logits.new_zeros(0, dtype=torch.long), []
+        else:
+            act = active_d[rows]
+            col = torch.where(act, ptr_d[rows], spare)  # (b,) where each row's token goes
+            tok, lp = sample_tokens(logits, *sampling, keys[rows, col])
+            tokens[rows, col], logps[rows, col], kind[rows, col] = tok, lp, POLICY
+            # active rows feed the token they just sampled; finished ones keep in step, up to the spare slot
+            feed_d = torch.where(act, col, (feed_d + 1).clamp(max=spare))
+            ptr_d[rows] += act
+            act_h = active[rows_h]
+            feed_h = np.where(act_h, ptr[rows_h], np.minimum(feed_h + 1, spare))
+            ptr[rows_h[act_h]] += 1
+            feeds = []
+        it += 1
+        final, scheduled = it >= limit, it % check_every == 0
+        if scheduled or final or (ptr[rows_h][active[rows_h]] >= max_new).any():
+            feeds = check(tok) if len(rows_h) else []
+            if final:
+                finish(rows_h[active[rows_h]], True)
+                break
+            if scheduled and all_done(torch.as_tensor(~active, device=device)):
+                break
+            if compact and len(rows_h):
+                keep = np.flatnonzero(active[rows_h])
+                keep_t = torch.as_tensor(keep, device=device)
+                if steps.compact(keep_t, len(rows_h), int(feed_h[keep].max()) if len(keep) else 0):
+                    new_index = np.full(len(rows_h), -1)
+                    new_index[keep] = np.arange(len(keep))
+                    feeds = [(int(new_index[i]), s, b) for i, s, b in feeds]
+                    rows_h, rows, feed_h, feed_d, tok = rows_h[keep], rows[keep_t], feed_h[keep], feed_d[keep_t], tok[keep_t]
+        if len(rows_h) == 0:
+            logits = logits[:0]
+        elif feeds:
+            k = max(len(b) for _, _, b in feeds)
+            ids = F.pad(tok[:, None], (0, k - 1), value=pad_id)
+            valid = torch.zeros_like(ids, dtype=torch.bool)
+            valid[:, 0] = True
+            for i, s, b in feeds:
+                ids[i, :len(b)] = torch.tensor(b, device=device)
+                valid[i, :len(b)] = True
+                valid[i, len(b):] = False
+                feed_h[i] = s + len(b) - 1
+            start = feed_d.clone()
+            fed_rows = torch.tensor([i for i, _, _ in feeds], device=device)
+            start[fed_rows] = torch.tensor([s for _, s, _ in feeds], device=device)
+            feed_d = start + valid.long().sum(1) - 1
+            logits = steps.extend(ids, valid, start, int(feed_h.max()))
+        else:
+            logits = steps.decode(tok, feed_d, feed_h)
+
+    t = max(1, int(ptr.max()))
+    real = torch.arange(t, device=device) < ptr_d[:, None]  # (N, T)
+    policy = real & (kind[:, :t] == POLICY)
+    return Rollout(completion_ids=tokens[:, :t].masked_fill(~real, pad_id), completion_mask=real.long(),
+                   policy_mask=policy.long(), truncated=torch.as_tensor(truncated, device=device),
+                   logprobs=logps[:, :t].masked_fill(~policy, 0.0), turns=torch.as_tensor(turns, device=device))
+
+
+# ----------------------------------------------------------------------------- rollouts and evaluation
 
 
 def encode_prompts(tokenizer, prompts, cfg, device):
@@ -14,13 +480,15 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
-def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids):
+def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent=None,
+             episodes=None):
     """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
     many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
     changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
-    size). Every rank has as many rows, so as many batches.
+    size). Every rank has as many rows, so as many batches. With an `agent` (agents.Agent), row i is
+    `episodes[i]`'s conversation: its turns are answered by the agent's tools, up to `agent.max_turns`.
     """
     n = prompt_ids.shape[0]
     size = cfg.generation_batch_size or n
@@ -28,18 +496,23 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     with sharding.gathered(policy):  # full weights once for the whole decode loop
         for s in range(0, n, size):
             rows = slice(s, s + size)
-            parts.append(policy(grpo.sample, prompt_ids[rows], prompt_mask[rows],
+            turns = {} if agent is None else dict(respond=agent.responder(episodes[rows]),
+                                                          max_turns=agent.max_turns, stop_sequences=agent.stop_sequences)
+            parts.append(policy(sample, prompt_ids[rows], prompt_mask[rows],
                                 max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
                                 # the next batch reuses the weight copies and the cache
-                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel))
-    rollout = grpo.cat_rollouts(parts, tokenizer.pad_token_id)
-    text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padded after the first EOS
+                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel, **turns))
+    rollout = cat_rollouts(parts, tokenizer.pad_token_id)
+    if agent is not None:
+        agent.finish(episodes, rollout)
+    # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped
+    text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
     return rollout, text
 
 
-def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
+def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
 
     The rows are split over the processes (the last rank's share padded with
@@ -62,15 +535,24 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids):
             per_rank = -(-count // d.world_size)
             # row i is prompt i // G; the padding rows copy the last row, seed included, so they sample alike
             index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
-            prompts = [chunk[i // G]["prompt"] for i in index]
-            enc = encode_prompts(tokenizer, prompts, cfg, device)  # all rows: the same padding on every rank
             mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
             fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
+            episodes = None
+            if agent is None:
+                prompts = [chunk[i // G]["prompt"] for i in index]
+                enc = encode_prompts(tokenizer, prompts, cfg, device)  # all rows: the same padding on every rank
+                prompts, ids, attn = prompts[mine], enc.input_ids[mine], enc.attention_mask[mine]
+            else:  # each rollout's own environment, reset on the rank that samples it
+                prompts, episodes = agent.start([chunk[i // G] for i in index[mine]])
+                enc = encode_prompts(tokenizer, prompts, cfg, device)
+                ids, attn = enc.input_ids, enc.attention_mask
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            rollout, completions = generate(policy, tokenizer, enc.input_ids[mine], enc.attention_mask[mine], seeds,
-                                            temperature, cfg, d, eos_ids)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts[mine], completions, fields)
+            rollout, completions = generate(policy, tokenizer, ids, attn, seeds, temperature, cfg, d, eos_ids,
+                                            agent, episodes)
+            if episodes is not None:
+                fields.update(agents.episode_fields(episodes))
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():
                 comp.setdefault(k, []).append(sharding.all_gather_rows(v, d)[:count])

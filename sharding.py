@@ -223,7 +223,7 @@ def barrier(d):
 
 
 def all_done_fn(d):
-    """A stop rule for grpo.sample that agrees across ranks: stop only when every rank's rows are done.
+    """A stop rule for sampling.sample that agrees across ranks: stop only when every rank's rows are done.
 
     Every rank then runs the same number of forwards, so one whose completions
     ended early keeps serving the collectives of the others instead of leaving

@@ -1,6 +1,6 @@
-"""Llama/Qwen2 layers written out: the fast decoder behind `grpo.sample`, and the training forward.
+"""Llama/Qwen2 layers written out: the fast decoder behind `sampling.sample`, and the training forward.
 
-`grpo.sample` asks `static_decode_supported(model)` and, when it holds,
+`sampling.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
 allocated once, CUDA graphs on GPU. `grpo.completion_logprobs` asks
 `training_forward_supported(model)` and, when it holds, runs
@@ -312,7 +312,8 @@ class StaticDecoder:
         self.sin = torch.zeros_like(self.cos)  # sin with its first half negated (see _rotate)
         self.w = None  # weight copies, allocated by the first load
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
-        self.slot_in = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
+        self.row_index = torch.arange(max_batch, device=self.device)
         self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
         # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
         # tokens do not read the whole cache, at the price of one graph per span
@@ -477,24 +478,25 @@ class StaticDecoder:
         return self._logits(x[:, -1])
 
     def _decode_body(self, b, slot, kv_len, tok=None):
-        """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); K/V go to `slot`
-        (an int, or on graphs a tensor)."""
+        """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go
+        to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form
+        graphs capture, read on the device at replay; rows that took turns of different lengths)."""
         x = F.embedding(self.tok_in[:b] if tok is None else tok, self.w[1]["embed"])  # (b, H)
-        if torch.is_tensor(slot):  # graph-safe forms: the slot is read on the device at replay
-            cos, sin = (t[:b].index_select(1, slot) for t in (self.cos, self.sin))  # (b, 1, hd): over heads
-            self.key_mask[:b].index_fill_(1, slot, True)
+        if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
+            rows = self.row_index[:b]
+            cos, sin = self.cos[rows, slot][:, None], self.sin[rows, slot][:, None]  # (b, 1, hd): over heads
+            self.key_mask[rows, slot] = True
             attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
         else:
             cos, sin = self.cos[:b, slot, None], self.sin[:b, slot, None]
-            attn_mask = None
-            if not self.unpadded:  # eager decode without left padding attends to every filled slot: no mask
-                self.key_mask[:b, slot] = True
-                attn_mask = self.key_mask[:b, None, None, :kv_len]
+            self.key_mask[:b, slot] = True  # kept up to date: a later step with per-row slots reads it
+            # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask
+            attn_mask = None if self.unpadded else self.key_mask[:b, None, None, :kv_len]
 
         def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
-                self.k_cache[i, :b].index_copy_(2, slot, k[:, :, None])
-                self.v_cache[i, :b].index_copy_(2, slot, v[:, :, None])
+                self.k_cache[i, rows, :, slot] = k
+                self.v_cache[i, rows, :, slot] = v
             else:
                 self.k_cache[i, :b, :, slot] = k
                 self.v_cache[i, :b, :, slot] = v
@@ -505,23 +507,66 @@ class StaticDecoder:
         return self._logits(self._decode_layers(x, cos, sin, write, keys, attn_mask))
 
     @torch.no_grad()
-    def decode(self, tok, slot):
-        """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) at cache `slot`.
+    def decode(self, tok, slot, top=None):
+        """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) and cache slots.
 
-        Positions need no input: prefill filled each row's rotary table by slot.
+        slot: an int, every row's slot, or a tensor (n,) of each row's own slot, the largest of them `top` (a
+        host int). Positions need no input: prefill filled each row's rotary table by slot.
         """
         n = tok.shape[0]
+        top = slot if top is None else top
         if not self.use_graph:
-            return self._decode_body(n, slot, slot + 1, tok)  # eager: attend over the filled slots only
+            return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
         b = self.batch_for(n)
         self.tok_in[:n] = tok
-        self.slot_in.fill_(slot)
-        span = min(self.max_len, -(-(slot + 1) // self.span_step) * self.span_step)  # slots [0, span) hold slot
+        self.slot_in[:n] = slot
+        self.slot_in[n:b] = 0  # bucket rows past the live ones: stale rows, any slot will do
+        span = min(self.max_len, -(-(top + 1) // self.span_step) * self.span_step)  # slots [0, span) hold top
         if (b, span) not in self.graphs:
             self.graphs[b, span] = self._capture(b, span)
         graph, out = self.graphs[b, span]
         graph.replay()
         return out[:n]
+
+    @torch.no_grad()
+    def extend(self, ids, valid, start, top):
+        """Append a block of tokens to each live row's cache and return the logits after each row's last one.
+
+        ids, valid (b, K): row i's new tokens are ids[i, :valid[i].sum()] (at least one), written to slots
+        start[i], start[i] + 1, ... (start (b,) a tensor); `top` (host int) is the largest slot written. Each
+        new token attends to its row's real cache slots before it and to the row's new tokens up to itself:
+        the prefill of an environment's answer in the middle of decoding, with nothing before it recomputed.
+        """
+        b, k = ids.shape
+        rows = self.row_index[:b, None].expand(b, k)
+        slots = start[:, None] + torch.arange(k, device=ids.device)  # (b, K)
+        slots = torch.where(valid, slots, start[:, None])  # padding columns read a real slot, write nothing
+        real_rows, real_cols = valid.nonzero(as_tuple=True)
+        real_slots = slots[real_rows, real_cols]
+        self.key_mask[real_rows, real_slots] = True
+        kv_len = top + 1
+        key_slot = torch.arange(kv_len, device=ids.device)
+        # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
+        mask = self.key_mask[:b, None, None, :kv_len] & (key_slot <= slots[:, None, :, None])
+        cos, sin = self.cos[rows, slots][:, :, None], self.sin[rows, slots][:, :, None]  # (b, K, 1, hd)
+
+        def write(i, kk, vv):  # (b, nkv, K, hd): only the real tokens' K/V reach the cache
+            self.k_cache[i, real_rows, :, real_slots] = kk.transpose(1, 2)[real_rows, real_cols]
+            self.v_cache[i, real_rows, :, real_slots] = vv.transpose(1, 2)[real_rows, real_cols]
+
+        def keys(i):
+            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+
+        x = self._layers(F.embedding(ids, self.w[1]["embed"]), cos, sin, write, keys, mask)  # (b, K, H)
+        last = valid.long().sum(1) - 1
+        return self._logits(x[self.row_index[:b], last])
+
+    @torch.no_grad()
+    def truncate(self, rows, ends):
+        """Forget rows' cache slots from ends[i] on (rows, ends (m,) tensors): what a row sampled past a stop
+        is no longer attended, and is overwritten as the row goes on."""
+        keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
+        self.key_mask[rows] &= keep
 
     def _capture(self, b, span):
         # warm-up on a side stream, then capture; running the body computes this very step's values, so the

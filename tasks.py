@@ -92,7 +92,8 @@ def _required_fields(fn):
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in ("prompts", "completions")
+    given = ("prompts", "completions", "messages", "environments")  # the last two: with tools or an environment
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
@@ -109,6 +110,8 @@ class Task:
     to_row: Callable = None        # raw row -> {"prompt": text, other fields}; None = rows are ready
     eval_rows: list = field(default_factory=list)  # held-out rows, formatted
     accuracy_reward: str = None    # name of the reward function that is 1 exactly when an answer is correct
+    environment: type = None       # the task's own environment class (one instance per rollout), or None
+    system_prompt: str = None      # the system message of the task's chat prompts, if any
 
     def _format(self, row):
         return self.to_row(row) if self.to_row is not None else row
@@ -151,7 +154,42 @@ def _letter_prompts(rng, n):
     return rows
 
 
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr")
+# The tool task: the answer is a code the model cannot know from its prompt. Its environment draws one for
+# each rollout and shows it only through a tool, so the reward rises only once the policy learns to call the
+# tool and copy what it returns. Small enough for the tiny model on a CPU: a call is two tokens of its own
+# chat format (<tool_call></tool_call>, the only tool, no arguments), the code one digit.
+
+
+class Vault:
+    """The vault task's environment, written as TRL documents environments: reset, and one tool."""
+
+    def reset(self, seed, **_):
+        self.code = str(random.Random(f"vault-{seed}").randrange(10))
+        return None  # nothing added to the prompt: the code is only in the tool
+
+    def read_code(self) -> str:
+        """Read the code of the vault.
+
+        Returns:
+            The code, one digit.
+        """
+        return self.code
+
+
+def _vault_prompts(rng, n):
+    return [{"prompt": "", "prompt_text": "code?", "seed": rng.randrange(1 << 30)} for _ in range(n)]
+
+
+# the tiny model's chat template for the vault task: ChatML-like turns, a tool message of its own
+TINY_TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the tiny model a task brings when --model=tiny: write_tiny_model's keywords
+TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=["<tool_call>", "</tool_call>"])}
+
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
 # the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
 TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
 
@@ -201,8 +239,15 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
             question = row["question"]
             return {"prompt": math_chat(question), "prompt_text": question, "answer": row["answer"]}
         task = Task(name, None, [rewards.gsm8k_correctness_reward, rewards.gsm8k_format_reward], weights=[1.0, 0.1],
-                    to_row=to_row, accuracy_reward="gsm8k_correctness_reward")
+                    to_row=to_row, accuracy_reward="gsm8k_correctness_reward", system_prompt=rewards.GSM8K_SYSTEM_PROMPT)
         hub = ("openai/gsm8k", "main", "train", "test")
+    elif name == "vault":
+        def to_row(row):  # the prompt is rendered with the tools by agents.Agent; here without, for the record
+            return {**row, "prompt": chat(row["prompt_text"])}
+        task = Task(name, _vault_prompts, [rewards.vault_reward, rewards.tool_format_reward], weights=[1.0, 0.2],
+                    to_row=to_row, accuracy_reward="vault_reward", environment=Vault)
+        task.eval_rows = [to_row(r) for r in _vault_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
+        hub = None
     elif name == "countdown":
         def to_row(row):
             text = countdown_prompt_text(row["nums"], row["target"])

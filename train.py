@@ -8,6 +8,7 @@
 Every Config field below can be set as --key=value or --key value.
 """
 
+import functools
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ import huggingface_hub
 import torch
 import transformers
 
+import agents
 import cli
 import grpo
 import model_loading
@@ -89,6 +91,11 @@ class Config:
                                           # instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = False          # torch.compile the training forward's decoder layers (meant for GPUs;
                                           # Llama/Qwen2 without LoRA, where the written-out forward runs)
+    # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
+    tools: str = ""                       # functions the policy may call, comma-separated file.py:name or module:name
+    environment: str = ""                 # file.py:Class, one instance per rollout; its public methods are tools
+    max_turns: int = 4                    # the policy's turns per completion when it has tools (calls between them)
+    tool_timeout: float = 10.0            # seconds a round of calls may run; a slower call gets an error as result
     # run
     seed: int = 0
     max_steps: int = 300
@@ -123,7 +130,8 @@ RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_
             "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
             "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
             "importance_sampling_max", "temperature", "top_p", "top_k", "max_completion_length",
-            "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules")
+            "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules", "tools", "environment",
+            "max_turns")
 
 # Named runs: Config overrides applied before the command line's (README: "Presets").
 _QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
@@ -170,14 +178,14 @@ def validate(cfg, world_size=1):
                      ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
                      ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
                      ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
-                     ("completions_table_every", 0)):
+                     ("completions_table_every", 0), ("max_turns", 1)):
         need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
     for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", grpo.LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
                          ("task", tasks.TASKS), ("importance_sampling", grpo.IMPORTANCE_SAMPLING)):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
-    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha"):
+    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
     need(cfg.num_generations >= 2, "num_generations", f"must be >= 2 to compare completions within a group, got {cfg.num_generations}")
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
@@ -250,6 +258,7 @@ class Run:
     weights: list                       # one per reward function
     reward_model: object                # (root-wrapped model, its tokenizer) or None
     optimizer: torch.optim.Optimizer
+    agent: typing.Optional[agents.Agent] = None  # tools / environment of multi-turn rollouts, or None
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
 
 
@@ -269,7 +278,31 @@ def setup(cfg, d):
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
-    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer)
+    agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
+    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent)
+
+
+def load_agent(cfg, tokenizer, eos_ids, task, weights):
+    """The run's tools and environment (the task's own environment unless --environment names one), or None.
+    An environment with get_reward adds its score to the task's rewards, weight 1."""
+    try:
+        tools = agents.load_tools(cfg.tools) if cfg.tools else []
+    except ValueError as e:
+        raise ConfigError("tools", e) from e
+    try:
+        environment = agents.load_environment(cfg.environment) if cfg.environment else task.environment
+    except ValueError as e:
+        raise ConfigError("environment", e) from e
+    if not tools and environment is None:
+        return None
+    try:
+        agent = agents.Agent(tokenizer, eos_ids, tools, environment, max_turns=cfg.max_turns,
+                             timeout=cfg.tool_timeout, system_prompt=task.system_prompt)
+    except ValueError as e:
+        raise ConfigError("environment" if environment is not None else "tools", e) from e
+    task.reward_funcs.extend(agent.reward_funcs)
+    weights.extend([1.0] * len(agent.reward_funcs))
+    return agent
 
 
 def _local_tiny(cfg, d, name, write):
@@ -283,7 +316,9 @@ def _local_tiny(cfg, d, name, write):
 
 def load_models(cfg, d, load_device):
     """The tokenizer, the policy and the frozen reference (None when beta == 0 or with LoRA), each sharded."""
-    path = _local_tiny(cfg, d, "tiny_model_init", model_loading.write_tiny_model) if cfg.model == model_loading.TINY else cfg.model
+    # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
+    write = functools.partial(model_loading.write_tiny_model, **tasks.TINY_MODELS.get(cfg.task, {}))
+    path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
     try:
@@ -354,8 +389,9 @@ class Batch:
     mine: slice                         # this rank's rows of the step's N = P * G
     prompt_ids: torch.Tensor            # (n, S) left-padded
     prompt_mask: torch.Tensor           # (n, S)
-    rollout: grpo.Rollout               # completion ids (n, T), mask, log-probs, truncation
-    completions: list                   # (n,) completion text
+    rollout: sampling.Rollout           # completion ids (n, T), masks, log-probs, truncation, turns
+    completions: list                   # (n,) completion text: the whole trajectory, tool calls and results included
+    episodes: list = None               # (n,) agents.Episode: each rollout's conversation, with tools
 
 
 def rollout(run, step):
@@ -364,19 +400,27 @@ def rollout(run, step):
     # prompts are a pure function of (seed, step), so a resumed run sees the same ones. Tokenized all
     # together (the same padding on every rank), then each rank takes its slice of rows.
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
-    all_prompts = [r["prompt"] for r in rows for _ in range(G)]                     # (N,) grouped by prompt
-    enc = sampling.encode_prompts(run.tokenizer, all_prompts, cfg, d.device)
-    N = len(all_prompts)
+    all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
+    N = len(all_rows)
     n = N // d.world_size
     mine = slice(d.rank * n, (d.rank + 1) * n)
-    fields = {k: [r[k] for r in rows for _ in range(G)][mine] for k in rows[0] if k != "prompt"}
+    fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
+    episodes = None
+    if run.agent is None:
+        prompts = [r["prompt"] for r in all_rows]
+        enc = sampling.encode_prompts(run.tokenizer, prompts, cfg, d.device)
+        prompts, ids, attn = prompts[mine], enc.input_ids[mine], enc.attention_mask[mine]
+    else:  # one environment per rollout, made and reset on the rank that samples it
+        prompts, episodes = run.agent.start(all_rows[mine])
+        enc = sampling.encode_prompts(run.tokenizer, prompts, cfg, d.device)
+        ids, attn = enc.input_ids, enc.attention_mask
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
     run.policy.eval()
-    sampled, completions = sampling.generate(run.policy, run.tokenizer, enc.input_ids[mine],
-                                               enc.attention_mask[mine], seeds, cfg.temperature, cfg, d, run.eos_ids)
+    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, cfg.temperature, cfg, d,
+                                             run.eos_ids, run.agent, episodes)
     run.policy.train()
-    return Batch(all_prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], sampled, completions)
+    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes)
 
 
 def score(run, batch, step):
@@ -386,8 +430,9 @@ def score(run, batch, step):
     """
     problem = None
     try:
+        fields = batch.fields if batch.episodes is None else {**batch.fields, **agents.episode_fields(batch.episodes)}
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                 batch.completions, batch.fields)
+                                                 batch.completions, fields)
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     problem = sharding.first_problem(problem, run.d)
@@ -423,7 +468,7 @@ def update(run, batch, advantages, step):
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
     T = batch.rollout.completion_ids.shape[1]
-    loss_mask = batch.rollout.completion_mask.float()                                          # (n, T)
+    loss_mask = batch.rollout.policy_mask.float()  # (n, T) the policy's tokens: an environment's are context only
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
     # normalisers over the whole batch on all ranks, so any world size gives the same gradient
@@ -587,7 +632,8 @@ def evaluate(run, step):
     """Held-out evaluation (eval/ metrics), with one line on how it went."""
     t = time.time()
     try:
-        metrics = sampling.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids)
+        metrics = sampling.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids,
+                                    run.agent)
     except rewards.RewardFunctionError as e:
         raise SystemExit(f"evaluation at step {step}: {e}") from e
     if run.reward_model is not None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import grpo  # noqa: E402
+import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
 import static_decoder  # noqa: E402
@@ -61,12 +62,12 @@ def uneven_sampling(root, d, pad_id):
     calls = count_all_gathers()
     before = calls[0]
     with sharding.gathered(root):  # StaticDecoder: each block gathered once, for its copy
-        static = root(grpo.sample, prompt, torch.ones_like(prompt), **kwargs)
+        static = root(sampling.sample, prompt, torch.ones_like(prompt), **kwargs)
     static_calls, before = calls[0] - before, calls[0]
     with sharding.gathered(root):  # the Hugging Face forward, blocks kept gathered for the loop
-        gathered = root(grpo.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
+        gathered = root(sampling.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     gathered_calls, before = calls[0] - before, calls[0]
-    per_forward = root(grpo.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
+    per_forward = root(sampling.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     sharding.free_gathered(root)
     return {"static_supported": static_supported,
             "lengths": [r.completion_ids.shape[1] for r in (static, gathered, per_forward)],
@@ -81,7 +82,7 @@ def main(argv):
     rank = int(os.environ.get("RANK", 0))
     seen = {}
 
-    original_sample = grpo.sample
+    original_sample = sampling.sample
 
     def recording_sample(*args, **kwargs):
         rollout = original_sample(*args, **kwargs)
@@ -95,7 +96,7 @@ def main(argv):
         seen["policy"], seen["ref"] = policy, ref
         return original_check(policy, ref)
 
-    grpo.sample, sharding.check_same_placement = recording_sample, spying_check
+    sampling.sample, sharding.check_same_placement = recording_sample, spying_check
     original_layer, layer_calls = static_decoder._layer_on, [0]
 
     def counting_layer(*args):  # the written-out training forward's layer, sharded or not
@@ -108,7 +109,7 @@ def main(argv):
     # train.main tears the process group down at its end: keep it for the checks
     teardown, sharding.teardown = sharding.teardown, lambda: None
     train.main(argv)
-    grpo.sample, sharding.check_same_placement = original_sample, original_check
+    sampling.sample, sharding.check_same_placement = original_sample, original_check
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
+import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import static_decoder  # noqa: E402
 
@@ -66,7 +67,7 @@ def run(model, tok, enc, **kw):
     args = dict(max_new_tokens=24, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, temperature=1.0,
                 seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3, keep_decoder=True)  # kept: tests inspect it
     args.update(kw)
-    return grpo.sample(model, enc.input_ids, enc.attention_mask, **args)
+    return sampling.sample(model, enc.input_ids, enc.attention_mask, **args)
 
 
 def assert_same_rollout(a, b, logp_atol=1e-5):
@@ -275,14 +276,14 @@ def test_gumbel_max_sampling_equals_naive():
     seeds = torch.tensor([0, 1, 7, 2 ** 40 + 3, 123456789])
     logits = torch.randn(5, 300, generator=g) * 3
     for temperature in (1.0, 0.7):
-        tok, lp = grpo.sample_tokens(logits, temperature, 0, 1.0, grpo.row_keys(seeds, 4))
+        tok, lp = sampling.sample_tokens(logits, temperature, 0, 1.0, sampling.row_keys(seeds, 4))
         for i, seed in enumerate(seeds.tolist()):
             noisy = logits[i].double() / temperature + naive_gumbel(seed, 4, 300)
             top2 = noisy.topk(2).values
             assert tok[i] == noisy.argmax() or top2[0] - top2[1] < 1e-5  # or a float32 near-tie
         want_lp = torch.log_softmax(logits / temperature, -1).gather(-1, tok[:, None])[:, 0]
         torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
-    noise = grpo.gumbel_noise(grpo.row_keys(seeds, 4), 300)
+    noise = sampling.gumbel_noise(sampling.row_keys(seeds, 4), 300)
     for i, seed in enumerate(seeds.tolist()):
         torch.testing.assert_close(noise[i].double(), naive_gumbel(seed, 4, 300), atol=1e-5, rtol=1e-6)
 
@@ -294,25 +295,25 @@ def test_gumbel_sampling_never_picks_a_token_without_mass():
     logits = torch.randn(n, v, generator=g) * 4
     logits[:, 1024:3072] = float("-inf")
     logits[: n // 2, :1024] = float("-inf")
-    keys = grpo.row_keys(torch.arange(n), 7)
-    tok, lp = grpo.sample_tokens(logits, 1.0, 0, 1.0, keys)
+    keys = sampling.row_keys(torch.arange(n), 7)
+    tok, lp = sampling.sample_tokens(logits, 1.0, 0, 1.0, keys)
     assert torch.isfinite(logits.gather(1, tok[:, None])).all()
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)
-    tok_k, lp_k = grpo.sample_tokens(logits, 1.0, 5, 1.0, keys)  # top-5: one of each row's five largest
+    tok_k, lp_k = sampling.sample_tokens(logits, 1.0, 5, 1.0, keys)  # top-5: one of each row's five largest
     top5 = logits.topk(5).values
     assert (logits.gather(1, tok_k[:, None]) >= top5[:, -1:]).all()
     # its log-prob renormalised over those five: the distribution that drew it
     torch.testing.assert_close(lp_k, logits.gather(1, tok_k[:, None])[:, 0] - top5.logsumexp(-1), atol=1e-5, rtol=0)
-    noise = grpo.gumbel_noise(grpo.row_keys(torch.arange(2000), 0), 1000)
+    noise = sampling.gumbel_noise(sampling.row_keys(torch.arange(2000), 0), 1000)
     assert torch.isfinite(noise).all() and -3 < noise.min() and noise.max() < 17
     assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.std().item() - math.pi / math.sqrt(6)) < 0.01
 
 
 def test_row_keys_matrix_equals_stepwise():
     seeds = torch.tensor([0, 5, 2 ** 40 + 3])
-    mat = grpo.row_keys(seeds[:, None], torch.arange(6)[None, :])
+    mat = sampling.row_keys(seeds[:, None], torch.arange(6)[None, :])
     for t in range(6):
-        assert torch.equal(mat[:, t], grpo.row_keys(seeds, t))
+        assert torch.equal(mat[:, t], sampling.row_keys(seeds, t))
     assert mat.unique().numel() == 18 and (mat >= 0).all() and (mat < 2 ** 32).all()
 
 
@@ -320,9 +321,12 @@ def test_all_rows_finished_but_not_stopped():
     """Under several processes, a rank whose rows all finished keeps decoding (an empty batch) until all agree."""
     model, tok = tiny_model()
     enc = prompts(tok)
-    kw = dict(max_new_tokens=20, eos_ids=list(range(250)), all_done=lambda done: False, check_every=2)
+    calls = []
+    kw = dict(max_new_tokens=20, eos_ids=list(range(250)), all_done=lambda done: calls.append(bool(done.all())),
+              check_every=2)
     a, b = run(model, tok, enc, **kw), run(model, tok, enc, static_cache=False, **kw)
-    assert a.completion_ids.shape[1] == 20
+    assert calls == [True] * 18  # checks after tokens 2, 4, ..., 18 on each path; the 20th ends the loop
+    assert a.completion_mask.sum(1).tolist() == [1] * enc.input_ids.shape[0]
     assert_same_rollout(a, b)
 
 
@@ -385,22 +389,22 @@ def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
     assert grpo.fused_head_available("cuda")
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(300, 151_936, generator=g) * 3).to("cuda", dtype)
-    keys = grpo.row_keys(torch.arange(300, device="cuda"), 5)
+    keys = sampling.row_keys(torch.arange(300, device="cuda"), 5)
     for n in (300, 17):  # dynamic shapes: one kernel for any number of rows
-        tok, lp = grpo.sample_tokens(logits[:n], 0.7, 0, 1.0, keys[:n])
-        want_tok, want_lp = grpo._gumbel_max(logits[:n], keys[:n], 1 / 0.7)
+        tok, lp = sampling.sample_tokens(logits[:n], 0.7, 0, 1.0, keys[:n])
+        want_tok, want_lp = sampling._gumbel_max(logits[:n], keys[:n], 1 / 0.7)
         # log may round differently compiled: only a near-tie of the two best noisy logits may resolve otherwise
-        noisy = logits[:n].float() / 0.7 + grpo.gumbel_noise(keys[:n], logits.shape[1])
+        noisy = logits[:n].float() / 0.7 + sampling.gumbel_noise(keys[:n], logits.shape[1])
         top2 = noisy.topk(2).values
         assert ((tok == want_tok) | (top2[:, 0] - top2[:, 1] < 1e-4)).all()
         same = tok == want_tok
         torch.testing.assert_close(lp[same], want_lp[same], atol=1e-4, rtol=0)
         assert torch.isfinite(lp).all()
     # filtered: the compiled draw over the filtered logits (-inf outside top-k / top-p)
-    filtered = grpo.filter_logits(logits.float() / 0.7, 50, 0.9)
-    tok, lp = grpo.sample_tokens(logits, 0.7, 50, 0.9, keys)
-    want_tok, want_lp = grpo._gumbel_max(filtered, keys, 1.0)
-    top2 = (filtered + grpo.gumbel_noise(keys, logits.shape[1])).topk(2).values
+    filtered = sampling.filter_logits(logits.float() / 0.7, 50, 0.9)
+    tok, lp = sampling.sample_tokens(logits, 0.7, 50, 0.9, keys)
+    want_tok, want_lp = sampling._gumbel_max(filtered, keys, 1.0)
+    top2 = (filtered + sampling.gumbel_noise(keys, logits.shape[1])).topk(2).values
     assert ((tok == want_tok) | (top2[:, 0] - top2[:, 1] < 1e-4)).all()
     assert torch.isfinite(filtered.gather(1, tok[:, None])).all() and torch.isfinite(lp).all()
 

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
+import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import train  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_sampler_sees_the_adapted_weights(tmp_path):
     enc = tok(["a>", "hello>"], return_tensors="pt", padding=True, add_special_tokens=False)
     eos = model_loading.eos_token_ids(model, tok)
     kw = dict(max_new_tokens=5, eos_ids=eos, pad_id=tok.pad_token_id, seeds=torch.arange(2))
-    out = grpo.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    out = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
     ids = torch.cat([enc.input_ids, out.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(out.completion_ids)], 1)
     T = out.completion_ids.shape[1]

@@ -3,6 +3,7 @@
 import torch
 
 import grpo
+import sampling
 
 
 def encode(tokenizer, prompts):
@@ -15,7 +16,7 @@ PROMPTS = ["a>", "the quick brown fox>", "é~7"]
 
 def test_greedy_matches_generate(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
-    ours = grpo.sample(model, ids, mask, max_new_tokens=12, eos_ids=[-1], pad_id=tokenizer.pad_token_id,
+    ours = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=[-1], pad_id=tokenizer.pad_token_id,
                        temperature=0)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
@@ -26,10 +27,10 @@ def test_greedy_matches_generate(model, tokenizer):
 def test_left_padded_row_samples_as_alone(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
     seeds = torch.tensor([11, 22, 33])
-    batch = grpo.sample(model, ids, mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds)
+    batch = sampling.sample(model, ids, mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds)
     for i, p in enumerate(PROMPTS):
         one_ids, one_mask = encode(tokenizer, [p])
-        alone = grpo.sample(model, one_ids, one_mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds[i:i + 1])
+        alone = sampling.sample(model, one_ids, one_mask, max_new_tokens=10, eos_ids=[-1], pad_id=0, seeds=seeds[i:i + 1])
         assert torch.equal(batch.completion_ids[i], alone.completion_ids[0])
         torch.testing.assert_close(batch.logprobs[i], alone.logprobs[0], atol=1e-5, rtol=0)
     assert mask[0].sum() < mask.shape[1]  # row 0 really was padded
@@ -46,7 +47,7 @@ def _training_logprobs(model, ids, mask, rollout, temperature):
 def test_sampler_logprobs_equal_training_forward(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
     for temperature in (1.0, 0.7):
-        r = grpo.sample(model, ids, mask, max_new_tokens=16, eos_ids=[tokenizer.eos_token_id],
+        r = sampling.sample(model, ids, mask, max_new_tokens=16, eos_ids=[tokenizer.eos_token_id],
                         pad_id=tokenizer.pad_token_id, temperature=temperature)
         train_logp = _training_logprobs(model, ids, mask, r, temperature)
         assert (train_logp - r.logprobs).abs().max() < 1e-5
@@ -56,7 +57,7 @@ def test_top_k_top_p_filter_matches_naive():
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     for k, p in [(5, 1.0), (0, 0.8), (10, 0.5), (0, 1.0)]:
-        out = grpo.filter_logits(logits, k, p)
+        out = sampling.filter_logits(logits, k, p)
         for row, orow in zip(logits, out):
             order = row.argsort(descending=True).tolist()
             keep = set(order[:k] if k else order)
@@ -75,14 +76,14 @@ def test_sampled_tokens_follow_the_distribution():
     """Gumbel-max sampling with the counter-based noise reproduces the probabilities, tempered and filtered."""
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     logits = probs.clamp(min=1e-30).log().expand(40000, 5)
-    keys = grpo.row_keys(torch.arange(40000), step=3)
-    tok, _ = grpo.sample_tokens(logits, 1.0, 0, 1.0, keys)
+    keys = sampling.row_keys(torch.arange(40000), step=3)
+    tok, _ = sampling.sample_tokens(logits, 1.0, 0, 1.0, keys)
     freq = torch.bincount(tok, minlength=5).float() / 40000
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
     assert freq[4] == 0  # a zero-probability token is never drawn
-    tok_k, _ = grpo.sample_tokens(logits, 1.0, 2, 1.0, keys)  # top-2: only tokens 0 and 1, renormalised
+    tok_k, _ = sampling.sample_tokens(logits, 1.0, 2, 1.0, keys)  # top-2: only tokens 0 and 1, renormalised
     assert set(tok_k.tolist()) == {0, 1} and abs((tok_k == 0).float().mean() - 2 / 3) < 0.01
-    tok_t, _ = grpo.sample_tokens(logits, 0.5, 0, 1.0, keys)  # temperature 0.5: probabilities squared, renormalised
+    tok_t, _ = sampling.sample_tokens(logits, 0.5, 0, 1.0, keys)  # temperature 0.5: probabilities squared, renormalised
     tempered = probs ** 2 / (probs ** 2).sum()
     torch.testing.assert_close(torch.bincount(tok_t, minlength=5).float() / 40000, tempered, atol=0.01, rtol=0)
 
@@ -92,7 +93,7 @@ def test_rows_stop_at_first_eos_and_masks(model, tokenizer):
     with torch.no_grad():  # make EOS likely, but not certain, so rows end at different times
         model.get_output_embeddings().weight[eos] *= 6
     ids, mask = encode(tokenizer, PROMPTS * 4)
-    r = grpo.sample(model, ids, mask, max_new_tokens=12, eos_ids=[eos], pad_id=tokenizer.pad_token_id,
+    r = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=[eos], pad_id=tokenizer.pad_token_id,
                     seeds=torch.arange(12))
     lengths = r.completion_mask.sum(1)
     assert lengths.unique().numel() > 1
@@ -108,11 +109,39 @@ def test_rows_stop_at_first_eos_and_masks(model, tokenizer):
         assert (lp[m == 0] == 0).all()
 
 
-def test_mask_when_pad_is_eos():
+class Scripted(torch.nn.Module):
+    """A stand-in causal LM that writes a fixed script: after the token at completion position j, row i's next
+    token is script[i][j + 1] (the first, script[i][0], after the prompt), read from the position ids, so
+    it follows each row's own position whatever the batch does. Prompts must be unpadded (position P = the
+    first completion token)."""
+
+    def __init__(self, config, prompt_len, script):
+        super().__init__()
+        self.config, self.prompt_len, self.script = config, prompt_len, torch.tensor(script)
+        self.inputs = []  # (input_ids, position_ids) of every forward after the prefill
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep=0):
+        if input_ids.shape[1] != self.prompt_len or self.inputs:
+            self.inputs.append((input_ids.clone(), position_ids.clone()))
+        nxt = (position_ids - self.prompt_len + 1).clamp(0, self.script.shape[1] - 1)  # (N, K)
+        want = self.script.gather(1, nxt)
+        logits = torch.full((*input_ids.shape, self.config.vocab_size), -30.0)
+        logits.scatter_(2, want[..., None], 30.0)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return type("Out", (), {"logits": logits})
+
+
+def test_mask_when_pad_is_eos(model, tokenizer):
+    """The mask covers each completion up to and including its first EOS, also when the pad id is an EOS id."""
     eos = 5
-    ids = torch.tensor([[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]])
-    mask = grpo.completion_mask_from_ids(ids, [eos, 6])  # two EOS ids
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    script = [[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]]
+    ids = torch.full((3, 2), 40)
+    r = sampling.sample(Scripted(model.config, 2, script), ids, torch.ones_like(ids), max_new_tokens=5,
+                        eos_ids=[eos, 6], pad_id=eos, temperature=0)  # two EOS ids
+    assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert r.completion_ids.tolist() == [[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]]
+    assert torch.equal(r.policy_mask, r.completion_mask) and not r.truncated.any()
 
 
 class EndsAt(torch.nn.Module):
@@ -136,15 +165,16 @@ def test_sampler_stops_once_every_row_is_done(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
     eos = tokenizer.eos_token_id
     fake = EndsAt(model.config, ids.shape[1], [0, 5, 2], eos)
-    r = grpo.sample(fake, ids, mask, max_new_tokens=64, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4)
-    # the last row ends at token 5; the loop notices at the next check (after token 8) and stops there
-    assert r.completion_ids.shape[1] == 8 and fake.calls == 8
+    r = sampling.sample(fake, ids, mask, max_new_tokens=64, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4)
+    # the last row ends at token 5; the loop notices at the next check (after token 8) and stops there: a
+    # prefill and 7 decode steps; what rows sampled past their EOS is dropped (the longest row has 6 tokens)
+    assert fake.calls == 8 and r.completion_ids.shape[1] == 6
     assert r.completion_mask.sum(1).tolist() == [1, 6, 3]
     assert not r.truncated.any()
-    seen = []  # a stop decision shared with other ranks keeps the loop going while any rank is busy
-    r = grpo.sample(fake, ids, mask, max_new_tokens=20, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4,
+    seen, fake.calls = [], 0  # a stop decision shared with other ranks keeps the loop going while any rank is busy
+    r = sampling.sample(fake, ids, mask, max_new_tokens=20, eos_ids=[eos], pad_id=tokenizer.pad_token_id, check_every=4,
                     all_done=lambda done: seen.append(bool(done.all())) or False)
-    assert r.completion_ids.shape[1] == 20 and seen == [False, True, True, True]
+    assert fake.calls == 20 and seen == [False, True, True, True]
     assert r.completion_mask.sum(1).tolist() == [1, 6, 3]
 
 

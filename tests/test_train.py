@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo
+import sampling
 import model_loading
 import tasks
 import train
@@ -76,7 +77,7 @@ def test_batch_must_split_over_processes():
 def rollout_batch(model, tokenizer, n_prompts=2, g=4, seed=0):
     prompts = [p for p in ["a>", "hello there>"][:n_prompts] for _ in range(g)]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    r = grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, eos_ids=[tokenizer.eos_token_id],
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, eos_ids=[tokenizer.eos_token_id],
                     pad_id=tokenizer.pad_token_id, seeds=torch.arange(len(prompts)) + seed)
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)

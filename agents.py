@@ -1,0 +1,322 @@
+"""Tools and environments for multi-turn rollouts, with TRL's interfaces (`tools=`, `environment_factory=`).
+
+    --tools=file.py:fn,...          plain functions with type hints and a docstring
+    --environment=file.py:Class     one instance per rollout; its public methods are its tools
+
+A rollout is a conversation: the policy writes a turn, which ends at its EOS
+token (the chat template's end of turn). Its text is searched for tool calls
+in the Hermes format that Qwen2.5 and most open chat templates use:
+
+    <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>
+
+A turn without a call ends the rollout (it is the final answer). Otherwise
+every call runs, each result becomes a tool message, and the chat template
+renders those messages and the next assistant header: those tokens are the
+environment's answer, appended to the row's KV cache (sampling.sample), and
+the policy writes its next turn. The arguments are parsed as JSON, never
+evaluated; a call that is malformed, names no tool, raises, returns
+something that is not text, returns too much, or runs past the timeout is
+answered with a one-line error as its result and counted (`tool_errors`).
+README: "Tools and environments" has the whole contract.
+"""
+
+import inspect
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import rewards
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_MARK = "\x00turn\x00"  # stands for an assistant turn's text where the template is rendered around one
+
+
+def load_tools(spec):
+    """'file.py:fn,package.module:fn' -> the named functions; ValueError naming an entry that does not resolve
+    or a function whose signature and docstring do not describe it (each becomes a JSON schema)."""
+    tools = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        fn = _resolve(item)
+        if not callable(fn) or inspect.isclass(fn):
+            raise ValueError(f"{item!r}: a tool is a function, got {type(fn).__name__}")
+        if fn.__name__ in {t.__name__ for t in tools}:
+            raise ValueError(f"{item!r}: a tool named {fn.__name__!r} is already given")
+        tool_schema(fn, item)
+        tools.append(fn)
+    if not tools:
+        raise ValueError(f"{spec!r} names no tool")
+    return tools
+
+
+def load_environment(spec):
+    """'file.py:Class' -> the class; ValueError unless it makes instances with a callable `reset`."""
+    cls = _resolve(spec.strip())
+    if not inspect.isclass(cls):
+        raise ValueError(f"{spec!r}: an environment is a class (one instance per rollout), got {type(cls).__name__}")
+    if not callable(getattr(cls, "reset", None)):
+        raise ValueError(f"{spec!r}: {cls.__name__} has no reset method (reset(**row) -> None or text)")
+    return cls
+
+
+def _resolve(item):
+    where, _, name = item.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{item!r}: expected file.py:name or package.module:name")
+    try:
+        module = rewards._load_module(where)
+    except Exception as e:  # whatever loading the user's code raises, named with the entry
+        raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
+    if not hasattr(module, name):
+        raise ValueError(f"{item!r}: {where} has no {name!r}")
+    return getattr(module, name)
+
+
+def tool_schema(fn, where=None):
+    """The JSON schema the chat template shows for `fn`, from its type hints and docstring (transformers')."""
+    from transformers.utils import get_json_schema
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # no docstring, an argument without a type hint or description
+        raise ValueError(f"{where or fn.__name__!r}: cannot describe tool {fn.__name__!r} to the model ({e})") from e
+
+
+def environment_tools(env):
+    """An environment instance's tools: its public methods other than reset and get_reward (as TRL lists them,
+    from the class, so that properties are not evaluated)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+def parse_calls(text):
+    """The tool calls in a turn's text: [(name, arguments dict)] or, for a malformed call, [(None, problem)]."""
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            call = json.loads(body) if body.strip() else None
+        except ValueError as e:
+            calls.append((None, f"the tool call is not valid JSON ({e})"))
+            continue
+        if call is None or call == {}:  # an empty call: the only tool, if there is one (handy for tiny models)
+            calls.append(("", {}))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append((None, 'a tool call is {"name": ..., "arguments": {...}}'))
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        if not isinstance(args, dict):
+            calls.append((None, f"the arguments of {call['name']!r} must be a JSON object"))
+            continue
+        calls.append((call["name"], args))
+    return calls
+
+
+def _as_text(result, limit):
+    """A tool's result as the text of its message, or raise ValueError saying why it cannot be one."""
+    if isinstance(result, str):
+        text = result
+    elif isinstance(result, (bool, int, float)):
+        text = str(result)
+    elif isinstance(result, (dict, list)):
+        try:
+            text = json.dumps(result)
+        except (TypeError, ValueError):
+            raise ValueError(f"returned a {type(result).__name__} that is not JSON") from None
+    else:
+        raise ValueError(f"returned a {type(result).__name__}, not text")
+    if len(text) > limit:
+        raise ValueError(f"returned {len(text):,} characters, more than the limit of {limit:,}")
+    return text
+
+
+def run_calls(jobs, timeout, limit):
+    """Run [(function or None, arguments or problem)] in parallel threads: [(text, failed)] in order.
+
+    A call still running after `timeout` seconds is answered with an error and left to finish on its own
+    (a thread cannot be stopped); it never holds up the rollout.
+    """
+    results = [None] * len(jobs)
+
+    def call(i, fn, args):
+        try:
+            results[i] = (_as_text(fn(**args), limit), False)
+        except Exception as e:  # the model's call, the user's code: anything may go wrong
+            results[i] = (f"error: {type(e).__name__}: {str(e)[:300]}", True)
+
+    threads = []
+    for i, (fn, args) in enumerate(jobs):
+        if fn is None:
+            results[i] = (f"error: {args}", True)
+            continue
+        t = threading.Thread(target=call, args=(i, fn, args), daemon=True)
+        t.start()
+        threads.append((i, t))
+    deadline = time.monotonic() + timeout
+    for i, t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive() or results[i] is None:
+            results[i] = (f"error: the tool ran past its {timeout:g} s limit", True)
+    return results
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class Episode:
+    """One rollout's conversation: its environment (or None), tools, messages and what its calls did."""
+    env: object
+    tools: dict                                   # name -> callable
+    messages: list                                # the conversation, the prompt's messages first
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turns: int = 0                                # the policy's turns written into `messages`
+    calls: list = field(default_factory=list)     # (name, arguments, result) of each call, in order
+
+
+class Agent:
+    """The tools and environment of a run: starts each rollout's conversation and answers the policy's turns.
+
+    tools: functions; environment: a class (one instance per rollout) or None. max_turns: the policy's turns
+    per completion (so at most max_turns - 1 rounds of calls); timeout: seconds per round of calls;
+    max_result_chars: the longest result a tool may return.
+    """
+
+    def __init__(self, tokenizer, eos_ids, tools=(), environment=None, max_turns=4, timeout=10.0,
+                 max_result_chars=4000, system_prompt=None):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("tools and environments need a tokenizer with a chat template (it renders the tools "
+                             "and their results)")
+        self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
+        self.tools, self.environment = list(tools), environment
+        self.max_turns, self.timeout, self.max_result_chars = max_turns, timeout, max_result_chars
+        self.system_prompt = system_prompt
+        probe = environment() if environment is not None else None
+        env_tools = environment_tools(probe) if probe is not None else []
+        self.schemas = [tool_schema(f) for f in self.tools + env_tools]
+        names = [s["function"]["name"] for s in self.schemas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: two tools share a name ({', '.join(names)})")
+        self.reward_funcs = []
+        if probe is not None and callable(getattr(probe, "get_reward", None)):
+            name = environment.__name__
+
+            def environment_reward(environments, **_):
+                return [e.get_reward() for e in environments]
+            environment_reward.__name__ = name  # logged as reward/<class name>, as TRL does
+            self.reward_funcs.append(environment_reward)
+        # a turn also ends right after a call, so that its result comes back before the policy writes on
+        self.stop_sequences = [tokenizer("</tool_call>", add_special_tokens=False).input_ids]
+
+    def start(self, rows):
+        """One Episode per row, each with its own environment (reset with the row's fields), and the prompts
+        they start from: the row's messages with the tools, through the chat template."""
+        episodes, prompts = [], []
+        for row in rows:
+            env = self.environment() if self.environment is not None else None
+            content = row.get("prompt_messages") or [{"role": "user", "content": row["prompt_text"]}]
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+                [dict(m) for m in content]
+            if env is not None:
+                observation = env.reset(**row)
+                if observation is not None:  # appended to the last user message, as TRL does
+                    messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+            tools = {f.__name__: f for f in self.tools}
+            if env is not None:
+                tools.update({m.__name__: m for m in environment_tools(env)})
+            episodes.append(Episode(env, tools, messages))
+            prompts.append(self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                              add_generation_prompt=True))
+        return prompts, episodes
+
+    def responder(self, episodes):
+        """`respond` for sampling.sample over rows that are these episodes, in order."""
+        def respond(turns):
+            jobs, owners, texts = [], [], []
+            for turn in turns:
+                ep = episodes[turn.row]
+                ids = turn.ids[turn.start:]
+                ended = bool(ids) and ids[-1] in self.eos_ids
+                text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+                ep.messages.append({"role": "assistant", "content": text})
+                ep.turns += 1
+                calls = parse_calls(text)
+                texts.append((ended, calls))
+                for name, args in calls:
+                    if name == "" and len(ep.tools) == 1:
+                        name = next(iter(ep.tools))
+                    fn = ep.tools.get(name) if name is not None else None
+                    if name is not None and fn is None:
+                        name, args = None, f"no tool is named {name!r} (tools: {', '.join(ep.tools) or 'none'})"
+                    jobs.append((fn, args))
+                    owners.append((turn.row, name, args))
+            results = iter(run_calls(jobs, self.timeout, self.max_result_chars))
+            owned = iter(owners)
+            answers = []
+            for turn, (ended, calls) in zip(turns, texts):
+                if not calls:
+                    answers.append(None)  # no call: this turn was the final answer
+                    continue
+                ep, tool_messages = episodes[turn.row], []
+                for _ in calls:
+                    (text, failed), (_, name, args) = next(results), next(owned)
+                    ep.tool_calls += 1
+                    ep.tool_errors += failed
+                    ep.calls.append((name, args if name is not None else None, text))
+                    tool_messages.append({"role": "tool", "name": name or "error", "content": text})
+                ep.messages.extend(tool_messages)
+                answers.append(self.tokenizer(self.answer_text(tool_messages, ended),
+                                              add_special_tokens=False).input_ids)
+            return answers
+        return respond
+
+    def finish(self, episodes, rollout):
+        """Write each conversation's last turn into its messages: the one no tool answered (its final answer,
+        or the turn the length limit cut), found in the rollout after the environment's last token."""
+        for ep, ids, real, policy, turns in zip(episodes, rollout.completion_ids.tolist(),
+                                               rollout.completion_mask.tolist(), rollout.policy_mask.tolist(),
+                                               rollout.turns.tolist()):
+            if ep.turns >= turns:
+                continue
+            n = sum(real)
+            start = max((j + 1 for j in range(n) if not policy[j]), default=0)
+            last = ids[start:n]
+            if last and last[-1] in self.eos_ids:
+                last = last[:-1]
+            ep.messages.append({"role": "assistant", "content": self.tokenizer.decode(last, skip_special_tokens=False)})
+            ep.turns += 1
+
+    def answer_text(self, tool_messages, ended_with_eos):
+        """What follows a turn that made calls: the rest of the template's end of an assistant turn, the tool
+        messages as the template renders them, and the next assistant header."""
+        render = self.tokenizer.apply_chat_template
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+        prefix = render(base, tokenize=False)
+        full = render(base + tool_messages, tokenize=False, add_generation_prompt=True)
+        if not full.startswith(prefix):
+            raise ValueError("the chat template renders a conversation differently once tool messages follow it; "
+                             "tool results cannot be appended to a turn")
+        closing = prefix[prefix.rindex(_MARK) + len(_MARK):]  # what the template writes after a turn's text
+        eos_text = self.tokenizer.eos_token or ""
+        if ended_with_eos:  # the policy wrote the end of turn itself
+            for i in self.eos_ids:
+                token = self.tokenizer.convert_ids_to_tokens(i)
+                if isinstance(token, str) and closing.startswith(token):
+                    eos_text = token
+                    break
+            closing = closing[len(eos_text):] if closing.startswith(eos_text) else closing
+        return closing + full[len(prefix):]
+
+
+def episode_fields(episodes):
+    """What reward functions get of each rollout besides its text: the conversation and the environment."""
+    return {"messages": [ep.messages for ep in episodes], "environments": [ep.env for ep in episodes]}
