@@ -607,11 +607,12 @@ def load_reward_funcs(spec):
 
 
 def vault_reward(completions, messages, environments, **_):
-    """1 when the policy's last turn starts with the code its environment drew, else 0."""
+    """1 when the policy's last turn starts with the code its environment drew, 0.1 when with another digit
+    (an answer of the right form), else 0."""
     scores = []
     for conversation, env in zip(messages, environments):
-        last = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")
-        scores.append(1.0 if last.strip()[:1] == env.code else 0.0)
+        first = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")[:1]
+        scores.append(1.0 if first == env.code else 0.1 if first.isdigit() else 0.0)
     return scores
 
 
