@@ -404,3 +404,23 @@ def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path):
     # an empty out_dir, or one with only stray folders, is a fresh start
     os.makedirs(tmp_path / "fresh" / "checkpoints" / "step_notes")
     assert sharding.load_latest_checkpoint(str(tmp_path / "fresh"), untouched, untouched_opt, d) is None
+
+
+def test_multi_turn_rollouts_agree_across_ranks(tmp_path):
+    """The vault task's tool turns (every turn a call, see run_train.pause_often): 2 processes sample the
+    same trajectories, rewards and gradient as 1, while rows take different numbers of turns on each rank."""
+    runs = {}
+    for nproc in (1, 2):
+        out_dir = str(tmp_path / f"p{nproc}")
+        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--task=vault",
+                           "--max_turns=3", "--max_completion_length=48", "--pause_often", *FLAGS], nproc)
+        runs[nproc] = out_dir
+    assert tokens(runs[1]) == tokens(runs[2])
+    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+        for k in ("reward", "reward/vault_reward", "turns", "turns_max", "tool_calls", "completion_length",
+                  "completion_policy_length"):
+            assert a[k] == b[k], k
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)  # a sum of terms near 0, in another order
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # rows finished after different numbers of turns (within a rank and across the two)
+    assert all(1 < x["turns"] < x["turns_max"] and x["tool_calls"] > 0.5 for x in metrics(runs[2]))
