@@ -296,25 +296,18 @@ class Agent:
             ep.turns += 1
 
     def answer_text(self, tool_messages, ended_with_eos):
-        """What follows a turn that made calls: the rest of the template's end of an assistant turn, the tool
-        messages as the template renders them, and the next assistant header."""
-        render = self.tokenizer.apply_chat_template
+        """What follows a turn that made calls: whatever the chat template writes after the turn's text when
+        tool messages follow it, up to where the policy writes again (the next assistant header, if the
+        template has one); less the end-of-turn token when the policy wrote that itself."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        prefix = render(base, tokenize=False)
-        full = render(base + tool_messages, tokenize=False, add_generation_prompt=True)
-        if not full.startswith(prefix):
-            raise ValueError("the chat template renders a conversation differently once tool messages follow it; "
-                             "tool results cannot be appended to a turn")
-        closing = prefix[prefix.rindex(_MARK) + len(_MARK):]  # what the template writes after a turn's text
-        eos_text = self.tokenizer.eos_token or ""
-        if ended_with_eos:  # the policy wrote the end of turn itself
+        full = self.tokenizer.apply_chat_template(base + tool_messages, tokenize=False, add_generation_prompt=True)
+        answer = full[full.rindex(_MARK) + len(_MARK):]
+        if ended_with_eos:
             for i in self.eos_ids:
                 token = self.tokenizer.convert_ids_to_tokens(i)
-                if isinstance(token, str) and closing.startswith(token):
-                    eos_text = token
-                    break
-            closing = closing[len(eos_text):] if closing.startswith(eos_text) else closing
-        return closing + full[len(prefix):]
+                if isinstance(token, str) and answer.startswith(token):
+                    return answer[len(token):]
+        return answer
 
 
 def episode_fields(episodes):

@@ -68,6 +68,9 @@ def settings_for(args, device):
         long_warmup_new_tokens=256 if gpu else 32, long_reps=1 if gpu else args.reps,
         # memory row
         mem_vocab=151936, mem_rows=8, mem_prompt_len=16, mem_completion_len=256,
+        # multiturn row: turns of about mt_turn_tokens tokens, an answer of mt_answer_tokens after each
+        mt_batch=256 if gpu else 32, mt_prompt_len=64 if gpu else 16, mt_new_tokens=1024 if gpu else 160,
+        mt_turns=4, mt_turn_tokens=64 if gpu else 16, mt_answer_tokens=64 if gpu else 16,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -114,16 +117,16 @@ def bench_decode(path, s, device):
     n, t = s["decode_batch"], s["decode_new_tokens"]
     enc = letter_prompts(tokenizer, n, s["decode_prompt_len"], device)
     never = [model.config.vocab_size]  # an id no row can sample: every row decodes all t tokens, as generate does below
-    sampling = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
+    knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
 
     def ours(max_new=t, **kw):
         return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=never,
-                           pad_id=tokenizer.pad_token_id, **sampling, **kw)
+                               pad_id=tokenizer.pad_token_id, **knobs, **kw)
 
     def generate():
         with torch.no_grad():
             out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
-                                 max_new_tokens=t, min_new_tokens=t, pad_token_id=tokenizer.pad_token_id, **sampling)
+                                 max_new_tokens=t, min_new_tokens=t, pad_token_id=tokenizer.pad_token_id, **knobs)
         assert out.shape[1] == enc.input_ids.shape[1] + t
         return out
 
@@ -147,7 +150,7 @@ def bench_decode(path, s, device):
     stop_ids = list(range(40, 40 + max(1, round(2 * model.config.vocab_size / t))))
     def stopping(compact):
         return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
-                           pad_id=tokenizer.pad_token_id, compact=compact, **sampling)
+                               pad_id=tokenizer.pad_token_id, compact=compact, **knobs)
     ct = {True: [], False: []}
     for _ in range(s["warmup"]):
         a, b = stopping(True), stopping(False)
@@ -163,6 +166,78 @@ def bench_decode(path, s, device):
     if device.type == "cuda":
         out.update(decode_bandwidth(model, enc, ours, s, device))
     return out
+
+
+# ----------------------------------------------------------------------------- multi-turn: answers appended vs re-run
+
+
+def bench_multiturn(path, s, device):
+    """Rollouts of several turns, an environment's answer of `mt_answer_tokens` tokens after each: our sampler,
+    which appends each answer to the paused rows' KV cache, against running the sampler again from the prompt
+    for every turn, the prompt then holding the conversation so far (what TRL does without vLLM). Both sample
+    with the same settings (not the same draws: a re-run restarts each row's random stream), so the turns and
+    tokens they generate are reported beside the times; a turn ends at one of a few stop ids, after about
+    `mt_turn_tokens` tokens."""
+    tokenizer = model_loading.load_tokenizer(path)
+    model = load(path, s, device).eval()
+    n, budget, turns, k = s["mt_batch"], s["mt_new_tokens"], s["mt_turns"], s["mt_answer_tokens"]
+    enc = letter_prompts(tokenizer, n, s["mt_prompt_len"], device)
+    stop_ids = list(range(40, 40 + max(1, round(model.config.vocab_size / s["mt_turn_tokens"]))))
+    pad = tokenizer.pad_token_id
+
+    def answer(row, ids):
+        return [100 + (row + len(ids) + j) % 20 for j in range(k)]  # fixed by the row and its length so far
+
+    def ours():
+        respond = lambda ts: [answer(t.row, t.ids) for t in ts]  # noqa: E731
+        r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=budget, eos_ids=stop_ids,
+                            pad_id=pad, respond=respond, max_turns=turns)
+        fed = enc.attention_mask.sum().item() + int((r.completion_mask - r.policy_mask).sum())  # prompts + answers
+        ours.turns = r.turns.float().mean().item()
+        return [row[:m].tolist() for row, m in zip(r.completion_ids, r.completion_mask.sum(1))], fed
+
+    def rerun():
+        done = [[] for _ in range(n)]
+        live, fed = list(range(n)), 0
+        prompts = [row[m.bool()].tolist() for row, m in zip(enc.input_ids, enc.attention_mask)]
+        for turn in range(turns):
+            if not live:
+                break
+            text = [prompts[i] + done[i] for i in live]
+            width = max(len(x) for x in text)
+            ids = torch.tensor([[pad] * (width - len(x)) + x for x in text], device=device)
+            attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in text], device=device)
+            fed += int(attn.sum())  # every turn prefills the whole conversation again
+            room = budget - min(len(done[i]) for i in live)
+            r = sampling.sample(model, ids, attn, max_new_tokens=room, eos_ids=stop_ids, pad_id=pad,
+                                seeds=torch.tensor(live, device=device) + 1000 * turn)
+            still = []
+            for j, i in enumerate(live):
+                new = r.completion_ids[j, :r.completion_mask[j].sum()].tolist()[:budget - len(done[i])]
+                done[i] += new
+                ended = bool(new) and new[-1] in stop_ids
+                if ended and turn + 1 < turns and len(done[i]) + k < budget:
+                    done[i] += answer(i, done[i])
+                    still.append(i)
+            live = still
+        return done, fed
+
+    times, work = {"ours": [], "rerun": []}, {}
+    for _ in range(s["warmup"]):
+        ours(), rerun()
+    for _ in range(s["reps"]):
+        for key, fn in (("ours", ours), ("rerun", rerun)):
+            elapsed, (trajectories, fed) = timed(fn, device)
+            times[key].append(elapsed)
+            work.setdefault(key, []).append((fed, statistics.mean(len(x) for x in trajectories)))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    fed = {key: statistics.mean(f for f, _ in v) for key, v in work.items()}
+    length = {key: statistics.mean(m for _, m in v) for key, v in work.items()}
+    return {"multiturn_speedup_vs_rerun": med["rerun"] / med["ours"], "multiturn_ours_s": med["ours"],
+            "multiturn_rerun_s": med["rerun"], "multiturn_prefill_tokens_ours": fed["ours"],
+            "multiturn_prefill_tokens_rerun": fed["rerun"], "multiturn_prefill_ratio": fed["rerun"] / fed["ours"],
+            "multiturn_mean_turns": ours.turns, "multiturn_mean_length_ours": length["ours"],
+            "multiturn_mean_length_rerun": length["rerun"]}
 
 
 @functools.cache  # once per run: the step and long rows share it
@@ -576,6 +651,15 @@ def table(r, s):
     if has("logprob_memory_ratio"):
         rows.append(("log-prob + loss peak memory", fmt(r["logprob_peak_bytes_ours"], "B"),
                      fmt(r["logprob_peak_bytes_naive"], "B"), "full logits", f"{r['logprob_memory_ratio']:.3f} (ours/naive)"))
+    if has("multiturn_speedup_vs_rerun"):
+        rows += [
+            (f"{s['mt_turns']}-turn rollout time", fmt(r["multiturn_ours_s"], "s"), fmt(r["multiturn_rerun_s"], "s"),
+             "sampler re-run per turn", f"{r['multiturn_speedup_vs_rerun']:.2f}x"),
+            ("multi-turn: prefilled tokens", fmt(r["multiturn_prefill_tokens_ours"]),
+             fmt(r["multiturn_prefill_tokens_rerun"]), "sampler re-run per turn",
+             f"{r['multiturn_prefill_ratio']:.2f}x fewer"),
+            ("multi-turn: mean turns; mean trajectory length", f"{r['multiturn_mean_turns']:.2f}; "
+             f"{r['multiturn_mean_length_ours']:.0f}", f"{r['multiturn_mean_length_rerun']:.0f}", "(the same work)", "")]
     if has("long_step_s"):
         shape = f"{s['long_prompts']} x {s['long_num_generations']} x {s['long_new_tokens']:,} tokens"
         rows += [
@@ -605,7 +689,7 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-ROWS = ("decode", "step", "memory", "long")
+ROWS = ("decode", "step", "memory", "long", "multiturn")
 
 
 def main(argv):
@@ -615,7 +699,7 @@ def main(argv):
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--only", default="decode,step,memory", help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    parser.add_argument("--only", default="decode,step,memory,multiturn", help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting (see 'settings' in the JSON), e.g. --set micro_batch=32")
@@ -670,6 +754,11 @@ def main(argv):
         if "memory" in only:
             print("memory: chunked vs full-logits log-probs ...", flush=True)
             results.update(bench_memory(s, device))
+            free(device)
+        if "multiturn" in only:
+            print("multiturn: answers appended to the cache vs the sampler re-run from the prompt each turn ...",
+                  flush=True)
+            results.update(bench_multiturn(path, s, device))
             free(device)
         if "long" in only:
             print(f"long: our step, {s['long_prompts']} x {s['long_num_generations']} completions of "

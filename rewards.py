@@ -607,18 +607,24 @@ def load_reward_funcs(spec):
 
 
 def vault_reward(completions, messages, environments, **_):
-    """1 when the policy's last turn starts with the code its environment drew, 0.1 when with another digit
-    (an answer of the right form), else 0."""
+    """1 when the policy's last turn starts with the code its environment drew, else 0."""
     scores = []
     for conversation, env in zip(messages, environments):
-        first = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")[:1]
-        scores.append(1.0 if first == env.code else 0.1 if first.isdigit() else 0.0)
+        last = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")
+        scores.append(1.0 if last[:1] == env.code else 0.0)
     return scores
 
 
 def tool_format_reward(completions, messages, **_):
-    """The tool-call format, in two steps: 1 when the completion made a call, 0.5 when it at least opened one
-    with its first token, else 0. A format reward like format_reward: it lets a model that starts from random
-    weights find the call, after which the task's own reward teaches what to do with the result."""
-    return [1.0 if any(m["role"] == "tool" for m in conversation) else 0.5 if c.startswith("<tool_call>") else 0.0
-            for c, conversation in zip(completions, messages)]
+    """The vault task's format, step by step: 1 for a call and then an answer that is one digit, 0.75 for a
+    call, 0.5 for opening one with the first token, else 0. Like format_reward, it rewards the form and not
+    the content: it lets a model that starts from random weights find the call and the kind of answer, after
+    which vault_reward teaches it to answer with what the tool returned."""
+    scores = []
+    for c, conversation in zip(completions, messages):
+        if any(m["role"] == "tool" for m in conversation):
+            last = conversation[-1]["content"] if conversation[-1]["role"] == "assistant" else ""
+            scores.append(1.0 if last[:1].isdigit() else 0.75)
+        else:
+            scores.append(0.5 if c.startswith("<tool_call>") else 0.0)
+    return scores

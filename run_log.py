@@ -132,8 +132,8 @@ class Logger:
                 "prompt": batch.prompts[shown], "completion": batch.completions[shown],
                 **{k: v[shown].tolist() for k, v in parts.items()},
                 # with tools: each turn, call and result as its own message
-                **({"conversation": [json.dumps(e.messages) for e in batch.episodes[shown]]} if batch.episodes else {}),
-                "turns": batch.rollout.turns[shown].tolist(),
+                **({"conversation": [json.dumps(e.messages) for e in batch.episodes[shown]],
+                    "turns": batch.rollout.turns[shown].tolist()} if batch.episodes else {}),
                 "reward": total[shown].tolist(), "advantage": advantages[shown].tolist()})
         if run.d.master and cfg.print_completions_every and step % cfg.print_completions_every == 0:
             for i in range(0, min(len(batch.prompts), 3 * G), G):

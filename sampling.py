@@ -12,6 +12,7 @@ weights of the policy for a step's rollout, `evaluate` on held-out prompts.
 """
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -269,8 +270,11 @@ class _HFSteps:
         self.cache = DynamicCache(config=model.config)
         self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
         self.where = torch.full((n, max_new + 1), -1, dtype=torch.long, device=ids.device)  # cache column of each
-        self.first_logits = model(input_ids=ids, attention_mask=attn, position_ids=positions,
-                                  past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns where both exist)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.first_logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                                  logits_to_keep=1, **{self.cache_kw: self.cache}).logits[:, -1]
 
     def decode(self, tok, cols, cols_h):
         return self.extend(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), cols, None)
@@ -284,7 +288,7 @@ class _HFSteps:
         self.where[r, cols[r, c]] = length + c
         extra = {} if k == 1 else {"logits_to_keep": k}
         logits = self.model(input_ids=ids, attention_mask=self.attn, position_ids=self.first_pos[:, None] + cols,
-                            past_key_values=self.cache, use_cache=True, **extra).logits
+                            use_cache=True, **{self.cache_kw: self.cache}, **extra).logits
         last = valid.long().sum(1) - 1 + (logits.shape[1] - k)
         return logits[torch.arange(n, device=ids.device), last]
 

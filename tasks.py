@@ -180,14 +180,23 @@ def _vault_prompts(rng, n):
     return [{"prompt": "", "prompt_text": "code?", "seed": rng.randrange(1 << 30)} for _ in range(n)]
 
 
-# the tiny model's chat template for the vault task: ChatML-like turns, a tool message of its own
+# the tiny model's chat template for the vault task: ChatML-like turns, and tool results written into the
+# assistant's turn (<tool_response>...</tool_response>, the turn going on after it), as some tool-integrated
+# reasoning formats do: the policy answers right after the result
 TINY_TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
     "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% for m in messages %}"
+    "{% set after_tool = loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'tool' %}"
+    "{% set before_tool = not loop.last and messages[loop.index0 + 1]['role'] == 'tool' %}"
+    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}{% if not (m['role'] == 'assistant' and after_tool) %}<|im_start|>{{ m['role'] }}\n{% endif %}"
+    "{{ m['content'] }}{% if not (m['role'] == 'assistant' and before_tool) %}<|im_end|>\n{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}<|im_start|>assistant\n{% endif %}")
 # the tiny model a task brings when --model=tiny: write_tiny_model's keywords
-TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=["<tool_call>", "</tool_call>"])}
+TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=TINY_TOOL_TOKENS)}
 
 TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
 # the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)

@@ -202,7 +202,7 @@ def test_rollout_fields_survive_concatenation():
 
 
 def tool_tokenizer():
-    tok = model_loading.build_byte_tokenizer(["<tool_call>", "</tool_call>"])
+    tok = model_loading.build_byte_tokenizer(tasks.TINY_TOOL_TOKENS)
     tok.chat_template = tasks.TINY_TOOL_TEMPLATE
     return tok
 
@@ -295,7 +295,7 @@ def test_environment_turns_through_the_agent():
     answers = respond([sampling.Turn(0, turn0, 0), sampling.Turn(1, turn1, 0)])
     assert answers[1] is None and eps[0].env.total == 5 and eps[0].tool_calls == 1
     text = tok.decode(answers[0])
-    assert text == "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<tool_response>5</tool_response>"  # the tiny template writes results into the turn
     assert eps[0].messages[-1] == {"role": "tool", "name": "add", "content": "5"}
     assert agent.reward_funcs[0].__name__ == "TRLStyleEnv"
     assert agent.reward_funcs[0](environments=[e.env for e in eps]) == [5.0, 0.0]
@@ -318,10 +318,28 @@ def test_environment_runs_unchanged_through_train(tmp_path):
         "    def get_reward(self):\n"
         "        return float(self.n > 0)\n")
     model_dir = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=tasks.TINY_TOOL_TEMPLATE,
-                                               extra_tokens=["<tool_call>", "</tool_call>"])
+                                               extra_tokens=tasks.TINY_TOOL_TOKENS)
     out = tmp_path / "out"
     train.main([f"--model={model_dir}", f"--environment={env_file}:Counter", "--max_steps=2",
                 "--max_completion_length=24", "--prompts_per_step=2", "--num_generations=4", f"--out_dir={out}",
                 "--save_every=0"])
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(rows) == 2 and all("reward/Counter" in r and "tool_calls" in r and "turns_max" in r for r in rows)
+
+
+def test_answer_text_with_a_chatml_tool_role():
+    """A template where tools answer in a turn of their own (ChatML, as Qwen2.5's): the answer closes the
+    policy's turn (unless the policy wrote the end of turn itself), holds the tool turn, opens the next."""
+    tok = model_loading.build_byte_tokenizer(tasks.TINY_TOOL_TOKENS)
+    tok.chat_template = model_loading.TINY_CHAT_TEMPLATE
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    agent = agents.Agent(tok, [im_end], [multiply])
+    msg = [{"role": "tool", "name": "multiply", "content": "12"}]
+    tool_turn = "<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    assert agent.answer_text(msg, ended_with_eos=False) == "<|im_end|>\n" + tool_turn
+    assert agent.answer_text(msg, ended_with_eos=True) == "\n" + tool_turn
+    _, eps = agent.start([{"prompt_text": "3*4?"}])
+    call = tok('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>',
+               add_special_tokens=False).input_ids
+    answer = agent.responder(eps)([sampling.Turn(0, call + [im_end], 0)])[0]
+    assert tok.decode(answer) == "\n" + tool_turn
