@@ -181,21 +181,21 @@ def _vault_prompts(rng, n):
 
 
 # the tiny model's chat template for the vault task: ChatML-like turns, and tool results written into the
-# assistant's turn (<tool_response>...</tool_response>, the turn going on after it), as some tool-integrated
-# reasoning formats do: the policy answers right after the result
+# assistant's turn after <tool_response>, the turn going on right after the result (tool-integrated reasoning
+# formats write results into the turn too): the answer is then the token after the code
 TINY_TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
     "<|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% set after_tool = loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'tool' %}"
     "{% set before_tool = not loop.last and messages[loop.index0 + 1]['role'] == 'tool' %}"
-    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
     "{% else %}{% if not (m['role'] == 'assistant' and after_tool) %}<|im_start|>{{ m['role'] }}\n{% endif %}"
     "{{ m['content'] }}{% if not (m['role'] == 'assistant' and before_tool) %}<|im_end|>\n{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}<|im_start|>assistant\n{% endif %}")
 # the tiny model a task brings when --model=tiny: write_tiny_model's keywords
-TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>"]
 TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=TINY_TOOL_TOKENS)}
 
 TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
