@@ -9,6 +9,7 @@ Of the project it imports only the fast decoder the sampler uses
 and, where needed, a Hugging Face causal LM.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -188,7 +189,9 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, k
     n, device = prompt_ids.shape[0], prompt_ids.device
     positions = position_ids_from_mask(attn)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+    # transformers 5.x renamed the forward's `past_key_values` to `cache` (the old name warns that it will go)
+    cache_arg = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    logits = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, **cache_arg,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     next_pos = positions[:, -1] + 1  # (N,)
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -205,7 +208,7 @@ def _sample_hf(model, prompt_ids, attn, max_new_tokens, eos, pad_id, sampling, k
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         logits = model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+                       **cache_arg, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
     return tokens[:, :length], logps[:, :length], done
 
