@@ -8,6 +8,7 @@
 Every Config field below can be set as --key=value or --key value.
 """
 
+import json
 import math
 import os
 import sys
@@ -16,18 +17,7 @@ import typing
 import uuid
 from dataclasses import dataclass, field
 
-import huggingface_hub
-import torch
-import transformers
-
-import cli
-import grpo
-import model_loading
-import rewards
-import run_log
-import sampling
-import sharding
-import tasks
+import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
 
 
 def _env(name, default):  # a Config default that an environment variable may set (wandb's usual variables)
@@ -172,10 +162,10 @@ def validate(cfg, world_size=1):
                      ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
                      ("completions_table_every", 0)):
         need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
-    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", grpo.LOSS_TYPES),
+    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
-                         ("task", tasks.TASKS), ("importance_sampling", grpo.IMPORTANCE_SAMPLING)):
+                         ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING)):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     for key in ("lr", "max_grad_norm", "temperature", "lora_alpha"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
@@ -191,12 +181,63 @@ def validate(cfg, world_size=1):
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
-    need(not cfg.device.startswith("cuda") or torch.cuda.is_available(), "device",
-         f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
+    if cfg.device.startswith("cuda"):  # the one check that needs torch
+        import torch
+        need(torch.cuda.is_available(), "device",
+             f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
+
+
+# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
+# (both import it); tests/test_startup.py checks that they agree.
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr")
+
+
+def tell_torchrun(message):
+    """Under torchrun, put this process's one-line error where torchrun reads it: its failure summary then
+    quotes the message instead of a link to its documentation. (The format torch.distributed.elastic's
+    ErrorHandler writes, without a traceback.)"""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+
+
+if __name__ == "__main__":
+    # The settings are checked before the imports below, which take seconds (torch, transformers, datasets):
+    # a typo stops the run at once. main() parses them again, cheaply. Under torchrun every rank meets the
+    # same error here (it depends on the command line alone, and nothing distributed has started): rank 0
+    # says it, and the others exit quietly with status 0, so that torchrun's summary lists rank 0 alone.
+    try:
+        validate(parse_config(sys.argv[1:]), int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise SystemExit(0) from None
+        tell_torchrun(e.code)
+        raise
+
+try:
+    import huggingface_hub
+    import torch
+    import transformers
+
+    import grpo
+    import model_loading
+    import rewards
+    import run_log
+    import sampling
+    import sharding
+    import tasks
+except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer's traceback
+    if __name__ != "__main__":
+        raise
+    print("\ninterrupted while importing torch and transformers", file=sys.stderr)
+    raise SystemExit(130)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -646,4 +687,6 @@ if __name__ == "__main__":
         if os.environ.get("GRPO_DEBUG", "0") not in ("", "0") and e.__cause__ is not None:
             import traceback
             traceback.print_exception(e.__cause__)
+        if isinstance(e.code, str):
+            tell_torchrun(e.code)
         raise
