@@ -15,17 +15,29 @@ from urllib.parse import urlparse
 
 import torch
 
+import disk
 import sharding
 
 
 def write_atomic(path, text):
-    """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed."""
+    """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed.
+
+    A write the storage refuses (a full disk, ...) removes the temporary file, leaves `path` as it was and
+    raises disk.WriteError."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        full = disk.check(e, path, "", then=f"{os.path.basename(path)} is as it was")
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if full is not None:
+            raise full from e
+        raise
 
 
 def strict_json(value):
@@ -94,7 +106,8 @@ class Logger:
             with open(self.path) as f:
                 kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
             write_atomic(self.path, "".join(kept))
-        self.jsonl = open(self.path, "a")
+        # unbuffered: a line is on disk once log() returns, and one the disk refused leaves nothing to retry
+        self.jsonl = open(self.path, "ab", buffering=0)
         if cfg.wandb_mode != "disabled":
             import wandb
             # A resumed run continues the same wandb run (its id is saved in the checkpoint).
@@ -104,8 +117,7 @@ class Logger:
     def log(self, metrics, eta=None):
         if not self.master:
             return
-        self.jsonl.write(json.dumps(strict_json(metrics)) + "\n")
-        self.jsonl.flush()
+        self._append((json.dumps(strict_json(metrics)) + "\n").encode())
         parts = [f"step {metrics['step']:>{len(str(self.max_steps))}}/{self.max_steps}"]
         parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
         parts.append(f"{metrics['step_time']:.2f}s")
@@ -114,6 +126,22 @@ class Logger:
         print(" | ".join(parts), flush=True)
         if self.wandb is not None:
             self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def _append(self, line):
+        """One line onto metrics.jsonl, whole or not at all: a write the storage refuses (a full disk, ...) cuts
+        the file back to the lines before it and raises disk.WriteError."""
+        size = os.fstat(self.jsonl.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:  # an unbuffered write may take part of the line: a full disk, a signal
+                view = view[self.jsonl.write(view):]
+        except OSError as e:
+            full = disk.check(e, self.path, "the step's metrics to",
+                              then=f"{os.path.basename(self.path)} keeps the steps before it")
+            self.jsonl.truncate(size)
+            if full is not None:
+                raise full from e
+            raise
 
     def table(self, step, name, columns):
         """A wandb.Table from {column: values} (no-op without wandb); log it before the step's metrics."""

@@ -226,6 +226,7 @@ try:
     import torch
     import transformers
 
+    import disk
     import grpo
     import model_loading
     import rewards
@@ -579,7 +580,19 @@ def main(argv):
     except OSError as e:  # a file where the folder should be, no permission, ...
         raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
     with lock:
-        loop(cfg, d)
+        try:
+            loop(cfg, d)
+        except OSError as e:  # a full disk, a quota, ...: one line, and how to go on
+            if e.errno not in disk.REASONS:
+                raise
+            # a checkpoint, the export, metrics.jsonl or config.json (disk.WriteError): what was partly written is
+            # gone; anything else (the tiny model's files, ...): the file and the cause
+            said = str(e) if isinstance(e, disk.WriteError) else f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
+            newest = sharding.checkpoint_dirs(cfg.out_dir)
+            then = f"resumes from {newest[0]}" if newest else "starts over (no checkpoint was saved)"
+            remedy = disk.REMEDIES[e.errno]
+            raise SystemExit(f"{said}. {remedy[0].upper()}{remedy[1:]}; then the same command {then}"
+                             if d.master else 1) from e
     sharding.teardown()
 
 
