@@ -531,7 +531,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
 
     Returns the trainer state saved with it (step, LR schedule, wandb id, ...),
     or None when there is none. A damaged or incomplete checkpoint is skipped
-    with a warning naming it; the one before it is tried. Loading goes into a
+    with a line naming it (rank 0 prints it); the one before it is tried. Loading goes into a
     copy first and reaches the model only once every tensor was read.
     """
     import torch.distributed.checkpoint as dcp
@@ -562,8 +562,8 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
         # every rank must pick the same checkpoint, and can say why another rank could not load it
         problem = first_problem(problem, d)
         if problem is not None:
-            if d.master:
-                warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+            if d.master:  # the trainer's own line, not Python's warning format (which names this file and line)
+                print(f"warning: skipping checkpoint {path}: {problem}", flush=True)
             skipped.append(f"{path}: {problem}")
             continue
         set_model_state_dict(model, state["model"])
