@@ -69,10 +69,11 @@ def wandb_key(key):
     """Dashboard sections: reward/..., perf/..., eval/..., train/..."""
     if key.startswith(("eval/", "train/", "perf/")):
         return key
+    if key in ("step_time", "tokens_per_s", "generation_time", "update_time", "batch_tokens") or \
+            key.split("/")[0] == "reward_time":
+        return f"perf/{key}"
     if key.startswith("reward"):
         return key if "/" in key else f"reward/{key}"
-    if key in ("step_time", "tokens_per_s", "generation_time", "update_time", "batch_tokens"):
-        return f"perf/{key}"
     return f"train/{key}"
 
 
@@ -90,7 +91,8 @@ def wandb_credentials():
 class Logger:
     """The step line, metrics.jsonl and wandb (when asked for); a no-op outside the master process."""
 
-    # what the step line shows, with short names, so that it fits a 120-column terminal
+    # what the step line shows, with short names, so that it fits a 120-column terminal (a slow scoring's
+    # "(rewards 5.02s)" may push a line with long numbers past it: a price worth paying where it shows)
     SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
              ("entropy", "entropy"), ("grad_norm", "grad"))
 
@@ -120,7 +122,10 @@ class Logger:
         self._append((json.dumps(strict_json(metrics)) + "\n").encode())
         parts = [f"step {metrics['step']:>{len(str(self.max_steps))}}/{self.max_steps}"]
         parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
-        parts.append(f"{metrics['step_time']:.2f}s")
+        # scoring named where it takes a good part of the step: a slow reward function is otherwise invisible
+        slow_rewards = metrics.get("reward_time", 0) >= max(0.1, 0.2 * metrics["step_time"])
+        parts.append(f"{metrics['step_time']:.2f}s" +
+                     (f" (rewards {metrics['reward_time']:.2f}s)" if slow_rewards else ""))
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
         print(" | ".join(parts), flush=True)

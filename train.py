@@ -422,22 +422,28 @@ def rollout(run, step):
 
 
 def score(run, batch, step):
-    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored.
+    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored, and the
+    seconds scoring took ({"reward_time": s}, and "reward_time/<function>" for each of several functions), the
+    slowest rank's.
 
     A reward function that fails (or returns absurd values) on any rank stops every rank with its message.
     """
-    problem = None
+    problem, seconds, t = None, {}, time.time()
     try:
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                 batch.completions, batch.fields)
+                                                 batch.completions, batch.fields, seconds=seconds)
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
+    times = [time.time() - t] + list(seconds.values())
     problem = sharding.first_problem(problem, run.d)
     if problem:
         raise SystemExit(problem)
     if run.reward_model is not None:
         sharding.free_gathered(run.reward_model[0])  # forward only: nothing else frees its gathered root weights
-    return total, parts
+    if run.d.world_size > 1:  # a step waits for its slowest rank
+        times = sharding.all_gather_rows(torch.tensor([times], dtype=torch.float64), run.d).max(0).values.tolist()
+    names = ["reward_time"] + ([f"reward_time/{name}" for name in seconds] if len(seconds) > 1 else [])
+    return total, parts, dict(zip(names, times))
 
 
 def reference_logprobs(run, ids, mask, micro):
@@ -535,7 +541,7 @@ def train_step(run, step):
     t0 = time.time()
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
     t_gen = time.time() - t0
-    total, parts = score(run, batch, step)                           # 2. score them: (n,)
+    total, parts, reward_time = score(run, batch, step)              # 2. score them: (n,)
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     try:
         all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
@@ -552,7 +558,7 @@ def train_step(run, step):
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
-    metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
+    metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time)
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
