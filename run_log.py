@@ -186,12 +186,13 @@ def banner(run, resumed):
     total = sum(p.numel() for p in lm.parameters())
     trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     device = f"{d.device}" + (" (no CUDA GPU found)" if cfg.device == "auto" and d.device.type == "cpu" else "")
+    threads = torch.get_num_threads()
     data = (f"{len(run.task.rows):,} rows of {cfg.dataset or 'the task dataset'}" if run.task.rows is not None
             else "prompts generated in code")
     funcs = ", ".join(f"{getattr(f, '__name__', type(f).__name__)} ({w:g})"
                       for f, w in zip(run.task.reward_funcs, run.weights))
     lines = [
-        f"device {device} x {d.world_size} process(es) | out_dir {cfg.out_dir}",
+        f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable"
         f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: "
         f"{'none (beta 0)' if cfg.beta == 0 else 'the policy without adapters' if cfg.lora_rank else 'frozen copy'}",
@@ -206,9 +207,26 @@ def banner(run, resumed):
     if not resumed["path"] and os.path.exists(metrics) and os.path.getsize(metrics):
         lines.append(f"warning: {metrics} holds steps of an earlier run but out_dir has no checkpoint to resume from "
                      f"(--save_every 0?): starting over at step 1 and replacing them")
+    busy = busy_cpu(threads)
+    if d.device.type == "cpu" and busy:  # threads that wait for a busy core: README "A machine others use too"
+        lines.append(f"warning: {busy}: {threads} threads wait for each other; --threads=1 may be much faster")
     if d.device.type == "cpu" and cfg.preset:
         lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
     return "\n".join(lines)
+
+
+def busy_cpu(threads):
+    """What says the cores are busy with other work, if they are: the load average, less the one process this
+    run is (busy importing and loading until now), leaves fewer idle cores than `threads`; else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on every platform
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    others = load - 1
+    if threads > 1 and others >= 1 and cores - others < threads:
+        return f"the CPU is busy (load {load:.1f} on {cores} cores)"
+    return None
 
 
 def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group_std):

@@ -32,6 +32,9 @@ class Config:
                                           # no dtype = float32 weights (bf16 compute under torchrun on a GPU)
     gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
+    threads: int = 0                      # CPU threads of each process's torch operations; 0 = OMP_NUM_THREADS
+                                          # (torchrun sets 1 for several processes), else the cores shared out
+                                          # among this node's processes. A machine others use too: try 1 (README)
     # task and rewards
     task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
     reward_funcs: str = ""                # your own reward functions instead of the task's, comma-separated
@@ -160,7 +163,7 @@ def validate(cfg, world_size=1):
                      ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
                      ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
                      ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
-                     ("completions_table_every", 0)):
+                     ("completions_table_every", 0), ("threads", 0)):
         need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
     for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
@@ -577,6 +580,7 @@ def resume(run):
 
 def main(argv):
     cfg = parse_config(argv)
+    set_threads(cfg.threads)
     d = sharding.setup(cfg.device)
     validate(cfg, d.world_size)
     try:
@@ -600,6 +604,18 @@ def main(argv):
             raise SystemExit(f"{said}. {remedy[0].upper()}{remedy[1:]}; then the same command {then}"
                              if d.master else 1) from e
     sharding.teardown()
+
+
+def set_threads(threads):
+    """The CPU threads of torch's operations in this process: `threads` when > 0; with 0, torch's default
+    (OMP_NUM_THREADS, else one per core) unless several processes share this node without OMP_NUM_THREADS
+    (launched by other than torchrun): then its cores are shared out among them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads == 0 and "OMP_NUM_THREADS" not in os.environ and local > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // local)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def loop(cfg, d):

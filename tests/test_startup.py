@@ -1,12 +1,16 @@
 """Starting a run: the settings are checked before torch is imported (seconds), Ctrl-C while importing is one
-line, and a config error under torchrun is said once."""
+line, a config error under torchrun is said once, and the CPU threads a run uses are set and shown."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
 import grpo
+import run_log
 import tasks
 import train
 
@@ -34,7 +38,7 @@ def run_hooked(action, *args):
 def test_a_config_error_comes_before_torch_is_imported():
     p = run_hooked('raise ImportError("torch imported before the settings were checked")', "--lr=-1")
     assert p.returncode == 1 and p.stderr == "config error: --lr: must be > 0, got -1.0\n", p.stderr
-    for args, key in ((["--loss_type=ppo"], "loss_type"), (["--task=math"], "task"),
+    for args, key in ((["--loss_type=ppo"], "loss_type"), (["--task=math"], "task"), (["--threads=-2"], "threads"),
                       (["--importance_sampling=token"], "importance_sampling"), (["--no_such=1"], "no_such")):
         p = run_hooked('raise ImportError("torch imported before the settings were checked")', *args)
         assert p.returncode == 1 and p.stderr.startswith(f"config error: --{key}: "), p.stderr
@@ -68,3 +72,39 @@ def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     # torchrun's summary names rank 0's error instead of a link to its documentation
     assert "traceback : config error: --lr: must be > 0, got -1.0" in out, out
     assert "rank      : 1" not in out or "SIGTERM" in out, out  # rank 1 exited quietly (unless torchrun was faster)
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_setting_is_used_and_shown(tmp_path, threads, capsys, monkeypatch):
+    monkeypatch.setattr(run_log, "busy_cpu", lambda threads: None)
+    train.main([f"--out_dir={tmp_path}", "--threads=1", "--max_steps=1", "--num_generations=2",
+                "--prompts_per_step=2"])
+    assert torch.get_num_threads() == 1
+    banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("device "))
+    assert "1 process(es), 1 CPU thread(s) each" in banner
+
+
+def test_several_processes_share_the_cores_out(monkeypatch, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    train.set_threads(0)  # more processes than cores: one thread each
+    assert torch.get_num_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # set (as torchrun does): torch's default, which follows it
+    torch.set_num_threads(2)
+    train.set_threads(0)
+    assert torch.get_num_threads() == 2
+
+
+def test_a_busy_cpu_is_named(monkeypatch):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.0, 0.0, 0.0))
+    assert run_log.busy_cpu(2) == f"the CPU is busy (load {cores + 1.0:.1f} on {cores} cores)"
+    assert run_log.busy_cpu(1) is None  # one thread waits for no other
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))  # this run alone
+    assert run_log.busy_cpu(cores) is None
