@@ -13,11 +13,13 @@ Rows:
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
   long     (not run by default) one GRPO step of ours with long completions that all run to the limit, gradient
            checkpointing on: step time, sampling / training split, peak memory, tokens/s, bandwidth and MFU
-Each pair is measured alternately after a warm-up; figures are medians over the repetitions.
+Each pair is measured alternately after a warm-up; figures are medians over the repetitions. Each row prints a
+line as it starts and one as it ends, with its time and its main figures (a row can take minutes).
 On CUDA, decode is also reported as a fraction of the copy bandwidth and training as MFU (step and long rows).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -692,6 +694,15 @@ def free(device):
 ROWS = ("decode", "step", "memory", "long", "multiturn")
 
 
+@contextlib.contextmanager
+def row_lines(name, what, results, found):
+    """A line as a row starts and one as it ends, with its time and `found(results)`: a row can take minutes."""
+    t = time.perf_counter()
+    print(f"{name}: {what} ...", flush=True)
+    yield
+    print(f"{name}: done in {time.perf_counter() - t:.0f}s: {found(results)}", flush=True)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write all results to this path")
@@ -737,23 +748,29 @@ def main(argv):
                                  "decode_ours_tokens_per_s", "decode_generate_tokens_per_s",
                                  "decode_ours_hf_forward_tokens_per_s", "step_ours_s", "step_trl_s",
                                  "logprob_peak_bytes_ours", "logprob_peak_bytes_naive", "long_step_s")}
+    reps = f"{s['warmup']} warm-up + {s['reps']} timed"
     with tempfile.TemporaryDirectory() as root:
         path = build_model_dir(root, args)
         if "decode" in only:
-            print("decode: our sampler vs model.generate ...", flush=True)
-            results.update(bench_decode(path, s, device))
+            with row_lines("decode", f"our sampler vs model.generate, {reps} runs each", results,
+                           lambda r: f"ours {fmt(r['decode_ours_tokens_per_s'])} tokens/s, model.generate "
+                                     f"{fmt(r['decode_generate_tokens_per_s'])}"):
+                results.update(bench_decode(path, s, device))
             free(device)
         if "step" in only:
-            print(f"step: ours vs TRL {trl_version() or '(not installed: skipped)'} ...", flush=True)
-            step, ours = bench_step(path, s, device, root, overrides)
-            results.update(step)
-            if device.type == "cuda":
-                results.update(training_mfu(ours, s["beta"], s["warmup"], device))
-            del ours
+            with row_lines("step", f"ours vs TRL {trl_version() or '(not installed: skipped)'}, {reps} steps each",
+                           results, lambda r: f"ours {fmt(r['step_ours_s'], 's')}, TRL {fmt(r['step_trl_s'], 's')}"):
+                step, ours = bench_step(path, s, device, root, overrides)
+                results.update(step)
+                if device.type == "cuda":
+                    results.update(training_mfu(ours, s["beta"], s["warmup"], device))
+                del ours
             free(device)
         if "memory" in only:
-            print("memory: chunked vs full-logits log-probs ...", flush=True)
-            results.update(bench_memory(s, device))
+            with row_lines("memory", "chunked vs full-logits log-probs", results,
+                           lambda r: f"ours {fmt(r['logprob_peak_bytes_ours'], 'B')}, full logits "
+                                     f"{fmt(r['logprob_peak_bytes_naive'], 'B')}"):
+                results.update(bench_memory(s, device))
             free(device)
         if "multiturn" in only:
             print("multiturn: answers appended to the cache vs the sampler re-run from the prompt each turn ...",
@@ -761,12 +778,13 @@ def main(argv):
             results.update(bench_multiturn(path, s, device))
             free(device)
         if "long" in only:
-            print(f"long: our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
-                  f"{s['long_new_tokens']} tokens ...", flush=True)
-            try:
-                results.update(bench_long(path, s, device, root, overrides))
-            except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
-                results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+            with row_lines("long", f"our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
+                           f"{s['long_new_tokens']} tokens, {s['warmup']} warm-up + {s['long_reps']} timed steps",
+                           results, lambda r: r.get("long_error") or f"{fmt(r['long_step_s'], 's')} per step"):
+                try:
+                    results.update(bench_long(path, s, device, root, overrides))
+                except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
+                    results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
     report = {"date": started, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": shlex.join(["python", "bench.py", *argv]), "argv": sys.argv, "machine": machine(device),
               "git": git_state(), "settings": s, "train_overrides": overrides, **results}

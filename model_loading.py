@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
 
+import disk
+
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 # a ChatML-style template for tiny models that should have one (tests of chat-formatted prompts, reward models)
@@ -438,7 +440,9 @@ def export_model(model, tokenizer, path, state_dict=None):
     `state_dict` lets a sharded run pass full tensors gathered elsewhere. LoRA
     adapters are merged into the weights they adapt. Weights holding NaN or inf
     are refused. The folder is written beside `path` and renamed into place, so
-    a run killed mid-export leaves the previous export (or none), never half of one.
+    a run killed mid-export leaves the previous export (or none), never half of one;
+    a write the storage refuses (a full disk, ...) removes the partial folder and
+    raises disk.WriteError.
     """
     if lora_modules(model):
         state_dict = merge_lora_state_dict(model, state_dict)
@@ -458,19 +462,25 @@ def export_model(model, tokenizer, path, state_dict=None):
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"export: '{path}' exists and is not a folder")
     parent, base = os.path.split(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
     # fixed names from the process id (not mkdtemp, whose 0700 folder would become the export's permissions)
     tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
     aside = os.path.join(parent, f".{base}.old-{os.getpid()}")
-    for stale in os.listdir(parent):  # left by an export killed before its rename
-        if stale.startswith(f".{base}.partial-"):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        os.makedirs(parent, exist_ok=True)
+        for stale in os.listdir(parent):  # left by an export killed before its rename
+            if stale.startswith(f".{base}.partial-"):
+                shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+        os.makedirs(tmp)
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-    except BaseException:
+    except BaseException as e:
+        # a full disk (...) is one line; safetensors and torch may have wrapped its OSError: judged before the
+        # partial folder is removed, while the disk is still as the write left it
+        full = disk.check(e, path, "the exported model", then="the partial export was removed" + (
+            f", the previous export in {path} is intact" if os.path.isdir(path) else ""))
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
         raise
     # a folder cannot replace a non-empty folder in one rename: move the old one aside, then drop it
     shutil.rmtree(aside, ignore_errors=True)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections import Counter
 from fractions import Fraction
 from numbers import Real
@@ -86,16 +87,21 @@ def _call_reward(fn, prompts, completions, fields):
     return out
 
 
-def score_completions(reward_funcs, weights, prompts, completions, fields):
+def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None):
     """Run every reward function; return (total (N,), {name: (N,)}) with NaN for None.
 
     The total is the weighted sum over the functions that scored a completion,
     NaN when none did. A score or total that does not fit REWARD_DTYPE raises
-    RewardFunctionError.
+    RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}.
     """
     if not all(math.isfinite(w) for w in weights):
         raise ValueError(f"reward weights must be finite, got {list(weights)}")
-    parts = {reward_name(fn): _call_reward(fn, prompts, completions, fields) for fn in reward_funcs}
+    parts = {}
+    for fn in reward_funcs:
+        t = time.perf_counter()
+        parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields)
+        if seconds is not None:
+            seconds[reward_name(fn)] = time.perf_counter() - t
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
     w = torch.tensor(weights, dtype=torch.float64)
     # summed in float64 so only a total that REWARD_DTYPE cannot hold fails, not an intermediate sum

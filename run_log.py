@@ -15,17 +15,29 @@ from urllib.parse import urlparse
 
 import torch
 
+import disk
 import sharding
 
 
 def write_atomic(path, text):
-    """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed."""
+    """Replace `path` with `text`: a temporary file in the same folder, flushed to disk, then renamed.
+
+    A write the storage refuses (a full disk, ...) removes the temporary file, leaves `path` as it was and
+    raises disk.WriteError."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        full = disk.check(e, path, "", then=f"{os.path.basename(path)} is as it was")
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if full is not None:
+            raise full from e
+        raise
 
 
 def strict_json(value):
@@ -57,10 +69,11 @@ def wandb_key(key):
     """Dashboard sections: reward/..., perf/..., eval/..., train/..."""
     if key.startswith(("eval/", "train/", "perf/")):
         return key
+    if key in ("step_time", "tokens_per_s", "generation_time", "update_time", "batch_tokens") or \
+            key.split("/")[0] == "reward_time":
+        return f"perf/{key}"
     if key.startswith("reward"):
         return key if "/" in key else f"reward/{key}"
-    if key in ("step_time", "tokens_per_s", "generation_time", "update_time", "batch_tokens"):
-        return f"perf/{key}"
     return f"train/{key}"
 
 
@@ -78,7 +91,8 @@ def wandb_credentials():
 class Logger:
     """The step line, metrics.jsonl and wandb (when asked for); a no-op outside the master process."""
 
-    # what the step line shows, with short names, so that it fits a 120-column terminal
+    # what the step line shows, with short names, so that it fits a 120-column terminal (a slow scoring's
+    # "(rewards 5.02s)" may push a line with long numbers past it: a price worth paying where it shows)
     SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
              ("entropy", "entropy"), ("grad_norm", "grad"), ("tool_calls", "tools"))
 
@@ -94,7 +108,8 @@ class Logger:
             with open(self.path) as f:
                 kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
             write_atomic(self.path, "".join(kept))
-        self.jsonl = open(self.path, "a")
+        # unbuffered: a line is on disk once log() returns, and one the disk refused leaves nothing to retry
+        self.jsonl = open(self.path, "ab", buffering=0)
         if cfg.wandb_mode != "disabled":
             import wandb
             # A resumed run continues the same wandb run (its id is saved in the checkpoint).
@@ -104,16 +119,34 @@ class Logger:
     def log(self, metrics, eta=None):
         if not self.master:
             return
-        self.jsonl.write(json.dumps(strict_json(metrics)) + "\n")
-        self.jsonl.flush()
+        self._append((json.dumps(strict_json(metrics)) + "\n").encode())
         parts = [f"step {metrics['step']:>{len(str(self.max_steps))}}/{self.max_steps}"]
         parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
-        parts.append(f"{metrics['step_time']:.2f}s")
+        # scoring named where it takes a good part of the step: a slow reward function is otherwise invisible
+        slow_rewards = metrics.get("reward_time", 0) >= max(0.1, 0.2 * metrics["step_time"])
+        parts.append(f"{metrics['step_time']:.2f}s" +
+                     (f" (rewards {metrics['reward_time']:.2f}s)" if slow_rewards else ""))
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
         print(" | ".join(parts), flush=True)
         if self.wandb is not None:
             self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def _append(self, line):
+        """One line onto metrics.jsonl, whole or not at all: a write the storage refuses (a full disk, ...) cuts
+        the file back to the lines before it and raises disk.WriteError."""
+        size = os.fstat(self.jsonl.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:  # an unbuffered write may take part of the line: a full disk, a signal
+                view = view[self.jsonl.write(view):]
+        except OSError as e:
+            full = disk.check(e, self.path, "the step's metrics to",
+                              then=f"{os.path.basename(self.path)} keeps the steps before it")
+            self.jsonl.truncate(size)
+            if full is not None:
+                raise full from e
+            raise
 
     def table(self, step, name, columns):
         """A wandb.Table from {column: values} (no-op without wandb); log it before the step's metrics."""
@@ -157,12 +190,13 @@ def banner(run, resumed):
     total = sum(p.numel() for p in lm.parameters())
     trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     device = f"{d.device}" + (" (no CUDA GPU found)" if cfg.device == "auto" and d.device.type == "cpu" else "")
+    threads = torch.get_num_threads()
     data = (f"{len(run.task.rows):,} rows of {cfg.dataset or 'the task dataset'}" if run.task.rows is not None
             else "prompts generated in code")
     funcs = ", ".join(f"{getattr(f, '__name__', type(f).__name__)} ({w:g})"
                       for f, w in zip(run.task.reward_funcs, run.weights))
     lines = [
-        f"device {device} x {d.world_size} process(es) | out_dir {cfg.out_dir}",
+        f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable"
         f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: "
         f"{'none (beta 0)' if cfg.beta == 0 else 'the policy without adapters' if cfg.lora_rank else 'frozen copy'}",
@@ -177,9 +211,26 @@ def banner(run, resumed):
     if not resumed["path"] and os.path.exists(metrics) and os.path.getsize(metrics):
         lines.append(f"warning: {metrics} holds steps of an earlier run but out_dir has no checkpoint to resume from "
                      f"(--save_every 0?): starting over at step 1 and replacing them")
+    busy = busy_cpu(threads)
+    if d.device.type == "cpu" and busy:  # threads that wait for a busy core: README "A machine others use too"
+        lines.append(f"warning: {busy}: {threads} threads wait for each other; --threads=1 may be much faster")
     if d.device.type == "cpu" and cfg.preset:
         lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
     return "\n".join(lines)
+
+
+def busy_cpu(threads):
+    """What says the cores are busy with other work, if they are: the load average, less the one process this
+    run is (busy importing and loading until now), leaves fewer idle cores than `threads`; else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on every platform
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    others = load - 1
+    if threads > 1 and others >= 1 and cores - others < threads:
+        return f"the CPU is busy (load {load:.1f} on {cores} cores)"
+    return None
 
 
 def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group_std):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import disk
+
 # ----------------------------------------------------------------------------- setup
 
 
@@ -409,7 +411,9 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
     """Write a complete checkpoint for `step` (collective: every rank calls it); keep the newest `keep`.
 
     RuntimeError on every rank, before anything is written or removed, when a parameter is not finite:
-    such a checkpoint would replace the good ones it rotates out.
+    such a checkpoint would replace the good ones it rotates out. disk.WriteError on every rank when a write
+    fails for the storage's sake (a full disk, a quota, ...): the partial checkpoint is removed (it would keep
+    the disk full) and the earlier ones are left as they were.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -422,34 +426,56 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
                            f"{os.path.join(out_dir, CHECKPOINTS)} are left as they were")
     final = os.path.join(out_dir, CHECKPOINTS, f"step_{step:08d}")
     tmp = os.path.join(out_dir, CHECKPOINTS, f".tmp_step_{step:08d}")
+    # A write that fails for the storage's sake (a full disk, ...) is (cause, errno) on the rank that met it;
+    # the ranks agree on it where they used to only wait for each other, so all stop alike.
+    failed = None
     if d.master:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        os.makedirs(tmp)
-    barrier(d)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
+            for stale in glob.glob(os.path.join(out_dir, CHECKPOINTS, ".tmp_step_*")):  # left by an earlier run
+                shutil.rmtree(stale, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            failed = disk.write_failure(e, tmp) or (e.strerror or str(e), e.errno)
+    failed = first_problem(failed, d)
+    if failed is None:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        try:
+            with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, checkpoint_id=tmp, no_dist=d.world_size == 1)
+            torch.save(_rng_state(), os.path.join(tmp, f"rng_{d.rank}.pt"))
+            if d.master:
+                torch.save({**trainer_state, "step": step, "world_size": d.world_size}, os.path.join(tmp, "trainer.pt"))
         except BaseException as e:  # DCP reports a Ctrl-C in its writers as its own error: let it be one again
             if any(isinstance(f, KeyboardInterrupt) for f in _rank_errors(e)):
                 raise KeyboardInterrupt from e
-            raise
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_{d.rank}.pt"))
-    if d.master:
-        torch.save({**trainer_state, "step": step, "world_size": d.world_size}, os.path.join(tmp, "trainer.pt"))
-    barrier(d)  # every rank's files are written
-    if d.master:
-        files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump({"step": step, "world_size": d.world_size, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in checkpoint_dirs(out_dir)[max(1, keep):]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(d)
+            failed = disk.write_failure(e, tmp)  # measured now, before anything is removed
+            if failed is None:
+                raise
+        failed = first_problem(failed, d)  # also: every rank's files are written
+    if failed is None and d.master:
+        try:
+            files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump({"step": step, "world_size": d.world_size, "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            failed = disk.write_failure(e, tmp) or (e.strerror or str(e), e.errno)
+        if failed is None:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoint_dirs(out_dir)[max(1, keep):]:  # only once the new one is complete
+                shutil.rmtree(old, ignore_errors=True)
+    failed = first_problem(failed, d)
+    if failed is not None:
+        if d.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier(d)
+        earlier = checkpoint_dirs(out_dir)  # rotated out only after a complete save
+        reason, code = failed
+        raise disk.WriteError(f"cannot write the checkpoint of step {step} to {tmp}: {reason}; the partial checkpoint "
+                              f"was removed" + (", the earlier ones are intact" if earlier else ""), tmp, code)
     return final
 
 
@@ -505,7 +531,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
 
     Returns the trainer state saved with it (step, LR schedule, wandb id, ...),
     or None when there is none. A damaged or incomplete checkpoint is skipped
-    with a warning naming it; the one before it is tried. Loading goes into a
+    with a line naming it (rank 0 prints it); the one before it is tried. Loading goes into a
     copy first and reaches the model only once every tensor was read.
     """
     import torch.distributed.checkpoint as dcp
@@ -536,8 +562,8 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
         # every rank must pick the same checkpoint, and can say why another rank could not load it
         problem = first_problem(problem, d)
         if problem is not None:
-            if d.master:
-                warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+            if d.master:  # the trainer's own line, not Python's warning format (which names this file and line)
+                print(f"warning: skipping checkpoint {path}: {problem}", flush=True)
             skipped.append(f"{path}: {problem}")
             continue
         set_model_state_dict(model, state["model"])

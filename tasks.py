@@ -54,8 +54,14 @@ def load_rows(source, split="train", config_name=None):
     """A list of dicts from a local .jsonl / .parquet file, or a hub dataset through `datasets`."""
     if source.endswith(".jsonl"):
         rows = []
-        with open(source) as f:
-            for line_no, line in enumerate(f, 1):
+        with open(source, "rb") as f:  # decoded line by line, so that a byte that is not UTF-8 has a line number
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{source}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); a .jsonl file holds one JSON object per line. A binary "
+                                     f"file?") from None
                 if line.strip():
                     try:
                         row = json.loads(line)
@@ -352,6 +358,24 @@ def _prompt_problem(prompt):
     return None
 
 
+# columns that usually hold the prompt in others' datasets, most telling first
+PROMPT_LIKE = ("messages", "question", "problem", "query", "instruction", "input", "text")
+
+
+def _column_hint(missing, row):
+    """'; ...' suggesting which of the row's columns could be the one `missing`, or ''."""
+    if missing == "prompt" and "messages" in row:
+        return ("; the 'messages' column looks like it: rename it to 'prompt' (a list of {\"role\", \"content\"} "
+                "messages goes through the chat template; leave out a final assistant message, the answer)")
+    if missing == "prompt" and "question" in row:
+        return "; the 'question' column looks like it: rename it to 'prompt', or use --task=gsm8k, which reads it"
+    if missing in ("prompt", "question"):  # gsm8k's 'question' is text: not a list of messages
+        like = next((c for c in ("prompt",) + PROMPT_LIKE[1:] if c in row and c != missing), None)
+        if like is not None:
+            return f"; the '{like}' column looks like it: rename it to '{missing}'"
+    return ""
+
+
 def _check_rows(task, rows, source, kind):
     """Every row carries what the reward functions need, and gold answers parse, before any training starts.
 
@@ -371,11 +395,15 @@ def _check_rows(task, rows, source, kind):
         try:
             formatted = task._format(row)
         except KeyError as e:
-            raise ValueError(f"{source}, {kind} {i}: missing column {e} (columns: {sorted(row)})") from None
+            raise ValueError(f"{source}, {kind} {i}: missing column {e} (columns: {sorted(row)})"
+                             f"{_column_hint(e.args[0], row)}") from None
         except Exception as e:  # a column of the wrong type (nums not a list), messages a chat template refuses
             reason = next(iter(str(e).splitlines()), "")[:200]
             raise ValueError(f"{source}, {kind} {i}: cannot be read ({type(e).__name__}: {reason}); "
                              f"columns: {sorted(row)}") from e
+        if "prompt" not in formatted:  # rows used as they are must bring their prompt
+            raise ValueError(f"{source}, {kind} {i}: missing column 'prompt' (columns: {sorted(row)})"
+                             f"{_column_hint('prompt', row)}")
         if not isinstance(formatted.get("prompt"), str):
             raise ValueError(f"{source}, {kind} {i}: 'prompt' must be text, got {formatted.get('prompt')!r:.80}")
         keys = set(formatted) if keys is None else keys

@@ -9,6 +9,7 @@ Every Config field below can be set as --key=value or --key value.
 """
 
 import functools
+import json
 import math
 import os
 import sys
@@ -17,19 +18,7 @@ import typing
 import uuid
 from dataclasses import dataclass, field
 
-import huggingface_hub
-import torch
-import transformers
-
-import agents
-import cli
-import grpo
-import model_loading
-import rewards
-import run_log
-import sampling
-import sharding
-import tasks
+import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
 
 
 def _env(name, default):  # a Config default that an environment variable may set (wandb's usual variables)
@@ -44,6 +33,9 @@ class Config:
                                           # no dtype = float32 weights (bf16 compute under torchrun on a GPU)
     gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
     device: str = "auto"                  # auto (cuda when available), cpu or cuda
+    threads: int = 0                      # CPU threads of each process's torch operations; 0 = OMP_NUM_THREADS
+                                          # (torchrun sets 1 for several processes), else the cores shared out
+                                          # among this node's processes. A machine others use too: try 1 (README)
     # task and rewards
     task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
     reward_funcs: str = ""                # your own reward functions instead of the task's, comma-separated
@@ -183,12 +175,12 @@ def validate(cfg, world_size=1):
                      ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
                      ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
                      ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
-                     ("completions_table_every", 0), ("max_turns", 1)):
+                     ("completions_table_every", 0), ("max_turns", 1), ("threads", 0)):
         need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
-    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", grpo.LOSS_TYPES),
+    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
-                         ("task", tasks.TASKS), ("importance_sampling", grpo.IMPORTANCE_SAMPLING)):
+                         ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING)):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
@@ -204,12 +196,65 @@ def validate(cfg, world_size=1):
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
-    need(not cfg.device.startswith("cuda") or torch.cuda.is_available(), "device",
-         f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
+    if cfg.device.startswith("cuda"):  # the one check that needs torch
+        import torch
+        need(torch.cuda.is_available(), "device",
+             f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
+
+
+# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
+# (both import it); tests/test_startup.py checks that they agree.
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
+
+
+def tell_torchrun(message):
+    """Under torchrun, put this process's one-line error where torchrun reads it: its failure summary then
+    quotes the message instead of a link to its documentation. (The format torch.distributed.elastic's
+    ErrorHandler writes, without a traceback.)"""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+
+
+if __name__ == "__main__":
+    # The settings are checked before the imports below, which take seconds (torch, transformers, datasets):
+    # a typo stops the run at once. main() parses them again, cheaply. Under torchrun every rank meets the
+    # same error here (it depends on the command line alone, and nothing distributed has started): rank 0
+    # says it, and the others exit quietly with status 0, so that torchrun's summary lists rank 0 alone.
+    try:
+        validate(parse_config(sys.argv[1:]), int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise SystemExit(0) from None
+        tell_torchrun(e.code)
+        raise
+
+try:
+    import huggingface_hub
+    import torch
+    import transformers
+
+    import agents
+    import disk
+    import grpo
+    import model_loading
+    import rewards
+    import run_log
+    import sampling
+    import sharding
+    import tasks
+except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer's traceback
+    if __name__ != "__main__":
+        raise
+    print("\ninterrupted while importing torch and transformers", file=sys.stderr)
+    raise SystemExit(130)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -429,23 +474,29 @@ def rollout(run, step):
 
 
 def score(run, batch, step):
-    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored.
+    """Rewards of this rank's completions: (total (n,), {function: (n,)}), NaN where nothing scored, and the
+    seconds scoring took ({"reward_time": s}, and "reward_time/<function>" for each of several functions), the
+    slowest rank's.
 
     A reward function that fails (or returns absurd values) on any rank stops every rank with its message.
     """
-    problem = None
+    problem, seconds, t = None, {}, time.time()
     try:
         fields = batch.fields if batch.episodes is None else {**batch.fields, **agents.episode_fields(batch.episodes)}
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                 batch.completions, fields)
+                                                 batch.completions, fields, seconds=seconds)
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
+    times = [time.time() - t] + list(seconds.values())
     problem = sharding.first_problem(problem, run.d)
     if problem:
         raise SystemExit(problem)
     if run.reward_model is not None:
         sharding.free_gathered(run.reward_model[0])  # forward only: nothing else frees its gathered root weights
-    return total, parts
+    if run.d.world_size > 1:  # a step waits for its slowest rank
+        times = sharding.all_gather_rows(torch.tensor([times], dtype=torch.float64), run.d).max(0).values.tolist()
+    names = ["reward_time"] + ([f"reward_time/{name}" for name in seconds] if len(seconds) > 1 else [])
+    return total, parts, dict(zip(names, times))
 
 
 def reference_logprobs(run, ids, mask, micro):
@@ -543,7 +594,7 @@ def train_step(run, step):
     t0 = time.time()
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
     t_gen = time.time() - t0
-    total, parts = score(run, batch, step)                           # 2. score them: (n,)
+    total, parts, reward_time = score(run, batch, step)              # 2. score them: (n,)
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     try:
         all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
@@ -560,7 +611,7 @@ def train_step(run, step):
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
-    metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update,
+    metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time)
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
@@ -579,6 +630,7 @@ def resume(run):
 
 def main(argv):
     cfg = parse_config(argv)
+    set_threads(cfg.threads)
     d = sharding.setup(cfg.device)
     validate(cfg, d.world_size)
     try:
@@ -588,8 +640,32 @@ def main(argv):
     except OSError as e:  # a file where the folder should be, no permission, ...
         raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
     with lock:
-        loop(cfg, d)
+        try:
+            loop(cfg, d)
+        except OSError as e:  # a full disk, a quota, ...: one line, and how to go on
+            if e.errno not in disk.REASONS:
+                raise
+            # a checkpoint, the export, metrics.jsonl or config.json (disk.WriteError): what was partly written is
+            # gone; anything else (the tiny model's files, ...): the file and the cause
+            said = str(e) if isinstance(e, disk.WriteError) else f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
+            newest = sharding.checkpoint_dirs(cfg.out_dir)
+            then = f"resumes from {newest[0]}" if newest else "starts over (no checkpoint was saved)"
+            remedy = disk.REMEDIES[e.errno]
+            raise SystemExit(f"{said}. {remedy[0].upper()}{remedy[1:]}; then the same command {then}"
+                             if d.master else 1) from e
     sharding.teardown()
+
+
+def set_threads(threads):
+    """The CPU threads of torch's operations in this process: `threads` when > 0; with 0, torch's default
+    (OMP_NUM_THREADS, else one per core) unless several processes share this node without OMP_NUM_THREADS
+    (launched by other than torchrun): then its cores are shared out among them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads == 0 and "OMP_NUM_THREADS" not in os.environ and local > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // local)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def loop(cfg, d):
@@ -697,4 +773,6 @@ if __name__ == "__main__":
         if os.environ.get("GRPO_DEBUG", "0") not in ("", "0") and e.__cause__ is not None:
             import traceback
             traceback.print_exception(e.__cause__)
+        if isinstance(e.code, str):
+            tell_torchrun(e.code)
         raise

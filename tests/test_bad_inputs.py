@@ -139,6 +139,43 @@ def test_column_of_the_wrong_type_is_named(tmp_path):
     assert f"dataset {path}, row 1: cannot be read" in _one_line(e)
 
 
+@pytest.mark.parametrize("row, hint", [
+    ({"question": "a>", "answer": "b"}, "the 'question' column looks like it: rename it to 'prompt', or use "
+                                        "--task=gsm8k"),
+    ({"messages": [{"role": "user", "content": "a>"}], "answer": "b"}, "the 'messages' column looks like it: "
+                                                                        "rename it to 'prompt'"),
+    ({"problem": "a>", "answer": "b"}, "the 'problem' column looks like it: rename it to 'prompt'"),
+    ({"answer": "b"}, ""),
+])
+def test_missing_prompt_column_is_named_with_the_columns(tmp_path, row, hint):
+    path = _write(tmp_path, [row, row])
+    with pytest.raises(ValueError) as e:
+        tasks.get_task("next_letter", dataset=path)
+    text = _one_line(e)
+    assert text.startswith(f"dataset {path}, row 0: missing column 'prompt' (columns: {sorted(row)})"), text
+    assert hint in text and "must be text" not in text
+
+
+def test_missing_question_column_of_gsm8k_points_at_a_likely_column(tmp_path):
+    path = _write(tmp_path, [{"problem": "What is 1 + 1?", "answer": "#### 2"}])
+    with pytest.raises(ValueError) as e:
+        tasks.get_task("gsm8k", dataset=path)
+    assert _one_line(e) == (f"dataset {path}, row 0: missing column 'question' (columns: ['answer', 'problem']); "
+                            f"the 'problem' column looks like it: rename it to 'question'")
+
+
+def test_binary_dataset_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "a>", "answer": "b"}\n{"prompt": "b>", "answer": "c"}\n'
+                     b"\x7fELF\x02\x01\x01\x00\xd0\xff\n")
+    with pytest.raises(ValueError) as e:
+        tasks.get_task("next_letter", dataset=str(path))
+    assert f"{path}:3: not UTF-8 text (byte 0xd0 at column 9)" in _one_line(e)
+    # a byte-order mark is not an error
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a>", "answer": "b"}\n' * 2)
+    assert len(tasks.get_task("next_letter", dataset=str(path)).rows) == 2
+
+
 # ----------------------------------------------------------------------------- raw prompts reach reward functions
 
 def _keys_agree(rows):

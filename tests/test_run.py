@@ -338,3 +338,31 @@ def test_ctrl_c_inside_a_checkpoint_write_ends_like_any_ctrl_c(tmp_path, monkeyp
     assert e.value.code == 130
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "interrupted during step 2" in last and "the last checkpoint is" in last and "step_00000001" in last
+
+
+SLOW_REWARDS = """
+import time
+
+def slow(completions, **kwargs):
+    time.sleep(0.3)
+    return [0.0 for _ in completions]
+
+def quick(completions, **kwargs):
+    return [1.0 for _ in completions]
+"""
+
+
+def test_a_slow_reward_function_shows_in_reward_time_and_the_eta(tmp_path, capsys):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(SLOW_REWARDS)
+    out = str(tmp_path / "o")
+    train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=3", f"--reward_funcs={path}:slow,{path}:quick"])
+    for r in rows(out):
+        assert r["step_time"] >= r["reward_time"] >= r["reward_time/slow"] >= 0.3 > r["reward_time/quick"], r
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert all("(rewards 0.3" in line for line in lines), lines
+    # the ETA counts the scoring: 2 steps left at >= 0.3 s each (the rest of a tiny step is ~0.02 s)
+    assert lines[0].endswith("eta 0:01"), lines[0]
+    # one function: only the total
+    train.main([f"--out_dir={tmp_path / 'one'}", *QUICK, f"--reward_funcs={path}:quick"])
+    assert [k for k in rows(str(tmp_path / "one"))[0] if k.startswith("reward_time")] == ["reward_time"]

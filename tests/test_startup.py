@@ -1,0 +1,110 @@
+"""Starting a run: the settings are checked before torch is imported (seconds), Ctrl-C while importing is one
+line, a config error under torchrun is said once, and the CPU threads a run uses are set and shown."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import grpo
+import run_log
+import tasks
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# train.py run as `python train.py ARGS`, with an import hook that does `ACTION` when torch is first imported
+HOOKED = textwrap.dedent("""
+    import runpy, sys
+    class Hook:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                ACTION
+            return None
+    sys.meta_path.insert(0, Hook())
+    sys.argv = ["train.py", *sys.argv[1:]]
+    runpy.run_path("train.py", run_name="__main__")
+""")
+
+
+def run_hooked(action, *args):
+    return subprocess.run([sys.executable, "-c", HOOKED.replace("ACTION", action), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_config_error_comes_before_torch_is_imported():
+    p = run_hooked('raise ImportError("torch imported before the settings were checked")', "--lr=-1")
+    assert p.returncode == 1 and p.stderr == "config error: --lr: must be > 0, got -1.0\n", p.stderr
+    for args, key in ((["--loss_type=ppo"], "loss_type"), (["--task=math"], "task"), (["--threads=-2"], "threads"),
+                      (["--importance_sampling=token"], "importance_sampling"), (["--no_such=1"], "no_such")):
+        p = run_hooked('raise ImportError("torch imported before the settings were checked")', *args)
+        assert p.returncode == 1 and p.stderr.startswith(f"config error: --{key}: "), p.stderr
+    # with good settings the same hook is met: the check above is not an accident of the hook
+    p = run_hooked('raise ImportError("torch imported before the settings were checked")', "--lr=0.1")
+    assert "torch imported before the settings were checked" in p.stderr
+
+
+def test_settings_checked_early_are_those_checked_later():
+    """The choices train.py checks before the imports are what grpo.py and tasks.py accept."""
+    assert train.LOSS_TYPES == grpo.LOSS_TYPES
+    assert train.IMPORTANCE_SAMPLING == grpo.IMPORTANCE_SAMPLING
+    assert train.TASKS == tasks.TASKS
+
+
+def test_ctrl_c_while_importing_is_one_line():
+    p = run_hooked("raise KeyboardInterrupt", "--max_steps=1")
+    assert p.returncode == 130 and p.stderr.strip() == "interrupted while importing torch and transformers", p.stderr
+
+
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", "--lr=-1", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "OMP_NUM_THREADS": "1"}, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    said = [line for line in out.splitlines() if line.startswith("config error:")]
+    assert said == ["config error: --lr: must be > 0, got -1.0"], out
+    # torchrun's summary names rank 0's error instead of a link to its documentation
+    assert "traceback : config error: --lr: must be > 0, got -1.0" in out, out
+    assert "rank      : 1" not in out or "SIGTERM" in out, out  # rank 1 exited quietly (unless torchrun was faster)
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_setting_is_used_and_shown(tmp_path, threads, capsys, monkeypatch):
+    monkeypatch.setattr(run_log, "busy_cpu", lambda threads: None)
+    train.main([f"--out_dir={tmp_path}", "--threads=1", "--max_steps=1", "--num_generations=2",
+                "--prompts_per_step=2"])
+    assert torch.get_num_threads() == 1
+    banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("device "))
+    assert "1 process(es), 1 CPU thread(s) each" in banner
+
+
+def test_several_processes_share_the_cores_out(monkeypatch, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    train.set_threads(0)  # more processes than cores: one thread each
+    assert torch.get_num_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # set (as torchrun does): torch's default, which follows it
+    torch.set_num_threads(2)
+    train.set_threads(0)
+    assert torch.get_num_threads() == 2
+
+
+def test_a_busy_cpu_is_named(monkeypatch):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.0, 0.0, 0.0))
+    assert run_log.busy_cpu(2) == f"the CPU is busy (load {cores + 1.0:.1f} on {cores} cores)"
+    assert run_log.busy_cpu(1) is None  # one thread waits for no other
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))  # this run alone
+    assert run_log.busy_cpu(cores) is None
