@@ -22,10 +22,12 @@ Every program gets a wall-clock timeout, and limits on CPU time, address space (
 open files; its stdout and stderr are cut at `max_output` bytes each. It runs as `python -I -S`: isolated mode, no
 `site`, so only the standard library, and a start 5x faster than a plain `python file.py` (README: Performance).
 
-How: run() starts this same file as `python -I -S executor.py FD` (the launcher), sends it a spec on stdin (then the
-program's stdin), and reads the program's stdout and stderr. The launcher builds the sandbox, execs the program and
-reports on FD, a pipe the program never holds: a failure while building the sandbox ("E ..."), then the program's
-exit status ("X ..."). So a program cannot pass for a sandbox failure, nor fake its exit status.
+How: run() starts this same file as `python -I -S executor.py STATUS CONTROL` (the launcher), sends it a spec on
+stdin (then the program's stdin), and reads the program's stdout and stderr. The launcher builds the sandbox, forks
+the program's init and waits for it; it reports on STATUS, a pipe the program never holds, a failure while building
+the sandbox ("E ..."), then the program's exit status ("X ..."), so a program cannot pass for a sandbox failure nor
+fake its status; at the timeout run() writes to CONTROL and the launcher kills the init, which takes its whole
+namespace with it, and reaps it: when the launcher exits, nothing of the program is left.
 """
 
 import os
@@ -265,22 +267,29 @@ def _execute(options, mode):
     import marshal
     header = marshal.dumps(spec)
     workdir = tempfile.mkdtemp(prefix="grpo-exec-") if mode == "unsafe" else None
-    status_r, status_w = os.pipe()
+    status_r, status_w = os.pipe()    # the launcher's reports
+    control_r, control_w = os.pipe()  # strict: a byte, or end-of-file, and the launcher kills the sandbox's init
     start = time.monotonic()
     try:
         try:
-            proc = subprocess.Popen([python, "-I", "-S", os.path.abspath(__file__), str(status_w)],
+            proc = subprocess.Popen([python, "-I", "-S", os.path.abspath(__file__), str(status_w), str(control_r)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(status_w,), env={}, cwd=workdir or "/", start_new_session=True)
+                                    pass_fds=(status_w, control_r), env={}, cwd=workdir or "/",
+                                    start_new_session=True)
         except OSError as e:
             return Result(sandbox_error=f"cannot start the launcher: {e}", wall_time=time.monotonic() - start)
         finally:
             os.close(status_w)
+            os.close(control_r)
         data = len(header).to_bytes(8, "little") + header + options["stdin"]
+        # strict: at the timeout the launcher kills the init and reaps it, so that when it exits nothing of the
+        # sandbox is left; unsafe: the launcher is the program, and its process group is killed
+        stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_group(proc))
         out, err, status, timed_out, truncated = _exchange(proc, data, status_r, start + options["timeout"],
-                                                           options["max_output"])
+                                                           options["max_output"], stop)
     finally:
         os.close(status_r)
+        os.close(control_w)
         if workdir:
             shutil.rmtree(workdir, onerror=_force_remove)
     wall = time.monotonic() - start
@@ -315,13 +324,20 @@ def _force_remove(function, path, excinfo):
 
 
 _AFTER_EXIT = 0.2  # seconds to wait for the end of the output once the launcher has exited (unsafe: a detached child)
-_AFTER_KILL = 2.0  # ... once the launcher's group was killed at the timeout
+_AFTER_KILL = 2.0  # ... for the sandbox to end once stopped at the timeout
 
 
-def _exchange(proc, data, status_fd, deadline, cap):
+def _write_ignoring(fd, data):
+    try:
+        os.write(fd, data)
+    except OSError:  # the launcher is already gone
+        pass
+
+
+def _exchange(proc, data, status_fd, deadline, cap, stop):
     """Write `data` to the launcher's stdin while reading its stdout, stderr and status pipe, until they end and it
-    has exited, or the deadline, where its process group is killed. Returns (stdout, stderr, status, timed_out,
-    truncated)."""
+    has exited, or the deadline, where stop() is called, and if that has not ended it _AFTER_KILL seconds later,
+    its process group is killed. Returns (stdout, stderr, status, timed_out, truncated)."""
     import selectors
     sel = selectors.DefaultSelector()
     stdin, stdout, stderr = proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
@@ -344,7 +360,7 @@ def _exchange(proc, data, status_fd, deadline, cap):
                 if exited or timed_out:
                     break  # whatever still holds the pipes open is not the program's to wait for
                 timed_out = True
-                _kill_group(proc)
+                stop()
                 deadline = time.monotonic() + _AFTER_KILL
                 continue
             for key, _ in sel.select(remaining):
@@ -418,8 +434,9 @@ class _SetupError(Exception):
     """A step of building the sandbox failed; the message names the step and the error."""
 
 
-def _launch(status_fd):
-    os.set_inheritable(status_fd, False)  # pass_fds made it inheritable; the program must not get it
+def _launch(status_fd, control_fd):
+    for fd in (status_fd, control_fd):
+        os.set_inheritable(fd, False)  # pass_fds made them inheritable; the program must not get them
     try:
         # every import now: once root has become uid 65534, the standard library may be out of reach (a pyenv in /root)
         import ctypes
@@ -429,7 +446,7 @@ def _launch(status_fd):
         spec = marshal.loads(_read_exactly(0, int.from_bytes(_read_exactly(0, 8), "little")))
         libc = ctypes.CDLL(None, use_errno=True)
         if spec["mode"] == "strict":
-            alive = _strict(spec, libc, status_fd)  # only the program's side returns
+            alive = _strict(spec, libc, status_fd, control_fd)  # only the program's side returns
         else:
             _unsafe(spec)
         _set_limits(spec["limits"], spec["mode"] == "strict")
@@ -511,7 +528,7 @@ def _map_ids(pid, inner, uid, gid):
     _write(f"/proc/{pid}/gid_map", f"{inner} {gid} 1", "uid mapping: gid_map")
 
 
-def _strict(spec, libc, status_fd):
+def _strict(spec, libc, status_fd, control_fd):
     """Namespaces and the program's init. The launcher waits for the init and exits; the init returns a pipe that
     reads end-of-file once the launcher is gone."""
     inner = spec["uid"]
@@ -538,8 +555,8 @@ def _strict(spec, libc, status_fd):
             except _SetupError as e:
                 os.write(status_fd, f"E {e}\n".encode())
         os.close(go_w)
-        _wait_and_report(pid, spec["timeout"], status_fd)
-    for fd in (alive_w, ready_r, go_w):
+        _wait_and_report(pid, spec["timeout"], status_fd, control_fd)
+    for fd in (alive_w, ready_r, go_w, control_fd):
         os.close(fd)
     os.setsid()  # a session of its own: kill(0, ...) from the program reaches only the sandbox
     if root:
@@ -562,15 +579,14 @@ def _strict(spec, libc, status_fd):
     return alive_r
 
 
-def _wait_and_report(pid, timeout, status_fd):
-    """Wait for the init (killing it a second after the timeout, should run() be gone), report its status, exit."""
+def _wait_and_report(pid, timeout, status_fd, control_fd):
+    """Wait for the init; kill it when run() asks (a byte on the control pipe, or its end: run() is gone) or a
+    second after the timeout; reap it, report its status and exit. The init, until reaped, is the launcher's alone
+    to kill (its pid cannot be anyone else's), and it reaps every process of its namespace before it dies."""
     import select
-    try:
-        pidfd = os.pidfd_open(pid)
-        if not select.select([pidfd], [], [], timeout + 1)[0]:
-            os.kill(pid, 9)
-    except (AttributeError, OSError):
-        pass
+    pidfd = os.pidfd_open(pid)
+    if pidfd not in select.select([pidfd, control_fd], [], [], timeout + 1)[0]:
+        os.kill(pid, 9)
     status = os.waitpid(pid, 0)[1]
     os.write(status_fd, f"X {status}\n".encode())
     os._exit(0)
@@ -666,4 +682,4 @@ def _set_limits(limits, strict):
 
 
 if __name__ == "__main__":
-    _launch(int(sys.argv[1]))
+    _launch(int(sys.argv[1]), int(sys.argv[2]))
