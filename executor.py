@@ -22,7 +22,7 @@ Every program gets a wall-clock timeout, and limits on CPU time, address space (
 open files; its stdout and stderr are cut at `max_output` bytes each. It runs as `python -I -S`: isolated mode, no
 `site`, so only the standard library, and a start 5x faster than a plain `python file.py` (README: Performance).
 
-How: run() starts this same file as `python -I -S executor.py STATUS CONTROL` (the launcher), sends it a spec on
+How: run() starts `python -I -S` running this module's _launch(STATUS, CONTROL) (the launcher), sends it a spec on
 stdin (then the program's stdin), and reads the program's stdout and stderr. The launcher builds the sandbox, forks
 the program's init and waits for it; it reports on STATUS, a pipe the program never holds, a failure while building
 the sandbox ("E ..."), then the program's exit status ("X ..."), so a program cannot pass for a sandbox failure nor
@@ -30,13 +30,14 @@ fake its status; at the timeout run() writes to CONTROL and the launcher kills t
 namespace with it, and reaps it: when the launcher exits, nothing of the program is left.
 """
 
+import atexit
 import os
 import sys
 import time
 import _thread
 
-# The launcher (this file run as a script, once per program) imports only what is above, plus ctypes, marshal,
-# resource and select; the trainer's side imports subprocess, selectors and the thread pool inside the functions
+# The launcher (a fresh interpreter running _launch, once per program) imports only what is above, plus ctypes,
+# marshal, resource and select; the trainer's side imports subprocess, selectors and the thread pool inside the functions
 # that use them, so that no program's start pays for them (about 25 ms on a slow core).
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -86,7 +87,8 @@ class Result:
 
 # ----------------------------------------------------------------------------- the trainer's side
 
-_lock = _thread.allocate_lock()
+_lock = _thread.allocate_lock()        # the counts and the spares
+_probe_lock = _thread.allocate_lock()  # one probe at a time; it runs a program, which takes _lock
 _probe_result = None  # None: not probed yet; "": strict works here; else what is missing
 _STATS_ZERO = {"programs": 0, "timeouts": 0, "sandbox_failures": 0, "program_seconds": 0.0, "wait_seconds": 0.0}
 _stats = dict(_STATS_ZERO)
@@ -115,7 +117,7 @@ def check(sandbox=None):
     if mode == "unsafe":
         return mode
     global _probe_result
-    with _lock:
+    with _probe_lock:
         if _probe_result is None:
             _probe_result = _probe()
         missing = _probe_result
@@ -253,43 +255,98 @@ def _python():
     return os.path.realpath(sys.executable)
 
 
-def _execute(options, mode):
-    """Start the launcher for one program, feed it, collect its output; a Result (no exception for the program's
-    doings: those are in the Result)."""
-    import shutil
+_paths = None
+
+
+def _sandbox_paths():
+    """(read-only paths, mountpoint), found once."""
+    global _paths
+    if _paths is None:
+        paths = _read_only_paths()
+        _paths = paths, _mountpoint(paths)
+    return _paths
+
+
+_spares = []  # launchers started ahead of need, waiting for their spec
+_spares_pid = os.getpid()
+
+
+def _take_launcher():
+    """(Popen, status pipe, control pipe) of a launcher waiting for its spec. One started ahead of time when there
+    is one, so that its interpreter's start (about 12 ms) overlapped the program before; and a new one, started
+    now, for the next program. At most one spare per program running at once."""
+    global _spares, _spares_pid
+    with _lock:
+        if _spares_pid != os.getpid():  # a forked trainer: its parent's spares are not its children
+            _spares, _spares_pid = [], os.getpid()
+        taken = _spares.pop() if _spares else None
+    spare = _start_launcher()
+    with _lock:
+        _spares.append(spare)
+    return taken or _start_launcher()
+
+
+def _start_launcher():
     import subprocess
-    import tempfile
-    python = _python()
-    paths = _read_only_paths()
-    spec = dict(mode=mode, python=python, argv=[python, "-I", "-S", PROGRAM_FILE], files=options["files"],
-                limits=options["limits"], timeout=options["timeout"], uid=SANDBOX_UID, read_only=paths,
-                mountpoint=_mountpoint(paths), disk=options["disk"])
-    import marshal
-    header = marshal.dumps(spec)
-    workdir = tempfile.mkdtemp(prefix="grpo-exec-") if mode == "unsafe" else None
     status_r, status_w = os.pipe()    # the launcher's reports
     control_r, control_w = os.pipe()  # strict: a byte, or end-of-file, and the launcher kills the sandbox's init
+    try:
+        proc = subprocess.Popen([_python(), "-I", "-S", "-c", _LAUNCH.format(
+            os.path.dirname(os.path.abspath(__file__)), status_w, control_r)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w, control_r), env={}, cwd="/",
+            start_new_session=True)
+    except OSError:
+        os.close(status_r)
+        os.close(control_w)
+        raise
+    finally:
+        os.close(status_w)
+        os.close(control_r)
+    return proc, status_r, control_w
+
+
+def _discard_spares():
+    """At exit: a spare reads end-of-file for its spec and ends."""
+    for proc, status_r, control_w in _spares if _spares_pid == os.getpid() else []:
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+        os.close(status_r)
+        os.close(control_w)
+        try:
+            proc.wait(timeout=1)
+        except Exception:  # noqa: B902 - subprocess.TimeoutExpired; nothing else to do at exit
+            _kill_group(proc)
+
+
+def _execute(options, mode):
+    """Take a launcher for one program, feed it, collect its output; a Result (no exception for the program's
+    doings: those are in the Result)."""
+    import marshal
+    import shutil
+    import tempfile
+    python, (paths, mountpoint) = _python(), _sandbox_paths()
+    workdir = tempfile.mkdtemp(prefix="grpo-exec-") if mode == "unsafe" else None
+    spec = dict(mode=mode, python=python, argv=[python, "-I", "-S", PROGRAM_FILE], files=options["files"],
+                limits=options["limits"], timeout=options["timeout"], uid=SANDBOX_UID, read_only=paths,
+                mountpoint=mountpoint, disk=options["disk"], workdir=workdir)
+    header = marshal.dumps(spec)
     start = time.monotonic()
     try:
         try:
-            proc = subprocess.Popen([python, "-I", "-S", os.path.abspath(__file__), str(status_w), str(control_r)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(status_w, control_r), env={}, cwd=workdir or "/",
-                                    start_new_session=True)
+            proc, status_r, control_w = _take_launcher()
         except OSError as e:
             return Result(sandbox_error=f"cannot start the launcher: {e}", wall_time=time.monotonic() - start)
+        try:
+            data = len(header).to_bytes(8, "little") + header + options["stdin"]
+            # strict: at the timeout the launcher kills the init and reaps it, so that when it exits nothing of the
+            # sandbox is left; unsafe: the launcher is the program, and its process group is killed
+            stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_group(proc))
+            out, err, status, timed_out, truncated = _exchange(proc, data, status_r, start + options["timeout"],
+                                                               options["max_output"], stop)
         finally:
-            os.close(status_w)
-            os.close(control_r)
-        data = len(header).to_bytes(8, "little") + header + options["stdin"]
-        # strict: at the timeout the launcher kills the init and reaps it, so that when it exits nothing of the
-        # sandbox is left; unsafe: the launcher is the program, and its process group is killed
-        stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_group(proc))
-        out, err, status, timed_out, truncated = _exchange(proc, data, status_r, start + options["timeout"],
-                                                           options["max_output"], stop)
+            os.close(status_r)
+            os.close(control_w)
     finally:
-        os.close(status_r)
-        os.close(control_w)
         if workdir:
             shutil.rmtree(workdir, onerror=_force_remove)
     wall = time.monotonic() - start
@@ -322,6 +379,8 @@ def _force_remove(function, path, excinfo):
     except OSError:
         pass
 
+
+atexit.register(_discard_spares)
 
 _AFTER_EXIT = 0.2  # seconds to wait for the end of the output once the launcher has exited (unsafe: a detached child)
 _AFTER_KILL = 2.0  # ... for the sandbox to end once stopped at the timeout
@@ -412,7 +471,11 @@ def _kill_group(proc):
 
 # ----------------------------------------------------------------------------- the launcher (the sandbox's side)
 #
-# Runs as `python -I -S executor.py FD` with the spec on stdin. Strict, as root: unshare a pid namespace, fork the
+# Imported as a module, from its cached bytecode (running this file as a script would compile it every time, 7 ms);
+# appended to sys.path, so that nothing beside it can stand in for a standard module.
+_LAUNCH = "import sys; sys.path.append({!r}); import executor; executor._launch({}, {})"
+
+# Runs with the spec on stdin. Strict, as root: unshare a pid namespace, fork the
 # program's init; the child unshares user, mount, network, ipc and uts namespaces; the parent, still root outside,
 # maps uid 65534 inside to 65534 outside (a root mapping would let the program open root's files); the child takes
 # uid 65534, builds its root, sets its limits and execs Python, while the parent waits and reports. Not root: the
@@ -661,7 +724,8 @@ def _build_root(spec, libc, sources):
 
 
 def _unsafe(spec):
-    """The launcher's folder (made by run()) gets the program's files; nothing else changes."""
+    """The folder made by run() gets the program's files and is its working folder; nothing else changes."""
+    os.chdir(spec["workdir"])
     for name, data in spec["files"].items():
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -680,6 +744,3 @@ def _set_limits(limits, strict):
     for name, value in pairs:
         resource.setrlimit(name, (value, value))
 
-
-if __name__ == "__main__":
-    _launch(int(sys.argv[1]), int(sys.argv[2]))

@@ -131,7 +131,8 @@ def assert_contained(result, timeout, w):
     with pytest.raises(BlockingIOError):  # nobody connected to the test's listener
         w["listener"].accept()
     assert w["canary_process"].poll() is None  # alive
-    assert _children() <= {w["canary"]}  # no launcher left
+    spares = {proc.pid for proc, _, _ in executor._spares}  # launchers started ahead, waiting for a program
+    assert _children() - spares <= {w["canary"]}  # no launcher left that ran one
     assert _processes(w["uid"]) - w["before"] - {w["canary"]} == set()  # nothing of the sandbox left
 
 
@@ -351,7 +352,7 @@ def test_strict_refuses_naming_what_is_missing(monkeypatch, tmp_path):
     # the real probe: a launcher that cannot build the root reports the step on its status pipe
     monkeypatch.setattr(executor, "_probe", REAL_PROBE)
     monkeypatch.setattr(executor, "_probe_result", None)
-    monkeypatch.setattr(executor, "_mountpoint", lambda paths: None)
+    monkeypatch.setattr(executor, "_paths", (executor._sandbox_paths()[0], None))  # no folder to mount a root on
     with pytest.raises(executor.ExecutorUnavailable, match="no host folder to build the sandbox's root on"):
         executor.check("strict")
 
@@ -495,3 +496,16 @@ def test_code_task_end_to_end(strict, tmp_path):
     assert 0.0 <= m["reward/code_tests_reward"] <= 1.0
     assert m["exec_programs"] == 4 and m["exec_sandbox_failures"] == 0 and m["exec_time"] > 0
     assert "exec_timeouts" in m and m["exec_program_time"] > 0
+
+
+def test_spare_launcher_ends_with_its_trainer(strict):
+    """run() keeps one launcher started ahead for the next program; it ends when the process that started it does."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {root!r}); import executor\n"
+            "assert executor.run('print(1)').stdout == '1\\n'\nprint(executor._spares[0][0].pid)")
+    spare = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{spare}"):
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{spare}")
