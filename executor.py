@@ -20,7 +20,8 @@ Modes (the `sandbox` argument, else the environment variable GRPO_SANDBOX, which
 
 Every program gets a wall-clock timeout, and limits on CPU time, address space (RLIMIT_AS), file size, processes and
 open files; its stdout and stderr are cut at `max_output` bytes each. It runs as `python -I -S`: isolated mode, no
-`site`, so only the standard library, and a start 5x faster than a plain `python file.py` (README: Performance).
+`site`, so only the standard library, and a faster start than a plain `python file.py` (README: Running
+model-written code, for the measured overhead).
 
 How: run() starts `python -I -S` running this module's _launch(STATUS, CONTROL) (the launcher), sends it a spec on
 stdin (then the program's stdin), and reads the program's stdout and stderr. The launcher builds the sandbox, forks
@@ -306,16 +307,20 @@ def _start_launcher():
 
 
 def _discard_spares():
-    """At exit: a spare reads end-of-file for its spec and ends."""
-    for proc, status_r, control_w in _spares if _spares_pid == os.getpid() else []:
+    """At exit: a spare reads end-of-file for its spec and ends (as it does when the trainer dies)."""
+    import subprocess
+    if _spares_pid != os.getpid():
+        return
+    for proc, status_r, control_w in _spares:
         for f in (proc.stdin, proc.stdout, proc.stderr):
             f.close()
         os.close(status_r)
         os.close(control_w)
         try:
             proc.wait(timeout=1)
-        except Exception:  # noqa: B902 - subprocess.TimeoutExpired; nothing else to do at exit
+        except subprocess.TimeoutExpired:
             _kill_group(proc)
+            proc.wait()
 
 
 def _execute(options, mode):

@@ -417,7 +417,7 @@ def score(run, batch, step):
 
 
 def execution_metrics(d, stats):
-    """Programs that reward functions ran in the sandbox during the step (executor.take_stats()), over all ranks:
+    """Programs run in the sandbox during the step's rollout and scoring (executor.take_stats()), over all ranks:
     how many, how many timed out or could not run, the seconds the step waited on them (mean over ranks) and a
     program's mean wall time; nothing when none ran."""
     keys = ("programs", "timeouts", "sandbox_failures", "program_seconds", "wait_seconds")
@@ -522,11 +522,11 @@ def train_step(run, step):
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     t0 = time.time()
+    executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
     t_gen = time.time() - t0
-    executor.take_stats()                                            # (what an evaluation ran is not this step's)
     total, parts = score(run, batch, step)                           # 2. score them: (n,)
-    exec_stats = executor.take_stats()                               # model-written code they ran, if any
+    exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     try:
         all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
