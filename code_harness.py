@@ -163,20 +163,25 @@ def spawn(args, actions):
 class Server:
     """The program's side: a fresh interpreter with solution.py loaded, answering calls by name."""
 
-    def __init__(self, timeout, forked=None):
+    def __init__(self, deadline, forked=None):
         if forked is None:  # a fresh interpreter
             to_r, self.to_w = os.pipe()
             self.from_r, from_w = os.pipe()
             for fd in (to_r, from_w):
                 os.set_inheritable(fd, True)
             actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 2, 1)]
-            self.pid = spawn([os.path.abspath(__file__), "serve", str(to_r), str(from_w)], actions)
+            try:
+                self.pid = spawn([os.path.abspath(__file__), "serve", str(to_r), str(from_w)], actions)
+            except OSError as e:  # out of processes: the program's leftovers use them up
+                for fd in (to_r, from_w, self.to_w, self.from_r):
+                    os.close(fd)
+                raise Lost(describe(e)) from None
             os.close(to_r)
             os.close(from_w)
         else:
             self.pid, self.to_w, self.from_r = forked
         self.buffer = bytearray()
-        self.deadline = time.monotonic() + timeout
+        self.deadline = deadline
         try:
             write_all(self.to_w, b"load\n", self.deadline)
             answer = self.receive()
@@ -269,17 +274,20 @@ def judge_asserts(tests, timeout, forked):
         judged.append((code, names, own))
     verdicts, server, loads = [], None, True
     for code, names, own in judged:
+        deadline = time.monotonic() + timeout
         if server is None and loads:
+            first, forked = forked, None
             try:
-                server = Server(timeout, forked)
-                forked = None
+                server = Server(deadline, first)
             except Lost as e:
                 print(f"judge: {e}", file=sys.stderr)
-                loads = False  # it will not load the next time either
+                loads = first is None  # a failed first load would fail again; a reload is tried per test
+            if first is not None:  # the first load has a test's time of its own; a reload counts in its test's
+                deadline = time.monotonic() + timeout
         if server is None:
             verdicts.append(False)
             continue
-        server.deadline = time.monotonic() + timeout
+        server.deadline = deadline
         scope = {"__builtins__": builtins, **own}
         ok = False
         try:
@@ -367,7 +375,11 @@ def judge():
         kill(forked[0])
         verdicts = []
         for test in tests:
-            printed, ended = run_script(test["input"], timeout)
+            try:
+                printed, ended = run_script(test["input"], timeout)
+            except OSError as e:  # out of processes: the program's leftovers use them up
+                print(f"judge: {describe(e)}", file=sys.stderr)
+                printed, ended = "", False
             verdicts.append(ended and same_output(printed, test["output"]))
     else:
         verdicts = judge_asserts(tests, timeout, forked)
