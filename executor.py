@@ -607,6 +607,7 @@ def _strict(spec, libc, status_fd, control_fd):
         _unshare(libc, CLONE_NEWPID, "pid namespace")
     else:
         uid, gid = os.geteuid(), os.getegid()
+        _check_not_root_outside(uid)
         _unshare(libc, CLONE_NEWUSER | CLONE_NEWPID | others, "namespaces")
         _map_ids("self", inner, uid, gid)
     alive_r, alive_w = os.pipe()  # end-of-file for the init once the launcher is gone
@@ -645,6 +646,19 @@ def _strict(spec, libc, status_fd, control_fd):
     if libc.sethostname(b"sandbox", 7) != 0:
         _fail("sethostname")
     return alive_r
+
+
+def _check_not_root_outside(uid):
+    """A trainer that is not root here but is root one user namespace up (a container mapping its users onto the
+    host's root) would give the program root's identity outside, for which the kernel does not apply RLIMIT_NPROC:
+    a fork bomb would be unbounded. Refuse that, rather than run without a process limit."""
+    with open("/proc/self/uid_map") as f:
+        for line in f:
+            inside, outside, count = map(int, line.split())
+            if inside <= uid < inside + count and outside + uid - inside == 0:
+                raise _SetupError(f"process limit: uid {uid} is root outside this user namespace, where the kernel "
+                                  f"does not count processes against RLIMIT_NPROC; run the trainer as root or as an "
+                                  f"ordinary user")
 
 
 def _wait_and_report(pid, timeout, status_fd, control_fd):

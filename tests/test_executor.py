@@ -509,3 +509,15 @@ def test_spare_launcher_ends_with_its_trainer(strict):
             break
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{spare}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and util-linux unshare")
+def test_refuses_a_user_that_is_root_outside_its_namespace():
+    """Non-root inside a user namespace that maps it onto the host's root (a container's setup): the kernel would not
+    count the program's processes against RLIMIT_NPROC, so strict refuses instead of running without a limit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {root!r}); import executor\n"
+            "try:\n    executor.check('strict')\nexcept executor.ExecutorUnavailable as e:\n    print(e)")
+    out = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "process limit: uid 1000 is root outside this user namespace" in out
