@@ -446,6 +446,11 @@ def test_judge_compares_plain_data_of_its_own():
     assert rewards.code_tests_reward(None, [honest, cheat], [tests, tests]) == [1.0, 0.0]
 
 
+def test_a_test_that_hangs_costs_only_itself(strict):
+    hangs_once = "def add(a, b):\n    while a == 1:\n        pass\n    return a + b\n"
+    assert rewards.code_tests_reward(None, [hangs_once], [ADD_TESTS]) == [pytest.approx(2 / 3)]
+
+
 def test_stdin_stdout_tests():
     tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10"}]
     programs = ["a, b = map(int, input().split())\nprint(a + b)", "print(3)",
