@@ -14,9 +14,9 @@ Rows:
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
   long     (not run by default) one GRPO step of ours with long completions that all run to the limit, gradient
            checkpointing on: step time, sampling / training split, peak memory, tokens/s, bandwidth and MFU
-  exec     (not run by default) programs per second through executor.py's sandbox vs a plain
-           `subprocess.run([sys.executable, file])`, one at a time and in a pool of one worker per CPU; unit-test
-           rewards per second (code_tests_reward) vs running the code and its asserts in one plain process
+  exec     programs per second through executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
+           one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
+           running the code and its asserts in one plain process (not run by default)
 Each pair is measured alternately after a warm-up; figures are medians over the repetitions.
 On CUDA, decode is also reported as a fraction of the copy bandwidth and training as MFU (step and long rows).
 """

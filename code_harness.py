@@ -9,9 +9,10 @@ Why two processes. Whatever runs in the program's process belongs to the program
 print "passed", rebind builtins or AssertionError, return an object whose __eq__ is always true, rewrite this file.
 So the judge runs no line of the program. It alone holds the tests (read from stdin, never written to a file) and
 evaluates each assert itself; a call to one of the program's functions goes, with its arguments as plain data, to
-the server, a fresh interpreter that loaded solution.py and never sees the tests, and the answer comes back as plain
-data (None, bool, int, float, complex, str, bytes, and lists, tuples, sets, frozensets, dicts and ranges of them; an
-iterator as the items it yields), rebuilt as new objects of the judge's own before the test compares them. Builtins
+the server, a process that loaded solution.py and never held the tests (forked before the judge read them; after a
+timeout, a fresh interpreter), and the answer comes back as plain data (None, bool, int, float, complex, str,
+bytes, and lists, tuples, sets, frozensets, dicts and ranges of them; an iterator as the items it yields), rebuilt
+as new objects of the judge's own before the test compares them. Builtins
 and standard-library modules named in a test are always the judge's, never the program's (a program that defines
 `set` cannot make `set(f(x)) == set([1, 2])` true). The verdict goes to the judge's stdout, which no process of the
 program holds, and the trainer counts it only after the nonce it sent. The judge is not dumpable, so the program

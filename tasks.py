@@ -3,8 +3,8 @@
 A task is generated in code (next_letter, countdown), read from a local file
 (.jsonl / .parquet; code reads tests/data/code_tiny.jsonl by default) or a hub
 dataset (gsm8k, tldr, any `--dataset` with a `prompt` column), and may hold
-back prompts for evaluation. Prompts for a
-step are a pure function of (seed, step), so a resumed run sees the same ones.
+back prompts for evaluation. Prompts for a step are a pure function of
+(seed, step), so a resumed run sees the same ones.
 The reward functions themselves live in rewards.py.
 """
 

@@ -76,7 +76,7 @@ def world(monkeypatch):
     w = dict(root=root, home=home, out=out, files=list(files), victim=victim, marker=os.path.join(shared, "marker"),
              listener=listener, port=listener.getsockname()[1], test_pid=os.getpid(), canary=canary.pid,
              canary_process=canary, uid=outside_uid)
-    w["before"] = _processes(outside_uid)
+    w["before"], w["children"] = _processes(outside_uid), _children()
     yield w
     canary.kill()
     canary.wait()
@@ -132,7 +132,7 @@ def assert_contained(result, timeout, w):
         w["listener"].accept()
     assert w["canary_process"].poll() is None  # alive
     spares = {proc.pid for proc, _, _ in executor._spares}  # launchers started ahead, waiting for a program
-    assert _children() - spares <= {w["canary"]}  # no launcher left that ran one
+    assert _children() - w["children"] - spares <= {w["canary"]}  # no launcher left that ran one
     assert _processes(w["uid"]) - w["before"] - {w["canary"]} == set()  # nothing of the sandbox left
 
 
