@@ -5,6 +5,7 @@
     python bench.py --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU); also qwen2.5-1.5b
     python bench.py --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
     python bench.py --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
+    python bench.py --only exec           # model-written programs through executor.py's sandbox
 
 Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
@@ -13,6 +14,12 @@ Rows:
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
   long     (not run by default) one GRPO step of ours with long completions that all run to the limit, gradient
            checkpointing on: step time, sampling / training split, peak memory, tokens/s, bandwidth and MFU
+  multiturn rollouts of several turns with an environment's answer after each: our sampler, which appends each
+           answer to the paused rows' KV cache, vs the sampler run again from the prompt for every turn (what TRL
+           does without vLLM): time and prefilled tokens
+  exec     programs per second through executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
+           one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
+           running the code and its asserts in one plain process (not run by default)
 Each pair is measured alternately after a warm-up; figures are medians over the repetitions. Each row prints a
 line as it starts and one as it ends, with its time and its main figures (a row can take minutes).
 On CUDA, decode is also reported as a fraction of the copy bandwidth and training as MFU (step and long rows).
@@ -73,6 +80,8 @@ def settings_for(args, device):
         # multiturn row: turns of about mt_turn_tokens tokens, an answer of mt_answer_tokens after each
         mt_batch=256 if gpu else 32, mt_prompt_len=64 if gpu else 16, mt_new_tokens=1024 if gpu else 160,
         mt_turns=4, mt_turn_tokens=64 if gpu else 16, mt_answer_tokens=64 if gpu else 16,
+        # exec row: programs per repetition, one at a time and in the pool
+        exec_programs=20, exec_pool_programs=32,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -578,6 +587,72 @@ def bench_memory(s, device):
             "memory_method": MEMORY_METHOD[device.type] + ("" if device.type == "cuda" else " minus resident set before")}
 
 
+# ----------------------------------------------------------------------------- exec: the sandbox vs a plain process
+
+EXEC_PROGRAM = "print(sum(range(1000)))\n"
+EXEC_SOLUTION = "def add(a, b):\n    return a + b\n"
+EXEC_TESTS = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(-1, 1) == 0"]
+
+
+def bench_exec(s):
+    """Programs per second through executor.py (its mode as GRPO_SANDBOX says, strict by default) against a plain
+    `subprocess.run([sys.executable, file])`: no sandbox and the interpreter's usual start, `site` included. Also
+    `python -I -S file`, the interpreter's start alone, to tell the sandbox's own cost (`exec_overhead_ms` per
+    program) from the flags'. The pool rows run `exec_pool_programs` at once on one worker per CPU (run_many vs a
+    thread pool of subprocess.run). The reward row judges a 3-test solution per completion (code_tests_reward: the
+    judge and the program's side, two processes in one sandbox) vs the solution and its asserts in one plain process."""
+    from concurrent.futures import ThreadPoolExecutor
+    import executor
+    import rewards
+    mode = executor.check()
+    n, pool_n, workers = s["exec_programs"], s["exec_pool_programs"], len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory() as d:
+        program, naive = os.path.join(d, "program.py"), os.path.join(d, "naive.py")
+        with open(program, "w") as f:
+            f.write(EXEC_PROGRAM)
+        with open(naive, "w") as f:
+            f.write(EXEC_SOLUTION + "\n".join(EXEC_TESTS) + "\n")
+
+        def plain(path=program, flags=()):
+            subprocess.run([sys.executable, *flags, path], capture_output=True, check=True, cwd=d)
+
+        def pool(fn):
+            with ThreadPoolExecutor(workers) as p:
+                list(p.map(lambda _: fn(), range(pool_n)))
+
+        def ours():
+            assert executor.run(EXEC_PROGRAM).stdout == "499500\n"
+
+        def ours_pool():
+            assert all(r.stdout == "499500\n" for r in executor.run_many([EXEC_PROGRAM] * pool_n))
+
+        def rewards_pool():
+            completions = [f"```python\n{EXEC_SOLUTION}```"] * pool_n
+            assert rewards.code_tests_reward(None, completions, [EXEC_TESTS] * pool_n) == [1.0] * pool_n
+
+        runs = {"ours": lambda: [ours() for _ in range(n)], "plain": lambda: [plain() for _ in range(n)],
+                "isolated": lambda: [plain(flags=("-I", "-S")) for _ in range(n)], "ours_pool": ours_pool,
+                "plain_pool": lambda: pool(plain), "rewards": rewards_pool, "naive_rewards": lambda: pool(
+                    lambda: plain(naive))}
+        times = {k: [] for k in runs}
+        for _ in range(s["warmup"]):
+            for fn in runs.values():
+                fn()
+        for _ in range(s["reps"]):
+            for k, fn in runs.items():
+                times[k].append(timed(fn, torch.device("cpu"))[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"exec_mode": mode, "exec_workers": workers,
+            "exec_ours_programs_per_s": n / med["ours"], "exec_plain_programs_per_s": n / med["plain"],
+            "exec_isolated_programs_per_s": n / med["isolated"], "exec_speedup_vs_plain": med["plain"] / med["ours"],
+            "exec_overhead_ms": (med["ours"] - med["isolated"]) / n * 1e3,
+            "exec_pool_ours_programs_per_s": pool_n / med["ours_pool"],
+            "exec_pool_plain_programs_per_s": pool_n / med["plain_pool"],
+            "exec_pool_speedup_vs_plain": med["plain_pool"] / med["ours_pool"],
+            "exec_rewards_per_s": pool_n / med["rewards"], "exec_naive_rewards_per_s": pool_n / med["naive_rewards"],
+            "exec_rewards_ratio_vs_naive": med["naive_rewards"] / med["rewards"]}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -677,6 +752,19 @@ def table(r, s):
     if has("long_train_mfu"):
         rows.append(("long step training phase MFU", f"{r['long_train_flops_per_s'] / 1e12:,.1f} TFLOP/s",
                      f"{r['bf16_matmul_flops_per_s'] / 1e12:,.0f} TFLOP/s", "bf16 matmul", f"{r['long_train_mfu']:.2f}"))
+    if has("exec_ours_programs_per_s"):
+        rows += [
+            (f"programs/s, one at a time ({r['exec_mode']} sandbox)", f"{r['exec_ours_programs_per_s']:.1f}",
+             f"{r['exec_plain_programs_per_s']:.1f}", "subprocess.run([python, file])",
+             f"{r['exec_speedup_vs_plain']:.2f}x"),
+            ("sandbox cost per program over python -I -S", f"{r['exec_overhead_ms']:.1f} ms",
+             f"{r['exec_isolated_programs_per_s']:.1f}", "python -I -S file (programs/s)", ""),
+            (f"programs/s, pool of {r['exec_workers']}", f"{r['exec_pool_ours_programs_per_s']:.1f}",
+             f"{r['exec_pool_plain_programs_per_s']:.1f}", "thread pool of subprocess.run",
+             f"{r['exec_pool_speedup_vs_plain']:.2f}x"),
+            (f"unit-test rewards/s, pool of {r['exec_workers']}", f"{r['exec_rewards_per_s']:.1f}",
+             f"{r['exec_naive_rewards_per_s']:.1f}", "code + asserts in one plain process",
+             f"{r['exec_rewards_ratio_vs_naive']:.2f}x")]
     head = ("measure", "ours", "baseline", "baseline is", "ratio")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(5)]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in [head] + rows]
@@ -691,7 +779,7 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-ROWS = ("decode", "step", "memory", "long", "multiturn")
+ROWS = ("decode", "step", "memory", "long", "multiturn", "exec")
 
 
 @contextlib.contextmanager
@@ -773,9 +861,10 @@ def main(argv):
                 results.update(bench_memory(s, device))
             free(device)
         if "multiturn" in only:
-            print("multiturn: answers appended to the cache vs the sampler re-run from the prompt each turn ...",
-                  flush=True)
-            results.update(bench_multiturn(path, s, device))
+            with row_lines("multiturn", "answers appended to the cache vs the sampler re-run from the prompt each "
+                           "turn", results, lambda r: f"{r['multiturn_speedup_vs_rerun']:.2f}x the re-run's speed, "
+                           f"{r['multiturn_prefill_ratio']:.2f}x fewer prefilled tokens"):
+                results.update(bench_multiturn(path, s, device))
             free(device)
         if "long" in only:
             with row_lines("long", f"our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
@@ -785,6 +874,10 @@ def main(argv):
                     results.update(bench_long(path, s, device, root, overrides))
                 except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
                     results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        if "exec" in only:
+            with row_lines("exec", "programs through the sandbox vs plain subprocess.run", results,
+                           lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):
+                results.update(bench_exec(s))
     report = {"date": started, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": shlex.join(["python", "bench.py", *argv]), "argv": sys.argv, "machine": machine(device),
               "git": git_state(), "settings": s, "train_overrides": overrides, **results}

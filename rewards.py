@@ -9,11 +9,13 @@ int, float, numpy scalar) that stays finite as float32. `fields` are the
 task's per-prompt data (the gold answer, ...) repeated for each completion.
 
 Here: the general-purpose rewards (length, format), final-number extraction
-for GSM8K, the countdown expression checker, reward-model scoring, and the
-default task's reward. Which task uses which functions is in tasks.py.
+for GSM8K, the countdown expression checker, unit tests of model-written code
+(run in executor.py's sandbox), reward-model scoring, and the default task's
+reward. Which task uses which functions is in tasks.py.
 """
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -24,6 +26,8 @@ from fractions import Fraction
 from numbers import Real
 
 import torch
+
+import executor
 
 # ----------------------------------------------------------------------------- scoring
 
@@ -491,6 +495,62 @@ def countdown_reward(prompts, completions, nums, target, **_):
     return out
 
 
+# ----------------------------------------------------------------------------- code: unit tests in the sandbox
+#
+# The completion's code runs in executor.py's sandbox beside code_harness.py, which judges each test from a process
+# the program cannot reach and prints its verdicts after a nonce the program never sees (its docstring says how).
+# A program that exits early, prints "passed", rebinds builtins or returns an always-equal object passes nothing.
+
+CODE_TEST_TIMEOUT = 1.0  # seconds for each test, and for loading the program
+CODE_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")
+_PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n", re.IGNORECASE)
+
+
+def extract_code(completion):
+    """The code of the last ```python fenced block (one the completion ends inside runs to the end), else the
+    whole text."""
+    last = None
+    for last in _PYTHON_FENCE.finditer(completion):
+        pass
+    if last is None:
+        return completion
+    end = completion.find("```", last.end())
+    return completion[last.end():end if end >= 0 else len(completion)]
+
+
+def code_tests_reward(prompts, completions, tests, **_):
+    """Fraction of the row's unit tests that the completion's code passes; None where the sandbox could not run it.
+
+    `tests`: assert statements (`assert f(2) == 4`), or {"input", "output"} pairs for a program that reads stdin.
+    All completions run at once, a pool of sandboxes sized to the CPUs; each has (tests + 1) x CODE_TEST_TIMEOUT
+    seconds plus 2, so a slow program costs its own row, not the step.
+    """
+    with open(CODE_HARNESS) as f:
+        harness = f.read()
+    jobs, nonces = [], []
+    for completion, row_tests in zip(completions, tests):
+        nonce = os.urandom(16).hex()  # os.urandom: leaves the seeded generators alone
+        nonces.append(nonce)
+        spec = {"nonce": nonce, "tests": list(row_tests), "timeout": CODE_TEST_TIMEOUT}
+        jobs.append({"code": harness, "files": {"solution.py": extract_code(completion)}, "stdin": json.dumps(spec),
+                     "timeout": (len(row_tests) + 1) * CODE_TEST_TIMEOUT + 2})
+    results = executor.run_many(jobs)
+    return [_passed_fraction(r, nonce, len(t)) for r, nonce, t in zip(results, nonces, tests)]
+
+
+def _passed_fraction(result, nonce, n):
+    """From the judge's line after the nonce (only the judge can write it); 0 when there is none (the program
+    killed or hung its judge), None when the sandbox failed or there are no tests."""
+    if result.sandbox_failed or n == 0:
+        return None
+    for line in result.stdout.splitlines():
+        if line.startswith(nonce + " "):
+            verdicts = json.loads(line[len(nonce) + 1:])
+            if isinstance(verdicts, list) and len(verdicts) == n and all(isinstance(v, bool) for v in verdicts):
+                return sum(verdicts) / n
+    return 0.0
+
+
 # ----------------------------------------------------------------------------- reward models
 
 
@@ -571,6 +631,9 @@ def _load_module(where):
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
             raise ValueError(f"no such file {path}")
+        loaded = sys.modules.get(os.path.basename(path)[:-3])
+        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+            return loaded  # a file already imported (executor.py): the same module, not a copy with its own state
         spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -1,16 +1,20 @@
 """Tasks: where prompts come from and which reward functions score them.
 
 A task is generated in code (next_letter, countdown), read from a local file
-(.jsonl / .parquet) or a hub dataset (gsm8k, tldr, any `--dataset` with a
-`prompt` column), and may hold back prompts for evaluation. Prompts for a
-step are a pure function of (seed, step), so a resumed run sees the same ones.
+(.jsonl / .parquet; code reads tests/data/code_tiny.jsonl by default) or a hub
+dataset (gsm8k, tldr, any `--dataset` with a `prompt` column), and may hold
+back prompts for evaluation. Prompts for a step are a pure function of
+(seed, step), so a resumed run sees the same ones.
 The reward functions themselves live in rewards.py.
 """
 
+import ast
+import builtins
 import inspect
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
@@ -45,6 +49,71 @@ def _countdown_prompts(rng, n):
         nums, target = countdown_problem(rng)
         rows.append({"nums": nums, "target": target})
     return rows
+
+
+# ----------------------------------------------------------------------------- code: problems with unit tests
+
+CODE_SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "code_tiny.jsonl")
+
+
+def code_tests(row):
+    """A row's unit tests: its `tests`, MBPP's `test_list`, or the asserts of HumanEval's `check(candidate)` (its
+    `test` and `entry_point` columns). Each is one assert statement, or {"input": ..., "output": ...} text for a
+    program that reads stdin; ValueError naming the first that is neither (parsed, never run)."""
+    if "tests" in row:
+        tests = row["tests"]
+    elif "test_list" in row:
+        tests = row["test_list"]
+    elif "test" in row and "entry_point" in row:
+        tests = _humaneval_asserts(row["test"], row["entry_point"])
+    else:
+        raise KeyError("tests")
+    if not isinstance(tests, list) or not tests:
+        raise ValueError(f"tests: expected a non-empty list, got {tests!r:.80}")
+    for i, test in enumerate(tests):
+        if isinstance(test, dict):
+            if set(test) != {"input", "output"} or not all(isinstance(v, str) for v in test.values()):
+                raise ValueError(f"test {i}: expected {{\"input\": text, \"output\": text}}, got {test!r:.80}")
+        elif isinstance(test, str):
+            try:
+                body = ast.parse(test).body
+            except SyntaxError as e:
+                raise ValueError(f"test {i} is not Python ({e.msg}): {test!r:.80}") from None
+            if len(body) != 1 or not isinstance(body[0], ast.Assert):
+                raise ValueError(f"test {i} is not one assert statement: {test!r:.80}")
+        else:
+            raise ValueError(f"test {i}: expected an assert statement or an input/output pair, got {test!r:.80}")
+    if len({type(t) for t in tests}) > 1:
+        raise ValueError("tests: either all assert statements or all input/output pairs")
+    return list(tests)
+
+
+def _humaneval_asserts(test_code, entry_point):
+    """The asserts at the top of HumanEval's `def check(candidate)`, `candidate` renamed to the function's name; an
+    assert that uses a variable of check() (a loop's) is left out, as it cannot stand alone."""
+    check = next((n for n in ast.parse(test_code).body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    if check is None or not check.args.args:
+        raise ValueError("test: no check(candidate) function")
+    candidate, out = check.args.args[0].arg, []
+    for node in check.body:
+        if not isinstance(node, ast.Assert):
+            continue
+        names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
+        if all(n.id == candidate or hasattr(builtins, n.id) or n.id in sys.stdlib_module_names for n in names):
+            for n in names:
+                n.id = entry_point if n.id == candidate else n.id
+            out.append(ast.unparse(node))
+    return out
+
+
+def code_prompt_text(problem, tests):
+    """The problem, its first test as an example, and how to answer."""
+    if isinstance(tests[0], dict):
+        example = (f"The program reads standard input and writes standard output. For example, for the input\n"
+                   f"{tests[0]['input'].rstrip()}\nit prints\n{tests[0]['output'].rstrip()}\n")
+    else:
+        example = f"Your code should pass this test:\n{tests[0]}\n"
+    return f"{problem.strip()}\n{example}Write the whole solution in one ```python code block."
 
 
 # ----------------------------------------------------------------------------- data
@@ -118,6 +187,7 @@ class Task:
     accuracy_reward: str = None    # name of the reward function that is 1 exactly when an answer is correct
     environment: type = None       # the task's own environment class (one instance per rollout), or None
     system_prompt: str = None      # the system message of the task's chat prompts, if any
+    formats_prompt_column: bool = False  # to_row also formats rows that bring a `prompt` column (else used as is)
 
     def _format(self, row):
         return self.to_row(row) if self.to_row is not None else row
@@ -204,7 +274,7 @@ TINY_TOOL_TEMPLATE = (
 TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>"]
 TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=TINY_TOOL_TOKENS)}
 
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 # the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
 TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
 
@@ -271,6 +341,16 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
                     accuracy_reward="countdown_reward")
         task.eval_rows = [to_row(r) for r in _countdown_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
         hub = None
+    elif name == "code":  # problems with unit tests; the code runs in executor.py's sandbox (rewards.code_tests_reward)
+        def to_row(row):
+            tests = code_tests(row)
+            problem = row["prompt"] if isinstance(row.get("prompt"), str) else row["text"]  # MBPP's column: text
+            text = code_prompt_text(problem, tests)
+            return {"prompt": chat(text), "prompt_text": text, "tests": tests}
+        task = Task(name, None, [rewards.code_tests_reward], to_row=to_row, accuracy_reward="code_tests_reward",
+                    formats_prompt_column=True)
+        dataset = dataset or CODE_SAMPLE  # a dozen MBPP-style rows; --dataset for MBPP or HumanEval-style files
+        hub = None
     else:  # tldr: Reddit posts ending in "TL;DR:", plain text as in the dataset (TRL's example does the same)
         if reward_model is None and not reward_funcs:
             raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id) or --reward_funcs")
@@ -302,7 +382,7 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         return task
     if not rows:
         raise ValueError(f"dataset {source}: no rows")
-    if "prompt" in rows[0]:
+    if "prompt" in rows[0] and not task.formats_prompt_column:
         # one list of messages anywhere gives every row `prompt_messages`: a step's rows must share their keys
         messages = any(isinstance(r.get("prompt"), list) for r in rows + eval_rows)
         task.to_row = _prompt_column_row(chat, messages)

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
+import executor  # no heavy imports either: its settings are checked with the others
 
 
 def _env(name, default):  # a Config default that an environment variable may set (wandb's usual variables)
@@ -41,6 +42,8 @@ class Config:
     reward_funcs: str = ""                # your own reward functions instead of the task's, comma-separated
                                           # file.py:name or package.module:name (README: "Your own reward functions")
     reward_weights: list = field(default_factory=list)  # one per reward function, comma-separated; empty = defaults
+    sandbox: str = "auto"                 # model-written code (task code, the python tool): auto or strict = Linux
+                                          # namespaces, refusing where there are none; unsafe = limits only (README)
     # batch
     num_generations: int = 8              # G, completions per prompt
     prompts_per_step: int = 16            # prompts per optimizer step, over all processes
@@ -180,7 +183,8 @@ def validate(cfg, world_size=1):
     for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", LOSS_TYPES),
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
-                         ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING)):
+                         ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING),
+                         ("sandbox", executor.SANDBOX_MODES)):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
@@ -210,7 +214,7 @@ def validate(cfg, world_size=1):
 # (both import it); tests/test_startup.py checks that they agree.
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 
 
 def tell_torchrun(message):
@@ -322,6 +326,7 @@ def setup(cfg, d):
         own_rewards = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
     except ValueError as e:
         raise ConfigError("reward_funcs", e) from e
+    check_sandbox(cfg, d)
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     tokenizer, policy, ref = load_models(cfg, d, load_device)
@@ -353,6 +358,19 @@ def load_agent(cfg, tokenizer, eos_ids, task, weights):
     task.reward_funcs.extend(agent.reward_funcs)
     weights.extend([1.0] * len(agent.reward_funcs))
     return agent
+
+
+def check_sandbox(cfg, d):
+    """The mode of executor.py for what runs model-written code; a task that runs code (and strict, always) checks at
+    start-up that this machine can give it, and stops naming what is missing. Unsafe says so in the banner."""
+    os.environ["GRPO_SANDBOX"] = cfg.sandbox  # the executor's default: the code task's reward and the python tool
+    if cfg.task == "code" or cfg.sandbox == "strict":
+        try:
+            executor.check(cfg.sandbox)
+        except executor.ExecutorUnavailable as e:
+            raise ConfigError("sandbox", e) from e
+    if cfg.sandbox == "unsafe" and d.master:
+        print(executor.UNSAFE_BANNER, flush=True)
 
 
 def _local_tiny(cfg, d, name, write):
@@ -499,6 +517,19 @@ def score(run, batch, step):
     return total, parts, dict(zip(names, times))
 
 
+def execution_metrics(d, stats):
+    """Programs run in the sandbox during the step's rollout and scoring (executor.take_stats()), over all ranks:
+    how many, how many timed out or could not run, the seconds the step waited on them (mean over ranks) and a
+    program's mean wall time; nothing when none ran."""
+    keys = ("programs", "timeouts", "sandbox_failures", "program_seconds", "wait_seconds")
+    total = dict(zip(keys, sharding.all_reduce_sum([float(stats[k]) for k in keys], d)))
+    if not total["programs"]:
+        return {}
+    return {"exec_programs": total["programs"], "exec_timeouts": total["timeouts"],
+            "exec_sandbox_failures": total["sandbox_failures"], "exec_time": total["wait_seconds"] / d.world_size,
+            "exec_program_time": total["program_seconds"] / total["programs"]}
+
+
 def reference_logprobs(run, ids, mask, micro):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
@@ -592,9 +623,11 @@ def train_step(run, step):
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     t0 = time.time()
+    executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
     batch = rollout(run, step)                                       # 1. sample G completions per prompt
     t_gen = time.time() - t0
     total, parts, reward_time = score(run, batch, step)              # 2. score them: (n,)
+    exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     try:
         all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
@@ -612,7 +645,7 @@ def train_step(run, step):
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
-                   tokens_per_s=metrics["batch_tokens"] / step_time)
+                   tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 

@@ -295,7 +295,7 @@ def test_environment_turns_through_the_agent():
     answers = respond([sampling.Turn(0, turn0, 0), sampling.Turn(1, turn1, 0)])
     assert answers[1] is None and eps[0].env.total == 5 and eps[0].tool_calls == 1
     text = tok.decode(answers[0])
-    assert text == "<tool_response>5</tool_response>"  # the tiny template writes results into the turn
+    assert text == "<tool_response>5"  # the tiny template writes results into the turn
     assert eps[0].messages[-1] == {"role": "tool", "name": "add", "content": "5"}
     assert agent.reward_funcs[0].__name__ == "TRLStyleEnv"
     assert agent.reward_funcs[0](environments=[e.env for e in eps]) == [5.0, 0.0]
@@ -343,3 +343,16 @@ def test_answer_text_with_a_chatml_tool_role():
                add_special_tokens=False).input_ids
     answer = agent.responder(eps)([sampling.Turn(0, call + [im_end], 0)])[0]
     assert tok.decode(answer) == "\n" + tool_turn
+
+
+def test_python_tool_runs_in_the_sandbox_through_the_agent():
+    """--tools=executor.py:python: the model's code runs in the sandbox and its output comes back as the result;
+    code that fails comes back as its error, as text, and the rollout goes on."""
+    tok = tool_tokenizer()
+    agent = agents.Agent(tok, [tok.eos_token_id], agents.load_tools("executor.py:python"), max_turns=3)
+    _, eps = agent.start([{"prompt_text": "6*7?"}, {"prompt_text": "1/0?"}])
+    enc = lambda code: tok('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}}) +  # noqa
+                           '</tool_call>', add_special_tokens=False).input_ids
+    answers = agent.responder(eps)([sampling.Turn(0, enc("print(6*7)"), 0), sampling.Turn(1, enc("1/0"), 0)])
+    assert tok.decode(answers[0]).startswith("<tool_response>42")
+    assert "ZeroDivisionError" in tok.decode(answers[1]) and eps[1].tool_calls == 1

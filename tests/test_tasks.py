@@ -171,11 +171,15 @@ def test_hostile_completions_score_zero_and_run_nothing(fn, tmp_path, monkeypatc
 
 
 def test_no_eval_or_exec_anywhere():
+    """The trainer evaluates nothing it reads. The one exception is code_harness.py, the unit-test judge of the code
+    task: it runs only inside executor.py's sandbox, as the program there, and nothing of the trainer imports it."""
     call = re.compile(r"(?<![\w.])(eval|exec|compile)\s*\(|literal_eval")
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             src = open(os.path.join(ROOT, name)).read()
-            assert not call.search(src), f"{name}: {call.search(src).group()}"
+            assert not re.search(r"^\s*(import|from)\s+code_harness\b", src, re.M), f"{name} imports code_harness"
+            if name != "code_harness.py":
+                assert not call.search(src), f"{name}: {call.search(src).group()}"
 
 
 def test_dataset_prompts_are_a_pure_function_of_seed_and_step():
