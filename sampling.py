@@ -238,10 +238,10 @@ class _StaticSteps:
         self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
 
     def decode(self, tok, cols, cols_h):
-        top = int(cols_h.max())
-        if cols_h.min() == top:  # every row at the same position: the shared-slot form
-            return self.dec.decode(tok, self.p + top)
-        return self.dec.decode(tok, cols + self.p, self.p + top)
+        """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
+        if isinstance(cols, int):  # the shared-slot form
+            return self.dec.decode(tok, self.p + cols)
+        return self.dec.decode(tok, cols + self.p, self.p + int(cols_h.max()))
 
     def extend(self, ids, valid, start, top):
         return self.dec.extend(ids, valid, start + self.p, self.p + top)
@@ -277,7 +277,17 @@ class _HFSteps:
                                   logits_to_keep=1, **{self.cache_kw: self.cache}).logits[:, -1]
 
     def decode(self, tok, cols, cols_h):
-        return self.extend(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), cols, None)
+        """One token per row at position cols (an int for every row, or a tensor of each row's)."""
+        length = self.attn.shape[1]
+        self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], dim=1)
+        if isinstance(cols, int):
+            self.where[:, cols] = length
+            positions = self.first_pos[:, None] + cols
+        else:
+            self.where[torch.arange(tok.shape[0], device=tok.device), cols] = length
+            positions = (self.first_pos + cols)[:, None]
+        return self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=positions, use_cache=True,
+                          **{self.cache_kw: self.cache}).logits[:, -1]
 
     def extend(self, ids, valid, start, top):
         n, k = ids.shape
@@ -332,12 +342,12 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
     tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
     kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # POLICY, ENVIRONMENT or 0
-    ptr_d, active_d = torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, dtype=torch.bool, device=device)
     ptr, active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
     truncated, turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
     turn_start, checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     rows_h, rows = np.arange(n), torch.arange(n, device=device)
-    feed_h, feed_d = np.full(n, -1, dtype=np.int64), torch.full((n,), -1, dtype=torch.long, device=device)
+    feed_h = np.full(n, -1, dtype=np.int64)
+    device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
     eos = set(int(e) for e in eos_ids)
     stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
     longest_stop = max((len(s) for s in stops), default=1)
@@ -350,7 +360,7 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
     def finish(global_rows, cut):
         active[global_rows] = False
         truncated[global_rows] = cut
-        active_d[torch.as_tensor(global_rows, device=device)] = False
+        device_state.clear()
 
     def check(tok):
         """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
@@ -382,7 +392,8 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
             batch_of = np.full(n, -1)
             batch_of[rows_h] = np.arange(len(rows_h))
             steps.truncate(torch.as_tensor(batch_of[ended], device=device), ends_t)
-            ptr[ended], checked[ended], ptr_d[ended_t] = ends, ends, ends_t
+            ptr[ended], checked[ended] = ends, ends
+            device_state.clear()
             asking = ended[turns[ended] < max_turns] if respond is not None else ended[:0]
             finish(ended[~np.isin(ended, asking)], False)
             if len(asking):
@@ -407,7 +418,6 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
                     block = ([int(tok[batch_of[r]])] if unfed else []) + answer
                     feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
                     ptr[r] = checked[r] = turn_start[r] = at + len(answer)
-                    ptr_d[r] = at + len(answer)
                     turns[r] += 1
         over = rows_h[active[rows_h] & (ptr[rows_h] >= max_new)]
         if len(over):  # the length limit, with no stop in its last tokens
@@ -415,24 +425,40 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
         return feeds
 
     it = 0
+    uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
+    live = rows_h.copy()  # the batch's active rows (global indices); they change only at checks
     while True:
+        feeds = []
         if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
-            tok, feeds = logits.new_zeros(0, dtype=torch.long), []
-        else:
-            act = active_d[rows]
-            col = torch.where(act, ptr_d[rows], spare)  # (b,) where each row's token goes
-            tok, lp = sample_tokens(logits, *sampling, keys[rows, col])
-            tokens[rows, col], logps[rows, col], kind[rows, col] = tok, lp, POLICY
-            # active rows feed the token they just sampled; finished ones keep in step, up to the spare slot
-            feed_d = torch.where(act, col, (feed_d + 1).clamp(max=spare))
-            ptr_d[rows] += act
+            tok = logits.new_zeros(0, dtype=torch.long)
+        elif uni is not None:  # plain columns, host bookkeeping only
+            col = uni
+            where = (slice(None), col) if len(rows_h) == n else (rows, col)
+            tok, lp = sample_tokens(logits, *sampling, keys[where])
+            tokens[where], logps[where] = tok, lp
+            ptr[live] += 1
+            feed_h[:] = col
+            uni = min(col + 1, spare)
+        else:  # rows at their own positions (after answers of different lengths): the same on the device
+            # where each row's token goes: an active row's next position; a finished row (ended at or before
+            # its position) writes past its end, in step with the others, up to the spare column
             act_h = active[rows_h]
-            feed_h = np.where(act_h, ptr[rows_h], np.minimum(feed_h + 1, spare))
-            ptr[rows_h[act_h]] += 1
-            feeds = []
+            cols_h = np.where(act_h, ptr[rows_h], np.minimum(feed_h + 1, spare))
+            if not device_state:
+                # copies (torch.tensor): on the CPU, as_tensor would share the host arrays' memory
+                device_state.update(ptr=torch.tensor(ptr, device=device), active=torch.tensor(active, device=device),
+                                    feed=torch.tensor(feed_h, device=device))
+            act = device_state["active"][rows]
+            col = torch.where(act, device_state["ptr"][rows], (device_state["feed"] + 1).clamp(max=spare))
+            tok, lp = sample_tokens(logits, *sampling, keys[rows, col])
+            tokens[rows, col], logps[rows, col] = tok, lp
+            device_state["feed"] = col
+            device_state["ptr"][rows] += act
+            feed_h = cols_h
+            ptr[live] += 1
         it += 1
         final, scheduled = it >= limit, it % check_every == 0
-        if scheduled or final or (ptr[rows_h][active[rows_h]] >= max_new).any():
+        if scheduled or final or (ptr[live] >= max_new).any():
             feeds = check(tok) if len(rows_h) else []
             if final:
                 finish(rows_h[active[rows_h]], True)
@@ -445,8 +471,15 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
                 if steps.compact(keep_t, len(rows_h), int(feed_h[keep].max()) if len(keep) else 0):
                     new_index = np.full(len(rows_h), -1)
                     new_index[keep] = np.arange(len(keep))
-                    feeds = [(int(new_index[i]), s, b) for i, s, b in feeds]
-                    rows_h, rows, feed_h, feed_d, tok = rows_h[keep], rows[keep_t], feed_h[keep], feed_d[keep_t], tok[keep_t]
+                    feeds = [(int(new_index[i]), first, block) for i, first, block in feeds]
+                    rows_h, rows, feed_h, tok = rows_h[keep], rows[keep_t], feed_h[keep], tok[keep_t]
+                    col = col if isinstance(col, int) else col[keep_t]
+                    device_state.clear()
+            live = rows_h[active[rows_h]]
+            following = np.where(active[rows_h], ptr[rows_h], np.minimum(feed_h + 1, spare))
+            uni = int(following[0]) if len(following) and following.min() == following.max() else None
+            if uni is not None:
+                device_state.clear()  # the shared-position steps keep the host's state only
         if len(rows_h) == 0:
             logits = logits[:0]
         elif feeds:
@@ -454,22 +487,20 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
             ids = F.pad(tok[:, None], (0, k - 1), value=pad_id)
             valid = torch.zeros_like(ids, dtype=torch.bool)
             valid[:, 0] = True
-            for i, s, b in feeds:
-                ids[i, :len(b)] = torch.tensor(b, device=device)
-                valid[i, :len(b)] = True
-                valid[i, len(b):] = False
-                feed_h[i] = s + len(b) - 1
-            start = feed_d.clone()
-            fed_rows = torch.tensor([i for i, _, _ in feeds], device=device)
-            start[fed_rows] = torch.tensor([s for _, s, _ in feeds], device=device)
-            feed_d = start + valid.long().sum(1) - 1
-            logits = steps.extend(ids, valid, start, int(feed_h.max()))
+            start = feed_h.copy()  # each row's first position in the block; the others feed their one token
+            for i, first, block in feeds:
+                ids[i, :len(block)] = torch.tensor(block, device=device)
+                valid[i, len(block):] = False
+                valid[i, :len(block)] = True
+                start[i], feed_h[i] = first, first + len(block) - 1
+            logits = steps.extend(ids, valid, torch.as_tensor(start, device=device), int(feed_h.max()))
+            device_state.clear()
         else:
-            logits = steps.decode(tok, feed_d, feed_h)
+            logits = steps.decode(tok, col, feed_h)
 
     t = max(1, int(ptr.max()))
-    real = torch.arange(t, device=device) < ptr_d[:, None]  # (N, T)
-    policy = real & (kind[:, :t] == POLICY)
+    real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
+    policy = real & (kind[:, :t] != ENVIRONMENT)
     return Rollout(completion_ids=tokens[:, :t].masked_fill(~real, pad_id), completion_mask=real.long(),
                    policy_mask=policy.long(), truncated=torch.as_tensor(truncated, device=device),
                    logprobs=logps[:, :t].masked_fill(~policy, 0.0), turns=torch.as_tensor(turns, device=device))

@@ -322,6 +322,7 @@ class StaticDecoder:
         self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
         self.attention_kernel = False  # decode attention by kernels.decode_attention (CUDA, Triton) instead
         self.unpadded = False
+        self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
 
     @torch.no_grad()
@@ -389,6 +390,7 @@ class StaticDecoder:
 
         Only the `filled` cache slots hold anything yet; the rest need no copy.
         """
+        self._mark()
         k = keep.numel()
         self.compactions += 1
         for buf in (self.k_cache, self.v_cache):
@@ -465,6 +467,7 @@ class StaticDecoder:
         self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
+        self.unmarked = None
         mask = _padded_causal_mask(attn)
 
         def write(i, k, v):
@@ -489,9 +492,15 @@ class StaticDecoder:
             attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
         else:
             cos, sin = self.cos[:b, slot, None], self.sin[:b, slot, None]
-            self.key_mask[:b, slot] = True  # kept up to date: a later step with per-row slots reads it
-            # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask
-            attn_mask = None if self.unpadded else self.key_mask[:b, None, None, :kv_len]
+            # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask.
+            # The slots it fills are marked in key_mask later, only if a step that reads the mask comes
+            if self.unpadded:
+                first = self.unmarked[1] if self.unmarked is not None else slot
+                self.unmarked = (b, first, slot)
+                attn_mask = None
+            else:
+                self.key_mask[:b, slot] = True
+                attn_mask = self.key_mask[:b, None, None, :kv_len]
 
         def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
@@ -506,6 +515,13 @@ class StaticDecoder:
 
         return self._logits(self._decode_layers(x, cos, sin, write, keys, attn_mask))
 
+    def _mark(self):
+        """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
+        if self.unmarked is not None:
+            b, first, last = self.unmarked
+            self.key_mask[:b, first:last + 1] = True
+            self.unmarked = None
+
     @torch.no_grad()
     def decode(self, tok, slot, top=None):
         """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) and cache slots.
@@ -514,6 +530,8 @@ class StaticDecoder:
         host int). Positions need no input: prefill filled each row's rotary table by slot.
         """
         n = tok.shape[0]
+        if torch.is_tensor(slot):
+            self._mark()
         top = slot if top is None else top
         if not self.use_graph:
             return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
@@ -537,6 +555,7 @@ class StaticDecoder:
         new token attends to its row's real cache slots before it and to the row's new tokens up to itself:
         the prefill of an environment's answer in the middle of decoding, with nothing before it recomputed.
         """
+        self._mark()
         b, k = ids.shape
         rows = self.row_index[:b, None].expand(b, k)
         slots = start[:, None] + torch.arange(k, device=ids.device)  # (b, K)
@@ -565,6 +584,7 @@ class StaticDecoder:
     def truncate(self, rows, ends):
         """Forget rows' cache slots from ends[i] on (rows, ends (m,) tensors): what a row sampled past a stop
         is no longer attended, and is overwritten as the row goes on."""
+        self._mark()
         keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
         self.key_mask[rows] &= keep
 
