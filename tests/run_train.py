@@ -70,7 +70,7 @@ def uneven_sampling(root, d, pad_id):
     per_forward = root(sampling.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     sharding.free_gathered(root)
     return {"static_supported": static_supported,
-            "lengths": [r.completion_ids.shape[1] for r in (static, gathered, per_forward)],
+            "lengths": [r.completion_mask.sum(1).tolist() for r in (static, gathered, per_forward)],
             "same_tokens": all(torch.equal(static.completion_ids, r.completion_ids) for r in (gathered, per_forward)),
             "done": (~gathered.truncated).tolist(), "done_static": (~static.truncated).tolist(),
             "all_gathers_static": static_calls, "all_gathers_gathered": gathered_calls,

@@ -240,9 +240,11 @@ def test_ranks_finishing_at_different_lengths_do_not_hang(runs):
     r0, r1 = (json.load(open(os.path.join(p["A2"], f"sample_rank{r}.json"))) for r in (0, 1))
     assert all(r0["done"]) and not any(r1["done"])  # rank 0 finished at once, rank 1 never did
     assert r0["done_static"] == r0["done"] and r1["done_static"] == r1["done"]
+    assert r0["lengths"] == [[1, 1, 1]] * 3 and r1["lengths"] == [[10, 10, 10]] * 3
+    # the same forwards on both ranks: with a gather per forward, as many all-gathers
+    assert r0["all_gathers_per_forward"] == r1["all_gathers_per_forward"]
     for r in (r0, r1):
         assert r["static_supported"]  # sharded blocks gather themselves for StaticDecoder's copy
-        assert r["lengths"] == [10, 10, 10]
         assert r["same_tokens"]  # StaticDecoder on FSDP2 = the Hugging Face forward, gathered or not
         # gathered once: one all-gather per FSDP group for the whole loop, not one per token
         assert r["all_gathers_static"] == r["all_gathers_gathered"] == r["fsdp_groups"]
