@@ -372,29 +372,36 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
             hi = int(ptr[live].max())
             live_t = torch.as_tensor(live, device=device)
             window = tokens[live_t, lo:hi]
-            hit = torch.isin(window, triggers).any(1).tolist()  # rows with no EOS or stop end need no Python scan
-            for r, seq in zip(live[np.flatnonzero(hit)], window[torch.tensor(hit, device=device)].tolist()):
-                e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(turn_start[r]), eos, stops)
-                if e is not None:
-                    found[r] = e
+            # only the positions since each row's last check, where a turn can have ended
+            position = torch.arange(lo, hi, device=device)
+            fresh = (position >= torch.as_tensor(checked[live] - (longest_stop - 1), device=device)[:, None]) & \
+                (position < torch.as_tensor(ptr[live], device=device)[:, None])
+            hit = torch.isin(window, triggers) & fresh
+            if not stops:  # EOS only: each row's first one, found on the device
+                has, first = torch.stack([hit.any(1).long(), hit.long().argmax(1)]).tolist()
+                found = {r: lo + f for r, h, f in zip(live.tolist(), has, first) if h}
+            else:  # a stop sequence ends at the trigger: rows with one are scanned in Python
+                any_hit = hit.any(1).tolist()
+                for r, seq in zip(live[np.flatnonzero(any_hit)], window[torch.tensor(any_hit, device=device)].tolist()):
+                    e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(turn_start[r]), eos, stops)
+                    if e is not None:
+                        found[r] = e
             checked[live] = ptr[live]
         feeds = []
         if found:
             ended = np.array(sorted(found))
             ends = np.array([found[r] + 1 for r in ended])
             old_ptr = ptr[ended].copy()
-            ended_t, ends_t = torch.as_tensor(ended, device=device), torch.as_tensor(ends, device=device)
-            # forget what each row sampled past its stop
-            past = torch.arange(max_new + 1, device=device) >= ends_t[:, None]
-            tokens[ended_t] = tokens[ended_t].masked_fill(past, pad_id)
-            kind[ended_t] = kind[ended_t].masked_fill(past, 0)
-            logps[ended_t] = logps[ended_t].masked_fill(past, 0.0)
-            batch_of = np.full(n, -1)
-            batch_of[rows_h] = np.arange(len(rows_h))
-            steps.truncate(torch.as_tensor(batch_of[ended], device=device), ends_t)
+            # what a row sampled past its stop is forgotten: past its length it is padding in the rollout, and
+            # is overwritten if the row goes on; a row that may go on also stops attending to it
             ptr[ended], checked[ended] = ends, ends
             device_state.clear()
             asking = ended[turns[ended] < max_turns] if respond is not None else ended[:0]
+            batch_of = np.full(n, -1)
+            batch_of[rows_h] = np.arange(len(rows_h))
+            if len(asking):
+                steps.truncate(torch.as_tensor(batch_of[asking], device=device),
+                               torch.as_tensor(ptr[asking], device=device))
             finish(ended[~np.isin(ended, asking)], False)
             if len(asking):
                 ask_t = torch.as_tensor(asking, device=device)
