@@ -26,7 +26,7 @@ import rewards
 import sharding
 from static_decoder import StaticDecoder, static_decode_supported
 
-POLICY, ENVIRONMENT = 1, 2  # who wrote a completion token
+ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
 
 @dataclass
@@ -331,17 +331,18 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
     finds the rows that paused, asks for the environment's answers, and feeds the batch: one decode step,
     or an extend step where some rows take an answer.
 
-    State per row, on the device and mirrored on the host (which knows every change without reading the
-    device): `ptr`, the row's completion length so far (where its next token goes), and `active`, False once
-    the row has ended. The batch (`rows`, global row indices) is what the steps run on; per batch row,
-    `feed` is the completion position fed this iteration. A finished row still in the batch samples into
-    the spare last column and feeds in step with the others, so that the steps keep their shared-slot
-    form where every live row is at the same position (always, for single-turn sampling).
+    State per row, on the host (which knows every change without reading the device): `ptr`, the row's
+    completion length so far (where its next token goes), and `active`, False once the row has ended. The
+    batch (`rows`, global row indices) is what the steps run on; per batch row, `feed_h` is the completion
+    position fed this iteration. A finished row still in the batch writes past its end (up to the spare
+    last column) in step with the others, so that while the live rows share a position (always, for
+    single-turn sampling) the iteration is plain columns, with no per-row state on the device; where rows
+    are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
     """
-    spare = max_new  # the column and cache position finished rows write to
+    spare = max_new  # the last column and cache position, where finished rows may write
     tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
-    kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # POLICY, ENVIRONMENT or 0
+    kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
     ptr, active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
     truncated, turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
     turn_start, checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
