@@ -83,12 +83,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     directly, so each chunk costs two float32 (chunk, V) buffers and no
     autograd graph over the vocabulary. When all rows fit in one chunk, that
     chunk's softmax is kept for backward instead of recomputed. The entropy
-    is a metric: no gradient. With `fused`, each chunk's math is the compiled
+    is a metric without gradient unless `entropy_grad` (an entropy bonus in the loss): then backward adds
+    d H / d z = -p (log p + H) for z = logits / temperature, in the unfused path (a chunk's logits
+    recomputed). With `fused`, each chunk's math is the compiled
     `_chunk_stats` / `_chunk_grad` instead (for bf16 weights, no float32 copy of a chunk's logits).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
@@ -111,16 +113,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logp[s:e] = (z.gather(-1, targets[s:e, None]) - log_total)[:, 0]
             prob.div_(total)  # softmax
             entropy[s:e] = log_total[:, 0] - z.mul_(prob).sum(-1)  # -sum p log p = log total - sum p z
-            if n <= chunk and any(ctx.needs_input_grad[:2]):
+            if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad:
                 kept = prob
-        ctx.save_for_backward(hidden, weight, targets, lse, kept)
-        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, fused, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, lse, kept = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, kept, entropy = ctx.saved_tensors
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
         # the weight's gradient sums over every chunk: in float32, so that bf16 rounding does not grow with
@@ -130,7 +134,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            if ctx.fused:
+            if ctx.fused and not with_entropy:
                 z = _fused("grad")(F.linear(h, weight), targets[s:e], lse[s:e], grad_logp[s:e].float(),
                                    1.0 / ctx.temperature)
             else:
@@ -141,7 +145,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     z = F.linear(h, weight).float()
                     if ctx.temperature != 1.0:
                         z.div_(ctx.temperature)
-                    z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
+                    z.sub_(lse[s:e, None])  # log softmax
+                    if with_entropy:  # the entropy's gradient: -p (log p + H), times its incoming gradient
+                        gh = grad_entropy[s:e, None].float()
+                        extra = z.exp() * (z + entropy[s:e, None]) * -gh
+                    z.exp_().mul_(-g)  # -g * softmax
+                    if with_entropy:
+                        z.add_(extra)
                 z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
                 if ctx.temperature != 1.0:
                     z.div_(ctx.temperature)
@@ -153,7 +163,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), h)
                 else:
                     grad_w += z.t() @ h
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def default_chunk_tokens(vocab_size, device):
@@ -163,7 +173,8 @@ def default_chunk_tokens(vocab_size, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False):
+                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
+                        entropy_grad=False):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask
@@ -171,7 +182,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     projection runs over chunks of `chunk_tokens` positions and is recomputed
     chunk by chunk in backward, so no (N, T, V) float32 tensor ever exists.
     Temperature is applied exactly as in `sample`. Returns (logp, entropy),
-    each (N, T); entropy has no gradient.
+    each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     `fast_forward` (default: where supported) runs the transformer as
     `static_decoder.hidden_states` instead of the Hugging Face forward, with
@@ -228,7 +239,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     if fused is None:
         fused = fused_head_available(weight.device)
     logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
-                                                bool(fused))
+                                                bool(fused), bool(entropy_grad))
     return logp.view(n, t), entropy.view(n, t)
 
 
@@ -525,7 +536,7 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsilon_high, loss_type,
               num_sequences, num_tokens, max_completion_length, is_weight=None, bias_correction_kl=False,
               importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-              keep=None):
+              keep=None, entropy=None, entropy_coef=0.0):
     """Policy term plus beta * k3 KL for one micro-batch, normalised over the whole batch.
 
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
@@ -537,6 +548,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
     token's policy term (not the KL term), as in TRL.
     keep: None, or (n, T) / (n, 1) in {0, 1} multiplying the policy term (not the KL term, not the
     normalisers), as TRL applies its entropy and off-policy masks (`high_entropy_mask`, `off_policy_mask`).
+    entropy_coef: minus entropy_coef times the mean entropy over the batch's counted tokens (sum over this
+    micro-batch's / num_tokens): `entropy` (n, T) must then carry its gradient (completion_logprobs(entropy_grad=True)).
     bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
     gradient included (TRL's `use_bias_correction_kl`, on by default in TRL 1.16;
     from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref)
@@ -567,6 +580,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
         per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
     per_token = per_token.expand_as(logp)  # (n, 1) when sequence-level without KL
     loss = aggregate(per_token, mask, AGGREGATION[loss_type], num_sequences, num_tokens, max_completion_length)
+    if entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
+        loss = loss - entropy_coef * (entropy * mask).sum() / num_tokens
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         if term == "clip":  # tokens whose clipped side was taken: no gradient

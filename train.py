@@ -73,6 +73,7 @@ class Config:
     sapo_temperature_pos: float = 1.0     # sapo: the gate's temperature where the advantage is > 0
     sapo_temperature_neg: float = 1.05    # sapo: ... where it is <= 0
     top_entropy_quantile: float = 1.0     # the policy term on the top fraction of tokens by entropy only; 1 = all
+    entropy_coef: float = 0.0             # entropy bonus: minus this times the mean entropy over counted tokens
     off_policy_mask_threshold: typing.Optional[float] = None  # drop negative-advantage sequences whose mean
                                           # log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None = off
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum: each reward function
@@ -137,7 +138,7 @@ RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_
             "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
             "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
             "importance_sampling_max", "importance_sampling_level", "delta", "sapo_temperature_pos",
-            "sapo_temperature_neg", "top_entropy_quantile", "off_policy_mask_threshold", "multi_objective_aggregation",
+            "sapo_temperature_neg", "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold", "multi_objective_aggregation",
             "soft_punish_cache", "temperature", "top_p", "top_k", "max_completion_length",
             "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules", "tools", "environment",
             "max_turns")
@@ -602,7 +603,8 @@ def update(run, batch, advantages, step):
                 "is_weight": 0.0, "kept": 0.0}
         for i, mb in enumerate(micro):
             logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                   width=mb.width, compile_layers=cfg.compile_layers)
+                                   width=mb.width, compile_layers=cfg.compile_layers,
+                                   entropy_grad=cfg.entropy_coef != 0)
             mb_mask = loss_mask[mb.rows, :mb.t]
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()
@@ -622,7 +624,8 @@ def update(run, batch, advantages, step):
                                      is_weight=is_weight[i], bias_correction_kl=cfg.use_bias_correction_kl,
                                      importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                                      sapo_temperature_pos=cfg.sapo_temperature_pos,
-                                     sapo_temperature_neg=cfg.sapo_temperature_neg, keep=keep)
+                                     sapo_temperature_neg=cfg.sapo_temperature_neg, keep=keep, entropy=entropy,
+                                     entropy_coef=cfg.entropy_coef)
             # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
             (loss * d.world_size).backward()
             sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read

@@ -453,3 +453,35 @@ def test_decoupled_rewards_keep_flat_groups_at_zero_and_unscored_as_nan():
     assert (summed[:4] == 0).all() and torch.isnan(summed[6]) and not torch.isnan(summed[[4, 5, 7]]).any()
     adv, _ = grpo.group_advantages(summed, 4, "batch")
     assert (adv[:4] == 0).all() and adv[6] == 0 and torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("chunk", [3, 64])  # several chunks (recomputed), and one
+def test_entropy_gradient_matches_autograd_through_full_logits(chunk):
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(10, 16, generator=g)
+    weight = torch.randn(40, 16, generator=g) * 0.5
+    targets = torch.randint(0, 40, (10,), generator=g)
+    gl, ge = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, entropy = grpo._ChunkedTokenLogprobs.apply(h1, w1, targets, 0.7, chunk, False, True)
+    ((logp * gl).sum() + (entropy * ge).sum()).backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lsm = torch.log_softmax(h2 @ w2.t() / 0.7, -1)
+    naive_logp, naive_entropy = lsm.gather(-1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    ((naive_logp * gl).sum() + (naive_entropy * ge).sum()).backward()
+    torch.testing.assert_close(entropy, naive_entropy.detach())
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_entropy_bonus_is_minus_coef_times_the_batch_mean_entropy():
+    logp0, old, ref, adv, mask = objective_case()
+    entropy = (torch.rand(4, 6, generator=torch.Generator().manual_seed(9)) + 0.5).requires_grad_()
+    logp = logp0.clone().requires_grad_()
+    with_bonus, _ = grpo.grpo_loss(logp, old, ref, adv, mask, entropy=entropy, entropy_coef=0.05,
+                                   **loss_kwargs(num_tokens=mask.sum()))
+    without, _ = grpo.grpo_loss(logp0.clone(), old, ref, adv, mask, **loss_kwargs(num_tokens=mask.sum()))
+    counted = [entropy[i, t] for i in range(4) for t in range(6) if mask[i, t]]
+    torch.testing.assert_close(with_bonus, without - 0.05 * sum(counted) / len(counted))
+    with_bonus.backward()
+    torch.testing.assert_close(entropy.grad, -0.05 * mask / mask.sum())

@@ -412,6 +412,7 @@ def test_rewards_see_the_trajectory_ids_and_step_and_a_gdpo_step_runs(tmp_path):
     dict(loss_type="sapo", importance_sampling_level="sequence"),
     dict(loss_type="cispo", epsilon_high=1.5, top_entropy_quantile=0.5),
     dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.05, delta=1.5),
+    dict(loss_type="dapo", entropy_coef=0.1),
 ])
 def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, settings):
     """train.update's micro-batched gradient equals grpo_loss on the whole batch at once (entropy quantile over
@@ -438,7 +439,7 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(r.completion_ids)], 1)
     t = r.completion_ids.shape[1]
-    logp, entropy = grpo.completion_logprobs(init, ids, mask, t, 1.0)
+    logp, entropy = grpo.completion_logprobs(init, ids, mask, t, 1.0, entropy_grad=cfg.entropy_coef != 0)
     with torch.no_grad():
         ref = grpo.completion_logprobs(init, ids, mask, t, 1.0)[0]
     loss_mask = r.policy_mask.float()
@@ -448,7 +449,8 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, loss_mask, beta=0.1, epsilon=0.2,
                              epsilon_high=cfg.epsilon_high or 0.2, loss_type=cfg.loss_type, num_sequences=8,
                              num_tokens=loss_mask.sum(), max_completion_length=5,
-                             importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta, keep=keep)
+                             importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta, keep=keep,
+                             entropy=entropy, entropy_coef=cfg.entropy_coef)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(init.parameters(), 1.0)
     for p, g in zip(init.parameters(), grads[0]):
