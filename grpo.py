@@ -488,14 +488,15 @@ def sapo_term(ratio, adv, *, temperature_pos, temperature_neg):
 # ----------------------------------------------------------------------------- which tokens count
 
 
-def high_entropy_mask(entropy, mask, quantile):
-    """1 for the counted tokens whose entropy is at least the (1 - quantile) quantile of the counted tokens'
-    entropies, else 0 (TRL's top_entropy_quantile, "Beyond the 80/20 rule"): quantile 0.2 keeps the top 20%,
-    0 the highest alone. The quantile is over the tokens given: the caller decides which those are."""
+def high_entropy_mask(entropy, mask, quantile=None, threshold=None):
+    """1 for the counted tokens whose entropy is at least `threshold`, else 0 (TRL's top_entropy_quantile,
+    "Beyond the 80/20 rule"). Without a threshold, it is the (1 - quantile) quantile of the counted tokens given
+    here: quantile 0.2 keeps the top 20%, 0 the highest alone."""
     counted = mask > 0
-    if not counted.any():
-        return torch.zeros_like(mask)
-    threshold = torch.quantile(entropy[counted].float(), 1 - quantile)
+    if threshold is None:
+        if not counted.any():
+            return torch.zeros_like(mask)
+        threshold = torch.quantile(entropy[counted].float(), 1 - quantile)
     return ((entropy >= threshold) & counted).to(mask.dtype)
 
 

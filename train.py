@@ -593,6 +593,7 @@ def update(run, batch, advantages, step):
         count = sharding.all_gather_rows(torch.tensor([len(micro)], device=d.device), d).max().item()
         micro = grpo.split_micro_batches(micro, count)
     ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
+    threshold = entropy_threshold(run, ids, mask, micro, loss_mask) if cfg.top_entropy_quantile < 1 else None
     old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
     # |trainer - sampler| log-prob over the counted tokens, summed and largest (the first pass)
     lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
@@ -616,7 +617,7 @@ def update(run, batch, advantages, step):
                     is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
                                                            cfg.importance_sampling_min, cfg.importance_sampling_max)
             keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
-                                 mb_mask)
+                                 mb_mask, threshold)
             loss, m = grpo.grpo_loss(logp, old_logp[i], ref_logp[i] if ref_logp is not None else None,
                                      advantages[mb.rows], mb_mask, beta=cfg.beta, epsilon=cfg.epsilon,
                                      epsilon_high=eps_high, loss_type=cfg.loss_type, num_sequences=N,
@@ -653,13 +654,32 @@ def update(run, batch, advantages, step):
     return sums, lp_diff_max, grad_norm, lr, skipped
 
 
-def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask):
+def entropy_threshold(run, ids, mask, micro, loss_mask):
+    """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of the step, on every
+    rank, at the weights that sampled: one forward without gradient per micro-batch, so that the tokens kept do
+    not depend on how the batch is split (TRL takes the quantile over each micro-batch). None without tokens."""
+    cfg, d, policy = run.cfg, run.d, run.policy
+    with torch.no_grad():
+        local = torch.cat([policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                                  width=mb.width, compile_layers=cfg.compile_layers)[1][loss_mask[mb.rows, :mb.t] > 0]
+                           for mb in micro]).float()
+    if d.world_size > 1:  # every rank's tokens, each rank's padded with NaN to the most any rank has
+        most = int(sharding.all_gather_rows(torch.tensor([local.numel()], device=d.device), d).max().item())
+        padded = torch.full((most,), float("nan"), device=local.device)
+        padded[:local.numel()] = local
+        local = sharding.all_gather_rows(padded, d)
+        local = local[~torch.isnan(local)]
+    return torch.quantile(local, 1 - cfg.top_entropy_quantile) if local.numel() else None
+
+
+def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask, threshold=None):
     """None, or (m, T) / (m, 1) in {0, 1}: the tokens whose policy term counts in this micro-batch (TRL's entropy
-    and off-policy masks; neither changes a normaliser). The entropy quantile is taken over this micro-batch's
-    counted tokens, as TRL takes it over each of its micro-batches (README: "Which tokens count")."""
+    and off-policy masks; neither changes a normaliser). threshold: the step's entropy quantile
+    (`entropy_threshold`); None (no counted token) keeps none (README: "Which tokens count")."""
     keep = None
     if cfg.top_entropy_quantile < 1:
-        keep = grpo.high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
+        keep = (grpo.high_entropy_mask(entropy.detach(), mask, threshold=threshold) if threshold is not None
+                else torch.zeros_like(mask))
     if cfg.off_policy_mask_threshold is not None:
         off = grpo.off_policy_mask(advantages[:, None], logp, sampler_logp, mask, cfg.off_policy_mask_threshold)
         keep = off if keep is None else keep * off

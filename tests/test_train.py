@@ -415,12 +415,13 @@ def test_rewards_see_the_trajectory_ids_and_step_and_a_gdpo_step_runs(tmp_path):
     dict(loss_type="dapo", entropy_coef=0.1),
 ])
 def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, settings):
-    """train.update's micro-batched gradient equals grpo_loss on the whole batch at once (entropy quantile over
-    the one micro-batch), for the other policy terms, levels and token selections."""
+    """train.update's micro-batched gradient (three micro-batches) equals grpo_loss on the whole batch at once,
+    for the other policy terms, levels, token selections (the entropy quantile over the whole batch) and the
+    entropy bonus."""
     import copy
     import sharding
     cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
-                       max_completion_length=5, micro_batch_size=8, beta=0.1, save_every=0, **settings)
+                       max_completion_length=5, micro_batch_size=3, beta=0.1, save_every=0, **settings)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     batch = train.rollout(run, 1)
     r = batch.rollout
@@ -443,8 +444,11 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     with torch.no_grad():
         ref = grpo.completion_logprobs(init, ids, mask, t, 1.0)[0]
     loss_mask = r.policy_mask.float()
-    keep = train.select_tokens(cfg, entropy, logp, r.logprobs, adv, loss_mask)
+    keep = None
+    if cfg.top_entropy_quantile < 1:  # the quantile over the whole batch's counted tokens
+        keep = grpo.high_entropy_mask(entropy.detach(), loss_mask, cfg.top_entropy_quantile)
     if cfg.off_policy_mask_threshold is not None:
+        keep = grpo.off_policy_mask(adv[:, None], logp, r.logprobs, loss_mask, cfg.off_policy_mask_threshold)
         assert 0 < keep.sum() < keep.numel()
     loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, loss_mask, beta=0.1, epsilon=0.2,
                              epsilon_high=cfg.epsilon_high or 0.2, loss_type=cfg.loss_type, num_sequences=8,
@@ -457,3 +461,29 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
     if keep is not None:
         assert sums["kept"] == (keep * loss_mask).sum()
+
+
+def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monkeypatch):
+    """Two ranks simulated: this one's counted tokens (two micro-batches) and another rank's, of another count,
+    gathered NaN-padded; the threshold is the quantile over all of them."""
+    import types
+    import sharding
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(4, 3, generator=g)  # this rank's (n, T)
+    loss_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]]).float()
+    others = torch.rand(9, generator=g)  # the other rank's counted tokens: more than this rank's 6
+
+    def fake_gather(x, d):
+        if x.numel() == 1:
+            return torch.cat([x, torch.tensor([others.numel()])])
+        return torch.cat([x, others])  # the other rank: already `most` long, no padding
+    monkeypatch.setattr(sharding, "all_gather_rows", fake_gather)
+    micro = [grpo.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), grpo.MicroBatch(torch.tensor([1, 3]),
+                                                                                        slice(0, 3), 3, 3)]
+    policy = lambda fn, ids, mask, t, *a, **k: (None, entropy[ids[:, 0]])  # noqa: E731 (rows named by ids)
+    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy,
+                                d=types.SimpleNamespace(world_size=2, device=torch.device("cpu")))
+    ids = torch.arange(4)[:, None].expand(4, 3)
+    threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask)
+    counted = torch.cat([entropy[loss_mask > 0], others])
+    torch.testing.assert_close(threshold, torch.quantile(counted, 0.7))
