@@ -138,10 +138,10 @@ RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_
             "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
             "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
             "importance_sampling_max", "importance_sampling_level", "delta", "sapo_temperature_pos",
-            "sapo_temperature_neg", "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold", "multi_objective_aggregation",
-            "soft_punish_cache", "temperature", "top_p", "top_k", "max_completion_length",
-            "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules", "tools", "environment",
-            "max_turns")
+            "sapo_temperature_neg", "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold",
+            "multi_objective_aggregation", "soft_punish_cache", "temperature", "top_p", "top_k",
+            "max_completion_length", "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules",
+            "tools", "environment", "max_turns")
 
 # Named runs: Config overrides applied before the command line's (README: "Presets").
 _QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
@@ -215,7 +215,9 @@ def validate(cfg, world_size=1):
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
     need(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1], got {cfg.top_p}")
     need(cfg.delta is None or cfg.delta > 1, "delta", f"must be > 1 (above the ratio 1), got {cfg.delta}")
-    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", f"must be in [0, 1], got {cfg.top_entropy_quantile}")
+    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile",
+         f"must be in [0, 1], got {cfg.top_entropy_quantile}")
+    need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"must be finite, got {cfg.entropy_coef}")
     need(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
          f"must be >= 0, got {cfg.off_policy_mask_threshold}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
