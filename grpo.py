@@ -83,12 +83,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     directly, so each chunk costs two float32 (chunk, V) buffers and no
     autograd graph over the vocabulary. When all rows fit in one chunk, that
     chunk's softmax is kept for backward instead of recomputed. The entropy
-    is a metric: no gradient. With `fused`, each chunk's math is the compiled
+    is a metric without gradient unless `entropy_grad` (an entropy bonus in the loss): then backward adds
+    d H / d z = -p (log p + H) for z = logits / temperature, in the unfused path (a chunk's logits
+    recomputed). With `fused`, each chunk's math is the compiled
     `_chunk_stats` / `_chunk_grad` instead (for bf16 weights, no float32 copy of a chunk's logits).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False):
         n = hidden.shape[0]
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
@@ -111,16 +113,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logp[s:e] = (z.gather(-1, targets[s:e, None]) - log_total)[:, 0]
             prob.div_(total)  # softmax
             entropy[s:e] = log_total[:, 0] - z.mul_(prob).sum(-1)  # -sum p log p = log total - sum p z
-            if n <= chunk and any(ctx.needs_input_grad[:2]):
+            if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad:
                 kept = prob
-        ctx.save_for_backward(hidden, weight, targets, lse, kept)
-        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, fused, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, lse, kept = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, kept, entropy = ctx.saved_tensors
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
         # the weight's gradient sums over every chunk: in float32, so that bf16 rounding does not grow with
@@ -130,7 +134,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            if ctx.fused:
+            if ctx.fused and not with_entropy:
                 z = _fused("grad")(F.linear(h, weight), targets[s:e], lse[s:e], grad_logp[s:e].float(),
                                    1.0 / ctx.temperature)
             else:
@@ -141,7 +145,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     z = F.linear(h, weight).float()
                     if ctx.temperature != 1.0:
                         z.div_(ctx.temperature)
-                    z.sub_(lse[s:e, None]).exp_().mul_(-g)  # -g * softmax
+                    z.sub_(lse[s:e, None])  # log softmax
+                    if with_entropy:  # the entropy's gradient: -p (log p + H), times its incoming gradient
+                        gh = grad_entropy[s:e, None].float()
+                        extra = z.exp() * (z + entropy[s:e, None]) * -gh
+                    z.exp_().mul_(-g)  # -g * softmax
+                    if with_entropy:
+                        z.add_(extra)
                 z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
                 if ctx.temperature != 1.0:
                     z.div_(ctx.temperature)
@@ -153,7 +163,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), h)
                 else:
                     grad_w += z.t() @ h
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def default_chunk_tokens(vocab_size, device):
@@ -163,7 +173,8 @@ def default_chunk_tokens(vocab_size, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False):
+                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
+                        entropy_grad=False):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask
@@ -171,7 +182,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     projection runs over chunks of `chunk_tokens` positions and is recomputed
     chunk by chunk in backward, so no (N, T, V) float32 tensor ever exists.
     Temperature is applied exactly as in `sample`. Returns (logp, entropy),
-    each (N, T); entropy has no gradient.
+    each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     `fast_forward` (default: where supported) runs the transformer as
     `static_decoder.hidden_states` instead of the Hugging Face forward, with
@@ -228,7 +239,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     if fused is None:
         fused = fused_head_available(weight.device)
     logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
-                                                bool(fused))
+                                                bool(fused), bool(entropy_grad))
     return logp.view(n, t), entropy.view(n, t)
 
 
@@ -364,6 +375,21 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     return adv.reshape(-1), std.squeeze(1)
 
 
+def decoupled_rewards(parts, weights, group_size):
+    """GDPO's reward: each reward function's column normalised within its group, then their weighted sum.
+
+    parts (N, F), NaN where a function did not score a completion (it then adds nothing, as TRL's nansum);
+    weights (F,). Returns (N,) float64, NaN where no function scored. The caller then centres the sum within
+    each group and divides by the batch's std (group_advantages with scale "batch"); TRL subtracts the batch
+    mean instead, which is the same up to rounding, since each normalised column has mean 0 in every group, where
+    every function scored every completion. A group whose rewards are all equal still gets exactly 0.
+    """
+    columns = [group_advantages(parts[:, f], group_size, "group")[0].double() for f in range(parts.shape[1])]
+    normalised = torch.stack(columns, 1)  # (N, F); 0 where NaN
+    total = (normalised * torch.as_tensor(weights, dtype=torch.float64, device=normalised.device)).sum(1)
+    return torch.where(torch.isnan(parts).all(1).to(total.device), float("nan"), total)
+
+
 # ----------------------------------------------------------------------------- KL and loss
 
 
@@ -377,8 +403,15 @@ def k3_kl(ref_logp, logp):
     return (torch.expm1(d.clamp(max=20.0)) - d).clamp(min=0.0)
 
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+# The objective along four axes (README: "The objective"). `loss_type` keeps TRL's names; each name is a policy
+# term and an aggregation, so a paper is a combination of settings, not a branch of its own.
+POLICY_TERM = {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip", "bnpo": "clip", "luspo": "clip",
+               "cispo": "cispo", "sapo": "sapo"}
+AGGREGATION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "dapo": "token_mean", "bnpo": "token_mean",
+               "cispo": "token_mean", "dr_grpo": "constant", "luspo": "sequence_sum"}
+LOSS_TYPES = tuple(POLICY_TERM)
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def importance_weights(old_logp, sampler_logp, mask, mode, low=0.0, high=3.0):
@@ -409,53 +442,161 @@ def importance_weights(old_logp, sampler_logp, mask, mode, low=0.0, high=3.0):
     raise ValueError(f"importance_sampling: unknown value {mode!r} (one of {', '.join(IMPORTANCE_SAMPLING)})")
 
 
+# ----------------------------------------------------------------------------- the ratio
+
+
+def log_ratio(logp, old_logp, mask, level="token"):
+    """log pi / pi_old: per token (n, T), or with level "sequence" one per sequence (n, 1), the mean of the
+    token log-ratios over its counted tokens (GSPO; TRL's importance_sampling_level). The sequence form keeps
+    the gradient of every token's log-prob, so each token's gradient is the sequence ratio times 1/|o_i|."""
+    diff = logp - old_logp
+    if level == "token":
+        return diff
+    if level == "sequence":
+        return (diff * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
+    raise ValueError(f"importance_sampling_level: unknown value {level!r} "
+                     f"(one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+
+
+# ----------------------------------------------------------------------------- the policy term
+# Each returns the per-token loss (to be minimised) of ratio (n, T) or (n, 1) and advantages (n, 1).
+
+
+def clipped_term(ratio, adv, *, epsilon, epsilon_high, delta=None):
+    """PPO's -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A). `delta`: the unclipped rho is also capped
+    at delta (two-sided clipping, INTELLECT-2; TRL's `delta`), so a negative advantage cannot push a token whose
+    ratio has run far above 1 without bound."""
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    return -torch.min(ratio * adv, clipped * adv)
+
+
+def cispo_term(ratio, adv, logp, *, epsilon_high):
+    """CISPO (MiniMax-M1): -sg(min(rho, epsilon_high)) A log pi. The ratio is clipped and detached, so every token
+    keeps a gradient (A log pi, weighted); as in TRL the bound is epsilon_high itself, not 1 + epsilon_high."""
+    return -ratio.clamp(max=epsilon_high).detach() * adv * logp
+
+
+def sapo_term(ratio, adv, *, temperature_pos, temperature_neg):
+    """SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau = temperature_pos where A > 0, else temperature_neg. A soft
+    gate instead of a hard clip: at rho = 1 its gradient is that of rho A, and it fades as rho moves away."""
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+# ----------------------------------------------------------------------------- which tokens count
+
+
+def high_entropy_mask(entropy, mask, quantile=None, threshold=None):
+    """1 for the counted tokens whose entropy is at least `threshold`, else 0 (TRL's top_entropy_quantile,
+    "Beyond the 80/20 rule"). Without a threshold, it is the (1 - quantile) quantile of the counted tokens given
+    here: quantile 0.2 keeps the top 20%, 0 the highest alone."""
+    counted = mask > 0
+    if threshold is None:
+        if not counted.any():
+            return torch.zeros_like(mask)
+        threshold = torch.quantile(entropy[counted].float(), 1 - quantile)
+    return ((entropy >= threshold) & counted).to(mask.dtype)
+
+
+def off_policy_mask(adv, logp, sampler_logp, mask, threshold):
+    """(n, 1): 0 for a sequence with a negative advantage whose mean log pi_sampler - log pi over its counted
+    tokens exceeds `threshold`, else 1 (DeepSeek-V3.2's off-policy sequence mask; TRL's off_policy_mask_threshold).
+    Detached: a mask, not a term."""
+    kl = torch.nan_to_num(sampler_logp - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_length):
+    """The micro-batch's share of the batch loss. The normalisers describe the whole batch (all micro-batches,
+    accumulation steps and ranks), so summing over micro-batches gives the full-batch loss and gradient:
+      sequence_mean (grpo, sapo): mean over sequences of the per-sequence token mean (DeepSeekMath)
+      token_mean (dapo, bnpo, cispo): sum over tokens / tokens in the batch (DAPO's token-level loss)
+      constant (dr_grpo): sum over tokens / (sequences * max_completion_length) (Dr. GRPO)
+      sequence_sum (luspo): mean over sequences of the per-sequence token sum (LUSPO)
+    """
+    if how == "sequence_mean":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    if how == "token_mean":
+        return (per_token * mask).sum() / num_tokens
+    if how == "constant":
+        return (per_token * mask).sum() / (num_sequences * max_completion_length)
+    if how == "sequence_sum":
+        return (per_token * mask).sum() / num_sequences
+    raise ValueError(f"aggregation: unknown value {how!r}")
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsilon_high, loss_type,
-              num_sequences, num_tokens, max_completion_length, is_weight=None, bias_correction_kl=False):
-    """Clipped surrogate plus beta * k3 KL for one micro-batch, normalised over the whole batch.
+              num_sequences, num_tokens, max_completion_length, is_weight=None, bias_correction_kl=False,
+              importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+              keep=None, entropy=None, entropy_coef=0.0):
+    """Policy term plus beta * k3 KL for one micro-batch, normalised over the whole batch.
 
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
     that sampled (logp.detach() when each batch is used once, so the ratio is 1);
     ref_logp is None when beta == 0; advantages (n,); mask (n, T).
+    loss_type: a policy term (POLICY_TERM: clip, cispo, sapo) and an aggregation (AGGREGATION; see `aggregate`).
+    importance_sampling_level: the ratio per token or per sequence (`log_ratio`).
     is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each
-    token's surrogate term (not the KL term), as in TRL.
+    token's policy term (not the KL term), as in TRL.
+    keep: None, or (n, T) / (n, 1) in {0, 1} multiplying the policy term (not the KL term, not the
+    normalisers), as TRL applies its entropy and off-policy masks (`high_entropy_mask`, `off_policy_mask`).
+    entropy_coef: minus entropy_coef times the mean entropy over the batch's counted tokens (sum over this
+    micro-batch's / num_tokens): `entropy` (n, T) must then carry its gradient (completion_logprobs(entropy_grad=True)).
     bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
     gradient included (TRL's `use_bias_correction_kl`, on by default in TRL 1.16;
     from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref)
     also when the batch was sampled by an older policy. At ratio 1 the loss's
     value is unchanged, but its gradient is not.
-    The normalisers describe the whole batch (all micro-batches, all ranks), so
-    summing this loss's gradients over micro-batches gives the full-batch gradient:
-      grpo:    mean over sequences of the per-sequence token mean (DeepSeekMath)
-      dapo:    sum over all tokens / all tokens in the batch (DAPO's token-level loss)
-      dr_grpo: sum over all tokens / (sequences * max_completion_length) (Dr. GRPO)
     Returns (loss, metrics) with metric means over this micro-batch's tokens, as 0-dim tensors on the loss's
     device: reading them (.item()) waits for the device, so callers sum them and read once per step.
     """
+    if loss_type not in POLICY_TERM:
+        raise ValueError(f"loss_type: unknown value {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask, importance_sampling_level))  # (n, T) or (n, 1)
     adv = advantages[:, None].to(logp.dtype)  # (n, 1)
-    surrogate = torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)
-    per_token = -surrogate if is_weight is None else -surrogate * is_weight
+    term = POLICY_TERM[loss_type]
+    if term == "clip":
+        per_token = clipped_term(ratio, adv, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)
+    elif term == "cispo":
+        per_token = cispo_term(ratio, adv, logp, epsilon_high=epsilon_high)
+    else:
+        per_token = sapo_term(ratio, adv, temperature_pos=sapo_temperature_pos, temperature_neg=sapo_temperature_neg)
+    if keep is not None:
+        per_token = per_token * keep
+    if is_weight is not None:
+        per_token = per_token * is_weight
     kl = None
     if beta != 0:
         kl = k3_kl(ref_logp, logp)
         per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    elif loss_type == "dapo":
-        loss = (per_token * mask).sum() / num_tokens
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_sequences * max_completion_length)
-    else:
-        raise ValueError(f"loss_type: unknown value {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
+    per_token = per_token.expand_as(logp)  # (n, 1) when sequence-level without KL
+    loss = aggregate(per_token, mask, AGGREGATION[loss_type], num_sequences, num_tokens, max_completion_length)
+    if entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
+        loss = loss - entropy_coef * (entropy * mask).sum() / num_tokens
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
-        low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)   # clipped from below: no gradient
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        if term == "clip":  # tokens whose clipped side was taken: no gradient
+            low = (ratio < 1 - epsilon) & (adv < 0)
+            high = (ratio > 1 + epsilon_high) & (adv > 0)
+        elif term == "cispo":  # tokens whose weight was capped (TRL's cispo clip ratio)
+            high = (ratio > epsilon_high) & (adv > 0)
+            low = torch.zeros_like(high)
+        else:  # a soft gate clips nothing
+            low = high = torch.zeros_like(adv, dtype=torch.bool)
         metrics = {
             "kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),
-            "clip_low": (low * mask).sum() / count,
-            "clip_high": (high * mask).sum() / count,
+            "clip_low": (low.to(mask.dtype) * mask).sum() / count,
+            "clip_high": (high.to(mask.dtype) * mask).sum() / count,
             "tokens": mask.sum(),
         }
     return loss, metrics

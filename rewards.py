@@ -43,11 +43,12 @@ def reward_name(fn):
 REWARD_DTYPE = torch.float32  # scores and totals are stored in it, and grpo.py's advantages are float32 too
 
 
-def _call_reward(fn, prompts, completions, fields):
-    """`fn`'s scores as a (N,) REWARD_DTYPE tensor, NaN for None; RewardFunctionError naming `fn` otherwise."""
+def _call_reward(fn, prompts, completions, fields, context):
+    """`fn`'s scores as a (N,) REWARD_DTYPE tensor, NaN for None; RewardFunctionError naming `fn` otherwise.
+    fields hold one value per completion; context's values are the run's (the step, ...), passed as they are."""
     name = reward_name(fn)
     try:
-        scores = fn(prompts=prompts, completions=completions, **fields)
+        scores = fn(prompts=prompts, completions=completions, **fields, **context)
     except Exception as batch_error:
         if getattr(fn, "collective", False):
             # a sharded model: calling it again on one rank alone would desynchronise the ranks' collectives
@@ -57,7 +58,7 @@ def _call_reward(fn, prompts, completions, fields):
         for i, completion in enumerate(completions):
             one = {k: v[i:i + 1] for k, v in fields.items()}
             try:
-                fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one)
+                fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one, **context)
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function '{name}' raised {type(e).__name__}: {e}\n"
@@ -91,9 +92,11 @@ def _call_reward(fn, prompts, completions, fields):
     return out
 
 
-def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None):
+def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None, context=None):
     """Run every reward function; return (total (N,), {name: (N,)}) with NaN for None.
 
+    Each function gets prompts, completions and every field (one value per completion) by keyword, and the
+    run-level keywords in `context` (the trainer's: step, max_completion_length, soft_punish_cache).
     The total is the weighted sum over the functions that scored a completion,
     NaN when none did. A score or total that does not fit REWARD_DTYPE raises
     RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}.
@@ -103,7 +106,7 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
     parts = {}
     for fn in reward_funcs:
         t = time.perf_counter()
-        parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields)
+        parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields, context or {})
         if seconds is not None:
             seconds[reward_name(fn)] = time.perf_counter() - t
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
@@ -131,6 +134,24 @@ def length_reward(prompts, completions, target_chars=20, **_):
     Like the toy example in TRL's GRPO documentation.
     """
     return [-abs(len(c) - target_chars) / target_chars for c in completions]
+
+
+def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
+    """DAPO's overlong reward shaping (Eq. 13; TRL's function of this name): 0 up to max_completion_len -
+    soft_punish_cache tokens, then falling linearly to -1 at max_completion_len, -1 beyond. Counts the whole
+    trajectory's tokens (`completion_ids`: the policy's and an environment's, as the length limit does)."""
+    def soft_overlong_punishment(completion_ids, **_):
+        free = max_completion_len - soft_punish_cache
+        return [0.0 if len(ids) <= free else -1.0 if len(ids) > max_completion_len
+                else (free - len(ids)) / soft_punish_cache for ids in completion_ids]
+    return soft_overlong_punishment
+
+
+def soft_overlong_punishment(completion_ids, max_completion_length, soft_punish_cache, **_):
+    """The same, for --reward_funcs=rewards:soft_overlong_punishment: L_max is the run's max_completion_length and
+    L_cache its --soft_punish_cache (0 = no soft zone: only a completion longer than the limit, which the sampler
+    never writes, would get -1)."""
+    return get_soft_overlong_punishment(max_completion_length, soft_punish_cache)(completion_ids)
 
 
 _FORMAT_THINK, _FORMAT_ANSWER, _FORMAT_SPACE = 20_000, 2_000, 200

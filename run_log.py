@@ -271,6 +271,8 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
         "sampler_logprob_diff_max": lp_diff_max,
         **({"is_weight": sums["is_weight"] / tok} if run.cfg.importance_sampling != "none" else {}),
+        **({"kept_frac": sums["kept"] / tok}
+           if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
     }
 
 

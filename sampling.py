@@ -45,6 +45,18 @@ class Rollout:
     turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
 
 
+def completion_id_lists(rollout):
+    """Each trajectory's token ids without padding (the policy's and an environment's), as reward functions
+    get them (`completion_ids`, as in TRL)."""
+    return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool())]
+
+
+def reward_context(cfg, step):
+    """The run-level keywords every reward function gets besides the data (rewards.score_completions)."""
+    return {"step": step, "max_completion_length": cfg.max_completion_length,
+            "soft_punish_cache": getattr(cfg, "soft_punish_cache", 0)}
+
+
 def cat_rollouts(rollouts, pad_id):
     """One Rollout of the rows of several, in order; shorter completions padded on the right."""
     if len(rollouts) == 1:
@@ -555,7 +567,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     return rollout, text
 
 
-def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None):
+def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
 
     The rows are split over the processes (the last rank's share padded with
@@ -595,7 +607,9 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None):
                                             agent, episodes)
             if episodes is not None:
                 fields.update(agents.episode_fields(episodes))
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields)
+            fields["completion_ids"] = completion_id_lists(rollout)
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields,
+                                                     context=reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():
                 comp.setdefault(k, []).append(sharding.all_gather_rows(v, d)[:count])

@@ -167,7 +167,8 @@ def _required_fields(fn):
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
-    given = ("prompts", "completions", "messages", "environments")  # the last two: with tools or an environment
+    given = ("prompts", "completions", "messages", "environments",  # these two: with tools or an environment
+             "completion_ids", "step", "max_completion_length", "soft_punish_cache")  # from the trainer
     return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 

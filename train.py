@@ -66,7 +66,20 @@ class Config:
     beta: float = 0.04                    # KL coefficient; 0 builds no reference model
     epsilon: float = 0.2                  # clip range below: ratio >= 1 - epsilon
     epsilon_high: typing.Optional[float] = None  # clip range above (DAPO's clip-higher); None = epsilon
-    loss_type: str = "grpo"               # grpo (per-sequence mean), dapo (token-level), dr_grpo (constant)
+    loss_type: str = "grpo"               # TRL's names: a policy term and an aggregation (README: "The objective"):
+                                          # grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo
+    importance_sampling_level: str = "token"  # the ratio pi / pi_old per token, or per sequence (GSPO)
+    delta: typing.Optional[float] = None  # two-sided clip: the unclipped ratio also capped at delta (INTELLECT-2)
+    sapo_temperature_pos: float = 1.0     # sapo: the gate's temperature where the advantage is > 0
+    sapo_temperature_neg: float = 1.05    # sapo: ... where it is <= 0
+    top_entropy_quantile: float = 1.0     # the policy term on the top fraction of tokens by entropy only; 1 = all
+    entropy_coef: float = 0.0             # entropy bonus: minus this times the mean entropy over counted tokens
+    off_policy_mask_threshold: typing.Optional[float] = None  # drop negative-advantage sequences whose mean
+                                          # log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None = off
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum: each reward function
+                                          # normalised within its group, then the weighted sum (GDPO)
+    soft_punish_cache: int = 0            # rewards.py:soft_overlong_punishment: the last this many tokens before
+                                          # max_completion_length are punished linearly (DAPO's L_cache)
     scale_rewards: str = "group"          # group, batch or none: what the centred reward is divided by
     mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO)
     use_bias_correction_kl: bool = False  # the k3 term times the ratio pi / pi_old, as TRL 1.16 does by default
@@ -124,9 +137,11 @@ class Config:
 RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_weights", "num_generations",
             "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
             "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
-            "importance_sampling_max", "temperature", "top_p", "top_k", "max_completion_length",
-            "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules", "tools", "environment",
-            "max_turns")
+            "importance_sampling_max", "importance_sampling_level", "delta", "sapo_temperature_pos",
+            "sapo_temperature_neg", "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold",
+            "multi_objective_aggregation", "soft_punish_cache", "temperature", "top_p", "top_k",
+            "max_completion_length", "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules",
+            "tools", "environment", "max_turns")
 
 # Named runs: Config overrides applied before the command line's (README: "Presets").
 _QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
@@ -184,9 +199,11 @@ def validate(cfg, world_size=1):
                          ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
                          ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
                          ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING),
-                         ("sandbox", executor.SANDBOX_MODES)):
+                         ("sandbox", executor.SANDBOX_MODES), ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+                         ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum"))):
         need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
-    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout"):
+    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout", "sapo_temperature_pos",
+                "sapo_temperature_neg"):
         need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
     need(cfg.num_generations >= 2, "num_generations", f"must be >= 2 to compare completions within a group, got {cfg.num_generations}")
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
@@ -197,6 +214,14 @@ def validate(cfg, world_size=1):
     need(0 < cfg.epsilon < 1, "epsilon", f"must be in (0, 1), got {cfg.epsilon}")
     need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
     need(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1], got {cfg.top_p}")
+    need(cfg.delta is None or cfg.delta > 1, "delta", f"must be > 1 (above the ratio 1), got {cfg.delta}")
+    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile",
+         f"must be in [0, 1], got {cfg.top_entropy_quantile}")
+    need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"must be finite, got {cfg.entropy_coef}")
+    need(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
+         f"must be >= 0, got {cfg.off_policy_mask_threshold}")
+    need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
+         f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
@@ -212,8 +237,9 @@ def validate(cfg, world_size=1):
 
 # What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
 # (both import it); tests/test_startup.py checks that they agree.
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 
 
@@ -501,8 +527,10 @@ def score(run, batch, step):
     problem, seconds, t = None, {}, time.time()
     try:
         fields = batch.fields if batch.episodes is None else {**batch.fields, **agents.episode_fields(batch.episodes)}
+        fields = {**fields, "completion_ids": sampling.completion_id_lists(batch.rollout)}
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                 batch.completions, fields, seconds=seconds)
+                                                 batch.completions, fields, seconds=seconds,
+                                                 context=sampling.reward_context(run.cfg, step))
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     times = [time.time() - t] + list(seconds.values())
@@ -567,6 +595,7 @@ def update(run, batch, advantages, step):
         count = sharding.all_gather_rows(torch.tensor([len(micro)], device=d.device), d).max().item()
         micro = grpo.split_micro_batches(micro, count)
     ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
+    threshold = entropy_threshold(run, ids, mask, micro, loss_mask) if cfg.top_entropy_quantile < 1 else None
     old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
     # |trainer - sampler| log-prob over the counted tokens, summed and largest (the first pass)
     lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
@@ -574,10 +603,11 @@ def update(run, batch, advantages, step):
     skipped = 0
     for iteration in range(cfg.num_iterations):
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
-                "is_weight": 0.0}
+                "is_weight": 0.0, "kept": 0.0}
         for i, mb in enumerate(micro):
             logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                   width=mb.width, compile_layers=cfg.compile_layers)
+                                   width=mb.width, compile_layers=cfg.compile_layers,
+                                   entropy_grad=cfg.entropy_coef != 0)
             mb_mask = loss_mask[mb.rows, :mb.t]
             if iteration == 0:  # the weights that sampled: this forward is the old policy's
                 old_logp[i] = logp.detach()
@@ -588,11 +618,17 @@ def update(run, batch, advantages, step):
                 if cfg.importance_sampling != "none":
                     is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
                                                            cfg.importance_sampling_min, cfg.importance_sampling_max)
+            keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
+                                 mb_mask, threshold)
             loss, m = grpo.grpo_loss(logp, old_logp[i], ref_logp[i] if ref_logp is not None else None,
                                      advantages[mb.rows], mb_mask, beta=cfg.beta, epsilon=cfg.epsilon,
                                      epsilon_high=eps_high, loss_type=cfg.loss_type, num_sequences=N,
                                      num_tokens=num_tokens, max_completion_length=cfg.max_completion_length,
-                                     is_weight=is_weight[i], bias_correction_kl=cfg.use_bias_correction_kl)
+                                     is_weight=is_weight[i], bias_correction_kl=cfg.use_bias_correction_kl,
+                                     importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                                     sapo_temperature_pos=cfg.sapo_temperature_pos,
+                                     sapo_temperature_neg=cfg.sapo_temperature_neg, keep=keep, entropy=entropy,
+                                     entropy_coef=cfg.entropy_coef)
             # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
             (loss * d.world_size).backward()
             sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read
@@ -602,6 +638,8 @@ def update(run, batch, advantages, step):
             sums["tokens"] += m["tokens"]
             if is_weight[i] is not None:
                 sums["is_weight"] += (is_weight[i] * mb_mask).sum()
+            if keep is not None:
+                sums["kept"] += (keep * mb_mask).sum()
         grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
         # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
         # rank alike (the loss summed over ranks)
@@ -618,6 +656,38 @@ def update(run, batch, advantages, step):
     return sums, lp_diff_max, grad_norm, lr, skipped
 
 
+def entropy_threshold(run, ids, mask, micro, loss_mask):
+    """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of the step, on every
+    rank, at the weights that sampled: one forward without gradient per micro-batch, so that the tokens kept do
+    not depend on how the batch is split (TRL takes the quantile over each micro-batch). None without tokens."""
+    cfg, d, policy = run.cfg, run.d, run.policy
+    with torch.no_grad():
+        local = torch.cat([policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                                  width=mb.width, compile_layers=cfg.compile_layers)[1][loss_mask[mb.rows, :mb.t] > 0]
+                           for mb in micro]).float()
+    if d.world_size > 1:  # every rank's tokens, each rank's padded with NaN to the most any rank has
+        most = int(sharding.all_gather_rows(torch.tensor([local.numel()], device=d.device), d).max().item())
+        padded = torch.full((most,), float("nan"), device=local.device)
+        padded[:local.numel()] = local
+        local = sharding.all_gather_rows(padded, d)
+        local = local[~torch.isnan(local)]
+    return torch.quantile(local, 1 - cfg.top_entropy_quantile) if local.numel() else None
+
+
+def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask, threshold=None):
+    """None, or (m, T) / (m, 1) in {0, 1}: the tokens whose policy term counts in this micro-batch (TRL's entropy
+    and off-policy masks; neither changes a normaliser). threshold: the step's entropy quantile
+    (`entropy_threshold`); None (no counted token) keeps none (README: "Which tokens count")."""
+    keep = None
+    if cfg.top_entropy_quantile < 1:
+        keep = (grpo.high_entropy_mask(entropy.detach(), mask, threshold=threshold) if threshold is not None
+                else torch.zeros_like(mask))
+    if cfg.off_policy_mask_threshold is not None:
+        off = grpo.off_policy_mask(advantages[:, None], logp, sampler_logp, mask, cfg.off_policy_mask_threshold)
+        keep = off if keep is None else keep * off
+    return keep
+
+
 def train_step(run, step):
     """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
@@ -629,8 +699,12 @@ def train_step(run, step):
     total, parts, reward_time = score(run, batch, step)              # 2. score them: (n,)
     exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
+    signal, scale = all_total, cfg.scale_rewards
+    if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each function normalised in its group
+        all_parts = torch.stack([sharding.all_gather_rows(v, d) for v in parts.values()], 1)  # (N, F)
+        signal, scale = grpo.decoupled_rewards(all_parts, run.weights, G), "batch"
     try:
-        all_adv, group_std = grpo.group_advantages(all_total, G, cfg.scale_rewards)  # 3. advantages within groups
+        all_adv, group_std = grpo.group_advantages(signal, G, scale)  # 3. advantages within groups
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
@@ -747,7 +821,7 @@ def evaluate(run, step):
     t = time.time()
     try:
         metrics = sampling.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids,
-                                    run.agent)
+                                    run.agent, step=step)
     except rewards.RewardFunctionError as e:
         raise SystemExit(f"evaluation at step {step}: {e}") from e
     if run.reward_model is not None:

@@ -110,3 +110,38 @@ def test_builtin_rewards():
     assert len({r["answer"] for r in rows}) == len(tasks.LETTERS)
     with pytest.raises(ValueError, match="task"):
         tasks.get_task("nope")
+
+
+def naive_soft_overlong(length, max_len, cache):
+    """DAPO's Eq. 13."""
+    if length <= max_len - cache:
+        return 0.0
+    if length <= max_len:
+        return ((max_len - cache) - length) / cache
+    return -1.0
+
+
+def test_soft_overlong_punishment_follows_dapo():
+    ids = [[1] * n for n in (0, 70, 80, 81, 90, 100, 101)]
+    expected = [naive_soft_overlong(len(x), 100, 20) for x in ids]
+    assert rewards.get_soft_overlong_punishment(100, 20)(ids) == expected
+    assert expected[4] == -0.5 and expected[-1] == -1.0  # TRL's documented example: 90 tokens of 100, cache 20
+    assert rewards.soft_overlong_punishment(completion_ids=ids, max_completion_length=100, soft_punish_cache=20,
+                                            prompts=None, completions=None) == expected
+    assert rewards.soft_overlong_punishment(ids, 100, 0) == [0.0] * 6 + [-1.0]
+
+
+def test_reward_functions_get_completion_ids_and_the_step():
+    seen = {}
+
+    def recorder(prompts, completions, completion_ids, step, **kwargs):
+        seen.update(ids=completion_ids, step=step, cache=kwargs["soft_punish_cache"])
+        return [float(len(x)) for x in completion_ids]
+    ids = [[5, 6], [7], [8, 9, 10]]
+    total, _ = rewards.score_completions([recorder, rewards.soft_overlong_punishment], [1.0, 1.0], ["p"] * 3,
+                                         ["a", "b", "c"], {"completion_ids": ids},
+                                         context={"step": 7, "max_completion_length": 3, "soft_punish_cache": 2})
+    assert seen == {"ids": ids, "step": 7, "cache": 2}
+    torch.testing.assert_close(total, torch.tensor([2 - 0.5, 1.0, 3 - 1.0], dtype=total.dtype))
+    # neither needs a data column: both are given by the trainer
+    assert tasks._required_fields(recorder) == [] and tasks._required_fields(rewards.soft_overlong_punishment) == []

@@ -125,7 +125,7 @@ def naive_loss(logp, old, ref, adv, mask, beta, epsilon, epsilon_high, loss_type
     return total / (n * max_len)
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])  # the others: test_each_loss_type_and_level_...
 def test_loss_matches_naive_with_gradients(loss_type):
     logp0, ref, adv, mask = make_batch()
     old = logp0 + torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 0.4  # some ratios clip
@@ -235,3 +235,253 @@ def test_bias_corrected_kl_changes_the_gradient_not_the_value_at_ratio_one():
     d = ref - logp0
     extra = 0.1 * (d.exp() - d - 1) * mask / mask.sum(1, keepdim=True) / 4
     torch.testing.assert_close(grads[1] - grads[0], extra)
+
+
+# ----------------------------------------------------------------------------- the objective's axes
+
+
+def naive_objective(logp, old, ref, adv, mask, loss_type, level="token", beta=0.1, epsilon=0.2, epsilon_high=0.3,
+                    delta=None, temperature_pos=1.0, temperature_neg=1.05, keep=None, max_len=6):
+    """Each paper's formula, token by token: the ratio (per token, or exp of the sequence's mean log-ratio), the
+    policy term (PPO clip with the optional delta cap, CISPO, SAPO), the kept tokens, plus beta * k3, then the
+    aggregation over the whole batch."""
+    seqs = []
+    for i in range(logp.shape[0]):
+        tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
+        seq_log_ratio = sum(logp[i, t] - old[i, t] for t in tokens) / max(len(tokens), 1)
+        terms = []
+        for t in tokens:
+            r = torch.exp(seq_log_ratio if level == "sequence" else logp[i, t] - old[i, t])
+            a = adv[i]
+            if loss_type == "cispo":
+                term = -torch.clamp(r.detach(), max=epsilon_high) * a * logp[i, t]
+            elif loss_type == "sapo":
+                tau = temperature_pos if a > 0 else temperature_neg
+                term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+            else:
+                unclipped = torch.clamp(r, max=delta) if delta is not None else r
+                term = -torch.min(unclipped * a, torch.clamp(r, 1 - epsilon, 1 + epsilon_high) * a)
+            if keep is not None:
+                term = term * keep[i, t if keep.shape[1] > 1 else 0]
+            d = ref[i, t] - logp[i, t]
+            terms.append(term + beta * (torch.exp(d) - d - 1))
+        seqs.append(terms)
+    n, total = len(seqs), sum(sum(terms) for terms in seqs)
+    if loss_type in ("grpo", "sapo"):
+        return sum(sum(terms) / len(terms) for terms in seqs if terms) / n
+    if loss_type in ("dapo", "bnpo", "cispo"):
+        return total / mask.sum()
+    if loss_type == "dr_grpo":
+        return total / (n * max_len)
+    assert loss_type == "luspo"
+    return total / n
+
+
+def trl_formula(logp, old, ref, adv, mask, loss_type, level, beta, epsilon, epsilon_high, delta, temperature_pos,
+                temperature_neg, max_len):
+    """TRL 1.16's GRPOTrainer._compute_loss written out for one process, one micro-batch, no accumulation (where
+    its normalisers are the whole batch's): the reference the settings' names promise."""
+    advantages = adv[:, None]
+    lr = logp - old
+    if level == "sequence":
+        lr = ((lr * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(lr)
+    d = ref - logp
+    kl = torch.exp(d) - d - 1
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * logp
+    elif loss_type == "sapo":
+        temps = torch.where(advantages > 0, temperature_pos, temperature_neg)
+        per_token = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * advantages
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    per_token = per_token + beta * kl
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type in ("dapo", "cispo"):
+        return (per_token * mask).sum() / mask.sum()  # num_items_in_batch: the batch's tokens
+    return (per_token * mask).sum(-1).mean()  # luspo
+
+
+def objective_case(seed=1):
+    logp0, ref, adv, mask = make_batch()
+    old = logp0 + torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)) * 0.4  # some ratios clip
+    return logp0, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("level", grpo.IMPORTANCE_SAMPLING_LEVELS)
+def test_each_loss_type_and_level_matches_the_formula_and_trl(loss_type, level):
+    logp0, old, ref, adv, mask = objective_case()
+    delta = 1.25 if loss_type == "dapo" else None  # the two-sided clip, on one of the clipped variants
+    settings = dict(epsilon=0.2, epsilon_high=0.3 if loss_type != "cispo" else 1.1, delta=delta,
+                    temperature_pos=1.0, temperature_neg=1.05)
+    a = logp0.clone().requires_grad_()
+    loss, m = grpo.grpo_loss(a, old, ref, adv, mask, beta=0.1, epsilon=0.2, epsilon_high=settings["epsilon_high"],
+                             loss_type=loss_type, num_sequences=4, num_tokens=mask.sum(), max_completion_length=6,
+                             importance_sampling_level=level, delta=delta, sapo_temperature_pos=1.0,
+                             sapo_temperature_neg=1.05)
+    loss.backward()
+    b = logp0.clone().requires_grad_()
+    expected = naive_objective(b, old, ref, adv, mask, loss_type, level, beta=0.1, **settings)
+    expected.backward()
+    c = logp0.clone().requires_grad_()
+    trl = trl_formula(c, old, ref, adv, mask, loss_type, level, 0.1, max_len=6, **settings)
+    trl.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(a.grad, b.grad)
+    torch.testing.assert_close(loss, trl)
+    torch.testing.assert_close(a.grad, c.grad)
+    assert torch.isfinite(torch.stack([m["kl"], m["clip_low"], m["clip_high"]])).all()
+
+
+def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.tensor([[-1.0, -0.1]])  # ratios e (above delta 1.5) and e^0.1
+    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 2), beta=0.0, epsilon=0.2,
+                             epsilon_high=0.2, loss_type="dapo", num_sequences=1, num_tokens=2,
+                             max_completion_length=2, delta=1.5)
+    loss.backward()
+    torch.testing.assert_close(loss, (1.5 + math.exp(0.1)) / 2 * torch.ones(()))
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0  # capped: no gradient, as a clipped token
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("level", grpo.IMPORTANCE_SAMPLING_LEVELS)
+def test_any_split_into_micro_batches_gives_the_full_batch_gradient(loss_type, level):
+    logp0, old, ref, adv, mask = objective_case(seed=4)
+    kw = dict(beta=0.1, epsilon=0.2, epsilon_high=0.3, loss_type=loss_type, num_sequences=4, num_tokens=mask.sum(),
+              max_completion_length=6, importance_sampling_level=level)
+    full = logp0.clone().requires_grad_()
+    grpo.grpo_loss(full, old, ref, adv, mask, **kw)[0].backward()
+    split = logp0.clone().requires_grad_()
+    total = 0
+    for rows in ([0], [1, 2], [3]):
+        total = total + grpo.grpo_loss(split[rows], old[rows], ref[rows], adv[rows], mask[rows], **kw)[0]
+    total.backward()
+    torch.testing.assert_close(split.grad, full.grad)
+
+
+def test_default_loss_is_bitwise_the_clipped_grpo_loss():
+    """The defaults reproduce the clipped surrogate + k3 with the per-sequence mean exactly, bit for bit."""
+    logp0, old, ref, adv, mask = objective_case()
+    a = logp0.clone().requires_grad_()
+    loss, _ = grpo.grpo_loss(a, old, ref, adv, mask, **loss_kwargs(num_tokens=mask.sum()))
+    loss.backward()
+    b = logp0.clone().requires_grad_()
+    ratio = torch.exp(b - old)
+    A = adv[:, None]
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - 0.2, 1 + 0.3) * A) + 0.1 * grpo.k3_kl(ref, b)
+    expected = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / 4
+    expected.backward()
+    assert torch.equal(loss, expected) and torch.equal(a.grad, b.grad)
+
+
+def naive_quantile(values, q):
+    """Linear interpolation between order statistics, as torch.quantile."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])
+def test_high_entropy_mask_keeps_the_top_fraction_of_counted_tokens(quantile):
+    _, _, _, mask = make_batch()
+    entropy = torch.rand(4, 6, generator=torch.Generator().manual_seed(5)) * 2
+    keep = grpo.high_entropy_mask(entropy, mask, quantile)
+    counted = [float(entropy[i, t]) for i in range(4) for t in range(6) if mask[i, t]]
+    threshold = naive_quantile(counted, 1 - quantile)
+    expected = torch.tensor([[1.0 if mask[i, t] and entropy[i, t] >= threshold else 0.0 for t in range(6)]
+                             for i in range(4)])
+    torch.testing.assert_close(keep, expected)
+    assert keep.sum() >= 1 and (keep <= mask).all()
+    assert grpo.high_entropy_mask(entropy, torch.zeros(4, 6), quantile).sum() == 0
+
+
+def test_off_policy_mask_drops_negative_advantage_sequences_far_from_the_sampler():
+    logp, _, _, mask = make_batch()
+    shift = torch.tensor([[0.5], [0.5], [0.05], [0.5]])  # mean sampler - policy log-prob per sequence
+    sampler = logp + shift
+    adv = torch.tensor([1.5, -0.5, -1.0, 0.0])
+    keep = grpo.off_policy_mask(adv[:, None], logp, sampler, mask, 0.1)
+    # kept: positive advantage (0), low divergence (2), zero advantage (3); dropped: negative and far (1)
+    torch.testing.assert_close(keep, torch.tensor([[1.0], [0.0], [1.0], [1.0]]))
+
+
+def test_kept_tokens_mask_the_policy_term_not_the_kl_or_normalisers():
+    logp0, old, ref, adv, mask = objective_case()
+    keep = (torch.rand(4, 6, generator=torch.Generator().manual_seed(6)) > 0.4).float()
+    for loss_type in ("grpo", "dapo"):
+        a = logp0.clone().requires_grad_()
+        loss, _ = grpo.grpo_loss(a, old, ref, adv, mask, keep=keep, **loss_kwargs(loss_type=loss_type,
+                                                                                    num_tokens=mask.sum()))
+        loss.backward()
+        b = logp0.clone().requires_grad_()
+        expected = naive_objective(b, old, ref, adv, mask, loss_type, keep=keep)
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_decoupled_rewards_match_trls_normalize_then_sum():
+    g = torch.Generator().manual_seed(7)
+    parts = torch.stack([torch.randint(0, 2, (12,), generator=g).double(), torch.rand(12, generator=g).double() * 5], 1)
+    parts[4:8, 0] = 1.0  # one function flat in one group: it adds nothing there
+    weights = [1.0, 0.3]
+    summed = grpo.decoupled_rewards(parts, weights, 4)
+    adv, _ = grpo.group_advantages(summed, 4, "batch")
+    # TRL: (x - group mean) / (group std + 1e-4) per function, the weighted sum, then (s - mean) / (std + 1e-4)
+    grouped = parts.view(3, 4, 2)
+    per_func = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
+    s = (per_func.view(12, 2) * torch.tensor(weights, dtype=torch.float64)).sum(1)
+    expected = (s - s.mean()) / (s.std() + 1e-4)
+    torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decoupled_rewards_keep_flat_groups_at_zero_and_unscored_as_nan():
+    parts = torch.tensor([[1.0, 0.5]] * 4 + [[0.0, 1.0], [1.0, 0.0], [float("nan"), float("nan")], [1.0, 1.0]],
+                         dtype=torch.float64)
+    summed = grpo.decoupled_rewards(parts, [1.0, 1.0], 4)
+    assert (summed[:4] == 0).all() and torch.isnan(summed[6]) and not torch.isnan(summed[[4, 5, 7]]).any()
+    adv, _ = grpo.group_advantages(summed, 4, "batch")
+    assert (adv[:4] == 0).all() and adv[6] == 0 and torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("chunk", [3, 64])  # several chunks (recomputed), and one
+def test_entropy_gradient_matches_autograd_through_full_logits(chunk):
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(10, 16, generator=g)
+    weight = torch.randn(40, 16, generator=g) * 0.5
+    targets = torch.randint(0, 40, (10,), generator=g)
+    gl, ge = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, entropy = grpo._ChunkedTokenLogprobs.apply(h1, w1, targets, 0.7, chunk, False, True)
+    ((logp * gl).sum() + (entropy * ge).sum()).backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lsm = torch.log_softmax(h2 @ w2.t() / 0.7, -1)
+    naive_logp, naive_entropy = lsm.gather(-1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    ((naive_logp * gl).sum() + (naive_entropy * ge).sum()).backward()
+    torch.testing.assert_close(entropy, naive_entropy.detach())
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_entropy_bonus_is_minus_coef_times_the_batch_mean_entropy():
+    logp0, old, ref, adv, mask = objective_case()
+    entropy = (torch.rand(4, 6, generator=torch.Generator().manual_seed(9)) + 0.5).requires_grad_()
+    logp = logp0.clone().requires_grad_()
+    with_bonus, _ = grpo.grpo_loss(logp, old, ref, adv, mask, entropy=entropy, entropy_coef=0.05,
+                                   **loss_kwargs(num_tokens=mask.sum()))
+    without, _ = grpo.grpo_loss(logp0.clone(), old, ref, adv, mask, **loss_kwargs(num_tokens=mask.sum()))
+    counted = [entropy[i, t] for i in range(4) for t in range(6) if mask[i, t]]
+    torch.testing.assert_close(with_bonus, without - 0.05 * sum(counted) / len(counted))
+    with_bonus.backward()
+    torch.testing.assert_close(entropy.grad, -0.05 * mask / mask.sum())

@@ -1,6 +1,7 @@
 """Starting a run: the settings are checked before torch is imported (seconds), Ctrl-C while importing is one
 line, a config error under torchrun is said once, and the CPU threads a run uses are set and shown."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -51,6 +52,20 @@ def test_settings_checked_early_are_those_checked_later():
     """The choices train.py checks before the imports are what grpo.py and tasks.py accept."""
     assert train.LOSS_TYPES == grpo.LOSS_TYPES
     assert train.IMPORTANCE_SAMPLING == grpo.IMPORTANCE_SAMPLING
+    assert train.IMPORTANCE_SAMPLING_LEVELS == grpo.IMPORTANCE_SAMPLING_LEVELS
+
+
+def test_every_objective_setting_defines_the_run():
+    """Each Config field of the objective section (between `# objective` and `# sampling`) is in RUN_KEYS, so that
+    resuming with another objective stops."""
+    source = open(os.path.join(ROOT, "train.py")).read()
+    section = source.split("    # objective\n", 1)[1].split("    # sampling\n", 1)[0]
+    names = [line.split(":", 1)[0].strip() for line in section.splitlines()
+             if line.startswith("    ") and not line.startswith("     ") and ":" in line]
+    assert len(names) >= 15 and "loss_type" in names and "multi_objective_aggregation" in names
+    fields = {f.name for f in dataclasses.fields(train.Config)}
+    assert set(names) <= fields
+    assert [n for n in names if n not in train.RUN_KEYS] == []
     assert train.TASKS == tasks.TASKS
 
 

@@ -1,6 +1,7 @@
 """The loop: config errors, micro-batching, the reference model, a short run that learns, the export."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 import grpo
 import sampling
 import model_loading
+import rewards
 import tasks
 import train
 
@@ -27,6 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--adam_beta2=1.5", "adam_beta2"), ("--weight_decay=-1", "weight_decay"), ("--reward_weights=1,nan", "reward_weights"),
     ("--importance_sampling=tis", "importance_sampling"), ("--importance_sampling_max=0", "importance_sampling_max"),
     ("--micro_batch_tokens=-1", "micro_batch_tokens"), ("--importance_sampling_min=-1", "importance_sampling_min"),
+    ("--importance_sampling_level=seq", "importance_sampling_level"), ("--delta=0.9", "delta"),
+    ("--sapo_temperature_neg=0", "sapo_temperature_neg"), ("--top_entropy_quantile=1.5", "top_entropy_quantile"),
+    ("--off_policy_mask_threshold=-1", "off_policy_mask_threshold"),
+    ("--multi_objective_aggregation=gdpo", "multi_objective_aggregation"),
+    ("--soft_punish_cache=9", "soft_punish_cache"),
 ])
 def test_bad_config_names_the_key(arg, key):
     with pytest.raises(SystemExit) as e:
@@ -111,12 +118,22 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None])[..., 0]
     d = ref_logp - logp
-    per_token = -adv[:, None] * torch.exp(logp - logp.detach()) + 0.1 * (torch.exp(d) - d - 1)
+    ratio, a = torch.exp(logp - logp.detach()), adv[:, None]  # on-policy: ratio 1, nothing clipped
+    if loss_type == "cispo":  # the weight min(ratio, epsilon_high = 0.2), detached
+        policy_term = -0.2 * a * logp
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, 1.0, 1.05)
+        policy_term = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+    else:
+        policy_term = -a * ratio
+    per_token = policy_term + 0.1 * (torch.exp(d) - d - 1)
     m = r.completion_mask.float() if counted is None else counted
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()  # a row with nothing counted adds 0
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "bnpo", "cispo"):
         loss = (per_token * m).sum() / m.sum()
+    elif loss_type == "luspo":
+        loss = (per_token * m).sum() / ids.shape[0]
     else:
         loss = (per_token * m).sum() / (ids.shape[0] * 6)
     loss.backward()
@@ -363,3 +380,110 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, request, import
     torch.testing.assert_close(sums["lp_diff_sum"] / sums["lp_diff_tokens"], noise.abs()[counted].mean(), atol=1e-4,
                                rtol=1e-3)
     torch.testing.assert_close(lp_diff_max, noise.abs().max(), atol=1e-4, rtol=1e-3)
+
+
+def test_rewards_see_the_trajectory_ids_and_step_and_a_gdpo_step_runs(tmp_path):
+    """train.score hands each reward function the completions' token ids (no padding) and the step; with
+    normalize_then_sum a step runs (its advantages: tests/test_objective.py)."""
+    import sharding
+    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
+                       max_completion_length=4, soft_punish_cache=2, multi_objective_aggregation="normalize_then_sum",
+                       save_every=0, max_steps=1)
+    run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    seen = {}
+
+    def recorder(prompts, completions, completion_ids, step, **_):
+        seen.update(ids=completion_ids, step=step)
+        return [float(len(c)) for c in completions]
+    run.task.reward_funcs[:] = [recorder, rewards.soft_overlong_punishment]
+    run.weights[:] = [1.0, 0.5]
+    batch = train.rollout(run, 3)
+    total, parts, _ = train.score(run, batch, 3)
+    r = batch.rollout
+    assert seen["step"] == 3
+    assert seen["ids"] == [r.completion_ids[i, :int(r.completion_mask[i].sum())].tolist() for i in range(8)]
+    lengths = r.completion_mask.sum(1).tolist()
+    assert parts["soft_overlong_punishment"].tolist() == [0.0 if n <= 2 else (2 - n) / 2 for n in lengths]
+    metrics, _ = train.train_step(run, 1)
+    assert math.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("settings", [
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+    dict(loss_type="cispo", epsilon_high=1.5, top_entropy_quantile=0.5),
+    dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.05, delta=1.5),
+    dict(loss_type="dapo", entropy_coef=0.1),
+])
+def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, settings):
+    """train.update's micro-batched gradient (three micro-batches) equals grpo_loss on the whole batch at once,
+    for the other policy terms, levels, token selections (the entropy quantile over the whole batch) and the
+    entropy bonus."""
+    import copy
+    import sharding
+    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
+                       max_completion_length=5, micro_batch_size=3, beta=0.1, save_every=0, **settings)
+    run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    batch = train.rollout(run, 1)
+    r = batch.rollout
+    r.logprobs = r.logprobs + torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)) * 0.3 \
+        * r.completion_mask  # a sampler that disagrees: the off-policy mask drops some sequences
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    init = copy.deepcopy(run.policy.lm)
+    grads = []
+    real_step = run.optimizer.step
+
+    def recording_step(*a, **k):
+        grads.append([p.grad.clone() for p in run.policy.lm.parameters()])
+        return real_step(*a, **k)
+    run.optimizer.step = recording_step
+    sums, *_ = train.update(run, batch, adv, 1)
+    ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)
+    mask = torch.cat([batch.prompt_mask, torch.ones_like(r.completion_ids)], 1)
+    t = r.completion_ids.shape[1]
+    logp, entropy = grpo.completion_logprobs(init, ids, mask, t, 1.0, entropy_grad=cfg.entropy_coef != 0)
+    with torch.no_grad():
+        ref = grpo.completion_logprobs(init, ids, mask, t, 1.0)[0]
+    loss_mask = r.policy_mask.float()
+    keep = None
+    if cfg.top_entropy_quantile < 1:  # the quantile over the whole batch's counted tokens
+        keep = grpo.high_entropy_mask(entropy.detach(), loss_mask, cfg.top_entropy_quantile)
+    if cfg.off_policy_mask_threshold is not None:
+        keep = grpo.off_policy_mask(adv[:, None], logp, r.logprobs, loss_mask, cfg.off_policy_mask_threshold)
+        assert 0 < keep.sum() < keep.numel()
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, loss_mask, beta=0.1, epsilon=0.2,
+                             epsilon_high=cfg.epsilon_high or 0.2, loss_type=cfg.loss_type, num_sequences=8,
+                             num_tokens=loss_mask.sum(), max_completion_length=5,
+                             importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta, keep=keep,
+                             entropy=entropy, entropy_coef=cfg.entropy_coef)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(init.parameters(), 1.0)
+    for p, g in zip(init.parameters(), grads[0]):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
+    if keep is not None:
+        assert sums["kept"] == (keep * loss_mask).sum()
+
+
+def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monkeypatch):
+    """Two ranks simulated: this one's counted tokens (two micro-batches) and another rank's, of another count,
+    gathered NaN-padded; the threshold is the quantile over all of them."""
+    import types
+    import sharding
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(4, 3, generator=g)  # this rank's (n, T)
+    loss_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]]).float()
+    others = torch.rand(9, generator=g)  # the other rank's counted tokens: more than this rank's 6
+
+    def fake_gather(x, d):
+        if x.numel() == 1:
+            return torch.cat([x, torch.tensor([others.numel()])])
+        return torch.cat([x, others])  # the other rank: already `most` long, no padding
+    monkeypatch.setattr(sharding, "all_gather_rows", fake_gather)
+    micro = [grpo.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), grpo.MicroBatch(torch.tensor([1, 3]),
+                                                                                        slice(0, 3), 3, 3)]
+    policy = lambda fn, ids, mask, t, *a, **k: (None, entropy[ids[:, 0]])  # noqa: E731 (rows named by ids)
+    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy,
+                                d=types.SimpleNamespace(world_size=2, device=torch.device("cpu")))
+    ids = torch.arange(4)[:, None].expand(4, 3)
+    threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask)
+    counted = torch.cat([entropy[loss_mask > 0], others])
+    torch.testing.assert_close(threshold, torch.quantile(counted, 0.7))
