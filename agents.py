@@ -38,7 +38,7 @@ def load_tools(spec):
     or a function whose signature and docstring do not describe it (each becomes a JSON schema)."""
     tools = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        fn = _resolve(item)
+        fn = rewards.resolve(item)
         if not callable(fn) or inspect.isclass(fn):
             raise ValueError(f"{item!r}: a tool is a function, got {type(fn).__name__}")
         if fn.__name__ in {t.__name__ for t in tools}:
@@ -52,25 +52,12 @@ def load_tools(spec):
 
 def load_environment(spec):
     """'file.py:Class' -> the class; ValueError unless it makes instances with a callable `reset`."""
-    cls = _resolve(spec.strip())
+    cls = rewards.resolve(spec.strip())
     if not inspect.isclass(cls):
         raise ValueError(f"{spec!r}: an environment is a class (one instance per rollout), got {type(cls).__name__}")
     if not callable(getattr(cls, "reset", None)):
         raise ValueError(f"{spec!r}: {cls.__name__} has no reset method (reset(**row) -> None or text)")
     return cls
-
-
-def _resolve(item):
-    where, _, name = item.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"{item!r}: expected file.py:name or package.module:name")
-    try:
-        module = rewards._load_module(where)
-    except Exception as e:  # whatever loading the user's code raises, named with the entry
-        raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
-    if not hasattr(module, name):
-        raise ValueError(f"{item!r}: {where} has no {name!r}")
-    return getattr(module, name)
 
 
 def tool_schema(fn, where=None):

@@ -646,22 +646,42 @@ def next_letter_reward(prompts, completions, answer, **_):
 # ----------------------------------------------------------------------------- your own reward functions
 
 
+_LOADED = {}  # path -> module: the files loaded for reward functions, tools and environments
+
+
 def _load_module(where):
     """A module from a file path ('x/my_rewards.py') or an importable name ('my_pkg.rewards')."""
     if where.endswith(".py"):
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
             raise ValueError(f"no such file {path}")
-        loaded = sys.modules.get(os.path.basename(path)[:-3])
+        loaded = _LOADED.get(path) or sys.modules.get(os.path.basename(path)[:-3])
         if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
-            return loaded  # a file already imported (executor.py): the same module, not a copy with its own state
+            return loaded  # a file already loaded or imported (executor.py): the same module, run once
         spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        _LOADED[path] = module
         return module
     if os.getcwd() not in sys.path:  # `python train.py` searches train.py's folder, not the one it runs in
         sys.path.append(os.getcwd())
     return importlib.import_module(where)
+
+
+def resolve(item):
+    """'file.py:name' or 'package.module:name' -> that object; ValueError naming the entry where there is no
+    such file or module, loading it fails, or it has no such name. (Reward functions, tools, environments.)"""
+    where, _, name = item.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{item!r}: expected file.py:name or package.module:name")
+    try:
+        module = _load_module(where)  # a file named twice runs once
+    except Exception as e:  # whatever loading the user's code raises, named with the entry
+        raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"{item!r}: {where} has no {name!r} (its functions: {', '.join(found) or 'none'})")
+    return getattr(module, name)
 
 
 def load_reward_funcs(spec):
@@ -670,21 +690,11 @@ def load_reward_funcs(spec):
     ValueError naming the entry that does not resolve: no such file or module, an error while loading it,
     no such name, not callable, or a name given twice (each function is logged under its name).
     """
-    funcs, modules = [], {}
+    funcs = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        where, _, name = item.rpartition(":")
-        if not where or not name:
-            raise ValueError(f"{item!r}: expected file.py:function or package.module:function")
-        try:
-            module = modules[where] = modules.get(where) or _load_module(where)  # a file named twice runs once
-        except Exception as e:  # whatever loading the user's code raises, named with the entry
-            raise ValueError(f"{item!r}: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}") from e
-        fn = getattr(module, name, None)
-        if fn is None:
-            found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise ValueError(f"{item!r}: {where} has no {name!r} (its functions: {', '.join(found) or 'none'})")
+        fn = resolve(item)
         if not callable(fn):
-            raise ValueError(f"{item!r}: {name} is a {type(fn).__name__}, not a function")
+            raise ValueError(f"{item!r}: {item.rpartition(':')[2]} is a {type(fn).__name__}, not a function")
         if reward_name(fn) in {reward_name(f) for f in funcs}:
             raise ValueError(f"{item!r}: a reward function named {reward_name(fn)!r} is already given")
         funcs.append(fn)

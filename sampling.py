@@ -51,6 +51,15 @@ def completion_id_lists(rollout):
     return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool())]
 
 
+def reward_fields(fields, rollout, episodes):
+    """What reward functions get of each completion besides its prompt and text: the row's data, the
+    trajectory's ids and, with an agent, the conversation and the environment."""
+    out = {**fields, "completion_ids": completion_id_lists(rollout)}
+    if episodes is not None:
+        out.update(agents.episode_fields(episodes))
+    return out
+
+
 def reward_context(cfg, step):
     """The run-level keywords every reward function gets besides the data (rewards.score_completions)."""
     return {"step": step, "max_completion_length": cfg.max_completion_length,
@@ -535,6 +544,19 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
+def start_rows(rows, mine, tokenizer, cfg, device, agent=None):
+    """This rank's prompts, their left-padded ids and mask, and with an agent their episodes, of `rows` (every
+    rank's rows; `mine` is this rank's slice). Without an agent all rows are tokenized together, so every
+    rank pads alike; with one, each rollout's environment is made and reset on the rank that samples it."""
+    if agent is None:
+        prompts = [r["prompt"] for r in rows]
+        enc = encode_prompts(tokenizer, prompts, cfg, device)
+        return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None
+    prompts, episodes = agent.start(rows[mine])
+    enc = encode_prompts(tokenizer, prompts, cfg, device)
+    return prompts, enc.input_ids, enc.attention_mask, episodes
+
+
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent=None,
              episodes=None):
     """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
@@ -592,23 +614,14 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
             mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
             fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
-            episodes = None
-            if agent is None:
-                prompts = [chunk[i // G]["prompt"] for i in index]
-                enc = encode_prompts(tokenizer, prompts, cfg, device)  # all rows: the same padding on every rank
-                prompts, ids, attn = prompts[mine], enc.input_ids[mine], enc.attention_mask[mine]
-            else:  # each rollout's own environment, reset on the rank that samples it
-                prompts, episodes = agent.start([chunk[i // G] for i in index[mine]])
-                enc = encode_prompts(tokenizer, prompts, cfg, device)
-                ids, attn = enc.input_ids, enc.attention_mask
+            prompts, ids, attn, episodes = start_rows([chunk[i // G] for i in index], mine, tokenizer, cfg,
+                                                      device, agent)
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
             rollout, completions = generate(policy, tokenizer, ids, attn, seeds, temperature, cfg, d, eos_ids,
                                             agent, episodes)
-            if episodes is not None:
-                fields.update(agents.episode_fields(episodes))
-            fields["completion_ids"] = completion_id_lists(rollout)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, fields,
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions,
+                                                     reward_fields(fields, rollout, episodes),
                                                      context=reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():

@@ -491,23 +491,14 @@ class Batch:
 def rollout(run, step):
     """The step's prompts, G completions sampled for each; this rank's rows."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
-    # prompts are a pure function of (seed, step), so a resumed run sees the same ones. Tokenized all
-    # together (the same padding on every rank), then each rank takes its slice of rows.
+    # prompts are a pure function of (seed, step), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
     all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
     N = len(all_rows)
     n = N // d.world_size
     mine = slice(d.rank * n, (d.rank + 1) * n)
     fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
-    episodes = None
-    if run.agent is None:
-        prompts = [r["prompt"] for r in all_rows]
-        enc = sampling.encode_prompts(run.tokenizer, prompts, cfg, d.device)
-        prompts, ids, attn = prompts[mine], enc.input_ids[mine], enc.attention_mask[mine]
-    else:  # one environment per rollout, made and reset on the rank that samples it
-        prompts, episodes = run.agent.start(all_rows[mine])
-        enc = sampling.encode_prompts(run.tokenizer, prompts, cfg, d.device)
-        ids, attn = enc.input_ids, enc.attention_mask
+    prompts, ids, attn, episodes = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device, run.agent)
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
     run.policy.eval()
@@ -526,8 +517,7 @@ def score(run, batch, step):
     """
     problem, seconds, t = None, {}, time.time()
     try:
-        fields = batch.fields if batch.episodes is None else {**batch.fields, **agents.episode_fields(batch.episodes)}
-        fields = {**fields, "completion_ids": sampling.completion_id_lists(batch.rollout)}
+        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes)
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
                                                  batch.completions, fields, seconds=seconds,
                                                  context=sampling.reward_context(run.cfg, step))
