@@ -569,8 +569,9 @@ def bench_memory(s, device):
     def run(logprob_fn):
         def go():
             logp = logprob_fn()
-            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask, beta=s["beta"], epsilon=0.2, epsilon_high=0.2,
-                                     loss_type="grpo", num_sequences=n, num_tokens=mask.sum(), max_completion_length=t)
+            loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask,
+                                     grpo.Objective(beta=s["beta"], epsilon=0.2, max_completion_length=t),
+                                     num_sequences=n, num_tokens=mask.sum())
             loss.backward()
             model.zero_grad(set_to_none=True)
         return go

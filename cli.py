@@ -1,19 +1,74 @@
 """The command line of a dataclass config: `--key=value` or `--key value`, cast to each field's type, and a
 `--help` generated from the class's own source (its fields, types, defaults and trailing comments).
 
+Each field is declared once, with `setting`: its default, whether it defines the run (resuming with another
+value stops), and the values it accepts.
+
+    class Config:
+        lr: float = setting(1e-3, run=False, above=0)   # a comment: the field's line in --help
     cfg = cli.parse(Config, argv, presets={"name": {...}})   # SystemExit naming the key on bad input
+    cli.check(cfg)                                           # ... or a value the field does not accept
 """
 
+import dataclasses
 import inspect
 import json
 import math
 import re
+import textwrap
 import typing
 
 
 class ConfigError(SystemExit):
     def __init__(self, key, message):
         super().__init__(f"config error: --{key}: {message}")
+
+
+def setting(default=None, *, run, factory=None, choices=None, at_least=None, above=None, at_most=None, below=None):
+    """A config field: its default (or a `factory` making it, for a list or dict), whether it defines the run
+    (`run`, required: see `run_keys`), and what it accepts (`check`): one of `choices`, or a number >= at_least,
+    > above, <= at_most, < below. None passes every check (an Optional field switched off)."""
+    metadata = dict(run=run, choices=choices, at_least=at_least, above=above, at_most=at_most, below=below)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def run_keys(cls):
+    """The names of the fields of `cls` that define a run. A field declared without `setting` has not said whether
+    it does: TypeError, at the import of the class's module, rather than a resume check that skips it."""
+    fields = dataclasses.fields(cls)
+    unsaid = [f.name for f in fields if "run" not in f.metadata]
+    if unsaid:
+        raise TypeError(f"{cls.__name__}: declare {', '.join(unsaid)} with cli.setting(default, run=True or False)")
+    return tuple(f.name for f in fields if f.metadata["run"])
+
+
+def _bounds(m):
+    """'must be >= 1', 'must be in (0, 1]', ... from a setting's bounds; None without bounds."""
+    low = ("[", m["at_least"]) if m["at_least"] is not None else ("(", m["above"]) if m["above"] is not None else None
+    high = ("]", m["at_most"]) if m["at_most"] is not None else (")", m["below"]) if m["below"] is not None else None
+    if low and high:
+        return f"must be in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"must be {'>=' if low[0] == '[' else '>'} {low[1]}"
+    if high:
+        return f"must be {'<=' if high[0] == ']' else '<'} {high[1]}"
+    return None
+
+
+def check(cfg):
+    """ConfigError naming the first field whose value its `setting` does not accept."""
+    for f in dataclasses.fields(cfg):
+        value, m = getattr(cfg, f.name), f.metadata
+        if value is None or not m:
+            continue
+        if m["choices"] is not None and value not in m["choices"]:
+            raise ConfigError(f.name, f"one of {', '.join(m['choices'])}, got {value!r}")
+        low_ok = ((m["at_least"] is None or value >= m["at_least"]) and (m["above"] is None or value > m["above"]))
+        high_ok = ((m["at_most"] is None or value <= m["at_most"]) and (m["below"] is None or value < m["below"]))
+        if not (low_ok and high_ok):
+            raise ConfigError(f.name, f"{_bounds(m)}, got {value}")
 
 
 def cast(key, value, typ):
@@ -89,7 +144,8 @@ def help_text(cls, doc="", presets=()):
         shown = (json.dumps(value) if isinstance(value, (dict, list)) or value == "" else
                  "none" if value is None else value)
         lines.append(f"    --{name} ({_type_name(hints[name])}, default {shown})")
-        lines += [f"        {c}" for c in comments.get(name, [])]
+        said = " ".join(comments.get(name, []))  # the comment as one paragraph, however the source wraps it
+        lines += textwrap.wrap(said, 116, initial_indent=" " * 8, subsequent_indent=" " * 8)
     if presets:
         lines.append(f"\nPresets (--preset=NAME, then any setting overrides them): {', '.join(presets)}")
     return "\n".join(lines)

@@ -10,6 +10,8 @@ function can be called from a test with tensors and, where needed, a Hugging
 Face causal LM.
 """
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -534,24 +536,48 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
 # ----------------------------------------------------------------------------- the loss
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsilon_high, loss_type,
-              num_sequences, num_tokens, max_completion_length, is_weight=None, bias_correction_kl=False,
-              importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-              keep=None, entropy=None, entropy_coef=0.0):
+@dataclass(frozen=True)
+class Objective:
+    """The settings of the loss, by the names of train.py's Config fields (`Objective.of(cfg)` copies them): a new
+    setting of the objective is a field here and one there. README: "The objective" maps papers onto them."""
+    loss_type: str = "grpo"               # a policy term (POLICY_TERM) and an aggregation (AGGREGATION)
+    beta: float = 0.04                    # the k3 KL's coefficient; 0 = no KL term
+    epsilon: float = 0.2                  # PPO's clip below
+    epsilon_high: typing.Optional[float] = None  # ... above (cispo: the cap of the weight); None = epsilon
+    delta: typing.Optional[float] = None  # two-sided clip: the unclipped ratio also capped at delta
+    importance_sampling_level: str = "token"  # the ratio per token or per sequence (GSPO)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0             # minus this times the mean entropy of the counted tokens
+    use_bias_correction_kl: bool = False  # the k3 term times the ratio (DeepSeek-V3.2; TRL's default)
+    max_completion_length: int = 1        # dr_grpo's constant normaliser
+
+    @classmethod
+    def of(cls, cfg):
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def clip_high(self):
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequences, num_tokens, is_weight=None,
+              keep=None, entropy=None):
     """Policy term plus beta * k3 KL for one micro-batch, normalised over the whole batch.
 
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
     that sampled (logp.detach() when each batch is used once, so the ratio is 1);
     ref_logp is None when beta == 0; advantages (n,); mask (n, T).
-    loss_type: a policy term (POLICY_TERM: clip, cispo, sapo) and an aggregation (AGGREGATION; see `aggregate`).
-    importance_sampling_level: the ratio per token or per sequence (`log_ratio`).
+    objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM: clip, cispo, sapo) and an aggregation
+    (AGGREGATION; see `aggregate`); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
+    num_sequences, num_tokens: the whole batch's (all micro-batches, accumulation steps and ranks).
     is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each
     token's policy term (not the KL term), as in TRL.
     keep: None, or (n, T) / (n, 1) in {0, 1} multiplying the policy term (not the KL term, not the
     normalisers), as TRL applies its entropy and off-policy masks (`high_entropy_mask`, `off_policy_mask`).
     entropy_coef: minus entropy_coef times the mean entropy over the batch's counted tokens (sum over this
     micro-batch's / num_tokens): `entropy` (n, T) must then carry its gradient (completion_logprobs(entropy_grad=True)).
-    bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
+    use_bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
     gradient included (TRL's `use_bias_correction_kl`, on by default in TRL 1.16;
     from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref)
     also when the batch was sampled by an older policy. At ratio 1 the loss's
@@ -559,18 +585,20 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
     Returns (loss, metrics) with metric means over this micro-batch's tokens, as 0-dim tensors on the loss's
     device: reading them (.item()) waits for the device, so callers sum them and read once per step.
     """
+    o = objective
+    loss_type, beta, epsilon, epsilon_high = o.loss_type, o.beta, o.epsilon, o.clip_high
     if loss_type not in POLICY_TERM:
         raise ValueError(f"loss_type: unknown value {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(log_ratio(logp, old_logp, mask, importance_sampling_level))  # (n, T) or (n, 1)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask, o.importance_sampling_level))  # (n, T) or (n, 1)
     adv = advantages[:, None].to(logp.dtype)  # (n, 1)
     term = POLICY_TERM[loss_type]
     if term == "clip":
-        per_token = clipped_term(ratio, adv, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)
+        per_token = clipped_term(ratio, adv, epsilon=epsilon, epsilon_high=epsilon_high, delta=o.delta)
     elif term == "cispo":
         per_token = cispo_term(ratio, adv, logp, epsilon_high=epsilon_high)
     else:
-        per_token = sapo_term(ratio, adv, temperature_pos=sapo_temperature_pos, temperature_neg=sapo_temperature_neg)
+        per_token = sapo_term(ratio, adv, temperature_pos=o.sapo_temperature_pos, temperature_neg=o.sapo_temperature_neg)
     if keep is not None:
         per_token = per_token * keep
     if is_weight is not None:
@@ -578,11 +606,11 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, epsilon, epsi
     kl = None
     if beta != 0:
         kl = k3_kl(ref_logp, logp)
-        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
+        per_token = per_token + beta * (kl * ratio if o.use_bias_correction_kl else kl)
     per_token = per_token.expand_as(logp)  # (n, 1) when sequence-level without KL
-    loss = aggregate(per_token, mask, AGGREGATION[loss_type], num_sequences, num_tokens, max_completion_length)
-    if entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
-        loss = loss - entropy_coef * (entropy * mask).sum() / num_tokens
+    loss = aggregate(per_token, mask, AGGREGATION[loss_type], num_sequences, num_tokens, o.max_completion_length)
+    if o.entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
+        loss = loss - o.entropy_coef * (entropy * mask).sum() / num_tokens
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         if term == "clip":  # tokens whose clipped side was taken: no gradient

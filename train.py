@@ -16,132 +16,168 @@ import sys
 import time
 import typing
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
 import executor  # no heavy imports either: its settings are checked with the others
+from cli import setting
 
 
-def _env(name, default):  # a Config default that an environment variable may set (wandb's usual variables)
-    return field(default_factory=lambda: os.environ.get(name, default))
+def _env(name, default, **kw):  # a Config setting whose default an environment variable may set (wandb's usual ones)
+    return setting(factory=lambda: os.environ.get(name, default), **kw)
+
+
+# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
+# (both import it); tests/test_startup.py checks that they agree.
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 
 
 @dataclass
 class Config:
     # model
-    model: str = "tiny"                   # local folder or hub id; "tiny" builds a 2-layer byte-level model
-    model_init_kwargs: dict = field(default_factory=lambda: {"attn_implementation": "sdpa"})  # for from_pretrained;
-                                          # no dtype = float32 weights (bf16 compute under torchrun on a GPU)
-    gradient_checkpointing: bool = False  # recompute each layer in backward: less activation memory, ~1/3 more compute
-    device: str = "auto"                  # auto (cuda when available), cpu or cuda
-    threads: int = 0                      # CPU threads of each process's torch operations; 0 = OMP_NUM_THREADS
-                                          # (torchrun sets 1 for several processes), else the cores shared out
-                                          # among this node's processes. A machine others use too: try 1 (README)
+    model: str = setting("tiny", run=True)  # local folder or hub id; "tiny" builds a 2-layer byte-level model
+    model_init_kwargs: dict = setting(factory=lambda: {"attn_implementation": "sdpa"}, run=False)
+        # for from_pretrained; no dtype = float32 weights (bf16 compute under torchrun on a GPU)
+    gradient_checkpointing: bool = setting(False, run=False)  # recompute each layer in backward: less activation
+        # memory, ~1/3 more compute
+    device: str = setting("auto", run=False)  # auto (cuda when available), cpu or cuda
+    threads: int = setting(0, run=False, at_least=0)  # CPU threads of each process's torch operations; 0 =
+        # OMP_NUM_THREADS (torchrun sets 1 for several processes), else the cores shared out among this node's
+        # processes. A machine others use too: try 1 (README)
     # task and rewards
-    task: str = "next_letter"             # where prompts come from and how they are scored (tasks.get_task)
-    reward_funcs: str = ""                # your own reward functions instead of the task's, comma-separated
-                                          # file.py:name or package.module:name (README: "Your own reward functions")
-    reward_weights: list = field(default_factory=list)  # one per reward function, comma-separated; empty = defaults
-    sandbox: str = "auto"                 # model-written code (task code, the python tool): auto or strict = Linux
-                                          # namespaces, refusing where there are none; unsafe = limits only (README)
+    task: str = setting("next_letter", run=True, choices=TASKS)  # where prompts come from and how they are scored
+        # (tasks.get_task)
+    reward_funcs: str = setting("", run=True)  # your own reward functions instead of the task's, comma-separated
+        # file.py:name or package.module:name (README: "Your own reward functions")
+    reward_weights: list = setting(factory=list, run=True)  # one per reward function, comma-separated; empty =
+        # defaults
+    sandbox: str = setting("auto", run=False, choices=executor.SANDBOX_MODES)  # model-written code (task code, the
+        # python tool): auto or strict = Linux namespaces, refusing where there are none; unsafe = limits only
+        # (README)
     # batch
-    num_generations: int = 8              # G, completions per prompt
-    prompts_per_step: int = 16            # prompts per optimizer step, over all processes
-    micro_batch_size: int = 16            # completions per forward/backward (gradient accumulation)
-    micro_batch_tokens: int = 0           # > 0: instead, as many completions per forward/backward as fit this many
-                                          # positions (rows x the longest row's prompt + completion): many short,
-                                          # few long
-    num_iterations: int = 1               # mu: optimizer steps on each generated batch
+    num_generations: int = setting(8, run=True, at_least=2)  # G, completions per prompt
+    prompts_per_step: int = setting(16, run=True, at_least=1)  # prompts per optimizer step, over all processes
+    micro_batch_size: int = setting(16, run=False, at_least=1)  # completions per forward/backward (gradient
+        # accumulation)
+    micro_batch_tokens: int = setting(0, run=False, at_least=0)  # > 0: instead, as many completions per
+        # forward/backward as fit this many positions (rows x the longest row's prompt + completion): many short, few
+        # long
+    num_iterations: int = setting(1, run=True, at_least=1)  # mu: optimizer steps on each generated batch
     # optimisation
-    lr: float = 1e-3
-    lr_schedule: str = "constant"         # constant, linear or cosine (to 0 at max_steps, after warmup)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float = 1.0
-    max_bad_steps: int = 3                # optimizer steps in a row with a non-finite loss or gradient (each one
-                                          # skipped, not applied) before the run stops
+    lr: float = setting(1e-3, run=False, above=0)
+    lr_schedule: str = setting("constant", run=False, choices=("constant", "linear", "cosine"))  # constant, linear or
+        # cosine (to 0 at max_steps, after warmup)
+    warmup_steps: int = setting(0, run=False, at_least=0)
+    weight_decay: float = setting(0.0, run=False, at_least=0)
+    adam_beta1: float = setting(0.9, run=False, at_least=0, below=1)
+    adam_beta2: float = setting(0.99, run=False, at_least=0, below=1)
+    max_grad_norm: float = setting(1.0, run=False, above=0)
+    max_bad_steps: int = setting(3, run=False, at_least=1)  # optimizer steps in a row with a non-finite loss or
+        # gradient (each one skipped, not applied) before the run stops
     # objective
-    beta: float = 0.04                    # KL coefficient; 0 builds no reference model
-    epsilon: float = 0.2                  # clip range below: ratio >= 1 - epsilon
-    epsilon_high: typing.Optional[float] = None  # clip range above (DAPO's clip-higher); None = epsilon
-    loss_type: str = "grpo"               # TRL's names: a policy term and an aggregation (README: "The objective"):
-                                          # grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo
-    importance_sampling_level: str = "token"  # the ratio pi / pi_old per token, or per sequence (GSPO)
-    delta: typing.Optional[float] = None  # two-sided clip: the unclipped ratio also capped at delta (INTELLECT-2)
-    sapo_temperature_pos: float = 1.0     # sapo: the gate's temperature where the advantage is > 0
-    sapo_temperature_neg: float = 1.05    # sapo: ... where it is <= 0
-    top_entropy_quantile: float = 1.0     # the policy term on the top fraction of tokens by entropy only; 1 = all
-    entropy_coef: float = 0.0             # entropy bonus: minus this times the mean entropy over counted tokens
-    off_policy_mask_threshold: typing.Optional[float] = None  # drop negative-advantage sequences whose mean
-                                          # log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None = off
-    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum: each reward function
-                                          # normalised within its group, then the weighted sum (GDPO)
-    soft_punish_cache: int = 0            # rewards.py:soft_overlong_punishment: the last this many tokens before
-                                          # max_completion_length are punished linearly (DAPO's L_cache)
-    scale_rewards: str = "group"          # group, batch or none: what the centred reward is divided by
-    mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO)
-    use_bias_correction_kl: bool = False  # the k3 term times the ratio pi / pi_old, as TRL 1.16 does by default
-    importance_sampling: str = "none"     # correct for the sampler's log-probs differing from the trainer's: none,
-                                          # token_truncate, token_mask, sequence_truncate or sequence_mask (README)
-    importance_sampling_min: float = 0.0  # weights are clipped to [min, max] (truncate) or zeroed outside (mask)
-    importance_sampling_max: float = 3.0  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by default)
+    beta: float = setting(0.04, run=True, at_least=0)  # KL coefficient; 0 builds no reference model
+    epsilon: float = setting(0.2, run=True, above=0, below=1)  # clip range below: ratio >= 1 - epsilon
+    epsilon_high: typing.Optional[float] = setting(None, run=True, above=0)  # clip range above (DAPO's clip-higher);
+        # None = epsilon
+    loss_type: str = setting("grpo", run=True, choices=LOSS_TYPES)  # TRL's names: a policy term and an aggregation
+        # (README: "The objective"): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo
+    importance_sampling_level: str = setting("token", run=True, choices=IMPORTANCE_SAMPLING_LEVELS)  # the ratio pi /
+        # pi_old per token, or per sequence (GSPO)
+    delta: typing.Optional[float] = setting(None, run=True, above=1)  # two-sided clip: the unclipped ratio also
+        # capped at delta (INTELLECT-2)
+    sapo_temperature_pos: float = setting(1.0, run=True, above=0)  # sapo: the gate's temperature where the advantage
+        # is > 0
+    sapo_temperature_neg: float = setting(1.05, run=True, above=0)  # sapo: ... where it is <= 0
+    top_entropy_quantile: float = setting(1.0, run=True, at_least=0, at_most=1)  # the policy term on the top fraction
+        # of tokens by entropy only; 1 = all
+    entropy_coef: float = setting(0.0, run=True)  # entropy bonus: minus this times the mean entropy over counted
+        # tokens
+    off_policy_mask_threshold: typing.Optional[float] = setting(None, run=True, at_least=0)
+        # drop negative-advantage sequences whose mean log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None =
+        # off
+    multi_objective_aggregation: str = setting("sum_then_normalize", run=True,
+                                               choices=("sum_then_normalize", "normalize_then_sum"))
+        # sum_then_normalize: the weighted sum of the rewards normalised within its group; normalize_then_sum: each
+        # reward function normalised within its group, then the weighted sum (GDPO)
+    soft_punish_cache: int = setting(0, run=True)  # rewards.py:soft_overlong_punishment: the last this many tokens
+        # before max_completion_length are punished linearly (DAPO's L_cache)
+    scale_rewards: str = setting("group", run=True, choices=("group", "batch", "none"))  # group, batch or none: what
+        # the centred reward is divided by
+    mask_truncated_completions: bool = setting(False, run=True)  # completions without EOS get no loss (DAPO)
+    use_bias_correction_kl: bool = setting(False, run=True)  # the k3 term times the ratio pi / pi_old, as TRL 1.16
+        # does by default
+    importance_sampling: str = setting("none", run=True, choices=IMPORTANCE_SAMPLING)  # correct for the sampler's
+        # log-probs differing from the trainer's: none, token_truncate, token_mask, sequence_truncate or sequence_mask
+        # (README)
+    importance_sampling_min: float = setting(0.0, run=True, at_least=0)  # weights are clipped to [min, max]
+        # (truncate) or zeroed outside (mask)
+    importance_sampling_max: float = setting(3.0, run=True)  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by
+        # default)
     # sampling
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                        # 0 = off
-    max_completion_length: int = 4
-    max_prompt_length: int = 512          # longer prompts are cut from the left
-    generation_batch_size: int = 0        # completions decoded at once on each process; 0 = all of them. Fewer
-                                          # = a smaller KV cache (long completions); same seeds either way
-    decode_attention_kernel: bool = False  # CUDA: decode attention by the split-KV Triton kernel (kernels.py)
-                                          # instead of SDPA; tested against it, speed not yet measured
-    compile_layers: bool = False          # torch.compile the training forward's decoder layers (meant for GPUs;
-                                          # Llama/Qwen2 without LoRA, where the written-out forward runs)
+    temperature: float = setting(1.0, run=True, above=0)
+    top_p: float = setting(1.0, run=True, above=0, at_most=1)
+    top_k: int = setting(0, run=True, at_least=0)  # 0 = off
+    max_completion_length: int = setting(4, run=True, at_least=1)
+    max_prompt_length: int = setting(512, run=True, at_least=1)  # longer prompts are cut from the left
+    generation_batch_size: int = setting(0, run=False, at_least=0)  # completions decoded at once on each process; 0 =
+        # all of them. Fewer = a smaller KV cache (long completions); same seeds either way
+    decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
+        # (kernels.py) instead of SDPA; tested against it, speed not yet measured
+    compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
+        # GPUs; Llama/Qwen2 without LoRA, where the written-out forward runs)
     # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
-    tools: str = ""                       # functions the policy may call, comma-separated file.py:name or module:name
-    environment: str = ""                 # file.py:Class, one instance per rollout; its public methods are tools
-    max_turns: int = 4                    # the policy's turns per completion when it has tools (calls between them)
-    tool_timeout: float = 10.0            # seconds a round of calls may run; a slower call gets an error as result
+    tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
+    environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
+    max_turns: int = setting(4, run=True, at_least=1)  # the policy's turns per completion when it has tools (calls
+        # between them)
+    tool_timeout: float = setting(10.0, run=False, above=0)  # seconds a round of calls may run; a slower call gets an
+        # error as result
     # run
-    seed: int = 0
-    max_steps: int = 300
-    out_dir: str = "out"                  # metrics, config.json, checkpoints and the exported model; one run at a time
-    resume: str = "auto"                  # auto: continue out_dir's run if the settings that define it are unchanged;
-                                          # force: continue even if they changed; never: stop if out_dir holds a run
-    log_every: int = 1
-    print_completions_every: int = 50     # print a few sampled completions every N steps; 0 = never
-    wandb_project: str = _env("WANDB_PROJECT", "grpo")
-    wandb_run_name: typing.Optional[str] = _env("WANDB_NAME", None)
-    wandb_mode: str = _env("WANDB_MODE", "disabled")  # disabled, offline (no account needed) or online
+    seed: int = setting(0, run=True)
+    max_steps: int = setting(300, run=False, at_least=1)
+    out_dir: str = setting("out", run=False)  # metrics, config.json, checkpoints and the exported model; one run at a
+        # time
+    resume: str = setting("auto", run=False, choices=("auto", "force", "never"))  # auto: continue out_dir's run if
+        # the settings that define it are unchanged; force: continue even if they changed; never: stop if out_dir
+        # holds a run
+    log_every: int = setting(1, run=False, at_least=1)
+    print_completions_every: int = setting(50, run=False, at_least=0)  # print a few sampled completions every N
+        # steps; 0 = never
+    wandb_project: str = _env("WANDB_PROJECT", "grpo", run=False)
+    wandb_run_name: typing.Optional[str] = _env("WANDB_NAME", None, run=False)
+    wandb_mode: str = _env("WANDB_MODE", "disabled", run=False, choices=("disabled", "offline", "online"))
+        # disabled, offline (no account needed) or online
     # several processes and checkpoints (sharding.py)
-    mixed_precision: str = "auto"         # auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU), bf16, fp32
-    save_every: int = 100                 # checkpoint every N steps and at the last step; 0 = never
-    keep_checkpoints: int = 2             # newest K checkpoints kept in out_dir/checkpoints
+    mixed_precision: str = setting("auto", run=False, choices=("auto", "bf16", "fp32"))  # auto (bf16 compute, fp32
+        # gradient reduction on GPU; fp32 on CPU), bf16, fp32
+    save_every: int = setting(100, run=False, at_least=0)  # checkpoint every N steps and at the last step; 0 = never
+    keep_checkpoints: int = setting(2, run=False, at_least=1)  # newest K checkpoints kept in out_dir/checkpoints
     # workloads: data, reward model, evaluation, LoRA, dashboards
-    preset: str = ""                      # a named set of overrides from PRESETS, applied before the other settings
-    dataset: str = ""                     # .jsonl / .parquet file (or hub id) replacing the task's prompt source
-    reward_model: str = ""                # sequence-classification model scoring completions ("tiny" builds one);
-                                          # "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
-    eval_every: int = 0                   # evaluate on held-out prompts every N steps (and at the end); 0 = never
-    eval_prompts: int = 64                # held-out prompts per evaluation (kept out of training when eval_every > 0)
-    lora_rank: int = 0                    # 0 = train all weights; r > 0 = train rank-r adapters only
-    lora_alpha: float = 32.0              # adapter output scaled by lora_alpha / lora_rank
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers to adapt
-    completions_table_every: int = 0      # wandb table of sampled completions every N steps; 0 = never
+    preset: str = setting("", run=False)  # a named set of overrides from PRESETS, applied before the other settings
+    dataset: str = setting("", run=True)  # .jsonl / .parquet file (or hub id) replacing the task's prompt source
+    reward_model: str = setting("", run=True)  # sequence-classification model scoring completions ("tiny" builds
+        # one); "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
+    eval_every: int = setting(0, run=False, at_least=0)  # evaluate on held-out prompts every N steps (and at the
+        # end); 0 = never
+    eval_prompts: int = setting(64, run=False)  # held-out prompts per evaluation (kept out of training when
+        # eval_every > 0)
+    lora_rank: int = setting(0, run=True, at_least=0)  # 0 = train all weights; r > 0 = train rank-r adapters only
+    lora_alpha: float = setting(32.0, run=True, above=0)  # adapter output scaled by lora_alpha / lora_rank
+    lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", run=True)
+        # linear layers to adapt
+    completions_table_every: int = setting(0, run=False, at_least=0)  # wandb table of sampled completions every N
+        # steps; 0 = never
 
 
-# The settings that define a run: resuming in an out_dir whose config.json differs in one of them stops
-# (--resume=force goes on anyway). The others (max_steps, logging, checkpoints, micro-batch size, ...) may change.
-RUN_KEYS = ("model", "task", "dataset", "reward_model", "reward_funcs", "reward_weights", "num_generations",
-            "prompts_per_step", "num_iterations", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
-            "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling", "importance_sampling_min",
-            "importance_sampling_max", "importance_sampling_level", "delta", "sapo_temperature_pos",
-            "sapo_temperature_neg", "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold",
-            "multi_objective_aggregation", "soft_punish_cache", "temperature", "top_p", "top_k",
-            "max_completion_length", "max_prompt_length", "seed", "lora_rank", "lora_alpha", "lora_target_modules",
-            "tools", "environment", "max_turns")
+
+
+# The settings that define a run (declared with run=True): resuming in an out_dir whose config.json differs in one
+# of them stops (--resume=force goes on anyway). The others (max_steps, logging, checkpoints, micro-batch size, ...)
+# may change.
+RUN_KEYS = cli.run_keys(Config)
 
 # Named runs: Config overrides applied before the command line's (README: "Presets").
 _QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
@@ -188,38 +224,10 @@ def validate(cfg, world_size=1):
     def need(ok, key, message):
         if not ok:
             raise ConfigError(key, message)
-    for key, low in (("prompts_per_step", 1), ("micro_batch_size", 1), ("micro_batch_tokens", 0), ("generation_batch_size", 0),
-                     ("num_iterations", 1), ("warmup_steps", 0), ("importance_sampling_min", 0),
-                     ("beta", 0), ("max_bad_steps", 1), ("weight_decay", 0), ("top_k", 0), ("max_completion_length", 1),
-                     ("max_prompt_length", 1), ("max_steps", 1), ("log_every", 1), ("print_completions_every", 0),
-                     ("save_every", 0), ("keep_checkpoints", 1), ("eval_every", 0), ("lora_rank", 0),
-                     ("completions_table_every", 0), ("max_turns", 1), ("threads", 0)):
-        need(getattr(cfg, key) >= low, key, f"must be >= {low}, got {getattr(cfg, key)}")
-    for key, choices in (("lr_schedule", ("constant", "linear", "cosine")), ("loss_type", LOSS_TYPES),
-                         ("scale_rewards", ("group", "batch", "none")), ("resume", ("auto", "force", "never")),
-                         ("mixed_precision", ("auto", "bf16", "fp32")), ("wandb_mode", ("disabled", "offline", "online")),
-                         ("task", TASKS), ("importance_sampling", IMPORTANCE_SAMPLING),
-                         ("sandbox", executor.SANDBOX_MODES), ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
-                         ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum"))):
-        need(getattr(cfg, key) in choices, key, f"one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
-    for key in ("lr", "max_grad_norm", "temperature", "lora_alpha", "tool_timeout", "sapo_temperature_pos",
-                "sapo_temperature_neg"):
-        need(getattr(cfg, key) > 0, key, f"must be > 0, got {getattr(cfg, key)}")
-    need(cfg.num_generations >= 2, "num_generations", f"must be >= 2 to compare completions within a group, got {cfg.num_generations}")
+    cli.check(cfg)  # each field's own choices and bounds (its `setting`); below, what depends on several
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
          f"{cfg.prompts_per_step} prompts x {cfg.num_generations} generations do not split evenly over {world_size} processes")
-    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {cfg.adam_beta1}")
-    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {cfg.adam_beta2}")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
-    need(0 < cfg.epsilon < 1, "epsilon", f"must be in (0, 1), got {cfg.epsilon}")
-    need(cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high", f"must be > 0, got {cfg.epsilon_high}")
-    need(0 < cfg.top_p <= 1, "top_p", f"must be in (0, 1], got {cfg.top_p}")
-    need(cfg.delta is None or cfg.delta > 1, "delta", f"must be > 1 (above the ratio 1), got {cfg.delta}")
-    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile",
-         f"must be in [0, 1], got {cfg.top_entropy_quantile}")
-    need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"must be finite, got {cfg.entropy_coef}")
-    need(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0, "off_policy_mask_threshold",
-         f"must be >= 0, got {cfg.off_policy_mask_threshold}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
@@ -233,14 +241,6 @@ def validate(cfg, world_size=1):
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
-
-
-# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
-# (both import it); tests/test_startup.py checks that they agree.
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
-IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 
 
 def tell_torchrun(message):
@@ -569,7 +569,7 @@ def update(run, batch, advantages, step):
     rate of the last optimizer step, and how many optimizer steps were skipped.
     """
     cfg, d, policy = run.cfg, run.d, run.policy
-    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    objective = grpo.Objective.of(cfg)
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
     T = batch.rollout.completion_ids.shape[1]
@@ -611,14 +611,8 @@ def update(run, batch, advantages, step):
             keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
                                  mb_mask, threshold)
             loss, m = grpo.grpo_loss(logp, old_logp[i], ref_logp[i] if ref_logp is not None else None,
-                                     advantages[mb.rows], mb_mask, beta=cfg.beta, epsilon=cfg.epsilon,
-                                     epsilon_high=eps_high, loss_type=cfg.loss_type, num_sequences=N,
-                                     num_tokens=num_tokens, max_completion_length=cfg.max_completion_length,
-                                     is_weight=is_weight[i], bias_correction_kl=cfg.use_bias_correction_kl,
-                                     importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
-                                     sapo_temperature_pos=cfg.sapo_temperature_pos,
-                                     sapo_temperature_neg=cfg.sapo_temperature_neg, keep=keep, entropy=entropy,
-                                     entropy_coef=cfg.entropy_coef)
+                                     advantages[mb.rows], mb_mask, objective, num_sequences=N, num_tokens=num_tokens,
+                                     is_weight=is_weight[i], keep=keep, entropy=entropy)
             # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
             (loss * d.world_size).backward()
             sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read

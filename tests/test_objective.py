@@ -80,11 +80,11 @@ def test_kl_finite_at_extremes(dtype):
     assert torch.isfinite(logp.grad).all()
 
 
-def loss_kwargs(**over):
-    kw = dict(beta=0.1, epsilon=0.2, epsilon_high=0.3, loss_type="grpo", num_sequences=4, num_tokens=None,
-              max_completion_length=6)
-    kw.update(over)
-    return kw
+def loss_kwargs(num_sequences=4, num_tokens=None, **over):
+    """grpo_loss's keywords: the objective (these tests' defaults, then `over`) and the batch's normalisers."""
+    settings = dict(beta=0.1, epsilon=0.2, epsilon_high=0.3, loss_type="grpo", max_completion_length=6)
+    settings.update(over)
+    return dict(objective=grpo.Objective(**settings), num_sequences=num_sequences, num_tokens=num_tokens)
 
 
 def make_batch(seed=0):
@@ -209,8 +209,8 @@ def test_weighted_and_bias_corrected_loss_matches_naive(mode, bias_correction_kl
     sampler = old + torch.randn(4, 6, generator=g) * 0.3
     w = grpo.importance_weights(old, sampler, mask, mode, 0.5, 2.0)
     a = logp0.clone().requires_grad_()
-    loss, _ = grpo.grpo_loss(a, old, ref, adv, mask, is_weight=w, bias_correction_kl=bias_correction_kl,
-                             **loss_kwargs(num_tokens=mask.sum()))
+    loss, _ = grpo.grpo_loss(a, old, ref, adv, mask, is_weight=w,
+                             **loss_kwargs(num_tokens=mask.sum(), use_bias_correction_kl=bias_correction_kl))
     loss.backward()
     b = logp0.clone().requires_grad_()
     expected = naive_loss(b, old, ref, adv, mask, 0.1, 0.2, 0.3, "grpo", 6, is_weight=w,
@@ -225,8 +225,8 @@ def test_bias_corrected_kl_changes_the_gradient_not_the_value_at_ratio_one():
     grads, values = [], []
     for corrected in (False, True):
         logp = logp0.clone().requires_grad_()
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask, bias_correction_kl=corrected,
-                                 **loss_kwargs(num_tokens=mask.sum()))
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask,
+                                 **loss_kwargs(num_tokens=mask.sum(), use_bias_correction_kl=corrected))
         loss.backward()
         grads.append(logp.grad)
         values.append(loss.detach())
@@ -324,10 +324,10 @@ def test_each_loss_type_and_level_matches_the_formula_and_trl(loss_type, level):
     settings = dict(epsilon=0.2, epsilon_high=0.3 if loss_type != "cispo" else 1.1, delta=delta,
                     temperature_pos=1.0, temperature_neg=1.05)
     a = logp0.clone().requires_grad_()
-    loss, m = grpo.grpo_loss(a, old, ref, adv, mask, beta=0.1, epsilon=0.2, epsilon_high=settings["epsilon_high"],
-                             loss_type=loss_type, num_sequences=4, num_tokens=mask.sum(), max_completion_length=6,
-                             importance_sampling_level=level, delta=delta, sapo_temperature_pos=1.0,
-                             sapo_temperature_neg=1.05)
+    loss, m = grpo.grpo_loss(a, old, ref, adv, mask, grpo.Objective(
+        beta=0.1, epsilon=0.2, epsilon_high=settings["epsilon_high"], loss_type=loss_type, max_completion_length=6,
+        importance_sampling_level=level, delta=delta, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+        num_sequences=4, num_tokens=mask.sum())
     loss.backward()
     b = logp0.clone().requires_grad_()
     expected = naive_objective(b, old, ref, adv, mask, loss_type, level, beta=0.1, **settings)
@@ -345,9 +345,9 @@ def test_each_loss_type_and_level_matches_the_formula_and_trl(loss_type, level):
 def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
     logp = torch.zeros(1, 2, requires_grad=True)
     old = torch.tensor([[-1.0, -0.1]])  # ratios e (above delta 1.5) and e^0.1
-    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 2), beta=0.0, epsilon=0.2,
-                             epsilon_high=0.2, loss_type="dapo", num_sequences=1, num_tokens=2,
-                             max_completion_length=2, delta=1.5)
+    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 2), grpo.Objective(
+        beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=2, delta=1.5),
+        num_sequences=1, num_tokens=2)
     loss.backward()
     torch.testing.assert_close(loss, (1.5 + math.exp(0.1)) / 2 * torch.ones(()))
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0  # capped: no gradient, as a clipped token
@@ -357,8 +357,7 @@ def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
 @pytest.mark.parametrize("level", grpo.IMPORTANCE_SAMPLING_LEVELS)
 def test_any_split_into_micro_batches_gives_the_full_batch_gradient(loss_type, level):
     logp0, old, ref, adv, mask = objective_case(seed=4)
-    kw = dict(beta=0.1, epsilon=0.2, epsilon_high=0.3, loss_type=loss_type, num_sequences=4, num_tokens=mask.sum(),
-              max_completion_length=6, importance_sampling_level=level)
+    kw = loss_kwargs(loss_type=loss_type, num_tokens=mask.sum(), importance_sampling_level=level)
     full = logp0.clone().requires_grad_()
     grpo.grpo_loss(full, old, ref, adv, mask, **kw)[0].backward()
     split = logp0.clone().requires_grad_()
@@ -478,8 +477,8 @@ def test_entropy_bonus_is_minus_coef_times_the_batch_mean_entropy():
     logp0, old, ref, adv, mask = objective_case()
     entropy = (torch.rand(4, 6, generator=torch.Generator().manual_seed(9)) + 0.5).requires_grad_()
     logp = logp0.clone().requires_grad_()
-    with_bonus, _ = grpo.grpo_loss(logp, old, ref, adv, mask, entropy=entropy, entropy_coef=0.05,
-                                   **loss_kwargs(num_tokens=mask.sum()))
+    with_bonus, _ = grpo.grpo_loss(logp, old, ref, adv, mask, entropy=entropy,
+                                   **loss_kwargs(num_tokens=mask.sum(), entropy_coef=0.05))
     without, _ = grpo.grpo_loss(logp0.clone(), old, ref, adv, mask, **loss_kwargs(num_tokens=mask.sum()))
     counted = [entropy[i, t] for i in range(4) for t in range(6) if mask[i, t]]
     torch.testing.assert_close(with_bonus, without - 0.05 * sum(counted) / len(counted))

@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import typing
 
 import pytest
 import torch
 
+import cli
 import grpo
 import run_log
 import tasks
@@ -56,8 +58,8 @@ def test_settings_checked_early_are_those_checked_later():
 
 
 def test_every_objective_setting_defines_the_run():
-    """Each Config field of the objective section (between `# objective` and `# sampling`) is in RUN_KEYS, so that
-    resuming with another objective stops."""
+    """Each Config field of the objective section (between `# objective` and `# sampling`), and each setting the
+    loss reads (grpo.Objective), is declared run=True, so that resuming with another objective stops."""
     source = open(os.path.join(ROOT, "train.py")).read()
     section = source.split("    # objective\n", 1)[1].split("    # sampling\n", 1)[0]
     names = [line.split(":", 1)[0].strip() for line in section.splitlines()
@@ -66,7 +68,41 @@ def test_every_objective_setting_defines_the_run():
     fields = {f.name for f in dataclasses.fields(train.Config)}
     assert set(names) <= fields
     assert [n for n in names if n not in train.RUN_KEYS] == []
+    assert [f.name for f in dataclasses.fields(grpo.Objective) if f.name not in train.RUN_KEYS] == []
     assert train.TASKS == tasks.TASKS
+
+
+def test_a_setting_must_say_whether_it_defines_the_run():
+    """A field declared without cli.setting(..., run=...) stops the import of its module, naming the field; one
+    declared with it is in RUN_KEYS exactly when run=True."""
+    @dataclasses.dataclass
+    class Settings:
+        kept: int = cli.setting(1, run=True)
+        free: int = cli.setting(2, run=False)
+        forgotten: float = 0.5
+    with pytest.raises(TypeError, match="forgotten"):
+        cli.run_keys(Settings)
+    with pytest.raises(TypeError, match="run"):
+        cli.setting(3)
+    assert cli.run_keys(train.Config) == train.RUN_KEYS
+    assert "seed" in train.RUN_KEYS and "max_steps" not in train.RUN_KEYS and "lr" not in train.RUN_KEYS
+
+
+def test_a_setting_accepts_what_its_declaration_says():
+    @dataclasses.dataclass
+    class Settings:
+        mode: str = cli.setting("a", run=False, choices=("a", "b"))
+        rate: float = cli.setting(0.5, run=False, above=0, at_most=1)
+        count: int = cli.setting(1, run=False, at_least=1)
+        cap: typing.Optional[float] = cli.setting(None, run=False, above=1)
+    cli.check(Settings())
+    for key, value, said in (("mode", "c", "one of a, b, got 'c'"), ("rate", 0.0, "must be in (0, 1], got 0.0"),
+                             ("rate", 1.5, "must be in (0, 1], got 1.5"), ("count", 0, "must be >= 1, got 0"),
+                             ("cap", 1.0, "must be > 1, got 1.0")):
+        with pytest.raises(cli.ConfigError) as e:
+            cli.check(dataclasses.replace(Settings(), **{key: value}))
+        assert e.value.code == f"config error: --{key}: {said}"
+    cli.check(dataclasses.replace(Settings(), rate=1.0, cap=1.01))
 
 
 def test_ctrl_c_while_importing_is_one_line():

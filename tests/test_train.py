@@ -100,9 +100,9 @@ def accumulated_grad(model, ref_logp, ids, mask, r, adv, micro, loss_type):
     for s in range(0, n, micro):
         sl = slice(s, s + micro)
         logp, _ = grpo.completion_logprobs(model, ids[sl], mask[sl], t, chunk_tokens=5)
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[sl], adv[sl], cmask[sl], beta=0.1, epsilon=0.2,
-                                 epsilon_high=0.2, loss_type=loss_type, num_sequences=n, num_tokens=cmask.sum(),
-                                 max_completion_length=6)
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[sl], adv[sl], cmask[sl], grpo.Objective(
+            beta=0.1, epsilon=0.2, loss_type=loss_type, max_completion_length=6), num_sequences=n,
+            num_tokens=cmask.sum())
         loss.backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -203,8 +203,8 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     for m in micro:
         logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5, width=m.width)
         loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[m.rows, :m.t], adv[m.rows], counted[m.rows, :m.t],
-                                 beta=0.1, epsilon=0.2, epsilon_high=0.2, loss_type=loss_type, num_sequences=n,
-                                 num_tokens=counted.sum(), max_completion_length=6)
+                                 grpo.Objective(beta=0.1, epsilon=0.2, loss_type=loss_type, max_completion_length=6),
+                                 num_sequences=n, num_tokens=counted.sum())
         loss.backward()
     trimmed = torch.cat([p.grad.flatten() for p in model.parameters()])
     naive = naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted, temperature)
@@ -450,11 +450,10 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     if cfg.off_policy_mask_threshold is not None:
         keep = grpo.off_policy_mask(adv[:, None], logp, r.logprobs, loss_mask, cfg.off_policy_mask_threshold)
         assert 0 < keep.sum() < keep.numel()
-    loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, loss_mask, beta=0.1, epsilon=0.2,
-                             epsilon_high=cfg.epsilon_high or 0.2, loss_type=cfg.loss_type, num_sequences=8,
-                             num_tokens=loss_mask.sum(), max_completion_length=5,
-                             importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta, keep=keep,
-                             entropy=entropy, entropy_coef=cfg.entropy_coef)
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, loss_mask, grpo.Objective(
+        beta=0.1, epsilon=0.2, epsilon_high=cfg.epsilon_high or 0.2, loss_type=cfg.loss_type, max_completion_length=5,
+        importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta, entropy_coef=cfg.entropy_coef),
+        num_sequences=8, num_tokens=loss_mask.sum(), keep=keep, entropy=entropy)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(init.parameters(), 1.0)
     for p, g in zip(init.parameters(), grads[0]):

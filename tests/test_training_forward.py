@@ -42,9 +42,9 @@ def test_chunked_logprobs_loss_and_grads_match_naive(chunk_tokens):
     def loss_and_grads(logprob_fn):
         model.zero_grad(set_to_none=True)
         logp, ent = logprob_fn()
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.04, epsilon=0.2, epsilon_high=0.2,
-                                 loss_type="grpo", num_sequences=ids.shape[0], num_tokens=mask.sum(),
-                                 max_completion_length=t)
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), ref, adv, mask,
+                                 grpo.Objective(beta=0.04, epsilon=0.2, max_completion_length=t),
+                                 num_sequences=ids.shape[0], num_tokens=mask.sum())
         loss.backward()
         return logp.detach(), ent.detach(), loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
