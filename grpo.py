@@ -598,7 +598,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
     elif term == "cispo":
         per_token = cispo_term(ratio, adv, logp, epsilon_high=epsilon_high)
     else:
-        per_token = sapo_term(ratio, adv, temperature_pos=o.sapo_temperature_pos, temperature_neg=o.sapo_temperature_neg)
+        per_token = sapo_term(ratio, adv, temperature_pos=o.sapo_temperature_pos,
+                              temperature_neg=o.sapo_temperature_neg)
     if keep is not None:
         per_token = per_token * keep
     if is_weight is not None:

@@ -122,6 +122,8 @@ class Logger:
         self._append((json.dumps(strict_json(metrics)) + "\n").encode())
         parts = [f"step {metrics['step']:>{len(str(self.max_steps))}}/{self.max_steps}"]
         parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
+        if "dynamic/groups_kept" in metrics:  # dynamic sampling: groups with a signal / groups drawn
+            parts.append(f"groups {metrics['dynamic/groups_kept']}/{metrics['dynamic/groups_drawn']}")
         # scoring named where it takes a good part of the step: a slow reward function is otherwise invisible
         slow_rewards = metrics.get("reward_time", 0) >= max(0.1, 0.2 * metrics["step_time"])
         parts.append(f"{metrics['step_time']:.2f}s" +

@@ -44,6 +44,9 @@ class Rollout:
     logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied), 0 elsewhere
     turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
 
+    def to(self, device):
+        return Rollout(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
 
 def completion_id_lists(rollout):
     """Each trajectory's token ids without padding (the policy's and an environment's), as reward functions
@@ -79,6 +82,12 @@ def cat_rollouts(rollouts, pad_id):
             parts = [F.pad(x, (0, t - x.shape[1]), value=value) for x in parts]
         out[f.name] = torch.cat(parts)
     return Rollout(**out)
+
+
+def rollout_rows(rollout, index):
+    """The Rollout of rows `index` (a list or tensor of row numbers) of `rollout`, in that order."""
+    index = torch.as_tensor(index, dtype=torch.long, device=rollout.completion_ids.device)
+    return Rollout(**{f.name: getattr(rollout, f.name)[index] for f in dataclasses.fields(Rollout)})
 
 
 # ----------------------------------------------------------------------------- tokens

@@ -269,6 +269,16 @@ def broadcast_object(obj, d):
     return box[0]
 
 
+def all_gather_objects(obj, d):
+    """Every rank's picklable `obj`, in rank order, on every rank (one collective). Tensors inside must be on the
+    CPU: a pickled CUDA tensor would come back on the device of the rank that sent it."""
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def first_problem(problem, d):
     """The first rank's problem (a string, or None for none) on every rank, so that all raise alike (collective)."""
     if d.world_size == 1:

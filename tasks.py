@@ -193,11 +193,18 @@ class Task:
     def _format(self, row):
         return self.to_row(row) if self.to_row is not None else row
 
-    def prompts_for_step(self, seed, step, n):
+    def prompts_for_step(self, seed, step, n, round=0):
         """The `n` rows of step `step` (1-based): a pure function of (seed, step), so a resumed run sees the same.
 
-        Datasets are walked in a seeded permutation per epoch, every row once per epoch.
+        Datasets are walked in a seeded permutation per epoch, every row once per epoch. `round` > 0: the step's
+        further draws of dynamic sampling, a pure function of (seed, step, round) too: generated prompts from
+        their own stream; dataset rows drawn at random from the whole set, apart from the epoch's walk.
         """
+        if round:
+            rng = random.Random(f"round-{seed}-{step}-{round}")
+            if self.rows is None:
+                return [self._format(r) for r in self.make_prompts(rng, n)]
+            return [self._format(self.rows[rng.randrange(len(self.rows))]) for _ in range(n)]
         if self.rows is None:
             return [self._format(r) for r in self.make_prompts(random.Random(seed * 1_000_003 + step), n)]
         out, total = [], len(self.rows)

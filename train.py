@@ -8,6 +8,7 @@
 Every Config field below can be set as --key=value or --key value.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -60,6 +61,10 @@ class Config:
     # batch
     num_generations: int = setting(8, run=True, at_least=2)  # G, completions per prompt
     prompts_per_step: int = setting(16, run=True, at_least=1)  # prompts per optimizer step, over all processes
+    dynamic_sampling: bool = setting(False, run=True)  # DAPO: drop groups whose rewards all match and draw more
+        # prompts until prompts_per_step groups have a signal (README: "Dynamic sampling")
+    max_generation_rounds: int = setting(4, run=True, at_least=1)  # dynamic_sampling: rounds of prompts_per_step
+        # prompts drawn at most; then the step fills up with groups without a signal
     micro_batch_size: int = setting(16, run=False, at_least=1)  # completions per forward/backward (gradient
         # accumulation)
     micro_batch_tokens: int = setting(0, run=False, at_least=0)  # > 0: instead, as many completions per
@@ -488,11 +493,12 @@ class Batch:
     episodes: list = None               # (n,) agents.Episode: each rollout's conversation, with tools
 
 
-def rollout(run, step):
-    """The step's prompts, G completions sampled for each; this rank's rows."""
+def rollout(run, step, round=0):
+    """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
+    further draws of the step (other prompts, other random numbers)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
-    # prompts are a pure function of (seed, step), so a resumed run sees the same ones
-    rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step)
+    # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
+    rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
     all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
     N = len(all_rows)
     n = N // d.world_size
@@ -500,12 +506,105 @@ def rollout(run, step):
     fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
     prompts, ids, attn, episodes = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device, run.agent)
     # row seeds are global row indices, so any world size samples the same completions
-    seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]
+    seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
     run.policy.eval()
     sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, cfg.temperature, cfg, d,
                                              run.eos_ids, run.agent, episodes)
     run.policy.train()
     return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes)
+
+
+def draw(run, step):
+    """The step's batch on this rank, scored: (batch, total (n,), {function: (n,)}, seconds of scoring, dynamic
+    sampling's metrics).
+
+    With dynamic_sampling (DAPO's), a group whose advantages are all 0 (its rewards all equal) is dropped, and
+    further rounds of prompts_per_step prompts are drawn until prompts_per_step groups have a signal, at most
+    max_generation_rounds rounds; short of that, the step fills up with groups without one (the first drawn)
+    and says how many (`dynamic/groups_filled`). The step's groups are then shared out over the ranks as its
+    rows always are. Every rank decides from every rank's rewards, so all make the same collective calls.
+    """
+    cfg, d, G, P = run.cfg, run.d, run.cfg.num_generations, run.cfg.prompts_per_step
+    batch = rollout(run, step)
+    total, parts, seconds = score(run, batch, step)
+    if not cfg.dynamic_sampling:
+        return batch, total, parts, seconds, {}
+    drawn, kept = [], []  # each round's rows of every rank; (round, group) of the groups with a signal
+    for round in range(cfg.max_generation_rounds):
+        if round:
+            batch = rollout(run, step, round)
+            total, parts, more = score(run, batch, step)
+            seconds = {k: seconds.get(k, 0.0) + v for k, v in more.items()}
+        drawn.append(gather_scored(run, batch, total, parts))
+        try:
+            signal = advantages(run, drawn[-1][1], drawn[-1][2])[0].view(P, G).abs().sum(1) > 0    # (P,)
+        except ValueError as e:  # rewards too large to normalise (the same on every rank)
+            raise SystemExit(f"step {step}: {e}") from e
+        kept += [(round, g) for g in signal.nonzero()[:, 0].tolist()]
+        if len(kept) >= P:
+            break
+    kept = kept[:P]
+    fill = [(r, g) for r in range(len(drawn)) for g in range(P) if (r, g) not in kept][:P - len(kept)]
+    whole = cat_scored(drawn, run.tokenizer.pad_token_id)                        # every round's rows, in order
+    N, n = P * G, P * G // d.world_size
+    rows = [r * N + g * G + i for r, g in kept + fill for i in range(G)]        # (N,) the step's rows, by group
+    mine = slice(d.rank * n, (d.rank + 1) * n)
+    batch, total, parts = take_rows(whole, rows[mine], mine)
+    every = whole[1][~torch.isnan(whole[1])]
+    metrics = {"dynamic/rounds": len(drawn), "dynamic/groups_drawn": len(drawn) * P, "dynamic/groups_kept": len(kept),
+               "dynamic/groups_filled": len(fill), "dynamic/reward_drawn": every.mean().item() if every.numel() else
+               float("nan")}
+    return batch, total, parts, seconds, metrics
+
+
+def gather_scored(run, batch, total, parts):
+    """Every rank's rows of a scored batch (batch, total, parts), in rank order, on every rank. Episodes travel
+    without their environment and tools: those served the rollout and the rewards, done by now."""
+    d = run.d
+    if d.world_size == 1:
+        return batch, total, parts
+    light = dataclasses.replace(  # on the CPU: a pickled CUDA tensor would land on the sender's device
+        batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu(), rollout=batch.rollout.to("cpu"),
+        episodes=None if batch.episodes is None else [dataclasses.replace(e, env=None, tools={})
+                                                      for e in batch.episodes])
+    every = sharding.all_gather_objects((light, total.cpu(), {k: v.cpu() for k, v in parts.items()}), d)
+    whole, total, parts = cat_scored(every, run.tokenizer.pad_token_id)
+    whole.prompt_ids, whole.prompt_mask = whole.prompt_ids.to(d.device), whole.prompt_mask.to(d.device)
+    whole.rollout = whole.rollout.to(d.device)
+    return whole, total, parts
+
+
+def cat_scored(scored, pad_id):
+    """One scored batch of the rows of several (batch, total, parts), in order: prompts left-padded, completions
+    right-padded to the widest."""
+    batches = [b for b, _, _ in scored]
+    S = max(b.prompt_ids.shape[1] for b in batches)
+    left = lambda x, value: torch.nn.functional.pad(x, (S - x.shape[1], 0), value=value)  # noqa: E731
+    rows = sum(len(b.prompts) for b in batches)
+    batch = Batch(prompts=sum((b.prompts for b in batches), []),
+                  fields={k: sum((b.fields[k] for b in batches), []) for k in batches[0].fields},
+                  mine=slice(0, rows),
+                  prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
+                  prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in batches]),
+                  rollout=sampling.cat_rollouts([b.rollout for b in batches], pad_id),
+                  completions=sum((b.completions for b in batches), []),
+                  episodes=None if batches[0].episodes is None else sum((b.episodes for b in batches), []))
+    return (batch, torch.cat([t for _, t, _ in scored]),
+            {k: torch.cat([p[k] for _, _, p in scored]) for k in scored[0][2]})
+
+
+def take_rows(scored, rows, mine):
+    """Rows `rows` (a list) of a scored batch, as the batch `mine` of a step: (batch, total, parts)."""
+    batch, total, parts = scored
+    index = torch.tensor(rows, dtype=torch.long)
+    on = lambda x: x[index.to(x.device)]  # noqa: E731
+    return (Batch(prompts=[batch.prompts[i] for i in rows], mine=mine,
+                  fields={k: [v[i] for i in rows] for k, v in batch.fields.items()},
+                  prompt_ids=on(batch.prompt_ids), prompt_mask=on(batch.prompt_mask),
+                  rollout=sampling.rollout_rows(batch.rollout, index),
+                  completions=[batch.completions[i] for i in rows],
+                  episodes=None if batch.episodes is None else [batch.episodes[i] for i in rows]),
+            on(total), {k: on(v) for k, v in parts.items()})
 
 
 def score(run, batch, step):
@@ -546,6 +645,15 @@ def execution_metrics(d, stats):
     return {"exec_programs": total["programs"], "exec_timeouts": total["timeouts"],
             "exec_sandbox_failures": total["sandbox_failures"], "exec_time": total["wait_seconds"] / d.world_size,
             "exec_program_time": total["program_seconds"] / total["programs"]}
+
+
+def advantages(run, all_total, all_parts):
+    """(advantages (N,), group std (P,)) of every rank's rewards: the total (N,) and each function's {name: (N,)}.
+    GDPO (normalize_then_sum) normalises each function within its group before the sum."""
+    signal, scale, G = all_total, run.cfg.scale_rewards, run.cfg.num_generations
+    if run.cfg.multi_objective_aggregation == "normalize_then_sum":
+        signal, scale = grpo.decoupled_rewards(torch.stack(list(all_parts.values()), 1), run.weights, G), "batch"
+    return grpo.group_advantages(signal, G, scale)
 
 
 def reference_logprobs(run, ids, mask, micro):
@@ -678,17 +786,14 @@ def train_step(run, step):
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     t0 = time.time()
     executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
-    batch = rollout(run, step)                                       # 1. sample G completions per prompt
-    t_gen = time.time() - t0
-    total, parts, reward_time = score(run, batch, step)              # 2. score them: (n,)
+    # 1. sample G completions per prompt and 2. score them: (n,); with dynamic sampling, until enough have a signal
+    batch, total, parts, reward_time, dynamic = draw(run, step)
+    t_gen = time.time() - t0 - reward_time["reward_time"]
     exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
-    signal, scale = all_total, cfg.scale_rewards
-    if cfg.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each function normalised in its group
-        all_parts = torch.stack([sharding.all_gather_rows(v, d) for v in parts.values()], 1)  # (N, F)
-        signal, scale = grpo.decoupled_rewards(all_parts, run.weights, G), "batch"
+    all_parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
     try:
-        all_adv, group_std = grpo.group_advantages(signal, G, scale)  # 3. advantages within groups
+        all_adv, group_std = advantages(run, all_total, all_parts)   # 3. advantages within groups
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
@@ -700,7 +805,7 @@ def train_step(run, step):
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
-               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
+               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
@@ -777,7 +882,7 @@ def loop(cfg, d):
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):
             metrics, shown = train_step(run, step)
-            history.append(metrics["reward"])
+            history.append(metrics.get("dynamic/reward_drawn", metrics["reward"]))  # every completion drawn
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(evaluate(run, step))
             logger.show_completions(run, step, *shown)

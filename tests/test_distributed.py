@@ -454,3 +454,27 @@ def test_multi_turn_rollouts_agree_across_ranks(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # rows finished after different numbers of turns (within a rank and across the two)
     assert all(1 < x["turns"] < x["turns_max"] and x["tool_calls"] > 0.5 for x in metrics(runs[2]))
+
+
+def test_dynamic_sampling_agrees_across_ranks(tmp_path):
+    """Dynamic sampling on the vault task (tool turns, each rank padding its own prompts): the groups kept lie on
+    both ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does."""
+    uneven = tmp_path / "uneven.py"  # constant on about half the prompts: their groups carry no signal
+    uneven.write_text("def uneven(prompts, completions, seed, **_):\n"
+                      "    return [1.0 if s % 2 else float(len(c) % 3) for s, c in zip(seed, completions)]\n")
+    runs = {}
+    for nproc in (1, 2):
+        out_dir = str(tmp_path / f"p{nproc}")
+        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--task=vault",
+                           "--max_turns=3", "--max_completion_length=24", "--pause_often", "--prompts_per_step=4",
+                           "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={uneven}:uneven",
+                           *FLAGS], nproc)
+        runs[nproc] = out_dir
+    assert tokens(runs[1]) == tokens(runs[2])
+    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+        for k in ("reward", "dynamic/rounds", "dynamic/groups_kept", "dynamic/groups_drawn", "dynamic/reward_drawn",
+                  "frac_reward_zero_std", "turns", "tool_calls", "completion_length"):
+            assert a[k] == b[k], k
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert any(m["dynamic/rounds"] > 1 for m in metrics(runs[2]))

@@ -195,6 +195,13 @@ def test_dataset_prompts_are_a_pure_function_of_seed_and_step():
     # asking out of order gives the same rows as asking in order (what a resumed run does)
     later = tasks.get_task("gsm8k", dataset=GSM8K).prompts_for_step(0, 5, n)
     assert later == t1.prompts_for_step(0, 5, n)
+    # dynamic sampling's further rounds: a function of (seed, step, round) too, other rows than round 0's
+    for task in (t1, tasks.get_task("next_letter")):
+        again = tasks.get_task("gsm8k", dataset=GSM8K) if task is t1 else tasks.get_task("next_letter")
+        rounds = [task.prompts_for_step(0, 3, n, r) for r in range(3)]
+        assert rounds == [again.prompts_for_step(0, 3, n, r) for r in range(3)]
+        assert rounds[0] == task.prompts_for_step(0, 3, n)
+        assert rounds[1] != rounds[0] and rounds[2] != rounds[1] and rounds[1] != task.prompts_for_step(0, 4, n, 1)
 
 
 def test_held_out_rows_are_not_trained_on():
