@@ -11,6 +11,7 @@ Face causal LM.
 """
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -408,9 +409,9 @@ def k3_kl(ref_logp, logp):
 # The objective along four axes (README: "The objective"). `loss_type` keeps TRL's names; each name is a policy
 # term and an aggregation, so a paper is a combination of settings, not a branch of its own.
 POLICY_TERM = {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip", "bnpo": "clip", "luspo": "clip",
-               "cispo": "cispo", "sapo": "sapo"}
+               "cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
 AGGREGATION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "dapo": "token_mean", "bnpo": "token_mean",
-               "cispo": "token_mean", "dr_grpo": "constant", "luspo": "sequence_sum"}
+               "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant", "luspo": "sequence_sum"}
 LOSS_TYPES = tuple(POLICY_TERM)
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -487,6 +488,24 @@ def sapo_term(ratio, adv, *, temperature_pos, temperature_neg):
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
+def vespo_term(logp, old_logp, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg, is_weight=None):
+    """VESPO: -sg(phi(w)) A log pi, with w the sequence's importance ratio exp(sum_t log pi / pi_old) and the gamma
+    weight phi(w) = e^lambda w^k e^(-lambda w), 1 at w = 1, fading on both sides; (k, lambda) = (k_pos,
+    lambda_pos) where A >= 0, else the _neg pair. An importance weight pi_old / pi_sampler (`is_weight`, (n, T)
+    or (n, 1)) enters w rather than multiplying the term. Computed in log space with TRL's bounds: the log-ratios
+    clamped to [-20, 20], log w to [log 1e-8, 20]; phi is detached (a weight on A log pi, as in TRL)."""
+    with torch.no_grad():
+        log_w = ((logp - old_logp).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True)               # (n, 1)
+        if is_weight is not None:
+            log_is = is_weight.float().log().clamp(math.log(1e-8), 20.0)
+            log_w = log_w + (log_is * mask if log_is.shape[1] > 1 else log_is).sum(1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
+        k = torch.where(adv >= 0, k_pos, k_neg)
+        lam = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * adv * logp
+
+
 # ----------------------------------------------------------------------------- which tokens count
 
 
@@ -548,6 +567,10 @@ class Objective:
     importance_sampling_level: str = "token"  # the ratio per token or per sequence (GSPO)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0              # vespo: the gamma weight's power where the advantage is >= 0
+    vespo_lambda_pos: float = 3.0         # ... and its decay
+    vespo_k_neg: float = 3.0              # ... where the advantage is < 0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0             # minus this times the mean entropy of the counted tokens
     use_bias_correction_kl: bool = False  # the k3 term times the ratio (DeepSeek-V3.2; TRL's default)
     max_completion_length: int = 1        # dr_grpo's constant normaliser
@@ -597,12 +620,15 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
         per_token = clipped_term(ratio, adv, epsilon=epsilon, epsilon_high=epsilon_high, delta=o.delta)
     elif term == "cispo":
         per_token = cispo_term(ratio, adv, logp, epsilon_high=epsilon_high)
-    else:
+    elif term == "sapo":
         per_token = sapo_term(ratio, adv, temperature_pos=o.sapo_temperature_pos,
                               temperature_neg=o.sapo_temperature_neg)
+    else:  # vespo: its own sequence ratio from the token log-ratios, the importance weight inside it
+        per_token = vespo_term(logp, old_logp, adv, mask, k_pos=o.vespo_k_pos, lambda_pos=o.vespo_lambda_pos,
+                               k_neg=o.vespo_k_neg, lambda_neg=o.vespo_lambda_neg, is_weight=is_weight)
     if keep is not None:
         per_token = per_token * keep
-    if is_weight is not None:
+    if is_weight is not None and term != "vespo":
         per_token = per_token * is_weight
     kl = None
     if beta != 0:
@@ -620,7 +646,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
         elif term == "cispo":  # tokens whose weight was capped (TRL's cispo clip ratio)
             high = (ratio > epsilon_high) & (adv > 0)
             low = torch.zeros_like(high)
-        else:  # a soft gate clips nothing
+        else:  # a soft gate (sapo) or a weight (vespo) clips nothing
             low = high = torch.zeros_like(adv, dtype=torch.bool)
         metrics = {
             "kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),

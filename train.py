@@ -30,7 +30,7 @@ def _env(name, default, **kw):  # a Config setting whose default an environment 
 
 # What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
 # (both import it); tests/test_startup.py checks that they agree.
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
@@ -88,7 +88,7 @@ class Config:
     epsilon_high: typing.Optional[float] = setting(None, run=True, above=0)  # clip range above (DAPO's clip-higher);
         # None = epsilon
     loss_type: str = setting("grpo", run=True, choices=LOSS_TYPES)  # TRL's names: a policy term and an aggregation
-        # (README: "The objective"): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo
+        # (README: "The objective"): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo, vespo
     importance_sampling_level: str = setting("token", run=True, choices=IMPORTANCE_SAMPLING_LEVELS)  # the ratio pi /
         # pi_old per token, or per sequence (GSPO)
     delta: typing.Optional[float] = setting(None, run=True, above=1)  # two-sided clip: the unclipped ratio also
@@ -96,6 +96,11 @@ class Config:
     sapo_temperature_pos: float = setting(1.0, run=True, above=0)  # sapo: the gate's temperature where the advantage
         # is > 0
     sapo_temperature_neg: float = setting(1.05, run=True, above=0)  # sapo: ... where it is <= 0
+    vespo_k_pos: float = setting(2.0, run=True, at_least=0)  # vespo: the gamma weight's power where the advantage
+        # is >= 0 (how fast sequences whose ratio fell below 1 lose weight)
+    vespo_lambda_pos: float = setting(3.0, run=True, at_least=0)  # vespo: its decay there (ratios above 1)
+    vespo_k_neg: float = setting(3.0, run=True, at_least=0)  # vespo: the power where the advantage is < 0
+    vespo_lambda_neg: float = setting(2.0, run=True, at_least=0)  # vespo: the decay there
     top_entropy_quantile: float = setting(1.0, run=True, at_least=0, at_most=1)  # the policy term on the top fraction
         # of tokens by entropy only; 1 = all
     entropy_coef: float = setting(0.0, run=True)  # entropy bonus: minus this times the mean entropy over counted
@@ -235,6 +240,8 @@ def validate(cfg, world_size=1):
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
+    need(cfg.loss_type != "vespo" or cfg.importance_sampling_level == "token", "importance_sampling_level",
+         "vespo makes its own sequence ratio from the token ratios: leave importance_sampling_level=token")
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")

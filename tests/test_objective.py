@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import grpo
 
@@ -255,6 +256,11 @@ def naive_objective(logp, old, ref, adv, mask, loss_type, level="token", beta=0.
             a = adv[i]
             if loss_type == "cispo":
                 term = -torch.clamp(r.detach(), max=epsilon_high) * a * logp[i, t]
+            elif loss_type == "vespo":  # the gamma weight of the sequence's ratio w = prod_t pi / pi_old, a constant
+                log_w = min(max(sum(min(max((logp[i, u] - old[i, u]).item(), -20), 20) for u in tokens),
+                                math.log(1e-8)), 20)
+                k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+                term = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * a * logp[i, t]
             elif loss_type == "sapo":
                 tau = temperature_pos if a > 0 else temperature_neg
                 term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
@@ -269,7 +275,7 @@ def naive_objective(logp, old, ref, adv, mask, loss_type, level="token", beta=0.
     n, total = len(seqs), sum(sum(terms) for terms in seqs)
     if loss_type in ("grpo", "sapo"):
         return sum(sum(terms) / len(terms) for terms in seqs if terms) / n
-    if loss_type in ("dapo", "bnpo", "cispo"):
+    if loss_type in ("dapo", "bnpo", "cispo", "vespo"):
         return total / mask.sum()
     if loss_type == "dr_grpo":
         return total / (n * max_len)
@@ -290,6 +296,12 @@ def trl_formula(logp, old, ref, adv, mask, loss_type, level, beta, epsilon, epsi
     kl = torch.exp(d) - d - 1
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * logp
+    elif loss_type == "vespo":  # get_gamma_weights: from the token log-ratios whatever the level, in log space
+        log_w = (torch.clamp(logp - old, -20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+        k = torch.where(advantages >= 0, 2.0, 3.0)
+        lam = torch.where(advantages >= 0, 3.0, 2.0).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token = -phi.detach() * advantages * logp
     elif loss_type == "sapo":
         temps = torch.where(advantages > 0, temperature_pos, temperature_neg)
         per_token = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * advantages
@@ -305,7 +317,7 @@ def trl_formula(logp, old, ref, adv, mask, loss_type, level, beta, epsilon, epsi
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.size(0) * max_len)
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         return (per_token * mask).sum() / mask.sum()  # num_items_in_batch: the batch's tokens
     return (per_token * mask).sum(-1).mean()  # luspo
 
@@ -484,3 +496,25 @@ def test_entropy_bonus_is_minus_coef_times_the_batch_mean_entropy():
     torch.testing.assert_close(with_bonus, without - 0.05 * sum(counted) / len(counted))
     with_bonus.backward()
     torch.testing.assert_close(entropy.grad, -0.05 * mask / mask.sum())
+
+
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+def test_vespo_puts_the_importance_weight_inside_its_sequence_ratio(shape):
+    """An importance weight pi_old / pi_sampler is part of VESPO's w (as TRL folds vLLM's ratio into it), not a
+    factor on the term: the loss equals the one whose pi_old is divided by the weight, token by token (or, for
+    one weight per sequence, on one of its tokens)."""
+    logp0, old, ref, adv, mask = objective_case(seed=2)
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(4, 6 if shape == "token" else 1, generator=g) + 0.5
+    shifted = old - (w.log() * mask if shape == "token" else F.pad(w.log(), (0, 5)))
+    kw = loss_kwargs(loss_type="vespo", beta=0.0, num_tokens=mask.sum())
+    a = logp0.clone().requires_grad_()
+    loss, _ = grpo.grpo_loss(a, old, None, adv, mask, is_weight=w, **kw)
+    loss.backward()
+    b = logp0.clone().requires_grad_()
+    expected, _ = grpo.grpo_loss(b, shifted, None, adv, mask, **kw)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(a.grad, b.grad)
+    plain, _ = grpo.grpo_loss(logp0, old, None, adv, mask, **kw)
+    assert not torch.allclose(plain, loss)

@@ -121,6 +121,8 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
     ratio, a = torch.exp(logp - logp.detach()), adv[:, None]  # on-policy: ratio 1, nothing clipped
     if loss_type == "cispo":  # the weight min(ratio, epsilon_high = 0.2), detached
         policy_term = -0.2 * a * logp
+    elif loss_type == "vespo":  # the gamma weight of the ratio 1 is 1
+        policy_term = -a * logp
     elif loss_type == "sapo":
         tau = torch.where(a > 0, 1.0, 1.05)
         policy_term = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
@@ -130,7 +132,7 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
     m = r.completion_mask.float() if counted is None else counted
     if loss_type in ("grpo", "sapo"):
         loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()  # a row with nothing counted adds 0
-    elif loss_type in ("dapo", "bnpo", "cispo"):
+    elif loss_type in ("dapo", "bnpo", "cispo", "vespo"):
         loss = (per_token * m).sum() / m.sum()
     elif loss_type == "luspo":
         loss = (per_token * m).sum() / ids.shape[0]
