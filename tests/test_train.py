@@ -624,3 +624,64 @@ def test_one_mini_batch_takes_the_old_log_probs_from_its_first_pass(tmp_path, mo
         forwards.update(grad=0, no_grad=0)
         train.update(run, batch, torch.randn(8, generator=torch.Generator().manual_seed(1)), 1)
         assert forwards == expected, mini  # micro-batches of 3 rows: 3 of the 8 rows, 2 of each 4-row mini-batch
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
+    """Two optimizer steps per step, a sync every 3 counted over the run: none in step 1; in step 2, after its
+    first optimizer step (the run's third), reference = alpha * that policy + (1 - alpha) * the initial weights;
+    in step 3, after its second (the sixth), alpha * policy + (1 - alpha) * the previous reference."""
+    import sharding
+    alpha = 0.3
+    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
+                       max_completion_length=4, steps_per_generation=2, sync_ref_model=True, ref_model_sync_steps=3,
+                       ref_model_mixup_alpha=alpha, lr=1e-2, save_every=0, max_steps=3)
+    run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+
+    def weights(model):
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+    init = weights(run.ref)
+    assert init.keys() == weights(run.policy).keys()
+    policy_after = []  # the policy's weights after each optimizer step
+    real_step = run.optimizer.step
+
+    def recording_step(*a, **k):
+        out = real_step(*a, **k)
+        policy_after.append(weights(run.policy))
+        return out
+    run.optimizer.step = recording_step
+    m1, _ = train.train_step(run, 1)
+    assert all(torch.equal(v, init[k]) for k, v in weights(run.ref).items())
+    m2, _ = train.train_step(run, 2)
+    expected = {k: alpha * policy_after[2][k] + (1 - alpha) * init[k] for k in init}
+    for k, v in weights(run.ref).items():
+        torch.testing.assert_close(v, expected[k], atol=1e-7, rtol=1e-6, msg=k)
+        assert not torch.equal(policy_after[2][k], policy_after[3][k])  # the third step's policy, not the fourth's
+    m3, _ = train.train_step(run, 3)
+    expected = {k: alpha * policy_after[5][k] + (1 - alpha) * expected[k] for k in init}
+    for k, v in weights(run.ref).items():
+        torch.testing.assert_close(v, expected[k], atol=1e-7, rtol=1e-6, msg=k)
+    assert not run.ref.training and not any(p.requires_grad for p in run.ref.parameters())
+    assert [m["ref_syncs"] for m in (m1, m2, m3)] == [0, 1, 2]
+
+
+def test_resume_with_a_synced_reference_is_exact(tmp_path, monkeypatch):
+    """The reference's weights are state once they are synced: 4 steps straight give the metrics and weights
+    of 2 steps, a stop and the same command again (the checkpoint of step 2 holds a synced reference, which
+    step 3's KL reads). A checkpoint without a reference does not resume a run that syncs one."""
+    flags = ["--steps_per_generation=2", "--sync_ref_model=true", "--ref_model_sync_steps=3", "--lr=1e-2",
+             "--save_every=2", "--prompts_per_step=4"]
+    straight, _, a = run_train(tmp_path / "a", monkeypatch, "--max_steps=4", *flags)
+    run_train(tmp_path / "b", monkeypatch, "--max_steps=2", *flags)
+    resumed, _, b = run_train(tmp_path / "b", monkeypatch, "--max_steps=4", *flags)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4] and resumed[-1]["ref_syncs"] == 2
+    timing = {"step_time", "generation_time", "update_time", "reward_time", "tokens_per_s"}
+    for x, y in zip(straight, resumed):
+        assert {k: v for k, v in x.items() if k not in timing} == {k: v for k, v in y.items() if k not in timing}
+    from safetensors.torch import load_file
+    wa, wb = (load_file(os.path.join(d, "model", "model.safetensors")) for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    run_train(tmp_path / "c", monkeypatch, "--max_steps=2", *flags[:1], *flags[3:])  # saved without sync_ref_model
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "c", monkeypatch, "--max_steps=4", *flags, "--resume=force")
+    assert "no reference model in it (saved by a run without sync_ref_model)" in str(e.value.code)
