@@ -429,7 +429,7 @@ def _local_tiny(cfg, d, name, write):
 
 
 def load_models(cfg, d, load_device):
-    """The tokenizer, the policy and the frozen reference (None when beta == 0 or with LoRA), each sharded."""
+    """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = functools.partial(model_loading.write_tiny_model, **tasks.TINY_MODELS.get(cfg.task, {}))
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
