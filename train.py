@@ -769,11 +769,11 @@ def train_step(run, step):
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped}
-    if cfg.sync_ref_model:  # the reference's syncs so far in the run
-        metrics["ref_syncs"] = optimizer_steps(cfg, step) // cfg.ref_model_sync_steps
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
+    if cfg.sync_ref_model:  # the reference's syncs so far in the run
+        metrics["ref_syncs"] = optimizer_steps(cfg, step) // cfg.ref_model_sync_steps
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 
