@@ -331,6 +331,18 @@ def split_micro_batches(micro, count):
     return micro
 
 
+def mini_batch_rows(num_rows, first_row, count, device=None):
+    """This rank's rows of each of `count` mini-batches (one optimizer step each): (num_rows / count,) indices each.
+
+    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is
+    every global row i with i % count == j. The split is then the same for any number of processes, every rank
+    holds as many rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G
+    consecutive completions is spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)
+    """
+    rows = torch.arange(num_rows, device=device)
+    return [rows[(rows + first_row) % count == j] for j in range(count)]
+
+
 # ----------------------------------------------------------------------------- advantages
 
 

@@ -197,13 +197,16 @@ def banner(run, resumed):
             else "prompts generated in code")
     funcs = ", ".join(f"{getattr(f, '__name__', type(f).__name__)} ({w:g})"
                       for f, w in zip(run.task.reward_funcs, run.weights))
+    reference = ("none (beta 0)" if cfg.beta == 0 else "the policy without adapters" if cfg.lora_rank else
+                 f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
+                 f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
+    minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
     lines = [
         f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable"
-        f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: "
-        f"{'none (beta 0)' if cfg.beta == 0 else 'the policy without adapters' if cfg.lora_rank else 'frozen copy'}",
+        f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: {reference}",
         f"task {cfg.task}: {data} | rewards: {funcs}",
-        f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, micro-batches of "
+        f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step{minis}, micro-batches of "
         f"{cfg.micro_batch_size}, up to {cfg.max_completion_length} new tokens, {cfg.max_steps} steps",
     ]
     if resumed["path"]:

@@ -154,6 +154,20 @@ def check_same_placement(policy, ref):
                            "the reference must be sharded on the policy's mesh and device")
 
 
+def mix_weights(target, source, alpha):
+    """target <- alpha * source + (1 - alpha) * target, parameter by parameter, in place (TR-DPO's reference update,
+    as TRL's SyncRefModelCallback does it). Both sharded alike (`check_same_placement`): each rank mixes its own
+    shards, no collective."""
+    for m in fsdp_modules(target) + fsdp_modules(source):
+        m.reshard()  # the registered parameters are then the shards (a root keeps its gathered ones after a forward)
+    with torch.no_grad():
+        for (name, t), (other, s) in zip(target.named_parameters(), source.named_parameters(), strict=True):
+            t, s = (p.to_local() if hasattr(p, "to_local") else p for p in (t, s))
+            if name != other or t.shape != s.shape:
+                raise RuntimeError(f"mix_weights: {name} {tuple(t.shape)} and {other} {tuple(s.shape)} do not match")
+            t.mul_(1 - alpha).add_(s, alpha=alpha)
+
+
 def fsdp_modules(root):
     """Every module with its own FSDP parameter group (the blocks and the root); none when unsharded."""
     from torch.distributed.fsdp import FSDPModule
@@ -379,7 +393,8 @@ def lock_out_dir(out_dir, d):
 # ----------------------------------------------------------------------------- checkpoints
 #
 # out_dir/checkpoints/step_00000004/
-#     __0_0.distcp ... .metadata    model and optimizer, torch.distributed.checkpoint (any world size loads them)
+#     __0_0.distcp ... .metadata    model and optimizer, and a reference that training updates (sync_ref_model),
+#                                    torch.distributed.checkpoint (any world size loads them)
 #     trainer.pt                     step, LR schedule, wandb run id (rank 0)
 #     rng_<rank>.pt                  torch / CUDA / Python random states of each rank
 #     manifest.json                  written last: file names and sizes; a folder without it is not a checkpoint
@@ -417,8 +432,11 @@ def first_non_finite(model):
     return next((n for (n, _), ok in zip(named, finite) if not ok), None)
 
 
-def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
+def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2, ref=None):
     """Write a complete checkpoint for `step` (collective: every rank calls it); keep the newest `keep`.
+
+    `ref`: a second model saved with them, where its weights are state too (a reference that sync_ref_model
+    updates); sharded as `model` is.
 
     RuntimeError on every rank, before anything is written or removed, when a parameter is not finite:
     such a checkpoint would replace the good ones it rotates out. disk.WriteError on every rank when a write
@@ -428,7 +446,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    free_gathered(model)  # the check below must see the shards, not the root group's gathered copies
+    for m in (model, ref) if ref is not None else (model,):
+        free_gathered(m)  # the check below must see the shards, not the root group's gathered copies
     bad = first_non_finite(model)
     problem = first_problem(bad and f"parameter {bad.removeprefix('lm.')} holds NaN or inf on rank {d.rank}", d)
     if problem is not None:
@@ -449,6 +468,8 @@ def save_checkpoint(out_dir, step, model, optimizer, trainer_state, d, keep=2):
     failed = first_problem(failed, d)
     if failed is None:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        if ref is not None:
+            state["ref"] = get_model_state_dict(ref)
         try:
             with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group, as asked
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -536,8 +557,15 @@ def _load_failure(e):
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def load_latest_checkpoint(out_dir, model, optimizer, d):
-    """Load the newest complete checkpoint in out_dir into model and optimizer (collective).
+def _saved_names(path):
+    """The names of the tensors (and other entries) a DCP checkpoint holds, from its metadata."""
+    import torch.distributed.checkpoint as dcp
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+
+
+def load_latest_checkpoint(out_dir, model, optimizer, d, ref=None):
+    """Load the newest complete checkpoint in out_dir into model and optimizer (collective); also into `ref`
+    when given (save_checkpoint's `ref`: a checkpoint saved without one is skipped).
 
     Returns the trainer state saved with it (step, LR schedule, wandb id, ...),
     or None when there is none. A damaged or incomplete checkpoint is skipped
@@ -559,8 +587,12 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
             problem = problem or "incomplete on another rank"
         if problem is None:
             try:
-                state = _copy_state({"model": get_model_state_dict(model),
-                                     "optim": get_optimizer_state_dict(model, optimizer)})
+                if ref is not None and not any(k.startswith("ref.") for k in _saved_names(path)):
+                    raise LookupError("no reference model in it (saved by a run without sync_ref_model)")
+                state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+                if ref is not None:  # saved only where asked for (save_checkpoint's `ref`)
+                    state["ref"] = get_model_state_dict(ref)
+                state = _copy_state(state)
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp.load(state, checkpoint_id=path, no_dist=d.world_size == 1)
@@ -578,6 +610,8 @@ def load_latest_checkpoint(out_dir, model, optimizer, d):
             continue
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
+        if ref is not None:
+            set_model_state_dict(ref, state["ref"])
         if rng is not None:
             _set_rng_state(rng)
         trainer_state["path"] = path

@@ -70,7 +70,9 @@ class Config:
     micro_batch_tokens: int = setting(0, run=False, at_least=0)  # > 0: instead, as many completions per
         # forward/backward as fit this many positions (rows x the longest row's prompt + completion): many short, few
         # long
-    num_iterations: int = setting(1, run=True, at_least=1)  # mu: optimizer steps on each generated batch
+    num_iterations: int = setting(1, run=True, at_least=1)  # mu: passes over each generated batch
+    steps_per_generation: int = setting(1, run=True, at_least=1)  # mini-batches each generated batch is split
+        # into, one optimizer step each (a pass makes this many); counted in optimizer steps, not TRL's micro-steps
     # optimisation
     lr: float = setting(1e-3, run=False, above=0)
     lr_schedule: str = setting("constant", run=False, choices=("constant", "linear", "cosine"))  # constant, linear or
@@ -84,6 +86,11 @@ class Config:
         # gradient (each one skipped, not applied) before the run stops
     # objective
     beta: float = setting(0.04, run=True, at_least=0)  # KL coefficient; 0 builds no reference model
+    sync_ref_model: bool = setting(False, run=True)  # TR-DPO: every ref_model_sync_steps optimizer steps, reference
+        # = alpha * policy + (1 - alpha) * reference (needs beta > 0, no LoRA)
+    ref_model_mixup_alpha: float = setting(0.6, run=True, at_least=0, at_most=1)  # alpha of sync_ref_model
+    ref_model_sync_steps: int = setting(512, run=True, at_least=1)  # optimizer steps between syncs, counted over
+        # the run
     epsilon: float = setting(0.2, run=True, above=0, below=1)  # clip range below: ratio >= 1 - epsilon
     epsilon_high: typing.Optional[float] = setting(None, run=True, above=0)  # clip range above (DAPO's clip-higher);
         # None = epsilon
@@ -237,6 +244,14 @@ def validate(cfg, world_size=1):
     cli.check(cfg)  # each field's own choices and bounds (its `setting`); below, what depends on several
     need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
          f"{cfg.prompts_per_step} prompts x {cfg.num_generations} generations do not split evenly over {world_size} processes")
+    rows, parts = cfg.prompts_per_step * cfg.num_generations, world_size * cfg.steps_per_generation
+    need(rows % parts == 0, "steps_per_generation",
+         f"{rows} completions per step do not split into {cfg.steps_per_generation} mini-batches of equal shares on "
+         f"each of {world_size} processes (they must divide by {parts})")
+    need(not cfg.sync_ref_model or cfg.beta > 0, "sync_ref_model",
+         "needs beta > 0 (beta 0 builds no reference model)")
+    need(not cfg.sync_ref_model or cfg.lora_rank == 0, "sync_ref_model",
+         "needs lora_rank=0 (with LoRA the reference is the policy without its adapters, nothing to sync)")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
@@ -325,10 +340,15 @@ def lr_factor(cfg, opt_step, total_opt_steps):
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def optimizer_steps(cfg, steps):
+    """Optimizer steps in the first `steps` steps: each pass over a step's batch makes one per mini-batch."""
+    return steps * cfg.num_iterations * cfg.steps_per_generation
+
+
 def set_hyperparameters(optimizer, cfg, opt_step):
     """This optimizer step's learning rate (a function of the step, so a resumed run follows the schedule of the
     settings it runs with) and the AdamW settings of the config (a loaded optimizer state brings its own)."""
-    lr = cfg.lr * lr_factor(cfg, opt_step, cfg.max_steps * cfg.num_iterations)
+    lr = cfg.lr * lr_factor(cfg, opt_step, optimizer_steps(cfg, cfg.max_steps))
     for group in optimizer.param_groups:
         group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     return lr
@@ -344,7 +364,7 @@ class Run:
     d: sharding.Dist
     tokenizer: object
     policy: sharding.Root               # the language model behind its (sharded) root wrapper
-    ref: typing.Optional[sharding.Root]  # the frozen reference; None when beta == 0 or with LoRA
+    ref: typing.Optional[sharding.Root]  # the reference (frozen unless sync_ref_model); None when beta == 0 or LoRA
     eos_ids: list
     task: tasks.Task
     weights: list                       # one per reward function
@@ -421,7 +441,7 @@ def _local_tiny(cfg, d, name, write):
 
 
 def load_models(cfg, d, load_device):
-    """The tokenizer, the policy and the frozen reference (None when beta == 0 or with LoRA), each sharded."""
+    """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = functools.partial(model_loading.write_tiny_model, **tasks.TINY_MODELS.get(cfg.task, {}))
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
@@ -675,95 +695,143 @@ def reference_logprobs(run, ids, mask, micro):
     return logp
 
 
-def update(run, batch, advantages, step):
-    """Reference log-probs, then mu optimizer steps, each a micro-batched loss and backward, clip, step.
+def sampling_logprobs(run, ids, mask, micro):
+    """The policy's (log-probs, entropies) at its current weights, without gradient: one pair per micro-batch.
+    Before the step's first optimizer step, these are the weights that sampled."""
+    cfg, policy = run.cfg, run.policy
+    with torch.no_grad():
+        return [policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
+                       compile_layers=cfg.compile_layers) for mb in micro]
 
-    The first pass's forward is also the old policy's (the weights that sampled): its log-probs, kept, are
-    the old log-probs of the later passes, and are compared with the sampler's (`sampler_logprob_diff`).
+
+def update(run, batch, advantages, step):
+    """Reference log-probs, then mu passes over the batch, each one optimizer step per mini-batch
+    (steps_per_generation): the mini-batch's micro-batched loss and backward, clip, step.
+
+    Each mini-batch's loss is normalised by its own counts over all ranks, so an optimizer step's gradient is
+    that of its mini-batch alone (with one mini-batch, the whole batch's). The old log-probs are those of the
+    weights that sampled. With one mini-batch, the first pass's forward is at those weights: its log-probs,
+    kept, are the old log-probs of the later passes. With several, mini-batch 2's first forward comes after an
+    optimizer step, so a forward without gradient takes every row's old log-probs first (as TRL then does).
+    Either way they are compared with the sampler's (`sampler_logprob_diff`). With sync_ref_model the
+    reference is mixed toward the policy after every ref_model_sync_steps-th optimizer step of the run; this
+    step's reference log-probs were taken before (TRL takes them when it generates).
     Returns the sums and maxima behind the step's metrics (on this rank), the gradient norm and learning
     rate of the last optimizer step, and how many optimizer steps were skipped.
     """
     cfg, d, policy = run.cfg, run.d, run.policy
     objective = grpo.Objective.of(cfg)
+    n_mini = cfg.steps_per_generation
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
     T = batch.rollout.completion_ids.shape[1]
     loss_mask = batch.rollout.policy_mask.float()  # (n, T) the policy's tokens: an environment's are context only
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
-    # normalisers over the whole batch on all ranks, so any world size gives the same gradient
-    N = batch.prompt_ids.shape[0] * d.world_size
-    num_tokens = torch.tensor(sharding.all_reduce_sum([loss_mask.sum().item()], d)[0], device=d.device).clamp(min=1)
-    # rows of similar length together, each micro-batch cut to the columns its rows use
-    micro = grpo.micro_batches(mask, loss_mask, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    # mini-batch j: the step's rows i with i % n_mini == j, whatever the world size (n / n_mini of them on each rank);
+    # its normalisers over all ranks, so any world size gives the same gradient
+    rows = grpo.mini_batch_rows(ids.shape[0], batch.mine.start, n_mini, d.device)
+    N = batch.prompt_ids.shape[0] * d.world_size // n_mini
+    num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
+                  for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
+    # in each, rows of similar length together, each micro-batch cut to the columns its rows use
+    minis = [[grpo.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
+              for mb in grpo.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+             for r in rows]
     if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
-        count = sharding.all_gather_rows(torch.tensor([len(micro)], device=d.device), d).max().item()
-        micro = grpo.split_micro_batches(micro, count)
-    ref_logp = reference_logprobs(run, ids, mask, micro) if cfg.beta > 0 else None
-    threshold = entropy_threshold(run, ids, mask, micro, loss_mask) if cfg.top_entropy_quantile < 1 else None
-    old_logp, is_weight = [None] * len(micro), [None] * len(micro)  # filled by the first pass
-    # |trainer - sampler| log-prob over the counted tokens, summed and largest (the first pass)
+        counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
+        minis = [grpo.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
+    ref_logp = [reference_logprobs(run, ids, mask, m) for m in minis] if cfg.beta > 0 else None
+    old_logp, is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
+    # |trainer - sampler| log-prob over the counted tokens, summed and largest (at the weights that sampled)
     lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
+
+    def keep_old(j, i, mb, logp):  # log-probs at the weights that sampled: pi_old, compared with the sampler's
+        nonlocal lp_diff_sum, lp_diff_max, lp_diff_tokens
+        old_logp[j][i] = logp
+        mb_mask, sampler = loss_mask[mb.rows, :mb.t], batch.rollout.logprobs[mb.rows, :mb.t]
+        diff = (logp - sampler).abs() * mb_mask
+        lp_diff_sum, lp_diff_tokens = lp_diff_sum + diff.sum(), lp_diff_tokens + mb_mask.sum()
+        lp_diff_max = torch.maximum(lp_diff_max, diff.max())
+        if cfg.importance_sampling != "none":
+            is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
+                                                      cfg.importance_sampling_min, cfg.importance_sampling_max)
+
+    threshold = [None] * n_mini  # each mini-batch's entropy quantile
+    if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
+        for j, micro in enumerate(minis):
+            out = sampling_logprobs(run, ids, mask, micro)
+            for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
+                keep_old(j, i, mb, logp)
+            if cfg.top_entropy_quantile < 1:
+                threshold[j] = entropy_threshold(run, ids, mask, micro, loss_mask, [e for _, e in out])
+    elif cfg.top_entropy_quantile < 1:
+        threshold[0] = entropy_threshold(run, ids, mask, minis[0], loss_mask)
 
     skipped = 0
     for iteration in range(cfg.num_iterations):
+        # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
+        # summed over its n_mini optimizer steps, is divided by n_mini below (an optimizer step's mean loss)
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
                 "is_weight": 0.0, "kept": 0.0}
-        for i, mb in enumerate(micro):
-            logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                   width=mb.width, compile_layers=cfg.compile_layers,
-                                   entropy_grad=cfg.entropy_coef != 0)
-            mb_mask = loss_mask[mb.rows, :mb.t]
-            if iteration == 0:  # the weights that sampled: this forward is the old policy's
-                old_logp[i] = logp.detach()
-                sampler = batch.rollout.logprobs[mb.rows, :mb.t]
-                diff = (old_logp[i] - sampler).abs() * mb_mask
-                lp_diff_sum, lp_diff_tokens = lp_diff_sum + diff.sum(), lp_diff_tokens + mb_mask.sum()
-                lp_diff_max = torch.maximum(lp_diff_max, diff.max())
-                if cfg.importance_sampling != "none":
-                    is_weight[i] = grpo.importance_weights(old_logp[i], sampler, mb_mask, cfg.importance_sampling,
-                                                           cfg.importance_sampling_min, cfg.importance_sampling_max)
-            keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
-                                 mb_mask, threshold)
-            loss, m = grpo.grpo_loss(logp, old_logp[i], ref_logp[i] if ref_logp is not None else None,
-                                     advantages[mb.rows], mb_mask, objective, num_sequences=N, num_tokens=num_tokens,
-                                     is_weight=is_weight[i], keep=keep, entropy=entropy)
-            # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
-            (loss * d.world_size).backward()
-            sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read
-            for k in ("kl", "clip_low", "clip_high"):
-                sums[k] += m[k] * m["tokens"]
-            sums["entropy"] += (entropy.detach() * mb_mask).sum()
-            sums["tokens"] += m["tokens"]
-            if is_weight[i] is not None:
-                sums["is_weight"] += (is_weight[i] * mb_mask).sum()
-            if keep is not None:
-                sums["kept"] += (keep * mb_mask).sum()
-        grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-        # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
-        # rank alike (the loss summed over ranks)
-        loss_sum = sharding.all_reduce_sum([torch.as_tensor(sums["loss"], dtype=torch.float32).item()], d)[0]
-        lr = set_hyperparameters(run.optimizer, cfg, (step - 1) * cfg.num_iterations + iteration)
-        if math.isfinite(grad_norm.item()) and math.isfinite(loss_sum):
-            run.optimizer.step()
-            run.bad_steps = 0
-        else:
-            skipped += 1
-            run.bad_steps += 1
-        run.optimizer.zero_grad(set_to_none=True)
+        for j, micro in enumerate(minis):
+            step_loss = 0.0  # this optimizer step's loss on this rank
+            for i, mb in enumerate(micro):
+                logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                                       width=mb.width, compile_layers=cfg.compile_layers,
+                                       entropy_grad=cfg.entropy_coef != 0)
+                mb_mask = loss_mask[mb.rows, :mb.t]
+                if old_logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
+                    keep_old(j, i, mb, logp.detach())
+                keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
+                                     mb_mask, threshold[j])
+                loss, m = grpo.grpo_loss(logp, old_logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
+                                         advantages[mb.rows], mb_mask, objective, num_sequences=N,
+                                         num_tokens=num_tokens[j], is_weight=is_weight[j][i], keep=keep,
+                                         entropy=entropy)
+                # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
+                (loss * d.world_size).backward()
+                step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
+                sums["loss"] += loss.detach()
+                for k in ("kl", "clip_low", "clip_high"):
+                    sums[k] += m[k] * m["tokens"]
+                sums["entropy"] += (entropy.detach() * mb_mask).sum()
+                sums["tokens"] += m["tokens"]
+                if is_weight[j][i] is not None:
+                    sums["is_weight"] += (is_weight[j][i] * mb_mask).sum()
+                if keep is not None:
+                    sums["kept"] += (keep * mb_mask).sum()
+            grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+            # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
+            # rank alike (the loss summed over ranks)
+            loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
+            opt_step = ((step - 1) * cfg.num_iterations + iteration) * n_mini + j  # the run's optimizer steps before
+            lr = set_hyperparameters(run.optimizer, cfg, opt_step)
+            if math.isfinite(grad_norm.item()) and math.isfinite(loss_sum):
+                run.optimizer.step()
+                run.bad_steps = 0
+            else:
+                skipped += 1
+                run.bad_steps += 1
+            run.optimizer.zero_grad(set_to_none=True)
+            # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so
+            # a resumed run syncs where an uninterrupted one does
+            if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
+                sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
+    sums["loss"] = sums["loss"] / n_mini
     sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff_sum, lp_diff_tokens
     return sums, lp_diff_max, grad_norm, lr, skipped
 
 
-def entropy_threshold(run, ids, mask, micro, loss_mask):
-    """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of the step, on every
-    rank, at the weights that sampled: one forward without gradient per micro-batch, so that the tokens kept do
-    not depend on how the batch is split (TRL takes the quantile over each micro-batch). None without tokens."""
-    cfg, d, policy = run.cfg, run.d, run.policy
-    with torch.no_grad():
-        local = torch.cat([policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                  width=mb.width, compile_layers=cfg.compile_layers)[1][loss_mask[mb.rows, :mb.t] > 0]
-                           for mb in micro]).float()
+def entropy_threshold(run, ids, mask, micro, loss_mask, entropy=None):
+    """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of `micro` (a mini-batch),
+    on every rank, at the weights that sampled: their `entropy` (one per micro-batch), or else one forward without
+    gradient per micro-batch, so that the tokens kept do not depend on how the mini-batch is split (TRL takes
+    the quantile over each micro-batch). None without tokens."""
+    cfg, d = run.cfg, run.d
+    if entropy is None:
+        entropy = [e for _, e in sampling_logprobs(run, ids, mask, micro)]
+    local = torch.cat([e[loss_mask[mb.rows, :mb.t] > 0] for e, mb in zip(entropy, micro)]).float()
     if d.world_size > 1:  # every rank's tokens, each rank's padded with NaN to the most any rank has
         most = int(sharding.all_gather_rows(torch.tensor([local.numel()], device=d.device), d).max().item())
         padded = torch.full((most,), float("nan"), device=local.device)
@@ -807,7 +875,7 @@ def train_step(run, step):
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
-              f"(grad_norm {grad_norm.item():.3g}); the weights are unchanged", flush=True)
+              f"(last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were", flush=True)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
@@ -816,16 +884,24 @@ def train_step(run, step):
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
+    if cfg.sync_ref_model:  # the reference's syncs so far in the run
+        metrics["ref_syncs"] = optimizer_steps(cfg, step) // cfg.ref_model_sync_steps
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
+def synced_ref(run):
+    """The reference when its weights are state (sync_ref_model mixes the policy into them), else None: a frozen
+    reference is rebuilt from the initial weights, and is not in checkpoints."""
+    return run.ref if run.cfg.sync_ref_model else None
+
+
 def resume(run):
     """Load out_dir's newest complete checkpoint, if any; the trainer state saved with it (step, wandb id, path,
     world size), or None."""
-    resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d)
+    resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d, ref=synced_ref(run))
     if resumed is not None:
         run.bad_steps = resumed.get("bad_steps", 0)
     return resumed
@@ -935,7 +1011,7 @@ def save(run, step, run_id):
                      "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
     try:
         path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
-                                        keep=run.cfg.keep_checkpoints)
+                                        keep=run.cfg.keep_checkpoints, ref=synced_ref(run))
     except RuntimeError as e:  # non-finite weights: nothing is written, the earlier checkpoints stay
         raise SystemExit(str(e)) from e
     if run.d.master:

@@ -6,6 +6,7 @@ Records, in out_dir:
   tokens_rank<r>.jsonl   every rollout's sampled token ids on rank r, one line per step
   after_rank<r>.json     checks on the reference model and the policy once training is done
   logits.pt              (rank 0) the trained policy's logits on a fixed input, to compare with the export
+  ref.pt                 (rank 0, with sync_ref_model) the reference's full weights at the end
   sample_rank<r>.json    (several processes) sampling when ranks' completions end at different lengths
   finished_rank<r>       written when all of rank r's work is done: what is left is the teardown and the exit
 """
@@ -137,6 +138,8 @@ def main(argv):
     report = {"full_state_dict_keys": sorted(policy_full)}  # full tensors land on rank 0 only
     if rank == 0:
         report["ref_unchanged"] = all(torch.equal(ref_full[k], initial[k]) for k in initial)
+        if cfg.sync_ref_model:  # the reference training mixed the policy into, to compare across world sizes
+            torch.save(ref_full, os.path.join(out_dir, "ref.pt"))
         report["policy_changed"] = any(not torch.equal(policy_full[k], initial[k]) for k in initial)
     report.update({
         "ref_eval": not ref.training,

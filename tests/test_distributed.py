@@ -294,6 +294,36 @@ def test_other_objectives_agree_across_ranks(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+def test_mini_batches_and_a_synced_reference_agree_across_ranks(tmp_path):
+    """steps_per_generation=2 with num_iterations=2 (4 optimizer steps a step), token-budget micro-batches in each
+    mini-batch, each mini-batch's entropy quantile gathered over ranks, and the reference synced every 3 optimizer
+    steps on each rank's shards: 2 processes, stopped after step 2 and resumed (the checkpoint holds the synced
+    reference, which step 3's KL reads), train as 1 process does straight, and end with the same reference."""
+    flags = ["--save_every=2", "--steps_per_generation=2", "--num_iterations=2", "--micro_batch_tokens=60",
+             "--top_entropy_quantile=0.5", "--sync_ref_model=true", "--ref_model_sync_steps=3", *FLAGS]
+    dirs = {w: str(tmp_path / f"p{w}") for w in (1, 2)}
+
+    def two_processes_resumed():
+        launch(RUN_TRAIN, [f"--out_dir={dirs[2]}", "--max_steps=2", *flags], 2)
+        return launch(RUN_TRAIN, [f"--out_dir={dirs[2]}", "--max_steps=3", *flags], 2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        resumed = pool.submit(two_processes_resumed)
+        pool.submit(launch, RUN_TRAIN, [f"--out_dir={dirs[1]}", "--max_steps=3", *flags], 1).result()
+        assert "step_00000002" in resumed.result().split("resuming from")[1].splitlines()[0]
+    runs = {w: metrics(dirs[w]) for w in (1, 2)}
+    assert [m["step"] for m in runs[2]] == [1, 2, 3] and [m["ref_syncs"] for m in runs[2]] == [1, 2, 4]
+    for a, b in zip(runs[1], runs[2]):
+        assert a["reward"] == b["reward"] and a["kept_frac"] == b["kept_frac"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-9)
+    assert runs[2][2]["kl"] > 0
+    refs = {w: torch.load(os.path.join(dirs[w], "ref.pt")) for w in (1, 2)}
+    for k in refs[1]:
+        torch.testing.assert_close(refs[2][k], refs[1][k], rtol=0, atol=1e-5, msg=k)
+    assert not json.load(open(os.path.join(dirs[2], "after_rank0.json")))["ref_unchanged"]
+
+
 LAYOUT_WORKER = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
