@@ -111,7 +111,14 @@ class Config:
     top_entropy_quantile: float = setting(1.0, run=True, at_least=0, at_most=1)  # the policy term on the top fraction
         # of tokens by entropy only; 1 = all
     entropy_coef: float = setting(0.0, run=True)  # entropy bonus: minus this times the mean entropy over counted
-        # tokens
+        # tokens (with use_adaptive_entropy: the coefficient it starts from)
+    use_adaptive_entropy: bool = setting(False, run=True)  # Skywork-OR1's control: after each optimizer step the
+        # coefficient moves by entropy_coef_delta, up while the mean entropy is at or below entropy_target, else down,
+        # and it applies only then (README: "Entropy bonus")
+    entropy_target: float = setting(0.2, run=True, at_least=0)  # use_adaptive_entropy: the mean entropy (nats) kept
+    entropy_coef_delta: float = setting(0.005, run=True, at_least=0)  # use_adaptive_entropy: the step of the coefficient
+    entropy_coef_min: float = setting(0.0, run=True, at_least=0)  # use_adaptive_entropy: its bounds
+    entropy_coef_max: float = setting(1.0, run=True, at_least=0)
     off_policy_mask_threshold: typing.Optional[float] = setting(None, run=True, at_least=0)
         # drop negative-advantage sequences whose mean log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None =
         # off
@@ -257,6 +264,8 @@ def validate(cfg, world_size=1):
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
     need(cfg.loss_type != "vespo" or cfg.importance_sampling_level == "token", "importance_sampling_level",
          "vespo makes its own sequence ratio from the token ratios: leave importance_sampling_level=token")
+    need(cfg.entropy_coef_max >= cfg.entropy_coef_min, "entropy_coef_max",
+         f"must be >= entropy_coef_min ({cfg.entropy_coef_min}), got {cfg.entropy_coef_max}")
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
@@ -372,6 +381,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     agent: typing.Optional[agents.Agent] = None  # tools / environment of multi-turn rollouts, or None
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
+    entropy_coef: float = 0.0           # the entropy bonus's coefficient, which use_adaptive_entropy moves
+    last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
 
 
 def setup(cfg, d):
@@ -392,7 +403,8 @@ def setup(cfg, d):
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
-    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent)
+    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
+               entropy_coef=cfg.entropy_coef)
 
 
 def load_agent(cfg, tokenizer, eos_ids, task, weights):
@@ -775,11 +787,12 @@ def update(run, batch, advantages, step):
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
                 "is_weight": 0.0, "kept": 0.0}
         for j, micro in enumerate(minis):
-            step_loss = 0.0  # this optimizer step's loss on this rank
+            step_loss = step_entropy = 0.0  # this optimizer step's loss and entropy sum on this rank
+            objective = dataclasses.replace(objective, entropy_coef=entropy_bonus(run))
             for i, mb in enumerate(micro):
                 logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                        width=mb.width, compile_layers=cfg.compile_layers,
-                                       entropy_grad=cfg.entropy_coef != 0)
+                                       entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy)
                 mb_mask = loss_mask[mb.rows, :mb.t]
                 if old_logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
                     keep_old(j, i, mb, logp.detach())
@@ -795,6 +808,7 @@ def update(run, batch, advantages, step):
                 sums["loss"] += loss.detach()
                 for k in ("kl", "clip_low", "clip_high"):
                     sums[k] += m[k] * m["tokens"]
+                step_entropy += (entropy.detach() * mb_mask).sum()
                 sums["entropy"] += (entropy.detach() * mb_mask).sum()
                 sums["tokens"] += m["tokens"]
                 if is_weight[j][i] is not None:
@@ -818,9 +832,30 @@ def update(run, batch, advantages, step):
             # a resumed run syncs where an uninterrupted one does
             if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
                 sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
+            if cfg.use_adaptive_entropy:  # this optimizer step's mean entropy over every rank's counted tokens
+                control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
     sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff_sum, lp_diff_tokens
     return sums, lp_diff_max, grad_norm, lr, skipped
+
+
+def entropy_bonus(run):
+    """The entropy bonus's coefficient for the next optimizer step: entropy_coef, or with use_adaptive_entropy the
+    controlled coefficient where the last step's mean entropy was at or below entropy_target, else 0."""
+    cfg = run.cfg
+    if not cfg.use_adaptive_entropy:
+        return cfg.entropy_coef
+    return run.entropy_coef if run.last_entropy is not None and run.last_entropy <= cfg.entropy_target else 0.0
+
+
+def control_entropy(run, entropy):
+    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy), after each optimizer step: the
+    coefficient goes up by entropy_coef_delta while the mean entropy is at or below entropy_target, else down,
+    within [entropy_coef_min, entropy_coef_max]; the entropy is kept for `entropy_bonus`."""
+    cfg = run.cfg
+    step = cfg.entropy_coef_delta if entropy <= cfg.entropy_target else -cfg.entropy_coef_delta
+    run.entropy_coef = min(max(run.entropy_coef + step, cfg.entropy_coef_min), cfg.entropy_coef_max)
+    run.last_entropy = entropy
 
 
 def entropy_threshold(run, ids, mask, micro, loss_mask, entropy=None):
@@ -880,7 +915,8 @@ def train_step(run, step):
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
-               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic}
+               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic,
+               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {})}
     step_time = time.time() - t0
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
@@ -904,6 +940,8 @@ def resume(run):
     resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d, ref=synced_ref(run))
     if resumed is not None:
         run.bad_steps = resumed.get("bad_steps", 0)
+        control = resumed.get("entropy_control", {})  # use_adaptive_entropy's state
+        run.entropy_coef, run.last_entropy = control.get("coef", run.entropy_coef), control.get("last_entropy")
     return resumed
 
 
@@ -1008,6 +1046,7 @@ def save(run, step, run_id):
     """A checkpoint of this step (every rank writes its shard); its folder."""
     t = time.time()
     trainer_state = {"wandb_id": run_id, "bad_steps": run.bad_steps,  # the learning rate is a function of the step
+                     "entropy_control": {"coef": run.entropy_coef, "last_entropy": run.last_entropy},
                      "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
     try:
         path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,

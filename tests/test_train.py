@@ -687,3 +687,56 @@ def test_resume_with_a_synced_reference_is_exact(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         run_train(tmp_path / "c", monkeypatch, "--max_steps=4", *flags, "--resume=force")
     assert "no reference model in it (saved by a run without sync_ref_model)" in str(e.value.code)
+
+
+@pytest.mark.parametrize("target, start, high, final", [(10.0, 0.01, 1.0, 0.05), (0.0, 0.012, 1.0, 0.0),
+                                                        (10.0, 0.01, 0.022, 0.022)],
+                         ids=["below-target", "above-target", "at-the-bound"])
+def test_adaptive_entropy_control_follows_its_rule(tmp_path, target, start, high, final):
+    """use_adaptive_entropy: the coefficient each optimizer step applies (seen by grpo_loss) and the one it ends
+    with, against the controller written out over the entropies of the tokens each optimizer step counted."""
+    import sharding
+    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
+                       max_completion_length=4, micro_batch_size=2, num_iterations=2, steps_per_generation=2,
+                       entropy_coef=start, use_adaptive_entropy=True, entropy_target=target, entropy_coef_delta=0.005,
+                       entropy_coef_max=high, save_every=0)
+    run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    steps = [[]]  # per optimizer step: (coefficient applied, entropy sum, tokens) of each micro-batch
+    loss, opt_step = grpo.grpo_loss, run.optimizer.step
+
+    def recording_loss(logp, old, ref, adv, mask, objective, **kw):
+        steps[-1].append((objective.entropy_coef, (kw["entropy"] * mask).sum().item(), mask.sum().item()))
+        return loss(logp, old, ref, adv, mask, objective, **kw)
+
+    def recording_step(*a, **k):
+        steps.append([])
+        return opt_step(*a, **k)
+    grpo.grpo_loss, run.optimizer.step = recording_loss, recording_step
+    try:
+        for step in (1, 2):
+            metrics, _ = train.train_step(run, step)
+    finally:
+        grpo.grpo_loss = loss
+    steps = steps[:-1]
+    assert len(steps) == 8 and all(len(s) >= 2 for s in steps)
+    coef, last = start, None
+    for micro in steps:
+        applied = coef if last is not None and last <= target else 0.0
+        assert [c for c, _, _ in micro] == [applied] * len(micro)
+        last = sum(e for _, e, _ in micro) / sum(t for _, _, t in micro)
+        coef = min(max(coef + (0.005 if last <= target else -0.005), 0.0), high)
+    assert run.entropy_coef == pytest.approx(coef) and metrics["entropy_coef"] == run.entropy_coef
+    assert run.last_entropy == pytest.approx(last)
+    assert coef == pytest.approx(final)
+
+
+def test_resume_with_adaptive_entropy_is_exact(tmp_path, monkeypatch):
+    """The controlled coefficient and the last entropy are state: saved with a checkpoint and taken up again."""
+    flags = ["--use_adaptive_entropy=true", "--entropy_target=10", "--entropy_coef_delta=0.01", "--lr=1e-2",
+             "--save_every=2", "--prompts_per_step=4"]
+    straight, _, _ = run_train(tmp_path / "a", monkeypatch, "--max_steps=4", *flags)
+    run_train(tmp_path / "b", monkeypatch, "--max_steps=2", *flags)
+    resumed, _, _ = run_train(tmp_path / "b", monkeypatch, "--max_steps=4", *flags)
+    assert [m["entropy_coef"] for m in resumed] == [m["entropy_coef"] for m in straight]
+    assert straight[-1]["entropy_coef"] == pytest.approx(0.04)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]
