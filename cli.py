@@ -14,7 +14,9 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import re
+import sys
 import textwrap
 import typing
 
@@ -179,7 +181,10 @@ def parse(cls, argv, presets=None, doc=""):
     """An instance of dataclass `cls` from argv; a --preset=NAME's values first, so every other setting wins."""
     presets = presets or {}
     if "--help" in argv or "-h" in argv:
-        print(help_text(cls, doc, presets))
+        try:
+            print(help_text(cls, doc, presets), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; say nothing more (not even at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     cfg, hints = cls(), typing.get_type_hints(cls)
     pairs = _pairs(cls, argv)

@@ -569,7 +569,7 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
 
 @dataclass(frozen=True)
 class Objective:
-    """The settings of the loss, by the names of train.py's Config fields (`Objective.of(cfg)` copies them): a new
+    """The settings of the loss, by the names of config.py's Config fields (`Objective.of(cfg)` copies them): a new
     setting of the objective is a field here and one there. README: "The objective" maps papers onto them."""
     loss_type: str = "grpo"               # a policy term (POLICY_TERM) and an aggregation (AGGREGATION)
     beta: float = 0.04                    # the k3 KL's coefficient; 0 = no KL term

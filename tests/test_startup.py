@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cli
+import config
 import grpo
 import run_log
 import tasks
@@ -51,16 +52,16 @@ def test_a_config_error_comes_before_torch_is_imported():
 
 
 def test_settings_checked_early_are_those_checked_later():
-    """The choices train.py checks before the imports are what grpo.py and tasks.py accept."""
-    assert train.LOSS_TYPES == grpo.LOSS_TYPES
-    assert train.IMPORTANCE_SAMPLING == grpo.IMPORTANCE_SAMPLING
-    assert train.IMPORTANCE_SAMPLING_LEVELS == grpo.IMPORTANCE_SAMPLING_LEVELS
+    """The choices config.py declares (checked before the imports) are what grpo.py and tasks.py accept."""
+    assert config.LOSS_TYPES == grpo.LOSS_TYPES
+    assert config.IMPORTANCE_SAMPLING == grpo.IMPORTANCE_SAMPLING
+    assert config.IMPORTANCE_SAMPLING_LEVELS == grpo.IMPORTANCE_SAMPLING_LEVELS
 
 
 def test_every_objective_setting_defines_the_run():
     """Each Config field of the objective section (between `# objective` and `# sampling`), and each setting the
     loss reads (grpo.Objective), is declared run=True, so that resuming with another objective stops."""
-    source = open(os.path.join(ROOT, "train.py")).read()
+    source = open(os.path.join(ROOT, "config.py")).read()
     section = source.split("    # objective\n", 1)[1].split("    # sampling\n", 1)[0]
     names = [line.split(":", 1)[0].strip() for line in section.splitlines()
              if line.startswith("    ") and not line.startswith("     ") and ":" in line]
@@ -69,7 +70,7 @@ def test_every_objective_setting_defines_the_run():
     assert set(names) <= fields
     assert [n for n in names if n not in train.RUN_KEYS] == []
     assert [f.name for f in dataclasses.fields(grpo.Objective) if f.name not in train.RUN_KEYS] == []
-    assert train.TASKS == tasks.TASKS
+    assert config.TASKS == tasks.TASKS
 
 
 def test_a_setting_must_say_whether_it_defines_the_run():

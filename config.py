@@ -1,0 +1,256 @@
+"""The settings of a run: the `Config` dataclass, each field declared once with what it accepts and whether it
+defines the run (cli.setting), the named presets, and the checks that involve several settings.
+
+Nothing heavy is imported here (no torch, transformers or datasets), so that `python train.py --lr=-1` answers
+at once; train.py reads the command line into a Config (train.parse_config) and checks it before its imports.
+Every field is a command-line setting, --key=value or --key value; `python train.py --help` lists them all.
+"""
+
+import math
+import os
+import typing
+from dataclasses import dataclass
+
+import cli
+import executor  # no heavy imports either: the sandbox's modes are a setting
+from cli import ConfigError, setting
+
+
+def _env(name, default, **kw):  # a Config setting whose default an environment variable may set (wandb's usual ones)
+    return setting(factory=lambda: os.environ.get(name, default), **kw)
+
+
+# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
+# (both import it); tests/test_startup.py checks that they agree.
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
+
+
+@dataclass
+class Config:
+    # model
+    model: str = setting("tiny", run=True)  # local folder or hub id; "tiny" builds a 2-layer byte-level model
+    model_init_kwargs: dict = setting(factory=lambda: {"attn_implementation": "sdpa"}, run=False)
+        # for from_pretrained; no dtype = float32 weights (bf16 compute under torchrun on a GPU)
+    gradient_checkpointing: bool = setting(False, run=False)  # recompute each layer in backward: less activation
+        # memory, ~1/3 more compute
+    device: str = setting("auto", run=False)  # auto (cuda when available), cpu or cuda
+    threads: int = setting(0, run=False, at_least=0)  # CPU threads of each process's torch operations; 0 =
+        # OMP_NUM_THREADS (torchrun sets 1 for several processes), else the cores shared out among this node's
+        # processes. A machine others use too: try 1 (README)
+    # task and rewards
+    task: str = setting("next_letter", run=True, choices=TASKS)  # where prompts come from and how they are scored
+        # (tasks.get_task)
+    reward_funcs: str = setting("", run=True)  # your own reward functions instead of the task's, comma-separated
+        # file.py:name or package.module:name (README: "Your own reward functions")
+    reward_weights: list = setting(factory=list, run=True)  # one per reward function, comma-separated; empty =
+        # defaults
+    sandbox: str = setting("auto", run=False, choices=executor.SANDBOX_MODES)  # model-written code (task code, the
+        # python tool): auto or strict = Linux namespaces, refusing where there are none; unsafe = limits only
+        # (README)
+    # batch
+    num_generations: int = setting(8, run=True, at_least=2)  # G, completions per prompt
+    prompts_per_step: int = setting(16, run=True, at_least=1)  # prompts per optimizer step, over all processes
+    dynamic_sampling: bool = setting(False, run=True)  # DAPO: drop groups whose rewards all match and draw more
+        # prompts until prompts_per_step groups have a signal (README: "Dynamic sampling")
+    max_generation_rounds: int = setting(4, run=True, at_least=1)  # dynamic_sampling: rounds of prompts_per_step
+        # prompts drawn at most; then the step fills up with groups without a signal
+    micro_batch_size: int = setting(16, run=False, at_least=1)  # completions per forward/backward (gradient
+        # accumulation)
+    micro_batch_tokens: int = setting(0, run=False, at_least=0)  # > 0: instead, as many completions per
+        # forward/backward as fit this many positions (rows x the longest row's prompt + completion): many short, few
+        # long
+    num_iterations: int = setting(1, run=True, at_least=1)  # mu: passes over each generated batch
+    steps_per_generation: int = setting(1, run=True, at_least=1)  # mini-batches each generated batch is split
+        # into, one optimizer step each (a pass makes this many); counted in optimizer steps, not TRL's micro-steps
+    # optimisation
+    lr: float = setting(1e-3, run=False, above=0)
+    lr_schedule: str = setting("constant", run=False, choices=("constant", "linear", "cosine"))  # constant, linear or
+        # cosine (to 0 at max_steps, after warmup)
+    warmup_steps: int = setting(0, run=False, at_least=0)
+    weight_decay: float = setting(0.0, run=False, at_least=0)
+    adam_beta1: float = setting(0.9, run=False, at_least=0, below=1)
+    adam_beta2: float = setting(0.99, run=False, at_least=0, below=1)
+    max_grad_norm: float = setting(1.0, run=False, above=0)
+    max_bad_steps: int = setting(3, run=False, at_least=1)  # optimizer steps in a row with a non-finite loss or
+        # gradient (each one skipped, not applied) before the run stops
+    # objective
+    beta: float = setting(0.04, run=True, at_least=0)  # KL coefficient; 0 builds no reference model
+    sync_ref_model: bool = setting(False, run=True)  # TR-DPO: every ref_model_sync_steps optimizer steps, reference
+        # = alpha * policy + (1 - alpha) * reference (needs beta > 0, no LoRA)
+    ref_model_mixup_alpha: float = setting(0.6, run=True, at_least=0, at_most=1)  # alpha of sync_ref_model
+    ref_model_sync_steps: int = setting(512, run=True, at_least=1)  # optimizer steps between syncs, counted over
+        # the run
+    epsilon: float = setting(0.2, run=True, above=0, below=1)  # clip range below: ratio >= 1 - epsilon
+    epsilon_high: typing.Optional[float] = setting(None, run=True, above=0)  # clip range above (DAPO's clip-higher);
+        # None = epsilon
+    loss_type: str = setting("grpo", run=True, choices=LOSS_TYPES)  # TRL's names: a policy term and an aggregation
+        # (README: "The objective"): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo, vespo
+    importance_sampling_level: str = setting("token", run=True, choices=IMPORTANCE_SAMPLING_LEVELS)  # the ratio pi /
+        # pi_old per token, or per sequence (GSPO)
+    delta: typing.Optional[float] = setting(None, run=True, above=1)  # two-sided clip: the unclipped ratio also
+        # capped at delta (INTELLECT-2)
+    sapo_temperature_pos: float = setting(1.0, run=True, above=0)  # sapo: the gate's temperature where the advantage
+        # is > 0
+    sapo_temperature_neg: float = setting(1.05, run=True, above=0)  # sapo: ... where it is <= 0
+    vespo_k_pos: float = setting(2.0, run=True, at_least=0)  # vespo: the gamma weight's power where the advantage
+        # is >= 0 (how fast sequences whose ratio fell below 1 lose weight)
+    vespo_lambda_pos: float = setting(3.0, run=True, at_least=0)  # vespo: its decay there (ratios above 1)
+    vespo_k_neg: float = setting(3.0, run=True, at_least=0)  # vespo: the power where the advantage is < 0
+    vespo_lambda_neg: float = setting(2.0, run=True, at_least=0)  # vespo: the decay there
+    top_entropy_quantile: float = setting(1.0, run=True, at_least=0, at_most=1)  # the policy term on the top fraction
+        # of tokens by entropy only; 1 = all
+    entropy_coef: float = setting(0.0, run=True)  # entropy bonus: minus this times the mean entropy over counted
+        # tokens (with use_adaptive_entropy: the coefficient it starts from)
+    use_adaptive_entropy: bool = setting(False, run=True)  # Skywork-OR1's control: after each optimizer step the
+        # coefficient moves by entropy_coef_delta, up while the mean entropy is at or below entropy_target, else down,
+        # and it applies only then (README: "Entropy bonus")
+    entropy_target: float = setting(0.2, run=True, at_least=0)  # use_adaptive_entropy: the mean entropy (nats) kept
+    entropy_coef_delta: float = setting(0.005, run=True, at_least=0)  # use_adaptive_entropy: the step of the coefficient
+    entropy_coef_min: float = setting(0.0, run=True, at_least=0)  # use_adaptive_entropy: its bounds
+    entropy_coef_max: float = setting(1.0, run=True, at_least=0)
+    off_policy_mask_threshold: typing.Optional[float] = setting(None, run=True, at_least=0)
+        # drop negative-advantage sequences whose mean log pi_sampler - log pi exceeds this (DeepSeek-V3.2); None =
+        # off
+    multi_objective_aggregation: str = setting("sum_then_normalize", run=True,
+                                               choices=("sum_then_normalize", "normalize_then_sum"))
+        # sum_then_normalize: the weighted sum of the rewards normalised within its group; normalize_then_sum: each
+        # reward function normalised within its group, then the weighted sum (GDPO)
+    soft_punish_cache: int = setting(0, run=True)  # rewards.py:soft_overlong_punishment: the last this many tokens
+        # before max_completion_length are punished linearly (DAPO's L_cache)
+    scale_rewards: str = setting("group", run=True, choices=("group", "batch", "none"))  # group, batch or none: what
+        # the centred reward is divided by
+    mask_truncated_completions: bool = setting(False, run=True)  # completions without EOS get no loss (DAPO)
+    use_bias_correction_kl: bool = setting(False, run=True)  # the k3 term times the ratio pi / pi_old, as TRL 1.16
+        # does by default
+    importance_sampling: str = setting("none", run=True, choices=IMPORTANCE_SAMPLING)  # correct for the sampler's
+        # log-probs differing from the trainer's: none, token_truncate, token_mask, sequence_truncate or sequence_mask
+        # (README)
+    importance_sampling_min: float = setting(0.0, run=True, at_least=0)  # weights are clipped to [min, max]
+        # (truncate) or zeroed outside (mask)
+    importance_sampling_max: float = setting(3.0, run=True)  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by
+        # default)
+    # sampling
+    temperature: float = setting(1.0, run=True, above=0)
+    top_p: float = setting(1.0, run=True, above=0, at_most=1)
+    top_k: int = setting(0, run=True, at_least=0)  # 0 = off
+    max_completion_length: int = setting(4, run=True, at_least=1)
+    max_prompt_length: int = setting(512, run=True, at_least=1)  # longer prompts are cut from the left
+    generation_batch_size: int = setting(0, run=False, at_least=0)  # completions decoded at once on each process; 0 =
+        # all of them. Fewer = a smaller KV cache (long completions); same seeds either way
+    decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
+        # (kernels.py) instead of SDPA; tested against it, speed not yet measured
+    compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
+        # GPUs; Llama/Qwen2 without LoRA, where the written-out forward runs)
+    # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
+    tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
+    environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
+    max_turns: int = setting(4, run=True, at_least=1)  # the policy's turns per completion when it has tools (calls
+        # between them)
+    tool_timeout: float = setting(10.0, run=False, above=0)  # seconds a round of calls may run; a slower call gets an
+        # error as result
+    # run
+    seed: int = setting(0, run=True)
+    max_steps: int = setting(300, run=False, at_least=1)
+    out_dir: str = setting("out", run=False)  # metrics, config.json, checkpoints and the exported model; one run at a
+        # time
+    resume: str = setting("auto", run=False, choices=("auto", "force", "never"))  # auto: continue out_dir's run if
+        # the settings that define it are unchanged; force: continue even if they changed; never: stop if out_dir
+        # holds a run
+    log_every: int = setting(1, run=False, at_least=1)
+    print_completions_every: int = setting(50, run=False, at_least=0)  # print a few sampled completions every N
+        # steps; 0 = never
+    wandb_project: str = _env("WANDB_PROJECT", "grpo", run=False)
+    wandb_run_name: typing.Optional[str] = _env("WANDB_NAME", None, run=False)
+    wandb_mode: str = _env("WANDB_MODE", "disabled", run=False, choices=("disabled", "offline", "online"))
+        # disabled, offline (no account needed) or online
+    # several processes and checkpoints (sharding.py)
+    mixed_precision: str = setting("auto", run=False, choices=("auto", "bf16", "fp32"))  # auto (bf16 compute, fp32
+        # gradient reduction on GPU; fp32 on CPU), bf16, fp32
+    save_every: int = setting(100, run=False, at_least=0)  # checkpoint every N steps and at the last step; 0 = never
+    keep_checkpoints: int = setting(2, run=False, at_least=1)  # newest K checkpoints kept in out_dir/checkpoints
+    # workloads: data, reward model, evaluation, LoRA, dashboards
+    preset: str = setting("", run=False)  # a named set of overrides from PRESETS, applied before the other settings
+    dataset: str = setting("", run=True)  # .jsonl / .parquet file (or hub id) replacing the task's prompt source
+    reward_model: str = setting("", run=True)  # sequence-classification model scoring completions ("tiny" builds
+        # one); "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
+    eval_every: int = setting(0, run=False, at_least=0)  # evaluate on held-out prompts every N steps (and at the
+        # end); 0 = never
+    eval_prompts: int = setting(64, run=False)  # held-out prompts per evaluation (kept out of training when
+        # eval_every > 0)
+    lora_rank: int = setting(0, run=True, at_least=0)  # 0 = train all weights; r > 0 = train rank-r adapters only
+    lora_alpha: float = setting(32.0, run=True, above=0)  # adapter output scaled by lora_alpha / lora_rank
+    lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", run=True)
+        # linear layers to adapt
+    completions_table_every: int = setting(0, run=False, at_least=0)  # wandb table of sampled completions every N
+        # steps; 0 = never
+
+
+
+
+# The settings that define a run (declared with run=True): resuming in an out_dir whose config.json differs in one
+# of them stops (--resume=force goes on anyway). The others (max_steps, logging, checkpoints, micro-batch size, ...)
+# may change.
+RUN_KEYS = cli.run_keys(Config)
+
+# Named runs: Config overrides applied before the command line's (README: "Presets").
+_QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
+PRESETS = {
+    "gsm8k-qwen2.5-0.5b": dict(
+        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="gsm8k",
+        num_generations=8, prompts_per_step=32, micro_batch_size=16, lr=1e-6, warmup_steps=10, beta=0.04,
+        temperature=1.0, max_completion_length=512, max_prompt_length=512, max_steps=400,
+        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
+    "countdown-qwen2.5-3b": dict(
+        model="Qwen/Qwen2.5-3B-Instruct", model_init_kwargs=_QWEN_SDPA, task="countdown",
+        num_generations=8, prompts_per_step=32, micro_batch_size=8, lr=1e-6, warmup_steps=10, beta=0.001,
+        temperature=1.0, max_completion_length=1024, max_prompt_length=256, max_steps=300,
+        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
+    "tldr-qwen2-0.5b": dict(
+        model="Qwen/Qwen2-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="tldr",
+        reward_model="weqweasdas/RM-Gemma-2B", num_generations=8, prompts_per_step=16, micro_batch_size=16,
+        lr=1e-6, beta=0.04, temperature=1.0, max_completion_length=128, max_prompt_length=512, max_steps=500,
+        eval_every=100, eval_prompts=128, completions_table_every=25, print_completions_every=25),
+}
+# the tool task on the tiny model (CPU, about 4 minutes): a call (2 tokens), its result (2) and the answer (1)
+PRESETS["vault"] = dict(task="vault", max_completion_length=5, max_turns=2, prompts_per_step=32, max_steps=600)
+# the same run training rank-32 adapters only: a higher learning rate, as usual for LoRA
+PRESETS["gsm8k-qwen2.5-0.5b-lora"] = {**PRESETS["gsm8k-qwen2.5-0.5b"], "lr": 2e-5, "lora_rank": 32, "lora_alpha": 64.0}
+
+
+def validate(cfg, world_size=1):
+    """ConfigError naming the first setting that is impossible (alone, or for `world_size` processes)."""
+    def need(ok, key, message):
+        if not ok:
+            raise ConfigError(key, message)
+    cli.check(cfg)  # each field's own choices and bounds (its `setting`); below, what depends on several
+    need(cfg.prompts_per_step * cfg.num_generations % world_size == 0, "prompts_per_step",
+         f"{cfg.prompts_per_step} prompts x {cfg.num_generations} generations do not split evenly over {world_size} processes")
+    rows, parts = cfg.prompts_per_step * cfg.num_generations, world_size * cfg.steps_per_generation
+    need(rows % parts == 0, "steps_per_generation",
+         f"{rows} completions per step do not split into {cfg.steps_per_generation} mini-batches of equal shares on "
+         f"each of {world_size} processes (they must divide by {parts})")
+    need(not cfg.sync_ref_model or cfg.beta > 0, "sync_ref_model",
+         "needs beta > 0 (beta 0 builds no reference model)")
+    need(not cfg.sync_ref_model or cfg.lora_rank == 0, "sync_ref_model",
+         "needs lora_rank=0 (with LoRA the reference is the policy without its adapters, nothing to sync)")
+    need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
+    need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
+         f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")
+    need(cfg.loss_type != "vespo" or cfg.importance_sampling_level == "token", "importance_sampling_level",
+         "vespo makes its own sequence ratio from the token ratios: leave importance_sampling_level=token")
+    need(cfg.entropy_coef_max >= cfg.entropy_coef_min, "entropy_coef_max",
+         f"must be >= entropy_coef_min ({cfg.entropy_coef_min}), got {cfg.entropy_coef_max}")
+    need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
+         f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
+    need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")
+    if cfg.device.startswith("cuda"):  # the one check that needs torch
+        import torch
+        need(torch.cuda.is_available(), "device",
+             f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
+    need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
+    need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
+         "device_map is not accepted: the trainer places the model (one device per process)")
+    need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
