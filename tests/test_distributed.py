@@ -355,6 +355,8 @@ for _ in range(3):
     records.append(len(lm.model.layers[0]._get_fsdp_state()._comm_ctx.post_forward_order))
 if dist.get_rank() == 0:
     print(f"records after each forward and free_gathered={records}", flush=True)
+out_dir = sys.argv[2].split("=", 1)[1]  # --out_dir=...: this rank's work is done (see exited_after_finishing)
+open(f"{out_dir}/finished_rank{dist.get_rank()}", "w").close()
 dist.destroy_process_group()
 """
 
@@ -366,7 +368,7 @@ def test_written_out_forward_layouts_and_forward_only_records(tmp_path):
     record of them."""
     script = tmp_path / "layout.py"
     script.write_text(LAYOUT_WORKER)
-    out = launch(str(script), [ROOT], 2, timeout=120)
+    out = launch(str(script), [ROOT, f"--out_dir={tmp_path}"], 2, timeout=120)
     assert "nested=False before=False inside=True" in out
     assert "nested=True before=False inside=False" in out
     # free_gathered forgets them (without it: 6, 11, 16 here)
