@@ -53,8 +53,8 @@ class Config:
     # batch
     num_generations: int = setting(8, run=True, at_least=2)  # G, completions per prompt
     prompts_per_step: int = setting(16, run=True, at_least=1)  # prompts per optimizer step, over all processes
-    dynamic_sampling: bool = setting(False, run=True)  # DAPO: drop groups whose rewards all match and draw more
-        # prompts until prompts_per_step groups have a signal (README: "Dynamic sampling")
+    dynamic_sampling: bool = setting(False, run=True)  # DAPO: drop groups without a signal (advantages all 0: their
+        # rewards all equal) and draw more prompts until prompts_per_step groups have one (README: "Dynamic sampling")
     max_generation_rounds: int = setting(4, run=True, at_least=1)  # dynamic_sampling: rounds of prompts_per_step
         # prompts drawn at most; then the step fills up with groups without a signal
     micro_batch_size: int = setting(16, run=False, at_least=1)  # completions per forward/backward (gradient
@@ -69,7 +69,8 @@ class Config:
     lr: float = setting(1e-3, run=False, above=0)
     lr_schedule: str = setting("constant", run=False, choices=("constant", "linear", "cosine"))  # constant, linear or
         # cosine (to 0 at max_steps, after warmup)
-    warmup_steps: int = setting(0, run=False, at_least=0)
+    warmup_steps: int = setting(0, run=False, at_least=0)  # optimizer steps of linear warmup (a step makes
+        # num_iterations x steps_per_generation of them)
     weight_decay: float = setting(0.0, run=False, at_least=0)
     adam_beta1: float = setting(0.9, run=False, at_least=0, below=1)
     adam_beta2: float = setting(0.99, run=False, at_least=0, below=1)
@@ -243,6 +244,9 @@ def validate(cfg, world_size=1):
          "vespo makes its own sequence ratio from the token ratios: leave importance_sampling_level=token")
     need(cfg.entropy_coef_max >= cfg.entropy_coef_min, "entropy_coef_max",
          f"must be >= entropy_coef_min ({cfg.entropy_coef_min}), got {cfg.entropy_coef_max}")
+    need(not cfg.use_adaptive_entropy or cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max,
+         "entropy_coef", f"with use_adaptive_entropy, the coefficient it starts from must be in [entropy_coef_min, "
+         f"entropy_coef_max] = [{cfg.entropy_coef_min}, {cfg.entropy_coef_max}], got {cfg.entropy_coef}")
     need(cfg.importance_sampling_max > cfg.importance_sampling_min, "importance_sampling_max",
          f"must be > importance_sampling_min ({cfg.importance_sampling_min}), got {cfg.importance_sampling_max}")
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), "device", f"auto, cpu or cuda, got {cfg.device!r}")

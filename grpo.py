@@ -549,7 +549,7 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
     """The micro-batch's share of the batch loss. The normalisers describe the whole batch (all micro-batches,
     accumulation steps and ranks), so summing over micro-batches gives the full-batch loss and gradient:
       sequence_mean (grpo, sapo): mean over sequences of the per-sequence token mean (DeepSeekMath)
-      token_mean (dapo, bnpo, cispo): sum over tokens / tokens in the batch (DAPO's token-level loss)
+      token_mean (dapo, bnpo, cispo, vespo): sum over tokens / tokens in the batch (DAPO's token-level loss)
       constant (dr_grpo): sum over tokens / (sequences * max_completion_length) (Dr. GRPO)
       sequence_sum (luspo): mean over sequences of the per-sequence token sum (LUSPO)
     """
@@ -603,7 +603,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
     that sampled (logp.detach() when each batch is used once, so the ratio is 1);
     ref_logp is None when beta == 0; advantages (n,); mask (n, T).
-    objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM: clip, cispo, sapo) and an aggregation
+    objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM: clip, cispo, sapo, vespo) and an aggregation
     (AGGREGATION; see `aggregate`); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
     num_sequences, num_tokens: the whole batch's (all micro-batches, accumulation steps and ranks).
     is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each

@@ -315,60 +315,71 @@ def draw(run, step):
     """The step's batch on this rank, scored: (batch, total (n,), {function: (n,)}, seconds of scoring, dynamic
     sampling's metrics).
 
-    With dynamic_sampling (DAPO's), a group whose advantages are all 0 (its rewards all equal) is dropped, and
-    further rounds of prompts_per_step prompts are drawn until prompts_per_step groups have a signal, at most
-    max_generation_rounds rounds; short of that, the step fills up with groups without one (the first drawn)
-    and says how many (`dynamic/groups_filled`). The step's groups are then shared out over the ranks as its
-    rows always are. Every rank decides from every rank's rewards, so all make the same collective calls.
+    With dynamic_sampling (DAPO's), a group whose advantages are all 0 (its rewards all equal: no signal) is
+    dropped, and further rounds of prompts_per_step prompts are drawn until prompts_per_step groups have a
+    signal, at most max_generation_rounds rounds; short of that, the step fills up with groups without one (the
+    first drawn) and says how many (`dynamic/groups_filled`). Every rank decides from every rank's rewards, so
+    all make the same collective calls; the step's rows are then shared out over the ranks as always.
     """
     cfg, d, G, P = run.cfg, run.d, run.cfg.num_generations, run.cfg.prompts_per_step
     batch = rollout(run, step)
     total, parts, seconds = score(run, batch, step)
     if not cfg.dynamic_sampling:
         return batch, total, parts, seconds, {}
-    drawn, kept = [], []  # each round's rows of every rank; (round, group) of the groups with a signal
+    rounds, drawn, kept = [], [], []  # this rank's rows of each round; every rank's rewards; (round, group) kept
     for round in range(cfg.max_generation_rounds):
         if round:
             batch = rollout(run, step, round)
             total, parts, more = score(run, batch, step)
             seconds = {k: seconds.get(k, 0.0) + v for k, v in more.items()}
-        drawn.append(gather_scored(run, batch, total, parts))
+        rounds.append((batch, total, parts))
+        all_total = sharding.all_gather_rows(total, d)                                                   # (N,)
+        drawn.append(all_total)
         try:
-            signal = advantages(run, drawn[-1][1], drawn[-1][2])[0].view(P, G).abs().sum(1) > 0    # (P,)
+            adv = advantages(run, all_total, {k: sharding.all_gather_rows(v, d) for k, v in parts.items()})[0]
         except ValueError as e:  # rewards too large to normalise (the same on every rank)
             raise SystemExit(f"step {step}: {e}") from e
-        kept += [(round, g) for g in signal.nonzero()[:, 0].tolist()]
+        kept += [(round, g) for g in (adv.view(P, G).abs().sum(1) > 0).nonzero()[:, 0].tolist()]
         if len(kept) >= P:
             break
     kept = kept[:P]
-    fill = [(r, g) for r in range(len(drawn)) for g in range(P) if (r, g) not in kept][:P - len(kept)]
-    whole = cat_scored(drawn, run.tokenizer.pad_token_id)                        # every round's rows, in order
-    N, n = P * G, P * G // d.world_size
-    rows = [r * N + g * G + i for r, g in kept + fill for i in range(G)]        # (N,) the step's rows, by group
-    mine = slice(d.rank * n, (d.rank + 1) * n)
-    batch, total, parts = take_rows(whole, rows[mine], mine)
-    every = whole[1][~torch.isnan(whole[1])]
-    metrics = {"dynamic/rounds": len(drawn), "dynamic/groups_drawn": len(drawn) * P, "dynamic/groups_kept": len(kept),
-               "dynamic/groups_filled": len(fill), "dynamic/reward_drawn": every.mean().item() if every.numel() else
-               float("nan")}
+    fill = [(r, g) for r in range(len(rounds)) for g in range(P) if (r, g) not in kept][:P - len(kept)]
+    rows = [(r, g * G + i) for r, g in kept + fill for i in range(G)]  # (N,) the step's rows: (round, global row)
+    batch, total, parts = share_rows(run, rounds, rows)
+    every = torch.cat(drawn)
+    every = every[~torch.isnan(every)]
+    metrics = {"dynamic/rounds": len(rounds), "dynamic/groups_drawn": len(rounds) * P,
+               "dynamic/groups_kept": len(kept), "dynamic/groups_filled": len(fill),
+               "dynamic/reward_drawn": every.mean().item() if every.numel() else float("nan")}
     return batch, total, parts, seconds, metrics
 
 
-def gather_scored(run, batch, total, parts):
-    """Every rank's rows of a scored batch (batch, total, parts), in rank order, on every rank. Episodes travel
-    without their environment and tools: those served the rollout and the rewards, done by now."""
+def share_rows(run, rounds, rows):
+    """This rank's share of the step's `rows`, (round, global row) pairs of `rounds` (each round's scored batch
+    on this rank: its global rows rank * n ... (rank + 1) * n - 1). Each rank sends the rows it holds to every
+    rank (one all_gather of objects, on the CPU: a pickled CUDA tensor would land on the sender's device), each
+    keeps its own. Episodes travel without their environment and tools: those served the rollout and rewards."""
     d = run.d
+    n = len(rows) // d.world_size
+    held = [(k, r, i - d.rank * n) for k, (r, i) in enumerate(rows) if d.rank * n <= i < (d.rank + 1) * n]
+    local = cat_scored(rounds, run.tokenizer.pad_token_id)  # round r's row i at r * n + i
+    piece = take_rows(local, [r * n + i for _, r, i in held], slice(0, n))
     if d.world_size == 1:
-        return batch, total, parts
-    light = dataclasses.replace(  # on the CPU: a pickled CUDA tensor would land on the sender's device
-        batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu(), rollout=batch.rollout.to("cpu"),
-        episodes=None if batch.episodes is None else [dataclasses.replace(e, env=None, tools={})
-                                                      for e in batch.episodes])
-    every = sharding.all_gather_objects((light, total.cpu(), {k: v.cpu() for k, v in parts.items()}), d)
-    whole, total, parts = cat_scored(every, run.tokenizer.pad_token_id)
-    whole.prompt_ids, whole.prompt_mask = whole.prompt_ids.to(d.device), whole.prompt_mask.to(d.device)
-    whole.rollout = whole.rollout.to(d.device)
-    return whole, total, parts
+        return piece
+    batch, total, parts = piece
+    piece = (dataclasses.replace(batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu(),
+                                 rollout=batch.rollout.to("cpu"),
+                                 episodes=None if batch.episodes is None else
+                                 [dataclasses.replace(e, env=None, tools={}) for e in batch.episodes]),
+             total.cpu(), {k: v.cpu() for k, v in parts.items()})
+    pieces = sharding.all_gather_objects(([k for k, _, _ in held], piece), d)
+    whole = cat_scored([p for _, p in pieces], run.tokenizer.pad_token_id)
+    at = {k: j for j, k in enumerate(k for ks, _ in pieces for k in ks)}  # a step row's place in `whole`
+    mine = slice(d.rank * n, (d.rank + 1) * n)
+    batch, total, parts = take_rows(whole, [at[k] for k in range(mine.start, mine.stop)], mine)
+    batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(d.device), batch.prompt_mask.to(d.device)
+    batch.rollout = batch.rollout.to(d.device)
+    return batch, total.to(rounds[0][1].device), {k: v.to(rounds[0][1].device) for k, v in parts.items()}
 
 
 def cat_scored(scored, pad_id):
@@ -377,10 +388,9 @@ def cat_scored(scored, pad_id):
     batches = [b for b, _, _ in scored]
     S = max(b.prompt_ids.shape[1] for b in batches)
     left = lambda x, value: torch.nn.functional.pad(x, (S - x.shape[1], 0), value=value)  # noqa: E731
-    rows = sum(len(b.prompts) for b in batches)
     batch = Batch(prompts=sum((b.prompts for b in batches), []),
                   fields={k: sum((b.fields[k] for b in batches), []) for k in batches[0].fields},
-                  mine=slice(0, rows),
+                  mine=None,
                   prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
                   prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in batches]),
                   rollout=sampling.cat_rollouts([b.rollout for b in batches], pad_id),
@@ -698,8 +708,9 @@ def resume(run):
     resumed = sharding.load_latest_checkpoint(run.cfg.out_dir, run.policy, run.optimizer, run.d, ref=synced_ref(run))
     if resumed is not None:
         run.bad_steps = resumed.get("bad_steps", 0)
-        control = resumed.get("entropy_control", {})  # use_adaptive_entropy's state
-        run.entropy_coef, run.last_entropy = control.get("coef", run.entropy_coef), control.get("last_entropy")
+        control = resumed.get("entropy_control")  # use_adaptive_entropy's state, if the run saved one
+        if control is not None and run.cfg.use_adaptive_entropy:
+            run.entropy_coef, run.last_entropy = control["coef"], control["last_entropy"]
     return resumed
 
 
@@ -804,8 +815,9 @@ def save(run, step, run_id):
     """A checkpoint of this step (every rank writes its shard); its folder."""
     t = time.time()
     trainer_state = {"wandb_id": run_id, "bad_steps": run.bad_steps,  # the learning rate is a function of the step
-                     "entropy_control": {"coef": run.entropy_coef, "last_entropy": run.last_entropy},
                      "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
+    if run.cfg.use_adaptive_entropy:
+        trainer_state["entropy_control"] = {"coef": run.entropy_coef, "last_entropy": run.last_entropy}
     try:
         path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
                                         keep=run.cfg.keep_checkpoints, ref=synced_ref(run))

@@ -276,12 +276,14 @@ def test_token_budget_micro_batches_agree_across_ranks(tmp_path):
 
 def test_other_objectives_agree_across_ranks(tmp_path):
     """GSPO's sequence ratio with luspo's aggregation, the step's entropy quantile (gathered over ranks), the
-    entropy bonus and GDPO's per-function normalisation, over two passes: 2 processes train as 1 does."""
+    entropy bonus under adaptive control and GDPO's per-function normalisation, over two passes: 2 processes
+    train as 1 does."""
     runs = {}
     for nproc in (1, 2):
         out_dir = str(tmp_path / f"p{nproc}")
         launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--loss_type=luspo",
                            "--importance_sampling_level=sequence", "--top_entropy_quantile=0.3", "--entropy_coef=0.01",
+                           "--use_adaptive_entropy=true", "--entropy_target=10",
                            "--multi_objective_aggregation=normalize_then_sum", "--num_iterations=2",
                            "--reward_funcs=rewards:next_letter_reward,rewards:soft_overlong_punishment",
                            "--soft_punish_cache=2", "--reward_weights=1,0.5", *FLAGS], nproc)
@@ -290,6 +292,7 @@ def test_other_objectives_agree_across_ranks(tmp_path):
     for a, b in zip(runs[1], runs[2]):
         assert a["reward"] == b["reward"] and a["kept_frac"] == b["kept_frac"]
         assert 0 < a["kept_frac"] < 1
+        assert a["entropy_coef"] == b["entropy_coef"]  # the controller reads every rank's tokens
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 

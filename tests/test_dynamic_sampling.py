@@ -9,7 +9,7 @@ import train
 
 
 def uneven_reward(prompts, completions, **_):
-    """Constant (1) on the prompts whose last letter has an even code, else a function of the completion that
+    """Constant (1) on the prompts whose first letter has an even code, else a function of the completion that
     varies within most groups: about half the groups carry a signal."""
     return [1.0 if ord(p.strip()[0]) % 2 == 0 else float(sum(map(ord, c)) % 3) for p, c in zip(prompts, completions)]
 
@@ -73,3 +73,22 @@ def test_a_step_trains_on_groups_with_a_signal_while_rounds_remain(tmp_path):
     run = setup(tmp_path, max_generation_rounds=1)
     metrics, _ = train.train_step(run, 1)
     assert metrics["frac_reward_zero_std"] == metrics["dynamic/groups_filled"] / 4 > 0
+
+
+def test_resume_with_dynamic_sampling_is_exact(tmp_path):
+    """The further rounds are a function of (seed, step, round): 4 steps straight give the metrics of 2 steps, a
+    stop and the same command again."""
+    import json
+    import os
+    flags = ["--dynamic_sampling", "--max_generation_rounds=3", "--prompts_per_step=4", "--save_every=2",
+             "--print_completions_every=0", "--lr=1e-2"]
+    runs = {}
+    for name, stops in (("straight", [4]), ("resumed", [2, 4])):
+        out = str(tmp_path / name)
+        for max_steps in stops:
+            train.main([f"--out_dir={out}", f"--max_steps={max_steps}", *flags])
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            runs[name] = [{k: v for k, v in json.loads(line).items() if "time" not in k and k != "tokens_per_s"}
+                          for line in f]
+    assert runs["straight"] == runs["resumed"]
+    assert any(m["dynamic/rounds"] > 1 for m in runs["straight"])

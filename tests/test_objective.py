@@ -518,3 +518,18 @@ def test_vespo_puts_the_importance_weight_inside_its_sequence_ratio(shape):
     torch.testing.assert_close(a.grad, b.grad)
     plain, _ = grpo.grpo_loss(logp0, old, None, adv, mask, **kw)
     assert not torch.allclose(plain, loss)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_vespo_weight_equals_trls(mode):
+    """VESPO's gamma weight against TRL 1.16's own (GRPOTrainer.get_gamma_weights), importance weights included
+    (TRL's token modes); skipped where TRL is not installed (it is a bench-only dependency)."""
+    trl = pytest.importorskip("trl")
+    logp0, old, _, adv, mask = objective_case(seed=5)
+    w = grpo.importance_weights(old, old + 0.3 * torch.randn(4, 6, generator=torch.Generator().manual_seed(6)), mask,
+                                mode, 0.5, 1.5)
+    logp = logp0.clone().requires_grad_()
+    term = grpo.vespo_term(logp, old, adv[:, None], mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0,
+                           is_weight=w)
+    phi = trl.GRPOTrainer.get_gamma_weights(adv[:, None], logp0 - old, mask, w, 2.0, 3.0, 3.0, 2.0)
+    torch.testing.assert_close(term, -phi * adv[:, None] * logp0, rtol=0, atol=0)
