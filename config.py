@@ -109,7 +109,7 @@ class Config:
         # coefficient moves by entropy_coef_delta, up while the mean entropy is at or below entropy_target, else down,
         # and it applies only then (README: "Entropy bonus")
     entropy_target: float = setting(0.2, run=True, at_least=0)  # use_adaptive_entropy: the mean entropy (nats) kept
-    entropy_coef_delta: float = setting(0.005, run=True, at_least=0)  # use_adaptive_entropy: the step of the coefficient
+    entropy_coef_delta: float = setting(0.005, run=True, at_least=0)  # use_adaptive_entropy: the coefficient's step
     entropy_coef_min: float = setting(0.0, run=True, at_least=0)  # use_adaptive_entropy: its bounds
     entropy_coef_max: float = setting(1.0, run=True, at_least=0)
     off_policy_mask_threshold: typing.Optional[float] = setting(None, run=True, at_least=0)
