@@ -513,3 +513,18 @@ def test_dynamic_sampling_agrees_across_ranks(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert any(m["dynamic/rounds"] > 1 for m in metrics(runs[2]))
+
+
+def test_dynamic_sampling_when_one_rank_holds_no_kept_group(tmp_path):
+    """Rank 0's groups never have a signal (its reward is constant there), so every kept row comes from rank 1
+    and rank 0 sends nothing: both still train on groups with a signal, and finish."""
+    lopsided = tmp_path / "lopsided.py"
+    lopsided.write_text("import torch.distributed as dist\n"
+                        "def lopsided(prompts, completions, **_):\n"
+                        "    return [1.0 if dist.get_rank() == 0 else float(len(c) % 3) for c in completions]\n")
+    out_dir = str(tmp_path / "run")
+    launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
+                       "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={lopsided}:lopsided",
+                       *FLAGS], 2)
+    for m in metrics(out_dir):
+        assert m["dynamic/groups_kept"] == 4 and m["dynamic/rounds"] >= 2 and m["frac_reward_zero_std"] == 0
