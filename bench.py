@@ -100,6 +100,19 @@ def timed(fn, device):
     return time.perf_counter() - t, out
 
 
+def medians(runs, s, device):
+    """{name: median seconds} of each function of `runs` ({name: fn}), after s["warmup"] calls of each; the
+    s["reps"] timed calls alternate between them, so a machine's drift touches all alike."""
+    for _ in range(s["warmup"]):
+        for fn in runs.values():
+            fn()
+    times = {k: [] for k in runs}
+    for _ in range(s["reps"]):
+        for k, fn in runs.items():
+            times[k].append(timed(fn, device)[0])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def build_model_dir(root, args):
     """A model folder with weights (so TRL and we load identical ones) and the byte-level tokenizer."""
     path = os.path.join(root, "model")
@@ -141,15 +154,7 @@ def bench_decode(path, s, device):
         assert out.shape[1] == enc.input_ids.shape[1] + t
         return out
 
-    runs = {"ours": ours, "generate": generate, "ours_hf_forward": lambda: ours(static_cache=False)}
-    times = {k: [] for k in runs}
-    for _ in range(s["warmup"]):
-        for fn in runs.values():
-            fn()
-    for _ in range(s["reps"]):
-        for k, fn in runs.items():
-            times[k].append(timed(fn, device)[0])
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians({"ours": ours, "generate": generate, "ours_hf_forward": lambda: ours(static_cache=False)}, s, device)
     out = {f"decode_{k}_tokens_per_s": n * t / v for k, v in med.items()}
     out["sampler_speedup_vs_generate"] = med["generate"] / med["ours"]
     out["sampler_hf_forward_speedup_vs_generate"] = med["generate"] / med["ours_hf_forward"]
@@ -635,14 +640,7 @@ def bench_exec(s):
                 "isolated": lambda: [plain(flags=("-I", "-S")) for _ in range(n)], "ours_pool": ours_pool,
                 "plain_pool": lambda: pool(plain), "rewards": rewards_pool, "naive_rewards": lambda: pool(
                     lambda: plain(naive))}
-        times = {k: [] for k in runs}
-        for _ in range(s["warmup"]):
-            for fn in runs.values():
-                fn()
-        for _ in range(s["reps"]):
-            for k, fn in runs.items():
-                times[k].append(timed(fn, torch.device("cpu"))[0])
-    med = {k: statistics.median(v) for k, v in times.items()}
+        med = medians(runs, s, torch.device("cpu"))
     return {"exec_mode": mode, "exec_workers": workers,
             "exec_ours_programs_per_s": n / med["ours"], "exec_plain_programs_per_s": n / med["plain"],
             "exec_isolated_programs_per_s": n / med["isolated"], "exec_speedup_vs_plain": med["plain"] / med["ours"],
