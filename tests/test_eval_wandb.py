@@ -17,6 +17,7 @@ import sampling  # noqa: E402
 import tasks  # noqa: E402
 import sharding  # noqa: E402
 import train  # noqa: E402
+from conftest import finished  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K = os.path.join(ROOT, "tests", "data", "gsm8k_tiny.jsonl")
@@ -208,6 +209,6 @@ def test_sharded_reward_model_scores_as_unsharded(reward_model, tmp_path):
                            "29533", str(tmp_path / "worker.py"), root, path, str(out), "|".join(PROMPTS),
                            "|".join(COMPLETIONS)], capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))  # CPU on a GPU machine too
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert finished(proc, out), proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = rewards.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(torch.tensor(torch.load(out)), torch.tensor(expected), atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import train  # noqa: E402
+from conftest import finished  # noqa: E402
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -227,7 +228,7 @@ def test_lora_under_fsdp2_fully_shard(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29531", str(tmp_path / "worker.py"), root, path, str(out)],
                           capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert finished(proc, out), proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
     model = model_loading.load_model(path, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
     model_loading.add_lora(model, rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj")
