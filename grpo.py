@@ -93,8 +93,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False, head=None):
         n = hidden.shape[0]
+        fused = fused and head is None  # the compiled chunk math knows no head transform
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         kept = None
@@ -105,6 +106,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                                                                      1.0 / temperature)
                 continue
             z = F.linear(hidden[s:e], weight).float()
+            if head is not None:
+                z = head.apply(z)
             if temperature != 1.0:
                 z.div_(temperature)
             top = z.amax(-1, keepdim=True)
@@ -116,10 +119,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logp[s:e] = (z.gather(-1, targets[s:e, None]) - log_total)[:, 0]
             prob.div_(total)  # softmax
             entropy[s:e] = log_total[:, 0] - z.mul_(prob).sum(-1)  # -sum p log p = log total - sum p z
-            if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad:
+            if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad and head is None:
                 kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, fused, entropy_grad
+        ctx.head = head
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -145,7 +149,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if kept is not None:  # the only chunk's softmax, kept from the forward
                     z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
                 else:
-                    z = F.linear(h, weight).float()
+                    raw = z = F.linear(h, weight).float()
+                    if ctx.head is not None:
+                        z = ctx.head.apply(raw.clone())
                     if ctx.temperature != 1.0:
                         z.div_(ctx.temperature)
                     z.sub_(lse[s:e, None])  # log softmax
@@ -158,6 +164,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
                 if ctx.temperature != 1.0:
                     z.div_(ctx.temperature)
+                if ctx.head is not None:  # the chain rule through the head's transform of the raw logits
+                    z.mul_(ctx.head.derivative(raw))
                 z = z.to(hidden.dtype)
             if want_h:
                 grad_h[s:e] = z @ weight
@@ -166,7 +174,41 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), h)
                 else:
                     grad_w += z.t() @ h
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a model does to its logits after the vocabulary projection: logits * scale, then, with a softcap c,
+    c * tanh(logits / c) (Gemma 2/3/4's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's and
+    MiniCPM's `logits_scaling`). The sampler reads the model's own logits, so the training head must apply the
+    same, or the two disagree silently."""
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    def apply(self, z):
+        """z: raw float32 logits, changed in place where that is possible."""
+        if self.scale != 1.0:
+            z.mul_(self.scale)
+        if self.softcap:
+            z = z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
+    def derivative(self, raw):
+        """d apply(raw) / d raw, elementwise."""
+        if not self.softcap:
+            return self.scale
+        return (1 - (raw * (self.scale / self.softcap)).tanh().square()) * self.scale
+
+
+def head_of(model):
+    """The model's logit transform as a Head, or None when its logits are the projection's output as they are."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+    return Head(scale, softcap) if scale != 1.0 or softcap else None
 
 
 def default_chunk_tokens(vocab_size, device):
@@ -242,7 +284,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     if fused is None:
         fused = fused_head_available(weight.device)
     logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
-                                                bool(fused), bool(entropy_grad))
+                                                bool(fused), bool(entropy_grad), head_of(model))
     return logp.view(n, t), entropy.view(n, t)
 
 

@@ -12,7 +12,6 @@ weights of the policy for a step's rollout, `evaluate` on held-out prompts.
 """
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,6 +23,7 @@ import agents
 import grpo
 import rewards
 import sharding
+import hf_decoder
 from static_decoder import StaticDecoder, static_decode_supported
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
@@ -247,6 +247,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel)
     else:
         steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens), False
+        if not steps.forgets_exactly and respond is not None and max_turns > 1:
+            # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
+            # so that none samples past one (the same on every rank: it depends on the model alone)
+            check_every = 1
     try:
         return _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p), keys,
                        check_every, all_done, respond, max_turns, compact, device)
@@ -288,56 +292,26 @@ class _StaticSteps:
 
 
 class _HFSteps:
-    """Steps on the model's own forward over a DynamicCache, every row to the end (no compaction). The cache
-    grows by a column per decoded token for all rows; a row's own tokens are the columns its attention mask
-    marks, so an answer appended to some rows, or samples forgotten, leave holes that are never attended."""
+    """Steps on the model's own forward (hf_decoder.HFDecoder), every row to the end (no compaction). The cache
+    grows by a column per fed token for all rows; the masks say which columns are a row's own tokens, so an
+    answer appended to some rows, or samples forgotten, leave holes that are never attended."""
 
     def __init__(self, model, ids, attn, positions, max_new):
-        from transformers import DynamicCache
-
-        n = ids.shape[0]
-        self.model, self.attn = model, attn
-        self.cache = DynamicCache(config=model.config)
         self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
-        self.where = torch.full((n, max_new + 1), -1, dtype=torch.long, device=ids.device)  # cache column of each
-        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns where both exist)
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.first_logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                                  logits_to_keep=1, **{self.cache_kw: self.cache}).logits[:, -1]
+        self.dec = hf_decoder.HFDecoder(model, ids, attn, positions)
+        self.first_logits = self.dec.first_logits
+        self.forgets_exactly = self.dec.forgets_exactly
 
     def decode(self, tok, cols, cols_h):
-        """One token per row at position cols (an int for every row, or a tensor of each row's)."""
-        length = self.attn.shape[1]
-        self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], dim=1)
-        if isinstance(cols, int):
-            self.where[:, cols] = length
-            positions = self.first_pos[:, None] + cols
-        else:
-            self.where[torch.arange(tok.shape[0], device=tok.device), cols] = length
-            positions = (self.first_pos + cols)[:, None]
-        return self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=positions, use_cache=True,
-                          **{self.cache_kw: self.cache}).logits[:, -1]
+        """One token per row at completion position cols (an int for every row, or a tensor of each row's)."""
+        return self.dec.decode(tok, self.first_pos + cols)
 
     def extend(self, ids, valid, start, top):
-        n, k = ids.shape
-        cols = start[:, None] + torch.arange(k, device=ids.device)  # (N, K) completion positions
-        length = self.attn.shape[1]
-        self.attn = torch.cat([self.attn, valid.long()], dim=1)
-        r, c = valid.nonzero(as_tuple=True)
-        self.where[r, cols[r, c]] = length + c
-        extra = {} if k == 1 else {"logits_to_keep": k}
-        logits = self.model(input_ids=ids, attention_mask=self.attn, position_ids=self.first_pos[:, None] + cols,
-                            use_cache=True, **{self.cache_kw: self.cache}, **extra).logits
-        last = valid.long().sum(1) - 1 + (logits.shape[1] - k)
-        return logits[torch.arange(n, device=ids.device), last]
+        cols = start[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (N, K) completion positions
+        return self.dec.extend(ids, valid, self.first_pos[:, None] + cols)
 
     def truncate(self, batch_rows, ends):
-        where = self.where[batch_rows]  # (m, T + 1)
-        forget = torch.arange(where.shape[1], device=where.device) >= ends[:, None]
-        hit = forget & (where >= 0)
-        self.attn[batch_rows[:, None].expand_as(where)[hit], where[hit]] = 0
-        self.where[batch_rows] = where.masked_fill(forget, -1)
+        self.dec.truncate(batch_rows, ends, self.first_pos)
 
     def compact(self, keep, live, fed_top):
         return False
@@ -646,3 +620,72 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             results.update({f"eval/reward/{k}": torch.cat(v).nanmean().item() for k, v in comp.items()})
     policy.train(was_training)
     return results
+
+
+# ----------------------------------------------------------------------------- the start-up check
+
+
+def path_of(model):
+    """Which way the sampler and the training forward run this model, in a few words (the banner's)."""
+    from static_decoder import training_forward_supported
+
+    sampler = "written-out layers" if static_decode_supported(model) else "the model's own forward"
+    trainer = "written-out layers" if training_forward_supported(model) else "the model's own forward"
+    return f"sampler on {sampler}, training on {trainer}"
+
+
+def _plain_logprobs(model, prompt_ids, prompt_mask, rollout):
+    """The log-prob of each policy token, from one forward of the model over each row's real tokens alone."""
+    out = torch.zeros_like(rollout.logprobs)
+    for i in range(prompt_ids.shape[0]):
+        p = prompt_ids[i][prompt_mask[i].bool()]
+        c = rollout.completion_ids[i][rollout.completion_mask[i].bool()]
+        logits = model(input_ids=torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()
+        out[i, :len(c)] = torch.log_softmax(logits, -1).gather(-1, c[:, None])[:, 0]
+    return out
+
+
+@torch.no_grad()
+def check_exact(model, tolerance=2e-3, new_tokens=3):
+    """Why `model`'s log-probs cannot be trusted on the paths it takes here, in one line; None when they can.
+
+    First what the general path cannot express (hf_decoder.unsupported); then a few tokens compared: two
+    left-padded rows of random tokens sample a rollout that pauses after every token, forgets a token sampled
+    past the pause, takes answers of different lengths into its cache and resumes; the sampler's log-probs
+    and the training forward's must equal one plain forward of the model over each row's trajectory alone.
+    This catches an architecture whose layers, masks, states or head our paths get wrong, listed or not.
+    Meaningful for float32 weights (the default); lower precision differs by its rounding, and is not checked.
+    """
+    name = type(model).__name__
+    if not static_decode_supported(model):
+        why = hf_decoder.unsupported(model)
+        if why:
+            return f"{name}: the sampler cannot reproduce {why}"
+    weight = model.get_output_embeddings().weight
+    if weight.dtype != torch.float32:
+        return None
+    device, vocab = weight.device, weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 5), generator=g).to(device)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], device=device)
+    answers = iter([[3, 1, 4], [1], [5, 9], [2, 6, 5]])
+    was_training = model.training
+    model.eval()
+    try:
+        # every token is a stop: each turn is one token, and the check every 2 tokens forgets the one after it
+        rollout = sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab), pad_id=0,
+                         seeds=torch.tensor([1, 2]), check_every=2, max_turns=new_tokens,
+                         respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns])
+        want = _plain_logprobs(model, ids, mask, rollout)
+        full_ids = torch.cat([ids, rollout.completion_ids], 1)
+        full_mask = torch.cat([mask, rollout.completion_mask], 1)
+        train, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
+    finally:
+        model.train(was_training)
+    policy = rollout.policy_mask.bool()
+    for what, got in (("sampler", rollout.logprobs), ("training forward", train)):
+        diff = (got - want)[policy].abs().max().item()
+        if not diff <= tolerance:  # NaN fails too
+            return (f"{name}: the {what}'s log-probs differ from the model's own forward by {diff:.3g} "
+                    f"(a layer, mask, recurrent state or logit transform it does not reproduce)")
+    return None

@@ -154,7 +154,7 @@ class EndsAt(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep=0):
         self.calls += 1
-        generated = attention_mask.shape[1] - self.prompt_len  # tokens already sampled
+        generated = self.calls - 1  # tokens already sampled: one per decode step after the prefill
         logits = torch.zeros(input_ids.shape[0], 1, self.config.vocab_size)
         logits[:, :, 1] = 30.0
         logits[generated == self.ends_at, :, self.eos] = 60.0

@@ -1,0 +1,168 @@
+"""The general sampler path: the model's own forward, on a cache whose attention masks we write.
+
+Every architecture the written-out decoder (static_decoder.py) does not
+reproduce decodes here, through the model's own modules, so coverage follows
+transformers. What the model's own masks cannot know is how a row's tokens lie
+in the cache once the sampler has paused it, appended an environment's answer
+to some rows and not others, or made it forget what it sampled past a stop:
+the cache then has holes, columns that belong to no token of the row. So the
+masks are ours, built per layer type from each column's token position:
+
+- full attention: a query sees the real columns at or before its own;
+- sliding attention: of those, the ones less than `window` positions back,
+  counted in the row's own tokens (positions), never in cache columns;
+- linear attention / recurrent layers (Gated DeltaNet, Mamba-style): their
+  state has no columns, so a hole cannot be masked after the fact. A block
+  appended with padding (rows answered with answers of different lengths)
+  runs one column at a time and a row's state is put back where its column
+  was padding; and the sampler looks at such rows after every token, so a
+  row never samples past its stop (`forgets_exactly` is False).
+
+What this cannot express (another attention implementation than eager or
+sdpa, a layer type without a rule here, a cache layer kind it does not know)
+is refused by `unsupported(model)` with one line. Of the project it imports nothing.
+"""
+
+import inspect
+
+import torch
+
+_WINDOWED = ("sliding_attention",)
+_FULL = ("full_attention",)
+_RECURRENT = ("linear_attention", "mamba", "conv")
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def layer_types(model):
+    """Each decoder layer's kind as the config names it; all full attention for configs that name none."""
+    cfg = _text_config(model)
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):  # a window on every layer (Mistral's older configs)
+        return ["sliding_attention"] * cfg.num_hidden_layers
+    return ["full_attention"] * cfg.num_hidden_layers
+
+
+def unsupported(model):
+    """Why the general path cannot sample `model` exactly, in a few words; None when it can."""
+    cfg = _text_config(model)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ("eager", "sdpa"):
+        return (f"attn_implementation={impl} (the sampler writes its own attention masks, which need eager or "
+                f"sdpa; set model_init_kwargs.attn_implementation)")
+    for kind in dict.fromkeys(layer_types(model)):
+        if kind not in _FULL + _WINDOWED + _RECURRENT:
+            return f"layers of type {kind!r}"
+    if any(k in _WINDOWED for k in layer_types(model)) and not getattr(cfg, "sliding_window", None):
+        return "sliding-window layers without a sliding_window size"
+    return None
+
+
+def _dtype_min(dtype):
+    return torch.finfo(dtype).min if dtype.is_floating_point else torch.finfo(torch.float32).min
+
+
+class HFDecoder:
+    """A batch of rows over the model's own forward and a DynamicCache that grows a column per fed token.
+
+    Columns are appended for every row at once; `valid` (N, L) marks the columns that hold one of the row's
+    tokens and `pos` (N, L) each column's position id. The interface is the sampler's: prefill, decode one
+    token per row, extend rows by a block of tokens, truncate (forget) rows' tokens from a position on.
+    """
+
+    def __init__(self, model, ids, attn, positions):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicSlidingWindowLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+        self.model = model
+        cfg = _text_config(model)
+        self.kinds = layer_types(model)
+        self.window = getattr(cfg, "sliding_window", None)
+        self.cache = DynamicCache(config=model.config)
+        # a sliding layer's own cache drops columns past the window, counted in columns; ours keeps them all and
+        # the mask applies the window in positions
+        self.cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer
+                             for layer in self.cache.layers]
+        self.recurrent = [layer for layer in self.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.forgets_exactly = not self.recurrent
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns where both exist)
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.valid = torch.zeros(ids.shape[0], 0, dtype=torch.bool, device=ids.device)
+        self.pos = torch.zeros(ids.shape[0], 0, dtype=torch.long, device=ids.device)
+        self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1]
+
+    def _masks(self, q_valid, q_pos):
+        """The attention mask of each layer type for queries appended as the last columns: additive (N, 1, K, L)."""
+        n, k = q_valid.shape
+        length = self.valid.shape[1]
+        q_col = torch.arange(length - k, length, device=q_valid.device)
+        k_col = torch.arange(length, device=q_valid.device)
+        see = self.valid[:, None, :] & (k_col <= q_col[:, None])  # (N, K, L): real keys, not after the query
+        see |= k_col == q_col[:, None]  # a padding query sees itself, so that its (unused) output stays finite
+        masks = {}
+        for kind in dict.fromkeys(self.kinds):
+            if kind in _RECURRENT:
+                masks[kind] = None
+                continue
+            allowed = see
+            if kind in _WINDOWED:
+                allowed = see & (q_pos[:, :, None] - self.pos[:, None, :] < self.window)
+            masks[kind] = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(
+                ~allowed, _dtype_min(self.dtype))[:, None]
+        return masks
+
+    def _forward(self, ids, valid, positions, prefill=False, keep=0):
+        """Append columns for ids (N, K), whose real tokens `valid` marks, at `positions`; return the logits of the
+        last `keep` of them (0: all), (N, keep or K, V)."""
+        self.valid = torch.cat([self.valid, valid], 1)
+        self.pos = torch.cat([self.pos, positions], 1)
+        masks = self._masks(valid, positions)
+        if prefill and "linear_attention" in masks and not bool(valid.all()):
+            # left padding before any state exists: the model zeroes those inputs, which leaves the state at zero
+            masks["linear_attention"] = valid.long()
+        if not getattr(_text_config(self.model), "layer_types", None):  # models that take one mask, not one per type
+            masks = masks[self.kinds[0]]
+        return self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
+                          logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
+
+    def decode(self, tok, positions):
+        """One token per row at position ids `positions` (N,); the logits after it (N, V)."""
+        return self._forward(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), positions[:, None])[:, -1]
+
+    def extend(self, ids, valid, positions):
+        """Each row's block ids[i, :valid[i].sum()] at `positions` (N, K); the logits after each row's last one."""
+        n, k = ids.shape
+        last = valid.long().sum(1) - 1
+        rows = torch.arange(n, device=ids.device)
+        if not self.recurrent or bool(valid.all()):
+            return self._forward(ids, valid, positions)[rows, last]
+        # a recurrent state would absorb the padding: one column at a time, the state put back where it was padding
+        out = None
+        for c in range(k):
+            saved = self._states()
+            logits = self._forward(ids[:, c:c + 1], valid[:, c:c + 1], positions[:, c:c + 1])[:, -1]
+            self._restore(saved, ~valid[:, c])
+            out = logits if out is None else torch.where((last == c)[:, None], logits, out)
+        return out
+
+    def _states(self):
+        return [[(d, i, t.clone()) for d in (layer.conv_states, layer.recurrent_states)
+                 for i, t in d.items() if torch.is_tensor(t)] for layer in self.recurrent]
+
+    def _restore(self, saved, rows):
+        for states in saved:
+            for d, i, t in states:
+                d[i][rows] = t[rows]
+
+    def truncate(self, batch_rows, ends, first_pos):
+        """Forget rows' tokens at positions from first_pos + ends on: their columns are no longer attended."""
+        forget = (self.pos[batch_rows] >= (first_pos[batch_rows] + ends)[:, None]) & self.valid[batch_rows]
+        self.valid[batch_rows] = self.valid[batch_rows] & ~forget

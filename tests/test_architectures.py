@@ -1,0 +1,139 @@
+"""Every family researchers train, against the model's own forward.
+
+For each tiny random model of tests/architectures.py (float32, norms and biases randomised): greedy tokens equal
+`model.generate`'s; the sampler's log-probs (one turn, and several turns with answers of different lengths
+appended, tokens sampled past a stop forgotten) and the training forward's equal one plain forward of the model
+over each row's trajectory alone; each family takes the path README.md's table claims for it. The sliding windows
+(6 tokens) are short enough for these trajectories to cross them.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import architectures  # noqa: E402
+import grpo  # noqa: E402
+import hf_decoder  # noqa: E402
+import sampling  # noqa: E402
+import static_decoder  # noqa: E402
+from test_multiturn import answering  # noqa: E402
+
+# the families the written-out layers (static_decoder.py) serve; the others run the model's own forward
+FAST = {"llama", "qwen2"}
+STOPS = list(range(97, 105))  # a..h: rows pause at scattered positions
+TEXT = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"]
+
+
+def plain_logprobs(model, enc, rollout):
+    """Each policy token's log-prob from one forward of the model over its row's real tokens alone."""
+    return sampling._plain_logprobs(model, enc.input_ids, enc.attention_mask, rollout)
+
+
+def training_logprobs(model, enc, rollout, grad=False):
+    ids = torch.cat([enc.input_ids, rollout.completion_ids], 1)
+    mask = torch.cat([enc.attention_mask, rollout.completion_mask], 1)
+    with torch.set_grad_enabled(grad):
+        return grpo.completion_logprobs(model, ids, mask, rollout.completion_ids.shape[1], 1.0)[0]
+
+
+@pytest.fixture(scope="module", params=list(architectures.FAMILIES))
+def family(request):
+    model, tok = architectures.tiny(request.param)
+    return request.param, model, tok, tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def test_takes_the_path_claimed(family):
+    name, model, _, _ = family
+    assert static_decoder.static_decode_supported(model) == (name in FAST)
+    assert static_decoder.training_forward_supported(model) == (name in FAST)
+    assert hf_decoder.unsupported(model) is None
+
+
+def test_greedy_tokens_equal_generate(family):
+    _, model, tok, enc = family
+    ours = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
+                           pad_id=tok.pad_token_id, temperature=0)
+    with torch.no_grad():
+        ref = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id)[:, enc.input_ids.shape[1]:]
+    assert torch.equal(ours.completion_ids, ref)
+
+
+def test_one_turn_logprobs_equal_the_model_forward(family):
+    _, model, tok, enc = family
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=20, eos_ids=STOPS,
+                        pad_id=tok.pad_token_id, seeds=torch.arange(6) * 7 + 3)
+    pol = r.policy_mask.bool()
+    assert r.completion_mask.sum(1).unique().numel() > 1  # rows stopped at different lengths
+    want = plain_logprobs(model, enc, r)
+    assert (r.logprobs - want)[pol].abs().max() < 1e-4
+    assert (training_logprobs(model, enc, r) - want)[pol].abs().max() < 1e-4
+
+
+def test_several_turns_equal_one_forward_over_the_trajectory(family):
+    """Rows pause at a stop, forget what they sampled past it, take answers of different lengths and resume."""
+    _, model, tok, enc = family
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOPS,
+                        pad_id=tok.pad_token_id, seeds=torch.arange(6) * 7 + 3, max_turns=3, check_every=4,
+                        respond=answering(lambda row, k: (row % 3) + 2 * k))
+    pol = r.policy_mask.bool()
+    assert (r.turns > 1).any() and r.turns.unique().numel() > 1 and (r.completion_mask.sum(1) > 12).any()
+    want = plain_logprobs(model, enc, r)
+    assert (r.logprobs - want)[pol].abs().max() < 1e-4
+    assert (training_logprobs(model, enc, r) - want)[pol].abs().max() < 1e-4
+
+
+def test_start_up_check_passes(family):
+    _, model, _, _ = family
+    assert sampling.check_exact(model) is None
+
+
+def test_softcapped_head_gradient_equals_autograd():
+    """Gemma 2's final-logit softcap in the chunked head: values and gradients equal autograd through the
+    model's own logits, over several chunks and at a temperature."""
+    model, tok = architectures.tiny("gemma2")
+    assert grpo.head_of(model).softcap
+    enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
+    comp = torch.randint(0, 256, (6, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([enc.input_ids, comp], 1)
+    mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    weights = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
+    params = [p for p in model.parameters()]
+
+    logp, _ = grpo.completion_logprobs(model, ids, mask, 7, temperature=0.7, chunk_tokens=5)
+    ours = torch.autograd.grad((logp * weights).sum(), params)
+    logits = model(input_ids=ids, attention_mask=mask,
+                   position_ids=grpo.position_ids_from_mask(mask)).logits[:, -8:-1].float() / 0.7
+    ref_logp = torch.log_softmax(logits, -1).gather(-1, comp[..., None])[..., 0]
+    ref = torch.autograd.grad((ref_logp * weights).sum(), params)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5 * (1 + b.abs().max().item()), rtol=1e-4)
+
+
+def test_start_up_check_catches_a_wrong_path(monkeypatch):
+    """A path that leaves out what the model does (here the softcap, or the sliding window) is caught."""
+    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, whatever the family
+    model, _ = architectures.tiny("gemma2")
+    with monkeypatch.context() as m:
+        m.setattr(grpo, "head_of", lambda model: None)
+        assert "training forward" in sampling.check_exact(model)
+    model, _ = architectures.tiny("gemma3")
+    assert sampling.check_exact(model) is None
+    monkeypatch.setattr(hf_decoder.HFDecoder, "_masks", lambda self, v, p: {k: None for k in self.kinds})
+    assert "sampler" in sampling.check_exact(model)
+
+
+def test_what_the_general_path_cannot_express_is_refused(monkeypatch):
+    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)
+    model, _ = architectures.tiny("qwen3")
+    model.config.__dict__["_attn_implementation_internal"] = "flash_attention_2"  # the setter would load kernels
+    assert "attn_implementation=flash_attention_2" in sampling.check_exact(model)
+    model, _ = architectures.tiny("qwen3")
+    model.config.layer_types = ["chunked_attention"] * 2
+    assert "chunked_attention" in sampling.check_exact(model)
