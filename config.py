@@ -32,8 +32,8 @@ TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 class Config:
     # model
     model: str = setting("tiny", run=True)  # local folder or hub id; "tiny" builds a 2-layer byte-level model
-    model_init_kwargs: dict = setting(factory=lambda: {"attn_implementation": "sdpa"}, run=False)
-        # for from_pretrained; no dtype = float32 weights (bf16 compute under torchrun on a GPU)
+    model_init_kwargs: dict = setting(factory=dict, run=False)  # for from_pretrained; no dtype = float32 weights
+        # (bf16 compute under torchrun on a GPU); no attn_implementation = sdpa where the model supports it, else eager
     gradient_checkpointing: bool = setting(False, run=False)  # recompute each layer in backward: less activation
         # memory, ~1/3 more compute
     device: str = setting("auto", run=False)  # auto (cuda when available), cpu or cuda
@@ -183,8 +183,9 @@ class Config:
         # eval_every > 0)
     lora_rank: int = setting(0, run=True, at_least=0)  # 0 = train all weights; r > 0 = train rank-r adapters only
     lora_alpha: float = setting(32.0, run=True, above=0)  # adapter output scaled by lora_alpha / lora_rank
-    lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", run=True)
-        # linear layers to adapt
+    lora_target_modules: str = setting("all", run=True)  # what gets adapters: all = every linear layer in the
+        # decoder layers (attention, linear attention, MLP) but MoE routers, and each expert of fused MoE expert
+        # weights; or comma-separated names (q_proj, self_attn.q_proj, experts.gate_up_proj; all may be one of them)
     completions_table_every: int = setting(0, run=False, at_least=0)  # wandb table of sampled completions every N
         # steps; 0 = never
 

@@ -201,10 +201,12 @@ def banner(run, resumed):
                  f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
+    import model_loading  # here, not at the top: the rest of this file has no use for transformers
+    adapted = model_loading.lora_summary(lm)  # which layers, how many of each: "all" differs by family
     lines = [
         f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
-        f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable"
-        f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''} | reference: {reference}",
+        f"model {cfg.model}: {count(total)} parameters, {count(trainable)} trainable | reference: {reference}",
+        *([adapted] if adapted else []),
         f"task {cfg.task}: {data} | rewards: {funcs}",
         f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step{minis}, micro-batches of "
         f"{cfg.micro_batch_size}, up to {cfg.max_completion_length} new tokens, {cfg.max_steps} steps",

@@ -221,6 +221,8 @@ def load_models(cfg, d, load_device):
         tokenizer = model_loading.load_tokenizer(path)
         policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
                                           gradient_checkpointing=cfg.gradient_checkpointing)
+    except model_loading.InitKwargsError as e:  # an attention implementation the model does not have, ...
+        raise ConfigError("model_init_kwargs", str(e).removeprefix("model_init_kwargs: ")) from e
     except (OSError, ValueError) as e:  # a missing folder, damaged weights: one line (GRPO_DEBUG=1: the traceback)
         raise SystemExit(f"model: {e}") from e
     except TypeError as e:  # from_pretrained given a keyword the model does not take

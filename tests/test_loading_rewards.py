@@ -19,6 +19,42 @@ def test_model_init_kwargs_are_forwarded(tiny_dir, tmp_path):
     torch.testing.assert_close(m2.model.embed_tokens.weight, m.model.embed_tokens.weight.float())
 
 
+def _family_dir(path, family):
+    """A folder with a tiny `family` config and the byte tokenizer, no weights (tests/architectures.py)."""
+    import architectures
+    tok = model_loading.build_byte_tokenizer()
+    tok.save_pretrained(path)
+    architectures.config(family, tok).save_pretrained(path)
+    return str(path)
+
+
+def test_attention_is_chosen_per_model_and_a_bad_choice_is_one_line(tmp_path):
+    """No attn_implementation: sdpa where the class supports it, else eager (gpt-oss, whose sinks sdpa lacks)."""
+    gpt_oss = _family_dir(tmp_path / "gpt_oss", "gpt_oss")
+    assert model_loading.load_model(gpt_oss, {}).config._attn_implementation == "eager"
+    assert model_loading.load_model(_family_dir(tmp_path / "qwen3", "qwen3"), {}).config._attn_implementation == "sdpa"
+    assert model_loading.load_model(gpt_oss, {"attn_implementation": "eager"}).config._attn_implementation == "eager"
+    model_loading.load_model(gpt_oss, {}).save_pretrained(tmp_path / "weights")  # from_pretrained's path too
+    assert model_loading.load_model(str(tmp_path / "weights"), {}).config._attn_implementation == "eager"
+    for folder in (gpt_oss, str(tmp_path / "weights")):
+        with pytest.raises(model_loading.InitKwargsError) as e:
+            model_loading.load_model(folder, {"attn_implementation": "sdpa"})
+        assert str(e.value) == 'model_init_kwargs: gpt_oss does not support attn_implementation=sdpa; use "eager"'
+
+
+def test_train_starts_on_gpt_oss_with_the_default_settings(tmp_path):
+    import train
+    gpt_oss = _family_dir(tmp_path / "gpt_oss", "gpt_oss")
+    args = [f"--model={gpt_oss}", "--max_steps=1", "--num_generations=2", "--prompts_per_step=2",
+            "--print_completions_every=0", "--save_every=0"]
+    train.main([*args, f"--out_dir={tmp_path / 'out'}"])
+    assert (tmp_path / "out" / "model" / "model.safetensors").exists()
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, f"--out_dir={tmp_path / 'bad'}", '--model_init_kwargs={"attn_implementation": "sdpa"}'])
+    assert str(e.value) == ('config error: --model_init_kwargs: gpt_oss does not support attn_implementation=sdpa; '
+                            'use "eager"')
+
+
 def test_no_weights_gives_seeded_random_init(tiny_dir):
     a = model_loading.load_model(tiny_dir, {}, seed=1)
     b = model_loading.load_model(tiny_dir, {}, seed=1)

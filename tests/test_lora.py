@@ -60,6 +60,18 @@ def test_add_lora_replaces_targets_and_freezes_the_rest(tmp_path):
         model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, "nope")
 
 
+def test_default_targets_on_a_dense_model_are_its_seven_projections(tmp_path):
+    from config import Config
+    assert Config().lora_target_modules == model_loading.ALL_TARGETS
+    everything = model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, model_loading.ALL_TARGETS)
+    assert sorted(everything) == sorted(model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, TARGETS))
+    model, _ = _tiny(tmp_path)
+    model_loading.add_lora(model, 4, 8, model_loading.ALL_TARGETS)
+    assert model_loading.lora_summary(model) == ("LoRA rank 4 on q_proj x2, k_proj x2, v_proj x2, o_proj x2, "
+                                                 "gate_proj x2, up_proj x2, down_proj x2: 9,728 parameters")
+    assert model_loading.lora_summary(_tiny(tmp_path)[0]) is None
+
+
 def test_only_adapter_parameters_change(tmp_path):
     model, tok = _tiny(tmp_path)
     model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
@@ -179,11 +191,12 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import grpo, model_loading
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 dist.init_process_group("gloo")
-path = sys.argv[2]
-model = model_loading.load_model(path, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
+path, targets = sys.argv[2], sys.argv[4]
+model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
 tok = model_loading.load_tokenizer(path)
-model_loading.add_lora(model, rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj")
+model_loading.add_lora(model, rank=4, alpha=8, target_modules=targets)
 torch.manual_seed(1)
 for m in model_loading.lora_modules(model).values():
     torch.nn.init.normal_(m.lora_B, std=0.05)  # non-zero, so adapters on and off differ
@@ -204,34 +217,41 @@ with torch.no_grad(), model_loading.adapters_disabled(model):
 logp.sum().backward()
 grads = {n: p.grad is not None for n, p in model.named_parameters()}
 assert all(g == ("lora_" in n) for n, g in grads.items()), grads
+grad_A = {n: p.grad.full_tensor() for n, p in model.named_parameters() if "lora_A" in n}  # collectives: every rank
+gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # as export
 if dist.get_rank() == 0:
-    torch.save({"logp": logp.detach(), "ref": ref, "full": full,
-                "grad_A": {n: p.grad.full_tensor() for n, p in model.named_parameters() if "lora_A" in n}},
-               sys.argv[3])
-else:
-    for n, p in model.named_parameters():
-        if "lora_A" in n:
-            p.grad.full_tensor()
+    torch.save({"logp": logp.detach(), "ref": ref, "full": full, "grad_A": grad_A, "gathered": gathered}, sys.argv[3])
 dist.barrier()  # both ranks done before either tears the group down
 dist.destroy_process_group()
 '''
 
 
-def test_lora_under_fsdp2_fully_shard(tmp_path):
-    """Two processes on CPU (gloo): sharded adapted model = unsharded one; gradients reach only the adapters."""
+def _write_moe(path):
+    import architectures
+    tok = model_loading.build_byte_tokenizer()
+    tok.save_pretrained(path)
+    architectures.config("qwen3_moe", tok).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("write, targets", [(model_loading.write_tiny_model, "q_proj,v_proj,down_proj"),
+                                            (_write_moe, "all")], ids=["qwen2", "qwen3_moe"])
+def test_lora_under_fsdp2_fully_shard(tmp_path, write, targets):
+    """Two processes on CPU (gloo): sharded adapted model = unsharded one; gradients reach only the adapters;
+    the gathered weights merge into the same export (expert weights' adapters included for qwen3_moe)."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = model_loading.write_tiny_model(str(tmp_path / "tiny"))
+    path = write(str(tmp_path / "tiny"))
     (tmp_path / "worker.py").write_text(FSDP_WORKER)
     out = tmp_path / "result.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU on a GPU machine too
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29531", str(tmp_path / "worker.py"), root, path, str(out)],
+                           "--master_port", "29531", str(tmp_path / "worker.py"), root, path, str(out), targets],
                           capture_output=True, text=True, timeout=240, env=env)
     assert finished(proc, out), proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
-    model = model_loading.load_model(path, {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", seed=0)
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj")
+    model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
+    model_loading.add_lora(model, rank=4, alpha=8, target_modules=targets)
     model.load_state_dict(got["full"])
     tok = model_loading.load_tokenizer(path)
     enc = tok(["a>", "hello there>"], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -245,5 +265,12 @@ def test_lora_under_fsdp2_fully_shard(tmp_path):
     torch.testing.assert_close(got["logp"], logp.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["ref"], ref, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ref, logp.detach(), atol=1e-3)
+    params = dict(model.named_parameters())
+    assert got["grad_A"].keys() == {n for n in params if n.endswith("lora_A")}
     for n, g in got["grad_A"].items():
-        torch.testing.assert_close(g, dict(model.named_parameters())[n].grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(g, params[n].grad, atol=1e-5, rtol=1e-4)
+    merged = model_loading.merge_lora_state_dict(model, got["gathered"])  # what a sharded run exports
+    want = model_loading.merge_lora_state_dict(model)
+    assert merged.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(merged[k], want[k], atol=0, rtol=0, msg=k)
