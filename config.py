@@ -34,6 +34,8 @@ class Config:
     model: str = setting("tiny", run=True)  # local folder or hub id; "tiny" builds a 2-layer byte-level model
     model_init_kwargs: dict = setting(factory=dict, run=False)  # for from_pretrained; no dtype = float32 weights
         # (bf16 compute under torchrun on a GPU); no attn_implementation = sdpa where the model supports it, else eager
+    check_model: bool = setting(True, run=False)  # at start, a few tokens through the sampler and the training
+        # forward against the model's own forward: an architecture they would get wrong stops the run, named
     gradient_checkpointing: bool = setting(False, run=False)  # recompute each layer in backward: less activation
         # memory, ~1/3 more compute
     device: str = setting("auto", run=False)  # auto (cuda when available), cpu or cuda
@@ -145,6 +147,8 @@ class Config:
         # (kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
         # GPUs; Llama/Qwen2 without LoRA, where the written-out forward runs)
+    routing_replay: bool = setting(False, run=True)  # MoE models: the training forwards route each token to the
+        # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
     # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools

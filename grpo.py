@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import routing as routing_replay
 from static_decoder import hidden_states, training_forward_supported
 
 # ----------------------------------------------------------------------------- positions
@@ -219,7 +220,7 @@ def default_chunk_tokens(vocab_size, device):
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
                         chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
-                        entropy_grad=False):
+                        entropy_grad=False, routing=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask
@@ -248,6 +249,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     completion is longest, all but its last token (`MicroBatch.width`).
     Completion tokens predicted from past `width` then get finite log-probs
     that mean nothing, for the caller to mask.
+    `routing` (N, S, layers, k): with routing replay (routing.py), the experts
+    each token goes to in each MoE layer, moved with its row; the forward then
+    routes as the sampler did.
     """
     t = num_completion_tokens
     n, s = input_ids.shape
@@ -257,16 +261,24 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     # predicted from itself once moved): then the move applies
     movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
     left_padded_only, padded = torch.stack([movable, lead.any()]).tolist()
+    real = attention_mask.bool()
     if left_padded_only:
         if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
-            cols = torch.arange(s, device=input_ids.device)
-            input_ids = input_ids.gather(1, (cols + lead[:, None]) % s)
+            cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s
+            input_ids, real = input_ids.gather(1, cols), real.gather(1, cols)
+            if routing is not None:
+                routing = routing.gather(1, cols[:, :, None, None].expand_as(routing))
         if width is not None and width < s:
-            input_ids = input_ids[:, :width]
+            input_ids, real = input_ids[:, :width], real[:, :width]
+            routing = None if routing is None else routing[:, :width]
         mask, positions = None, torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
     else:
         lead = torch.zeros_like(lead)
         mask, positions = attention_mask, position_ids_from_mask(attention_mask)
+    if routing is not None:  # kept set after the forward: activation checkpointing recomputes in backward
+        routing_replay.of(model).replay(routing, real)
+    elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
+        routing_replay.attached(model).stop()
     if fast_forward is None:
         fast_forward = training_forward_supported(model)
     if fast_forward:

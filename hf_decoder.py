@@ -76,7 +76,7 @@ class HFDecoder:
     token per row, extend rows by a block of tokens, truncate (forget) rows' tokens from a position on.
     """
 
-    def __init__(self, model, ids, attn, positions):
+    def __init__(self, model, ids, attn, positions, routing=None):
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicSlidingWindowLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
@@ -95,6 +95,9 @@ class HFDecoder:
         # transformers 5.x renamed the forward's past_key_values to cache (the old name warns where both exist)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.routing, self.routes = routing, []  # a routing.Replay that records: each forward's experts
+        if routing is not None:
+            routing.record()
         self.valid = torch.zeros(ids.shape[0], 0, dtype=torch.bool, device=ids.device)
         self.pos = torch.zeros(ids.shape[0], 0, dtype=torch.long, device=ids.device)
         self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1]
@@ -130,8 +133,11 @@ class HFDecoder:
             masks["linear_attention"] = valid.long()
         if not getattr(_text_config(self.model), "layer_types", None):  # models that take one mask, not one per type
             masks = masks[self.kinds[0]]
-        return self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
-                          logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
+        logits = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
+                            logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
+        if self.routing is not None:
+            self.routes.append(self.routing.take(ids.shape))  # (N, K, layers, k), a column per token fed
+        return logits
 
     def decode(self, tok, positions):
         """One token per row at position ids `positions` (N,); the logits after it (N, V)."""
@@ -166,3 +172,21 @@ class HFDecoder:
         """Forget rows' tokens at positions from first_pos + ends on: their columns are no longer attended."""
         forget = (self.pos[batch_rows] >= (first_pos[batch_rows] + ends)[:, None]) & self.valid[batch_rows]
         self.valid[batch_rows] = self.valid[batch_rows] & ~forget
+
+    def routed(self, prompt_width, first_pos, length):
+        """The experts recorded for the prompt columns (N, P, layers, k) and for completion positions
+        0 .. length - 1 (N, length, layers, k): each position's column is the last real one at its position
+        (a forgotten token's column is not real); -1 where no token was fed (a row's last token, padding):
+        the router's live choice there."""
+        self.routing.stop()
+        routes = torch.cat(self.routes, 1)  # (N, columns, layers, k)
+        n = routes.shape[0]
+        col = torch.zeros(n, length, dtype=torch.long, device=routes.device)
+        j = self.pos - first_pos[:, None]  # (N, columns) completion position of each column
+        real = self.valid & (j >= 0) & (j < length) & (torch.arange(j.shape[1], device=j.device) >= prompt_width)
+        rows, cols = real.nonzero(as_tuple=True)
+        col[rows, j[rows, cols]] = cols
+        fed = torch.zeros(n, length, dtype=torch.bool, device=routes.device)
+        fed[rows, j[rows, cols]] = True
+        out = routes.gather(1, col[:, :, None, None].expand(-1, -1, *routes.shape[2:]))
+        return routes[:, :prompt_width], out.masked_fill(~fed[:, :, None, None], -1)

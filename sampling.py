@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import agents
 import grpo
 import rewards
+import routing
 import sharding
 import hf_decoder
 from static_decoder import StaticDecoder, static_decode_supported
@@ -33,8 +34,9 @@ ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy
 class Rollout:
     """The sampled trajectories: every (N, T) field is padded on the right, every field has one row per completion.
 
-    A field added here is carried through `cat_rollouts` without more code: (N, T) fields are padded with 0
-    (or with the pad id where their metadata says so), (N,) fields concatenated.
+    A field added here is carried through `cat_rollouts` without more code: (N, T, ...) fields are padded
+    along T with 0 (or with their metadata's pad value, on its side), (N,) fields concatenated; an optional
+    field is None in every part or in none.
     """
     completion_ids: torch.Tensor = field(metadata={"pad": "pad_id"})  # (N, T) the policy's tokens and the
                                    # environment's answers in order, pad after the end
@@ -43,9 +45,17 @@ class Rollout:
     truncated: torch.Tensor        # (N,) True when the length limit cut the trajectory before it ended
     logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied), 0 elsewhere
     turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
+    # with routing replay (routing.py), the experts each token was routed to when it was fed, int16, -1 where
+    # none was recorded: the completion's (N, T, layers, k) and the left-padded prompt's (N, P, layers, k)
+    routing: torch.Tensor = field(default=None, metadata={"pad": -1})
+    prompt_routing: torch.Tensor = field(default=None, metadata={"pad": -1, "side": "left"})
 
     def to(self, device):
-        return Rollout(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in dataclasses.fields(self)})
+
+
+def _map(x, fn):
+    return None if x is None else fn(x)
 
 
 def completion_id_lists(rollout):
@@ -73,13 +83,19 @@ def cat_rollouts(rollouts, pad_id):
     """One Rollout of the rows of several, in order; shorter completions padded on the right."""
     if len(rollouts) == 1:
         return rollouts[0]
-    t = max(r.completion_ids.shape[1] for r in rollouts)
     out = {}
     for f in dataclasses.fields(Rollout):
         parts = [getattr(r, f.name) for r in rollouts]
-        if parts[0].dim() == 2:
-            value = pad_id if f.metadata.get("pad") == "pad_id" else 0
-            parts = [F.pad(x, (0, t - x.shape[1]), value=value) for x in parts]
+        if parts[0] is None:
+            out[f.name] = None
+            continue
+        if parts[0].dim() >= 2:
+            value = pad_id if f.metadata.get("pad") == "pad_id" else f.metadata.get("pad", 0)
+            t = max(x.shape[1] for x in parts)
+            left = f.metadata.get("side") == "left"
+            # F.pad's widths run from the last dimension back: (0, 0) for each dimension after the second
+            parts = [F.pad(x, (0, 0) * (x.dim() - 2) + ((t - x.shape[1], 0) if left else (0, t - x.shape[1])),
+                           value=value) for x in parts]
         out[f.name] = torch.cat(parts)
     return Rollout(**out)
 
@@ -87,7 +103,8 @@ def cat_rollouts(rollouts, pad_id):
 def rollout_rows(rollout, index):
     """The Rollout of rows `index` (a list or tensor of row numbers) of `rollout`, in that order."""
     index = torch.as_tensor(index, dtype=torch.long, device=rollout.completion_ids.device)
-    return Rollout(**{f.name: getattr(rollout, f.name)[index] for f in dataclasses.fields(Rollout)})
+    return Rollout(**{f.name: _map(getattr(rollout, f.name), lambda x: x[index.to(x.device)])
+                      for f in dataclasses.fields(Rollout)})
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -196,7 +213,8 @@ class Turn(NamedTuple):
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
            top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
-           keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1):
+           keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1,
+           record_routing=False):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     A row pauses at its first EOS or at the end of one of `stop_sequences`
@@ -229,7 +247,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     cache and graphs on the model for the next call (no re-copy or
     re-capture), at the price of that memory between calls. attention_kernel:
     on CUDA, StaticDecoder's decode attention runs as the split-KV Triton
-    kernel of kernels.py instead of SDPA (where the shapes allow it).
+    kernel of kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's
+    experts in every MoE layer (routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
+    forward, which routes through its routers).
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -243,18 +263,25 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
     attn = prompt_mask.long()
     positions = grpo.position_ids_from_mask(attn)
-    if static_cache and static_decode_supported(model):
+    replay = routing.of(model) if record_routing else None
+    if static_cache and static_decode_supported(model) and replay is None:
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel)
     else:
-        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens), False
+        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay), False
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
             # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
             # so that none samples past one (the same on every rank: it depends on the model alone)
             check_every = 1
     try:
-        return _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p), keys,
-                       check_every, all_done, respond, max_turns, compact, device)
+        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p),
+                          keys, check_every, all_done, respond, max_turns, compact, device)
+        if replay is not None:
+            rollout.prompt_routing, rollout.routing = steps.dec.routed(prompt_ids.shape[1], steps.first_pos,
+                                                                       rollout.completion_ids.shape[1])
+        return rollout
     finally:
+        if replay is not None:
+            replay.stop()
         if isinstance(steps, _StaticSteps) and not keep_decoder:  # give the memory back before training needs it
             model.__dict__.pop("_static_decoder", None)
 
@@ -296,9 +323,9 @@ class _HFSteps:
     grows by a column per fed token for all rows; the masks say which columns are a row's own tokens, so an
     answer appended to some rows, or samples forgotten, leave holes that are never attended."""
 
-    def __init__(self, model, ids, attn, positions, max_new):
+    def __init__(self, model, ids, attn, positions, max_new, replay=None):
         self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
-        self.dec = hf_decoder.HFDecoder(model, ids, attn, positions)
+        self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
 
@@ -541,7 +568,7 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None):
 
 
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent=None,
-             episodes=None):
+             episodes=None, record_routing=False):
     """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
@@ -563,7 +590,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
                                 # the next batch reuses the weight copies and the cache
-                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel, **turns))
+                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
+                                record_routing=record_routing, **turns))
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
     if agent is not None:
         agent.finish(episodes, rollout)

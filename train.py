@@ -70,6 +70,7 @@ try:
     import grpo
     import model_loading
     import rewards
+    import routing
     import run_log
     import sampling
     import sharding
@@ -227,12 +228,19 @@ def load_models(cfg, d, load_device):
         raise SystemExit(f"model: {e}") from e
     except TypeError as e:  # from_pretrained given a keyword the model does not take
         raise ConfigError("model_init_kwargs", e) from e
+    check_model(cfg, d, policy)
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
             model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
         except ValueError as e:
             raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
+    if cfg.routing_replay:  # after the reference is copied: each model's routers record and replay for it alone
+        try:
+            for model in (policy, ref) if ref is not None else (policy,):
+                routing.of(model)
+        except ValueError as e:
+            raise ConfigError("routing_replay", e) from e
     low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
     if low and cfg.lr < 1e-4 and d.master:
         print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
@@ -247,6 +255,18 @@ def load_models(cfg, d, load_device):
         ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
         sharding.check_same_placement(policy, ref)
     return tokenizer, policy, ref
+
+
+def check_model(cfg, d, policy):
+    """Stop, naming the architecture and what is wrong, where the sampler's or the training forward's log-probs
+    would not be the model's own (sampling.check_exact: a few tokens through both, on rank 0)."""
+    if not cfg.check_model:
+        return
+    problem = sampling.check_exact(policy) if d.master else None
+    problem = sharding.broadcast_object(problem, d)
+    if problem:
+        raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here (README: "
+                         f"\"Architectures\"); --check_model=false skips this check at your own risk")
 
 
 def load_task(cfg, d, tokenizer, own_rewards, load_device):
@@ -308,7 +328,7 @@ def rollout(run, step, round=0):
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
     run.policy.eval()
     sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, cfg.temperature, cfg, d,
-                                             run.eos_ids, run.agent, episodes)
+                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay)
     run.policy.train()
     return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes)
 
@@ -465,25 +485,30 @@ def advantages(run, all_total, all_parts):
     return grpo.group_advantages(signal, G, scale)
 
 
-def reference_logprobs(run, ids, mask, micro):
+def routes(route, mb):
+    """The micro-batch's experts per token (routing replay), or None without it."""
+    return None if route is None else mb.take(route)[0]
+
+
+def reference_logprobs(run, ids, mask, micro, route=None):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
     model = run.ref if run.ref is not None else policy
     with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
         logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
-                      compile_layers=run.cfg.compile_layers)[0] for mb in micro]
+                      compile_layers=run.cfg.compile_layers, routing=routes(route, mb))[0] for mb in micro]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
 
 
-def sampling_logprobs(run, ids, mask, micro):
+def sampling_logprobs(run, ids, mask, micro, route=None):
     """The policy's (log-probs, entropies) at its current weights, without gradient: one pair per micro-batch.
     Before the step's first optimizer step, these are the weights that sampled."""
     cfg, policy = run.cfg, run.policy
     with torch.no_grad():
         return [policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
-                       compile_layers=cfg.compile_layers) for mb in micro]
+                       compile_layers=cfg.compile_layers, routing=routes(route, mb)) for mb in micro]
 
 
 def update(run, batch, advantages, step):
@@ -507,6 +532,9 @@ def update(run, batch, advantages, step):
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
     T = batch.rollout.completion_ids.shape[1]
+    route = None  # routing replay: each token's experts as the sampler chose them, (n, S + T, layers, k)
+    if batch.rollout.routing is not None:
+        route = torch.cat([batch.rollout.prompt_routing, batch.rollout.routing], dim=1)
     loss_mask = batch.rollout.policy_mask.float()  # (n, T) the policy's tokens: an environment's are context only
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
@@ -523,7 +551,7 @@ def update(run, batch, advantages, step):
     if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
         minis = [grpo.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
-    ref_logp = [reference_logprobs(run, ids, mask, m) for m in minis] if cfg.beta > 0 else None
+    ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
     old_logp, is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
     # |trainer - sampler| log-prob over the counted tokens, summed and largest (at the weights that sampled)
     lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
@@ -542,7 +570,7 @@ def update(run, batch, advantages, step):
     threshold = [None] * n_mini  # each mini-batch's entropy quantile
     if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
         for j, micro in enumerate(minis):
-            out = sampling_logprobs(run, ids, mask, micro)
+            out = sampling_logprobs(run, ids, mask, micro, route)
             for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
                 keep_old(j, i, mb, logp)
             if cfg.top_entropy_quantile < 1:
@@ -562,7 +590,8 @@ def update(run, batch, advantages, step):
             for i, mb in enumerate(micro):
                 logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                        width=mb.width, compile_layers=cfg.compile_layers,
-                                       entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy)
+                                       entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
+                                       routing=routes(route, mb))
                 mb_mask = loss_mask[mb.rows, :mb.t]
                 if old_logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
                     keep_old(j, i, mb, logp.detach())
@@ -692,6 +721,9 @@ def train_step(run, step):
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
     if cfg.sync_ref_model:  # the reference's syncs so far in the run
         metrics["ref_syncs"] = optimizer_steps(cfg, step) // cfg.ref_model_sync_steps
+    if cfg.routing_replay:  # of the policy's replayed (token, layer) routing decisions, the share it would change
+        differ, decisions = sharding.all_reduce_sum(list(routing.of(run.policy.lm).counts()), d)
+        metrics["routing_replay_differ"] = differ / max(1.0, decisions)
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 

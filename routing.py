@@ -1,0 +1,136 @@
+"""Routing replay for Mixture-of-Experts models: train the experts the sampler chose.
+
+A MoE layer's router picks each token's top-k experts. The sampler and the
+training forward compute the router's logits in different batches, kernels and
+(under FSDP) precisions, so near-ties resolve differently: a token trained
+through other experts than those that sampled it has a log-prob from another
+function, which inflates the importance ratio and, in long runs, destabilises
+training (Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning
+Training and Inference Routers": rollout routing replay, R3; verl, slime and
+Megatron offer it). With replay on, the sampler records every token's experts
+in every MoE layer, and the training forwards use them, with the gates
+recomputed from the live router (so the router still gets its gradient).
+
+How: a router module is the one that calls `torch.topk` to choose experts
+(Qwen3-MoE's softmax-then-top-k, gpt-oss's top-k-then-softmax, and the
+others transformers writes the same way). While a router runs, a
+TorchFunctionMode sees that call: when recording it keeps the indices; when
+replaying it returns the recorded indices and the router's own scores
+gathered at them, in place of the live top-k. Whatever the router does with
+them next (renormalise, softmax over the chosen) is its own code.
+Of the project it imports nothing.
+"""
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_TOPK = (torch.topk, torch.Tensor.topk)
+
+
+def routers(model):
+    """The model's expert routers in layer order: the modules whose class is named *Router* and holds a weight."""
+    return [m for m in model.modules() if "router" in type(m).__name__.lower() and getattr(m, "weight", None) is not None]
+
+
+class _TopK(TorchFunctionMode):
+    """Inside one router call: records the top-k indices, or hands back `replay`'s instead."""
+
+    def __init__(self, replay=None):
+        super().__init__()
+        self.replay, self.live = replay, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in _TOPK:
+            return out
+        self.live.append(out.indices)
+        if self.replay is None or len(self.live) > 1:
+            return out
+        scores = args[0] if args else kwargs["input"]
+        rep = self.replay.to(device=scores.device, dtype=out.indices.dtype)
+        idx = torch.where(rep >= 0, rep, out.indices)  # -1: a token nothing was recorded for routes live
+        return torch.return_types.topk((scores.gather(-1, idx), idx))
+
+
+class Replay:
+    """The routing state of one model: which experts its routers record or replay, and how often they differ.
+
+    `record()`: every router call appends its indices (tokens, k). `replay(indices, real)`: each router call
+    takes its layer's experts from indices (N, S, layers, k) for the N x S tokens of the forward (-1: its live
+    choice), and counts
+    the real tokens (real (N, S) bool) whose live choice would have been another set of experts. The replayed
+    choice stays set until the next `replay`, so a layer recomputed in backward (activation checkpointing)
+    routes as it did in the forward.
+    """
+
+    def __init__(self, model):
+        self.routers = routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no expert router to record")
+        self.k = None
+        self.mode, self.records, self.current, self.real = None, None, None, None
+        self.differ = self.decisions = 0  # (token, layer) routing decisions replayed, and those the live router changed
+        for layer, router in enumerate(self.routers):
+            router.forward = self._wrapped(router.forward, layer)
+
+    def _wrapped(self, forward, layer):
+        def routed(*args, **kwargs):
+            if self.mode is None:
+                return forward(*args, **kwargs)
+            replay = self.current[layer] if self.mode == "replay" else None
+            with _TopK(replay) as topk:
+                out = forward(*args, **kwargs)
+            if len(topk.live) != 1:
+                raise ValueError(f"routing replay: {type(self.routers[layer]).__name__} chooses experts in "
+                                 f"{len(topk.live)} top-k calls; only routers with one can be replayed")
+            live = topk.live[0]
+            if self.mode == "record":
+                self.records[layer].append(live.to(torch.int16))
+            elif not self.counted[layer]:  # once per replay: not again where backward recomputes the layer
+                self.counted[layer] = True
+                replay = replay.to(live)
+                same = (live.sort(-1).values == replay.sort(-1).values).all(-1)  # (tokens,)
+                real = self.real.reshape(-1).to(same.device) & (replay >= 0).all(-1)
+                self.decisions += int(real.sum())
+                self.differ += int((~same & real).sum())
+            return out
+        return routed
+
+    def record(self):
+        """Start recording: from now each router call's indices are kept (`take` returns them)."""
+        self.mode, self.records = "record", [[] for _ in self.routers]
+
+    def take(self, shape):
+        """The indices recorded since the last take, (N, K, layers, k) for a forward of N x K tokens."""
+        out = torch.stack([r.pop(0).view(*shape, -1) for r in self.records], dim=2)
+        self.k = out.shape[-1]
+        return out
+
+    def replay(self, indices, real):
+        """From now each router call routes its tokens to indices[:, :, layer] (N, S, layers, k)."""
+        self.mode = "replay"
+        self.current = [indices[:, :, layer].reshape(-1, indices.shape[-1]) for layer in range(len(self.routers))]
+        self.real, self.counted = real, [False] * len(self.routers)
+
+    def stop(self):
+        self.mode, self.records, self.current = None, None, None
+
+    def counts(self):
+        """(decisions the live router would have made otherwise, decisions replayed) since the last call."""
+        out = (float(self.differ), float(self.decisions))
+        self.differ = self.decisions = 0
+        return out
+
+
+def of(model):
+    """The model's Replay, made on first use (it wraps the routers' forwards once)."""
+    state = model.__dict__.get("_routing_replay")
+    if state is None:
+        state = model.__dict__["_routing_replay"] = Replay(model)
+    return state
+
+
+def attached(model):
+    """The model's Replay if routing replay was set up on it, else None."""
+    return model.__dict__.get("_routing_replay")

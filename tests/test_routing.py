@@ -1,0 +1,154 @@
+"""Routing replay (routing.py): the training forward sends each token to the experts the sampler chose."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import architectures  # noqa: E402
+import grpo  # noqa: E402
+import routing  # noqa: E402
+import sampling  # noqa: E402
+from test_multiturn import answering  # noqa: E402
+
+TEXT = ["a>", "hello world>", "xyz", "b>" * 7]
+
+
+def experts_seen(model):
+    """Hooks that keep the expert indices each MoE layer's experts module is called with: [(tokens, k)] per layer."""
+    seen = []
+    mods = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    for layer, m in enumerate(mods):
+        seen.append([])
+        m.register_forward_pre_hook(lambda mod, args, layer=layer: seen[layer].append(args[1].clone()))
+    return seen
+
+
+def nudge_routers(model, scale=0.5):
+    """Move the routers' weights, so that the live choice of many tokens is no longer the sampler's."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for r in routing.routers(model):
+            for p in (r.weight, getattr(r, "bias", None)):
+                if p is not None:
+                    p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_training_forward_routes_as_the_sampler_did(family):
+    model, tok = architectures.tiny(family)
+    enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30, eos_ids=list(range(97, 105)),
+                        pad_id=tok.pad_token_id, seeds=torch.arange(4) * 7 + 3, max_turns=3, check_every=4,
+                        respond=answering(lambda row, k: (row % 3) + 2 * k), record_routing=True)
+    layers = len(routing.routers(model))
+    k = model.config.num_experts_per_tok
+    assert r.routing.shape == (*r.completion_ids.shape, layers, k)
+    assert r.prompt_routing.shape == (*enc.input_ids.shape, layers, k)
+    ids = torch.cat([enc.input_ids, r.completion_ids], 1)
+    real_mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
+    mask = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)  # as train.update gives it
+    route = torch.cat([r.prompt_routing, r.routing], 1)  # (N, S, layers, k)
+
+    # what the sampler recorded is what the model itself routes to in one plain forward of each trajectory
+    seen = experts_seen(model)
+    with torch.no_grad():
+        for i in range(len(TEXT)):
+            model(input_ids=ids[i][real_mask[i].bool()][None])
+    for layer in range(layers):
+        for i in range(len(TEXT)):
+            real = real_mask[i].bool()
+            fed = (route[i, :, layer] >= 0).all(-1) & real  # a row's last token is never fed to the sampler
+            plain = seen[layer][i][fed[real]]
+            assert torch.equal(plain.sort(-1).values, route[i, fed, layer].long().sort(-1).values)
+
+    # with the routers moved, the training forward still picks the sampler's experts, and the metric says how
+    # many it would have changed
+    nudge_routers(model)
+    seen = experts_seen(model)
+    replay = routing.of(model)
+    logp, _ = grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
+    differ, decisions = replay.counts()
+    lead = (mask.cumsum(1) == 0).sum(1)
+    cols = (torch.arange(ids.shape[1]) + lead[:, None]) % ids.shape[1]
+    moved_route = route.gather(1, cols[:, :, None, None].expand_as(route))
+    moved_real = real_mask.bool().gather(1, cols)
+    for layer in range(layers):
+        used = seen[layer][-1].view(len(TEXT), -1, k)  # (N, width, k): the forward ran the moved rows
+        want = moved_route[:, :used.shape[1], layer].long()
+        fed = (want >= 0).all(-1) & moved_real[:, :used.shape[1]]
+        assert torch.equal(used[fed].sort(-1).values, want[fed].sort(-1).values)
+    assert decisions > 0 and 0 < differ < decisions  # the nudge changed some choices (replayed anyway), not all
+
+
+def test_replayed_gates_come_from_the_live_router():
+    """The gates of the replayed experts are the live router's: its weight gets a gradient, and replaying a
+    model's own choice gives exactly its log-probs."""
+    model, tok = architectures.tiny("qwen3_moe")
+    enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
+                        pad_id=tok.pad_token_id, record_routing=True)
+    ids = torch.cat([enc.input_ids, r.completion_ids], 1)
+    mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
+    route = torch.cat([r.prompt_routing, r.routing], 1)
+    plain, _ = grpo.completion_logprobs(model, ids, mask, 12)
+    replayed, _ = grpo.completion_logprobs(model, ids, mask, 12, routing=route)
+    torch.testing.assert_close(replayed, plain, atol=1e-6, rtol=0)
+    replayed.sum().backward()
+    assert all(rt.weight.grad is not None and rt.weight.grad.abs().sum() > 0 for rt in routing.routers(model))
+    assert routing.of(model).counts()[0] == 0  # the same weights choose the same experts
+
+
+def test_routing_rows_survive_cat_and_selection():
+    """Rollouts of different prompt widths and lengths join with routing aligned: prompts padded on the left,
+    completions on the right, -1 where nothing was recorded."""
+    model, tok = architectures.tiny("qwen3_moe")
+    parts = []
+    for text, t in ((["a>", "hello world>"], 5), (["xyz"], 9)):
+        enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
+        parts.append(sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
+                                     pad_id=tok.pad_token_id, record_routing=True))
+    both = sampling.cat_rollouts(parts, tok.pad_token_id)
+    assert both.routing.shape[:2] == (3, 9) and both.prompt_routing.shape[:2] == (3, parts[0].prompt_routing.shape[1])
+    assert torch.equal(both.routing[:2, :5], parts[0].routing) and (both.routing[:2, 5:] == -1).all()
+    p = parts[1].prompt_routing.shape[1]
+    assert torch.equal(both.prompt_routing[2, -p:], parts[1].prompt_routing[0])
+    assert (both.prompt_routing[2, :-p] == -1).all()
+    picked = sampling.rollout_rows(both, [2, 0])
+    assert torch.equal(picked.routing[1], both.routing[0])
+
+
+def test_a_run_with_routing_replay_logs_how_often_routing_differs(tmp_path):
+    """train.py on a tiny Qwen3-MoE with --routing_replay: sampler and trainer log-probs agree to float32 noise,
+    and each step logs the share of routing decisions the trainer's router would have made otherwise."""
+    import json
+
+    import model_loading
+    import train
+
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("qwen3_moe", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    train.main([f"--model={tmp_path / 'model'}", "--routing_replay", "--max_steps=2", f"--out_dir={out}",
+                "--save_every=0"])
+    steps = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(steps) == 2
+    for m in steps:
+        assert 0 <= m["routing_replay_differ"] < 0.5 and m["sampler_logprob_diff_max"] < 1e-4
+
+
+def test_routing_replay_needs_experts(tmp_path):
+    import model_loading
+    import train
+
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("qwen3", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit, match="routing_replay: Qwen3ForCausalLM has no expert router"):
+        train.main([f"--model={tmp_path / 'model'}", "--routing_replay", "--max_steps=1",
+                    f"--out_dir={tmp_path / 'out'}"])
