@@ -83,6 +83,7 @@ class HFDecoder:
         self.model = model
         cfg = _text_config(model)
         self.kinds = layer_types(model)
+        self.one_mask = not getattr(cfg, "layer_types", None)  # a model that takes one mask, not one per layer type
         self.window = getattr(cfg, "sliding_window", None)
         self.cache = DynamicCache(config=model.config)
         # a sliding layer's own cache drops columns past the window, counted in columns; ours keeps them all and
@@ -131,7 +132,7 @@ class HFDecoder:
         if prefill and "linear_attention" in masks and not bool(valid.all()):
             # left padding before any state exists: the model zeroes those inputs, which leaves the state at zero
             masks["linear_attention"] = valid.long()
-        if not getattr(_text_config(self.model), "layer_types", None):  # models that take one mask, not one per type
+        if self.one_mask:
             masks = masks[self.kinds[0]]
         logits = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
                             logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
