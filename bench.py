@@ -3,12 +3,17 @@
     python bench.py                       # the tiny default model, on CUDA when there is one, else CPU
     python bench.py --json results.json   # also write every figure, the machine, versions and settings
     python bench.py --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU); also qwen2.5-1.5b
+    python bench.py --model=tiny-qwen3 --only step   # the tiny default with Qwen3's layers, against TRL
     python bench.py --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
     python bench.py --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
     python bench.py --only exec           # model-written programs through executor.py's sandbox
+    python bench.py --only families       # decode against model.generate for each model family
 
 Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
+  families (not run by default) the decode row for a random model of each family in tests/architectures.py
+           (Llama, Qwen3, Qwen3-MoE, Qwen3.5, gpt-oss, Gemma and others): tokens/s of each side, the ratio, the
+           ratio over Llama's, and whether the sampler took the fast path or the HF forward
   step     one GRPO step (sample, score, reference + policy log-probs, loss, backward, optimizer step) vs
            TRL's GRPOTrainer configured the same way (bench-only dependency; the row is skipped without it)
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
@@ -56,7 +61,10 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, vocab_size=151936)
 QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
-MODELS = {"tiny": {}, "qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
+# config_class: the same fields under another family's config (tiny_config writes a Qwen2Config); tiny-qwen3 is
+# the tiny default with Qwen3's layers (a norm over each head of q and k), head_dim spelled out as Qwen3 needs
+MODELS = {"tiny": {}, "tiny-qwen3": dict(config_class="Qwen3Config", head_dim=16), "qwen2.5-0.5b": QWEN25_05B,
+          "qwen2.5-1.5b": QWEN25_15B}
 
 
 def settings_for(args, device):
@@ -82,6 +90,9 @@ def settings_for(args, device):
         mt_turns=4, mt_turn_tokens=64 if gpu else 16, mt_answer_tokens=64 if gpu else 16,
         # exec row: programs per repetition, one at a time and in the pool
         exec_programs=20, exec_pool_programs=32,
+        # families row: tests/architectures.py's models at this hidden size (its 4 heads of hidden / 4 each);
+        # rows, prompt length and new tokens such that the decode steps dominate the prefill
+        fam_hidden=256, fam_batch=64 if gpu else 16, fam_prompt_len=16, fam_new_tokens=256 if gpu else 128,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -116,7 +127,15 @@ def medians(runs, s, device):
 def build_model_dir(root, args):
     """A model folder with weights (so TRL and we load identical ones) and the byte-level tokenizer."""
     path = os.path.join(root, "model")
-    model_loading.write_tiny_model(path, **MODELS[args.model])
+    overrides = dict(MODELS[args.model])
+    config_class = overrides.pop("config_class", None)
+    model_loading.write_tiny_model(path, **overrides)
+    if config_class:
+        import transformers
+        fields = transformers.AutoConfig.from_pretrained(path).to_diff_dict()
+        for key in ("model_type", "transformers_version", "architectures"):  # the class's own
+            fields.pop(key, None)
+        getattr(transformers, config_class)(**fields).save_pretrained(path)
     model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
     model.save_pretrained(path)
     return path
@@ -182,6 +201,64 @@ def bench_decode(path, s, device):
     if device.type == "cuda":
         out.update(decode_bandwidth(model, enc, ours, s, device))
     return out
+
+
+# ----------------------------------------------------------------------------- families: decode per architecture
+
+
+def bench_families(s, device):
+    """Our sampler vs `model.generate` on a random model of each family in tests/architectures.py, one after
+    the other in one run: the same prompts, the same number of new tokens (no EOS on either side), the same
+    sampling settings. Per family: tokens/s of each, their ratio, that ratio over Llama's (a family on the
+    fast path should not fall below 0.85 of it), and the path the sampler took, asked of static_decoder at run
+    time, since which families it decodes changes as families are added."""
+    # the family table (configs, randomised norms and biases) is the tests' own: one table for both to grow
+    tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    import architectures
+    import static_decoder
+    n, t, hidden = s["fam_batch"], s["fam_new_tokens"], s["fam_hidden"]
+    heads = architectures.COMMON["num_attention_heads"]
+    knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
+    out = {}
+    for name in architectures.FAMILIES:
+        try:
+            # wider than the tests' 64, where a CPU decode step is nearly all framework overhead: the matmuls count
+            model, tok = architectures.tiny(name, hidden_size=hidden, head_dim=hidden // heads)
+            model.to(device=device, dtype=getattr(torch, s["dtype"]))
+            enc = letter_prompts(tok, n, s["fam_prompt_len"], device)
+            path = "fast" if static_decoder.static_decode_supported(model) else "hf"
+
+            def ours():
+                r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
+                                    pad_id=tok.pad_token_id, **knobs)
+                assert bool(r.completion_mask.all()) and r.completion_ids.shape[1] == t
+                return r
+
+            def generate():
+                with torch.no_grad():
+                    o = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
+                                       max_new_tokens=t, eos_token_id=None, pad_token_id=tok.pad_token_id, **knobs)
+                assert o.shape[1] == enc.input_ids.shape[1] + t
+                return o
+
+            med = medians({"ours": ours, "generate": generate}, s, device)
+            out[name] = {"path": path, "ours_tokens_per_s": n * t / med["ours"],
+                         "generate_tokens_per_s": n * t / med["generate"],
+                         "speedup_vs_generate": med["generate"] / med["ours"]}
+            print(f"  {name}: {path}, {out[name]['speedup_vs_generate']:.2f}x model.generate", flush=True)
+        except Exception as e:  # one family that fails to build or sample is reported, the others still run
+            out[name] = {"path": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        finally:
+            model = None  # gone before the next family's is built
+            free(device)
+    llama = out.get("llama", {}).get("speedup_vs_generate")
+    for r in out.values():
+        r["ratio_over_llama"] = r["speedup_vs_generate"] / llama if llama and "speedup_vs_generate" in r else None
+    fast = [r["ratio_over_llama"] for k, r in out.items() if k != "llama" and r["path"] == "fast" and
+            r["ratio_over_llama"] is not None]
+    return {"families": out, "families_fast_min_ratio_over_llama": min(fast) if fast else None}
 
 
 # ----------------------------------------------------------------------------- multi-turn: answers appended vs re-run
@@ -764,8 +841,34 @@ def table(r, s):
             (f"unit-test rewards/s, pool of {r['exec_workers']}", f"{r['exec_rewards_per_s']:.1f}",
              f"{r['exec_naive_rewards_per_s']:.1f}", "code + asserts in one plain process",
              f"{r['exec_rewards_ratio_vs_naive']:.2f}x")]
-    head = ("measure", "ours", "baseline", "baseline is", "ratio")
-    widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(5)]
+    tables = [markdown(("measure", "ours", "baseline", "baseline is", "ratio"), rows)] if rows else []
+    if r.get("families"):
+        tables.append(family_table(r, s))
+    return "\n\n".join(tables)
+
+
+def family_table(r, s):
+    """The families row: one line per family, and a line for each that failed."""
+    rows, failed = [], []
+    for name, f in r["families"].items():
+        if f["path"] == "error":
+            rows.append((name, "error", "", "", "", ""))
+            failed.append(f"{name}: {f['error']}")
+            continue
+        rel = f["ratio_over_llama"]
+        rows.append((name, f["path"], fmt(f["ours_tokens_per_s"]), fmt(f["generate_tokens_per_s"]),
+                     f"{f['speedup_vs_generate']:.2f}x", "" if rel is None else f"{rel:.2f}"))
+    low = r.get("families_fast_min_ratio_over_llama")
+    notes = [f"decode per family: {s['fam_batch']} rows, {s['fam_prompt_len']}-token prompts, {s['fam_new_tokens']} "
+             f"new tokens, hidden {s['fam_hidden']}; path: the sampler's (fast: static_decoder, hf: the model's "
+             f"forward); lowest fast-path ratio over Llama's, Llama aside: "
+             f"{'none' if low is None else f'{low:.2f}'} (target >= 0.85)"] + failed
+    return "\n".join([markdown(("family", "path", "ours tokens/s", "model.generate tokens/s", "ratio",
+                                 "ratio / Llama's"), rows)] + notes)
+
+
+def markdown(head, rows):
+    widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
@@ -778,7 +881,7 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-ROWS = ("decode", "step", "memory", "long", "multiturn", "exec")
+ROWS = ("decode", "families", "step", "memory", "long", "multiturn", "exec")
 
 
 @contextlib.contextmanager
@@ -844,6 +947,11 @@ def main(argv):
                                      f"{fmt(r['decode_generate_tokens_per_s'])}"):
                 results.update(bench_decode(path, s, device))
             free(device)
+        if "families" in only:
+            with row_lines("families", f"our sampler vs model.generate per model family, {reps} runs each", results,
+                           lambda r: ", ".join(f"{k} {v['path']} {v.get('speedup_vs_generate', 0):.2f}x"
+                                               for k, v in r["families"].items())):
+                results.update(bench_families(s, device))
         if "step" in only:
             with row_lines("step", f"ours vs TRL {trl_version() or '(not installed: skipped)'}, {reps} steps each",
                            results, lambda r: f"ours {fmt(r['step_ours_s'], 's')}, TRL {fmt(r['step_trl_s'], 's')}"):
@@ -884,8 +992,9 @@ def main(argv):
     if results.get("long_error"):
         print(f"long row: {results['long_error']}; smaller shapes: --set long_prompts=... / long_micro_batch=...")
     m = report["machine"]
-    print(f"{started} | {m.get('gpu', m['cpu'])}, {m['cpu_cores']} cores | torch {m['torch']}, transformers "
-          f"{m['transformers']}, trl {m['trl']} | memory: {results.get('memory_method') or results.get('long_memory_method')}"
+    memory = results.get("memory_method") or results.get("long_memory_method")
+    print(f"{started} | {m.get('gpu', m['cpu'])}, {m['cpu_cores']} cores, torch threads {m['torch_threads']} | torch "
+          f"{m['torch']}, transformers {m['transformers']}, trl {m['trl']}" + (f" | memory: {memory}" if memory else "")
           + (f" | --train {overrides}" if overrides else ""))
     if args.json:
         with open(args.json, "w") as f:
