@@ -1,4 +1,4 @@
-"""Llama/Qwen2 layers written out: the fast decoder behind `sampling.sample`, and the training forward.
+"""Decoder layers written out: the fast decoder behind `sampling.sample`, and the training forward.
 
 `sampling.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
@@ -8,9 +8,16 @@ allocated once, CUDA graphs on GPU. `grpo.completion_logprobs` asks
 autograd. Both compute what the Hugging Face forward computes (the tests
 compare them); other models take that forward.
 
+One decoder serves every family in `FAMILIES`: a family is a `Family` row
+saying where its layer departs from Llama's (which norms sit where, q/k
+norms, how a norm scales, what the embedding and the rotary look like), not
+a copy of the layer. Sliding-window layers attend to the keys whose token
+position lies less than the window before the query's.
+
 Of the project it imports only kernels.py (the optional Triton decode attention).
 """
 
+import dataclasses
 import functools
 import types
 
@@ -20,11 +27,72 @@ import torch.utils.checkpoint
 
 import kernels
 
-_STATIC_LAYERS = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How a family's decoder layer departs from Llama's (the defaults).
+
+    norms: the layer's RMSNorm attributes around attention (its input, its output) and around the MLP (its
+    input, its output); None where the family has none. Llama normalises inputs, OLMo 2 outputs, Gemma 3 both.
+    """
+    norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
+    qk_norm: str = None            # "head": an RMSNorm over each head of q and of k (Qwen3, Gemma 3);
+                                   # "projection": over all of q and all of k, before the split into heads (OLMo 2)
+    unit_offset: bool = False      # the norms scale by 1 + weight (Gemma)
+    upcast: bool = False           # the norms multiply by their weight in float32 and round once (OLMo 2, Gemma)
+    embedding: str = "Embedding"   # the embedding module's class: Gemma's scales by its `embed_scale`
+    rotary_per_type: bool = False  # one rotary table per layer type (Gemma 3: another base for sliding layers)
+    rope_flag: str = None          # the attention attribute that is false on layers without rotary (SmolLM3)
+    window_from_config: bool = False  # every layer windowed by config.sliding_window (Mistral); otherwise the
+                                      # attention module's `sliding_window`, where it has one
+    refuse: tuple = ()             # config fields this decoder does not implement: the model must leave them unset
 
 
-def _class_names(module):
-    return {c.__name__ for c in type(module).__mro__}  # FSDP2 subclasses the layer class; look through it
+_LLAMA = Family()
+_OLMO2 = Family(norms=(None, "post_attention_layernorm", None, "post_feedforward_layernorm"), qk_norm="projection",
+                upcast=True)
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+# the decoder layer's class name -> its family
+FAMILIES = {
+    "LlamaDecoderLayer": _LLAMA,
+    "Qwen2DecoderLayer": _LLAMA,
+    "Qwen3DecoderLayer": Family(qk_norm="head"),
+    "MistralDecoderLayer": Family(window_from_config=True),
+    "SmolLM3DecoderLayer": Family(rope_flag="use_rope"),
+    "Olmo2DecoderLayer": _OLMO2,
+    "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
+    "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
+                                 embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
+                                 refuse=("final_logit_softcapping", "attn_logit_softcapping",
+                                         "use_bidirectional_attention")),
+}
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_ACT = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def _activation(act_fn):
+    """The name in `_ACT` of the MLP's activation module, None for one this file does not compute alike."""
+    name = type(act_fn).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name == "GELUTanh" and isinstance(getattr(act_fn, "act", None), functools.partial):  # not its Python form
+        return "gelu_tanh"
+    return None
+
+
+def _layer_family(layer):
+    # FSDP2 subclasses the layer class: look through it
+    return next((FAMILIES[c.__name__] for c in type(layer).__mro__ if c.__name__ in FAMILIES), None)
+
+
+def _eps(norm):
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps  # Gemma's norms say eps
 
 
 def _is_sharded(module):
@@ -46,35 +114,70 @@ def _gathers_itself(module):
 
 
 def _reproduced(model):
-    """True for a Llama/Qwen2-family causal LM whose layers this file reproduces exactly (sharded or not)."""
+    """The `Family` of a causal LM whose layers this file reproduces exactly (sharded or not), else None."""
     inner, cfg = getattr(model, "model", None), model.config
     layers = getattr(inner, "layers", None)
-    if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
-        return False
-    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear or type(getattr(inner, "embed_tokens", None)) \
-            is not torch.nn.Embedding:
-        return False
-    if getattr(cfg, "hidden_act", None) != "silu" or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
-        return False
-    for layer in layers:
-        if not _class_names(layer) & set(_STATIC_LAYERS):
-            return False
+    if not layers or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
+        return None
+    fam = _layer_family(layers[0])
+    head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
+    if fam is None or type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    if not isinstance(embed, torch.nn.Embedding) or type(embed).__name__ != fam.embedding:
+        return None
+    if any(getattr(cfg, k, None) for k in fam.refuse):
+        return None
+    head_dim = layers[0].self_attn.head_dim
+    if any(name.endswith("inv_freq") and 2 * b.numel() != head_dim for name, b in inner.rotary_emb.named_buffers()):
+        return None  # rotary over part of each head
+    types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
+    if any(t not in ("full_attention", "sliding_attention") for t in types_):
+        return None
+    for layer, kind, window in zip(layers, types_, _windows(model, fam)):
+        if _layer_family(layer) is not fam or _activation(getattr(layer.mlp, "act_fn", None)) is None:
+            return None
         a, m = layer.self_attn, layer.mlp
-        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
-            return False
-    return True
+        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                                        m.down_proj)):
+            return None
+        if (kind == "sliding_attention" and window is None) or (window is not None and window < 1):
+            return None  # a sliding layer whose window this file cannot tell
+        if fam.qk_norm and _eps(a.q_norm) != _eps(a.k_norm):  # one epsilon serves both
+            return None
+    return fam
+
+
+def _windows(model, fam):
+    """Each layer's sliding window in tokens, None for full attention."""
+    if fam.window_from_config:
+        return [model.config.sliding_window] * len(model.model.layers)
+    return [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+
+
+def _rotary_keys(model, fam):
+    """Each layer's rotary table: the layer type's (one table unless the family has one per type), None
+    for a layer without rotary."""
+    cfg = model.config
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
+    return [None if fam.rope_flag and not getattr(layer.self_attn, fam.rope_flag) else
+            kind if fam.rotary_per_type else "all" for layer, kind in zip(model.model.layers, kinds)]
+
+
+def _rotary(rotary_emb, fam, x, positions, key):
+    """(cos, sin) of the rotary table `key` for positions (N, S), from the model's own rotary module."""
+    return rotary_emb(x, positions, key) if fam.rotary_per_type else rotary_emb(x, positions)
 
 
 def static_decode_supported(model):
-    """True for a Llama/Qwen2-family causal LM whose layers StaticDecoder reproduces exactly.
+    """True for a causal LM of a family in `FAMILIES` whose layers StaticDecoder reproduces exactly.
 
-    Anything else (other architectures, sliding-window layers, adapters that
-    replace the projections, shards it cannot gather) takes the Hugging Face
+    Anything else (other architectures, settings a family's row refuses, adapters
+    that replace the projections, shards it cannot gather) takes the Hugging Face
     forward. Sharded decoder layers are fine when they can gather themselves
     (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
     norm and head must be whole, as they are inside a sharded root's forward.
     """
-    if not _reproduced(model):
+    if not _reproduced(model) or not _fixed_rotary(model.model.rotary_emb):
         return False
     inner = model.model
     if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
@@ -82,19 +185,48 @@ def static_decode_supported(model):
     return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
 
 
-def _rms_norm(x, weight, eps):
-    # as Qwen2RMSNorm / LlamaRMSNorm: normalise in float32, scale in the input dtype
-    if x.dtype == torch.float32:  # the same arithmetic in one call
+def _fixed_rotary(rotary_emb):
+    """False for rotary types whose tables depend on the longest position of the call ("dynamic" scaling,
+    "longrope"): the decoder computes each row's tables once, for every slot, at prefill."""
+    kinds = getattr(rotary_emb, "rope_type", "default")
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return not any("dynamic" in k or k == "longrope" for k in kinds)
+
+
+def _rms_norm(x, weight, eps, upcast=False):
+    """RMSNorm over x's last dim, in float32, scaled by weight. As Llama's norm, the scaling happens in x's
+    dtype; upcast: in float32, rounded once after it (OLMo 2's, Gemma's)."""
+    if x.dtype == torch.float32:  # the same arithmetic either way, in one call
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if upcast:
+        return (normed * weight.float()).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def _head_norm(x, table, eps, upcast=False):
+    """`_rms_norm` over each head of x (..., heads, head_dim), table (heads, head_dim) the weight of each: q's
+    and k's heads normalised in one pass."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], None, eps) * table
+    return _rms_norm(x, table, eps, upcast)  # broadcasts the table
+
+
+def _norm_weight(weight, fam):
+    """A norm's weight as `_rms_norm` applies it: Gemma's stored less one, and float32 where the family
+    scales in float32."""
+    if fam.unit_offset:
+        return weight.float() + 1.0
+    return weight.float() if fam.upcast else weight
 
 
 def _rotate(x, cos, signed_sin):
     """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
 
     `signed_sin` carries rotate_half's minus sign (its first half negated), so
-    the halves only need swapping: a roll by half the head dimension.
+    the halves only need swapping: a roll by half the head dimension. Tables in float32 for x in
+    bf16 (OLMo's rotary keeps them so) rotate in float32: the caller rounds the result once, as OLMo does.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
@@ -118,6 +250,13 @@ def _padded_causal_mask(attn):
     s = attn.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attn.device).tril()
     return ((causal & attn.bool()[:, None, :]) | torch.eye(s, dtype=torch.bool, device=attn.device))[:, None]
+
+
+def _in_window(query_pos, key_pos, window):
+    """(N, Sq, Sk) True where the key's token position is less than `window` before the query's: the Hugging
+    Face sliding window (query - key < window), counted in the row's own positions, so that padding or cache
+    slots between a row's tokens never narrow it. Keys after the query pass too: the causal mask drops them."""
+    return (query_pos[:, :, None] - key_pos[:, None, :]) < window
 
 
 # ----------------------------------------------------------------------------- the training forward
@@ -154,32 +293,49 @@ def _one_fsdp_group(layer):
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
-    """The final-norm hidden states (N, S, H) of a Llama/Qwen2 model, on its own parameters, differentiable.
+    """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the
     values and gradients), in fewer elementwise passes and without the
     per-call mask and cache bookkeeping: on a small model the Hugging Face
     forward spends much of its time there. attention_mask None means no
-    padding (plain causal attention). With activation checkpointing on, the
-    layers the Hugging Face forward would recompute in backward are recomputed,
-    with the same checkpoint function. compiled: each layer's arithmetic runs
-    through `torch.compile` (`compiled_layer`), one graph shared by all layers.
+    padding (plain causal attention). Sliding windows count position_ids, which
+    agree with the Hugging Face forward's columns wherever a row's real tokens
+    are contiguous (left and right padding). With activation checkpointing on,
+    the layers the Hugging Face forward would recompute in backward are
+    recomputed, with the same checkpoint function. compiled: each layer's
+    arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
+    by the layers of one kind.
     """
     inner = model.model
+    fam = _layer_family(inner.layers[0])
     x = inner.embed_tokens(input_ids)  # the module: its padding_idx row gets no gradient, as in the HF forward
-    cos, sin = inner.rotary_emb(x, position_ids)  # (N, S, head_dim) in x's dtype
-    cos, sin = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
-    mask = None if attention_mask is None else _padded_causal_mask(attention_mask)
+    rotary_keys, windows = _rotary_keys(model, fam), _windows(model, fam)
+    tables = {None: (None, None)}
+    for key in set(rotary_keys) - {None}:
+        cos, sin = _rotary(inner.rotary_emb, fam, x, position_ids, key)  # (N, S, head_dim)
+        tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
+    masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
+    s = input_ids.shape[1]
+    for w in set(windows) - {None}:
+        if s <= w:  # no two positions of a row are a window apart
+            masks[w] = masks[None]
+        else:
+            base = masks[None] if masks[None] is not None else \
+                torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
     math = compiled_layer() if compiled else _layer
-    for layer in inner.layers:
+    for layer, key, window in zip(inner.layers, rotary_keys, windows):
         call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
+        cos, sin = tables[key]
+        mask = masks[window]
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
             x = checkpoint(call, math, x, cos, sin, mask)
         else:
             x = call(math, x, cos, sin, mask)
-    return _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
+    return _rms_norm(x, _norm_weight(inner.norm.weight, fam), _eps(inner.norm), fam.upcast)
 
 
 def _layer_on(layer, math, x, cos, sin, mask):
@@ -187,7 +343,7 @@ def _layer_on(layer, math, x, cos, sin, mask):
     under FSDP, by the hooks around `_fsdp_layer_method`."""
     if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
         _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
-    return math(x, cos, sin, mask, *_layer_params(layer))
+    return math(x, cos, sin, mask, _layer_params(layer))
 
 
 def _fsdp_layer_method(layer):
@@ -206,44 +362,69 @@ def _default_checkpoint(fn, *args):
 
 
 def _layer_params(layer):
-    """A decoder layer's tensors and constants, in `_layer`'s order after (x, cos, sin, mask)."""
+    """A decoder layer's tensors (None for a missing bias or norm) and constants, as `_layer` reads them."""
+    fam = _layer_family(layer)
     a, m = layer.self_attn, layer.mlp
-    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-    return (n1.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight,
-            a.v_proj.bias, a.o_proj.weight, a.o_proj.bias, n2.weight, m.gate_proj.weight, m.gate_proj.bias,
-            m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias,
-            n1.variance_epsilon, n2.variance_epsilon, a.head_dim, a.scaling)
+
+    def norm(module):
+        return None if module is None else (module.weight, _eps(module))
+    p = {slot: norm(getattr(layer, name) if name else None)
+         for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)}
+    p.update({k: (lin.weight, lin.bias) for k, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj),
+                                                        ("o", a.o_proj), ("gate", m.gate_proj), ("up", m.up_proj),
+                                                        ("down", m.down_proj))})
+    p.update(q_norm=norm(a.q_norm) if fam.qk_norm else None, k_norm=norm(a.k_norm) if fam.qk_norm else None,
+             qk_norm=fam.qk_norm, offset=fam.unit_offset, upcast=fam.upcast, act=_activation(m.act_fn),
+             head_dim=a.head_dim, scaling=a.scaling)
+    return p
 
 
-def _layer(x, cos, sin, mask, n1, wq, bq, wk, bk, wv, bv, wo, bo, n2, wg, bg, wu, bu, wd, bd, eps1, eps2, hd, scaling):
-    """One decoder layer as a function of tensors (None for a missing bias), the weights among them, so that
-    one compiled graph serves every layer."""
+def _norm(x, norm, p):
+    """The layer's norm `norm` ((weight, eps), or None for none: x itself) as its family applies it."""
+    if norm is None:
+        return x
+    weight, eps = norm
+    return _rms_norm(x, weight.float() + 1.0 if p["offset"] else weight, eps, p["upcast"])
+
+
+def _layer(x, cos, sin, mask, p):
+    """One decoder layer as a function of tensors, the weights among them (`_layer_params`), so that one
+    compiled graph serves every layer. cos None: a layer without rotary."""
     b, s, _ = x.shape
-    h = _rms_norm(x, n1, eps1)
-    q, k, v = (F.linear(h, w, bias).view(b, s, -1, hd) for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
-    q, k, v = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+    hd = p["head_dim"]
+    h = _norm(x, p["attn_in"], p)
+    q, k, v = (F.linear(h, *p[n]) for n in ("q", "k", "v"))
+    if p["qk_norm"] == "projection":
+        q, k = _norm(q, p["q_norm"], p), _norm(k, p["k_norm"], p)
+    q, k, v = (t.view(b, s, -1, hd) for t in (q, k, v))
+    if p["qk_norm"] == "head":
+        q, k = _norm(q, p["q_norm"], p), _norm(k, p["k_norm"], p)
+    if cos is not None:
+        q, k = _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # grouped-query attention (each K/V head serves `rep` query heads): SDPA's enable_gqa needs no copies of
     # K/V, but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy
     rep = q.shape[1] // k.shape[1]
     gqa = rep > 1 and (mask is None or not q.is_cuda)
     if rep > 1 and not gqa:
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=p["scaling"],
                                        enable_gqa=gqa)
-    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), wo, bo)
-    h = _rms_norm(x, n2, eps2)
-    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+    x = x + _norm(F.linear(o.transpose(1, 2).reshape(b, s, -1), *p["o"]), p["attn_out"], p)
+    h = _norm(x, p["mlp_in"], p)
+    mlp = F.linear(_ACT[p["act"]](F.linear(h, *p["gate"])) * F.linear(h, *p["up"]), *p["down"])
+    return x + _norm(mlp, p["mlp_out"], p)
 
 
 _COMPILED = {}
 
 
 def compiled_layer():
-    """`_layer` through torch.compile, built on first use: the norms, rotary, SiLU gate and residual adds
+    """`_layer` through torch.compile, built on first use: the norms, rotary, gate and residual adds
     fused around the matmuls and the attention kernel, which eager runs as separate passes. The weights
     are the graph's inputs, so every layer shares it; rows and positions are dynamic (`_dynamic_shape`),
     the weights' shapes static. A few variants still compile apart: with and without grad (the
-    reference's forward), a micro-batch of one row, an attention mask."""
+    reference's forward), a micro-batch of one row, an attention mask, a layer without rotary."""
     if "layer" not in _COMPILED:
         _COMPILED["layer"] = compile_layer()
     return _COMPILED["layer"]
@@ -261,7 +442,7 @@ def _dynamic_shape(t, *dims):
 
 
 class StaticDecoder:
-    """A Llama/Qwen2 decoder over a preallocated KV cache, on its own copy of the model's weights.
+    """The decoder of a model `_reproduced` admits, over a preallocated KV cache, on its own copy of the weights.
 
     The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
     tables from the model's own rotary module, SDPA attention), without the
@@ -274,7 +455,9 @@ class StaticDecoder:
     weights are read once, while gathered, and decode runs on the copy.
 
     Cache layout (layers, batch, kv_heads, slots, head_dim): slot = token index in
-    the padded sequence, so rows of a bucket are a contiguous view.
+    the padded sequence, so rows of a bucket are a contiguous view. Each row's
+    rotary tables (and, with sliding windows, token positions) are kept per slot,
+    filled at prefill: a slot's position never changes, however the row's turns go.
     """
 
     @classmethod
@@ -298,18 +481,39 @@ class StaticDecoder:
     def __init__(self, model, max_batch, max_len):
         cfg, layers = model.config, model.model.layers
         a0 = layers[0].self_attn
+        self.fam = fam = _layer_family(layers[0])
+        self.qk_norm, self.upcast = fam.qk_norm, fam.upcast  # read in every layer of every step
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
         self.scale = a0.scaling
-        self.eps = [(l.input_layernorm.variance_epsilon, l.post_attention_layernorm.variance_epsilon) for l in layers]
-        self.final_eps = model.model.norm.variance_epsilon
+        self.act = _ACT[_activation(layers[0].mlp.act_fn)]
+        embed_scale = getattr(model.model.embed_tokens, "embed_scale", None)
+        self.embed_scale = None if embed_scale is None else embed_scale.to(self.device, self.dtype)  # as HF rounds it
+        slots = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+        self.eps = [{**{slot: _eps(getattr(l, name)) for slot, name in zip(slots, fam.norms) if name},
+                     **({"qk": _eps(l.self_attn.q_norm)} if fam.qk_norm else {})} for l in layers]
+        self.final_eps = _eps(model.model.norm)
+        # per layer: which rotary table (None: no rotary) and which sliding window (None: full attention)
+        rotary_keys, windows = _rotary_keys(model, fam), _windows(model, fam)
+        self.rotary_keys = sorted(set(rotary_keys) - {None})
+        self.plan = [(None if key is None else self.rotary_keys.index(key), window)
+                     for key, window in zip(rotary_keys, windows)]
+        self.windows = sorted(set(windows) - {None})
         kw = dict(device=self.device, dtype=self.dtype)
         shape = (len(layers), max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
-        self.cos = torch.zeros(max_batch, max_len, self.head_dim, **kw)  # rotary tables per row and position
-        self.sin = torch.zeros_like(self.cos)  # sin with its first half negated (see _rotate)
+        # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
+        # with its first half negated (see _rotate)
+        self.rotary = model.model.rotary_emb
+        probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.cos = [torch.zeros(max_batch, max_len, self.head_dim, device=self.device,
+                                dtype=_rotary(self.rotary, fam, *probe, key)[0].dtype) for key in self.rotary_keys]
+        self.sin = [torch.zeros_like(c) for c in self.cos]
+        self.rotary_cast = any(c.dtype != self.dtype for c in self.cos)
+        # each slot's token position, for sliding windows
+        self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=self.device) if self.windows else None
         self.w = None  # weight copies, allocated by the first load
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
         self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
@@ -328,11 +532,19 @@ class StaticDecoder:
     @torch.no_grad()
     def load(self, model):
         """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy."""
+        fam, nh, nkv, hd = self.fam, self.n_heads, self.n_kv, self.head_dim
+
         def biases(*lins):  # the fused projections' bias pieces; None when none of them has a bias
             if all(lin.bias is None for lin in lins):
                 return None
             return [lin.bias if lin.bias is not None else
                     torch.zeros(lin.out_features, device=self.device, dtype=self.dtype) for lin in lins]
+
+        def norm(module, *heads):  # a norm's weight as _rms_norm applies it; with heads, its table over them
+            if module is None:
+                return None
+            w = _norm_weight(module.weight, fam)
+            return [w] if not heads else [w.expand(n, -1) for n in heads]
 
         def put(mine, new):
             """new: name -> the source tensors fused into it (or None). Each is read once: the first load
@@ -353,10 +565,15 @@ class StaticDecoder:
             if gather:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
             a, m = l.self_attn, l.mlp
+            put(mine, {slot: norm(getattr(l, name) if name else None)
+                       for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
             put(mine, {
-                "ln1": [l.input_layernorm.weight], "ln2": [l.post_attention_layernorm.weight],
                 "qkv": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                 "qkv_b": biases(a.q_proj, a.k_proj, a.v_proj),
+                # q/k norms: one table over the heads of q and k (Qwen3, Gemma), or q's and k's apart (OLMo 2)
+                "qk_norm": norm(a.q_norm, nh) + norm(a.k_norm, nkv) if fam.qk_norm == "head" else None,
+                "q_norm": norm(a.q_norm) if fam.qk_norm == "projection" else None,
+                "k_norm": norm(a.k_norm) if fam.qk_norm == "projection" else None,
                 "o": [a.o_proj.weight], "o_b": biases(a.o_proj),
                 "gate_up": [m.gate_proj.weight, m.up_proj.weight],
                 "gate_up_b": biases(m.gate_proj, m.up_proj),
@@ -366,10 +583,10 @@ class StaticDecoder:
                 l.reshard()
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         if first and head.data_ptr() == embed.data_ptr():  # tied: one copy serves both
-            put(self.w[1], {"embed": [embed], "norm": [model.model.norm.weight]})
+            put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm)})
             self.w[1]["lm_head"] = self.w[1]["embed"]
         else:
-            put(self.w[1], {"embed": [embed], "norm": [model.model.norm.weight], "lm_head": [head]})
+            put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm), "lm_head": [head]})
         self.rotary = model.model.rotary_emb
 
     def batch_for(self, n):
@@ -395,39 +612,65 @@ class StaticDecoder:
         self.compactions += 1
         for buf in (self.k_cache, self.v_cache):
             buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
-        for buf in (self.key_mask, self.cos, self.sin):
+        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos])):
             buf[:k] = buf[keep]
 
-    def _layers(self, x, cos, sin, write, keys, attn_mask):
-        """Prefill: x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V."""
+    def _embed(self, ids):
+        x = F.embedding(ids, self.w[1]["embed"])
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def _project(self, x, lead, w, eps, rope, cos, sin):
+        """A layer's attention inputs from x (*lead, H): q and k (*lead, nh + nkv, hd), normed and rotated by
+        the rotary table `rope` of cos, sin (None: no rotary) as the family does, and v (*lead, nkv, hd)."""
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        h = x if w["attn_in"] is None else _rms_norm(x, w["attn_in"], eps["attn_in"], self.upcast)
+        qkv = F.linear(h, w["qkv"], w["qkv_b"])
+        if self.qk_norm == "projection":  # over all of q and all of k, before the split into heads
+            q = _rms_norm(qkv[..., :nh * hd], w["q_norm"], eps["qk"], self.upcast)
+            k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], w["k_norm"], eps["qk"], self.upcast)
+            qk = torch.cat([q, k], -1).view(*lead, nh + nkv, hd)
+            v = qkv[..., (nh + nkv) * hd:].view(*lead, nkv, hd)
+        else:
+            heads = qkv.view(*lead, nh + 2 * nkv, hd)
+            qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:, :]
+            if self.qk_norm == "head":  # each head of q and k, in one pass
+                qk = _head_norm(qk, w["qk_norm"], eps["qk"], self.upcast)
+        if rope is not None:
+            qk = _rotate(qk, cos[rope], sin[rope])  # rotary on queries and keys in one pass
+            if self.rotary_cast:
+                qk = qk.to(self.dtype)
+        return qk, v
+
+    def _layers(self, x, cos, sin, write, keys, masks):
+        """Prefill: x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V.
+        cos, sin: (B, S, 1, hd) per rotary table; masks: window (None: full attention) -> attention mask."""
         b, s, _ = x.shape
-        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        nh, nkv = self.n_heads, self.n_kv
         for i, w in enumerate(self.w[0]):
-            eps1, eps2 = self.eps[i]
-            h = _rms_norm(x, w["ln1"], eps1)
-            qkv = F.linear(h, w["qkv"], w["qkv_b"]).view(b, s, nh + 2 * nkv, hd)
-            qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rotary on queries and keys in one pass
+            rope, window = self.plan[i]
+            eps = self.eps[i]
+            qk, v = self._project(x, (b, s), w, eps, rope, cos, sin)
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
-            write(i, k, qkv[:, :, nh + nkv:].transpose(1, 2))
+            write(i, k, v.transpose(1, 2))
             kk, vv = keys(i)
             o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
-                                               attn_mask=attn_mask, scale=self.scale)
-            o = o.transpose(1, 2).reshape(b, s, nh * hd)
-            x = self._mlp(x, o, w, eps2)
+                                               attn_mask=masks[window], scale=self.scale)
+            x = self._mlp(x, o.transpose(1, 2).reshape(b, s, nh * self.head_dim), w, eps)
         return x
 
-    def _decode_layers(self, x, cos, sin, write, keys, attn_mask):
+    def _decode_layers(self, x, cos, sin, write, keys, masks):
         """Decode: x (B, H), one token per row, through every layer: the arithmetic of `_layers` with no
         sequence axis, which saves a sixth of the operations per token (views and transposes), a
         difference that shows on small CPU batches."""
         b = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         for i, w in enumerate(self.w[0]):
-            eps1, eps2 = self.eps[i]
-            qkv = F.linear(_rms_norm(x, w["ln1"], eps1), w["qkv"], w["qkv_b"]).view(b, nh + 2 * nkv, hd)
-            qk = _rotate(qkv[:, :nh + nkv], cos, sin)  # (B, nh + nkv, hd)
-            write(i, qk[:, nh:], qkv[:, nh + nkv:])  # (B, nkv, hd) each
+            rope, window = self.plan[i]
+            eps = self.eps[i]
+            qk, v = self._project(x, (b,), w, eps, rope, cos, sin)
+            write(i, qk[:, nh:], v)  # (B, nkv, hd) each
             kk, vv = keys(i)  # (B, nkv, L, hd)
+            attn_mask = masks[window]
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
@@ -437,38 +680,55 @@ class StaticDecoder:
                 # beat SDPA's setup cost at small CPU shapes
                 o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
                                              self.scale)
-            x = self._mlp(x, o.reshape(b, nh * hd), w, eps2)
+            x = self._mlp(x, o.reshape(b, nh * hd), w, eps)
         return x
 
-    @staticmethod
-    def _mlp(x, o, w, eps):
+    def _mlp(self, x, o, w, eps):
         """The rest of a layer after attention: output projection and residual, then the MLP and its residual."""
-        x = x + F.linear(o, w["o"], w["o_b"])
-        gate, up = F.linear(_rms_norm(x, w["ln2"], eps), w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate).mul_(up), w["down"], w["down_b"])
+        a = F.linear(o, w["o"], w["o_b"])
+        if w["attn_out"] is not None:
+            a = _rms_norm(a, w["attn_out"], eps["attn_out"], self.upcast)
+        x = x + a
+        h = x if w["mlp_in"] is None else _rms_norm(x, w["mlp_in"], eps["mlp_in"], self.upcast)
+        gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
+        m = F.linear(self.act(gate).mul_(up), w["down"], w["down_b"])
+        return x + (m if w["mlp_out"] is None else _rms_norm(m, w["mlp_out"], eps["mlp_out"], self.upcast))
 
     def _logits(self, x):
         head = self.w[1]
-        return F.linear(_rms_norm(x, head["norm"], self.final_eps), head["lm_head"])
+        return F.linear(_rms_norm(x, head["norm"], self.final_eps, self.upcast), head["lm_head"])
+
+    def _windowed(self, mask, query_pos, kv_len):
+        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [0, kv_len) within the
+        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len)."""
+        masks = {None: mask}
+        for w in self.windows:
+            if kv_len <= w:  # no two tokens of these slots are a window apart
+                masks[w] = mask
+                continue
+            near = _in_window(query_pos, self.pos[:query_pos.shape[0], :kv_len], w)[:, None]
+            masks[w] = near if mask is None else mask & near
+        return masks
 
     @torch.no_grad()
     def prefill(self, ids, attn, positions):
         """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
         n, p = ids.shape
-        head = self.w[1]
-        x = F.embedding(ids, head["embed"])
+        x = self._embed(ids)
         # rotary tables for every position a row will use: prompt positions, then the completion's
         last = positions[:, -1:]
         all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
-        cos, sin = self.rotary(x, all_pos)
-        sin = _signed_sin(sin)  # see _rotate
-        self.cos[:n], self.sin[:n] = cos, sin
+        for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
+            cos, sin = _rotary(self.rotary, self.fam, x, all_pos, key)
+            cos_t[:n], sin_t[:n] = cos, _signed_sin(sin)  # see _rotate
+        if self.pos is not None:
+            self.pos[:n] = all_pos
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
         self.unmarked = None
-        mask = _padded_causal_mask(attn)
+        masks = self._windowed(_padded_causal_mask(attn), positions, p)
 
         def write(i, k, v):
             self.k_cache[i, :n, :, :p] = k
@@ -477,21 +737,23 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
 
-        x = self._layers(x, cos[:, :p, None], sin[:, :p, None], write, keys, mask)
+        x = self._layers(x, [c[:n, :p, None] for c in self.cos], [s[:n, :p, None] for s in self.sin], write, keys,
+                         masks)
         return self._logits(x[:, -1])
 
     def _decode_body(self, b, slot, kv_len, tok=None):
         """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go
         to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form
         graphs capture, read on the device at replay; rows that took turns of different lengths)."""
-        x = F.embedding(self.tok_in[:b] if tok is None else tok, self.w[1]["embed"])  # (b, H)
+        x = self._embed(self.tok_in[:b] if tok is None else tok)  # (b, H)
         if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
             rows = self.row_index[:b]
-            cos, sin = self.cos[rows, slot][:, None], self.sin[rows, slot][:, None]  # (b, 1, hd): over heads
+            cos, sin = [c[rows, slot][:, None] for c in self.cos], [s[rows, slot][:, None] for s in self.sin]
             self.key_mask[rows, slot] = True
             attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+            query_pos = None if self.pos is None else self.pos[rows, slot][:, None]
         else:
-            cos, sin = self.cos[:b, slot, None], self.sin[:b, slot, None]
+            cos, sin = [c[:b, slot, None] for c in self.cos], [s[:b, slot, None] for s in self.sin]  # (b, 1, hd)
             # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask.
             # The slots it fills are marked in key_mask later, only if a step that reads the mask comes
             if self.unpadded:
@@ -501,6 +763,8 @@ class StaticDecoder:
             else:
                 self.key_mask[:b, slot] = True
                 attn_mask = self.key_mask[:b, None, None, :kv_len]
+            query_pos = None if self.pos is None else self.pos[:b, slot, None]
+        masks = self._windowed(attn_mask, query_pos, kv_len) if self.windows else {None: attn_mask}
 
         def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
@@ -513,7 +777,7 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
 
-        return self._logits(self._decode_layers(x, cos, sin, write, keys, attn_mask))
+        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks))
 
     def _mark(self):
         """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
@@ -567,7 +831,9 @@ class StaticDecoder:
         key_slot = torch.arange(kv_len, device=ids.device)
         # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
         mask = self.key_mask[:b, None, None, :kv_len] & (key_slot <= slots[:, None, :, None])
-        cos, sin = self.cos[rows, slots][:, :, None], self.sin[rows, slots][:, :, None]  # (b, K, 1, hd)
+        masks = self._windowed(mask, self.pos[rows, slots], kv_len) if self.windows else {None: mask}
+        cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
+        sin = [s[rows, slots][:, :, None] for s in self.sin]
 
         def write(i, kk, vv):  # (b, nkv, K, hd): only the real tokens' K/V reach the cache
             self.k_cache[i, real_rows, :, real_slots] = kk.transpose(1, 2)[real_rows, real_cols]
@@ -576,7 +842,7 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
 
-        x = self._layers(F.embedding(ids, self.w[1]["embed"]), cos, sin, write, keys, mask)  # (b, K, H)
+        x = self._layers(self._embed(ids), cos, sin, write, keys, masks)  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
 

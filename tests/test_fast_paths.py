@@ -247,9 +247,12 @@ def test_unsupported_architecture_falls_back_to_hf_forward():
     assert r.completion_ids.shape[0] == 6
 
 
-def test_sliding_window_layers_fall_back():
-    model, _ = tiny_model(use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    assert not static_decoder.static_decode_supported(model)
+def test_sliding_window_layers_take_the_fast_path():
+    """Windows shorter than the rows (more in test_static_families.py)."""
+    model, tok = tiny_model(use_sliding_window=True, sliding_window=5, max_window_layers=0)
+    assert static_decoder.static_decode_supported(model)
+    enc = prompts(tok)
+    assert_same_rollout(run(model, tok, enc), run(model, tok, enc, static_cache=False))
 
 
 def _naive_mix32(x):

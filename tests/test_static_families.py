@@ -1,0 +1,249 @@
+"""Every family static_decoder.FAMILIES declares takes the fast paths and computes what the model does.
+
+One tiny random model per family (tests/architectures.py: norms, biases and the
+other one-dimensional parameters moved off their initial values), and variants
+whose sliding windows are short enough for these sequences to cross them. The
+references are the slow obvious ones: `model.generate` for greedy tokens, a
+plain forward of each row's real tokens alone for the sampler's log-probs, and
+the Hugging Face forward for the training forward's values and gradients.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import architectures  # noqa: E402
+import grpo  # noqa: E402
+import sampling  # noqa: E402
+import static_decoder  # noqa: E402
+from test_fast_paths import prompts, with_completions  # noqa: E402
+from test_multiturn import multi_turn  # noqa: E402
+from test_training_forward import assert_close_in_bfloat16, hf_and_fast_logprobs, with_hole  # noqa: E402
+
+# id -> (family in tests/architectures.py, config overrides). Llama and Qwen2 have their own tests
+# (test_fast_paths.py, test_training_forward.py); here with sliding windows.
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "mistral-window": ("mistral", dict(sliding_window=5)),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "smollm3": ("smollm3", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", {}),  # OLMo 2's layer, sliding window 6 on one of its two layers, a rotary per layer type
+    "gemma3": ("gemma3", {}),  # sliding window 6 on two of its three layers, another rotary base there
+}
+WINDOWED = ("mistral-window", "qwen2-window", "olmo3", "gemma3")
+
+
+def build(case, **kw):
+    name, overrides = CASES[case]
+    return architectures.tiny(name, **overrides, **kw)
+
+
+def per_row_logprobs(model, enc, rollout, temperature=1.0):
+    """(N, T) log-probs of each completion token under a forward over the row's real tokens alone (its
+    prompt without padding, then its completion), 0 past the completion's end."""
+    out = torch.zeros_like(rollout.logprobs)
+    for i in range(enc.input_ids.shape[0]):
+        prompt = enc.input_ids[i][enc.attention_mask[i].bool()]
+        n = int(rollout.completion_mask[i].sum())
+        comp = rollout.completion_ids[i, :n]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, comp])[None]).logits[0, len(prompt) - 1:-1].float()
+        out[i, :n] = torch.log_softmax(logits / temperature, -1).gather(-1, comp[:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_family_takes_the_fast_paths(case):
+    model, _ = build(case)
+    assert static_decoder.static_decode_supported(model)
+    assert static_decoder.training_forward_supported(model.train())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_generate(case):
+    model, tok = build(case)
+    enc = prompts(tok)
+    t = 16
+    ours = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[tok.eos_token_id],
+                           pad_id=tok.pad_token_id, temperature=0.0)
+    with torch.no_grad():
+        ref = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=False,
+                             max_new_tokens=t, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    ref = ref[:, enc.input_ids.shape[1]:]
+    for i in range(ref.shape[0]):
+        n = int(ours.completion_mask[i].sum())
+        assert ours.completion_ids[i, :n].tolist() == ref[i, :n].tolist()
+        assert n == t or ref[i, n - 1] == tok.eos_token_id
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampled_logprobs_equal_a_forward_of_each_row(case):
+    """One turn, rows stopping at scattered lengths (the decoder drops finished rows as it goes)."""
+    model, tok = build(case)
+    enc = prompts(tok)
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
+                        pad_id=tok.pad_token_id, temperature=0.8, seeds=torch.arange(6) * 3, check_every=4)
+    lengths = r.completion_mask.sum(1)
+    assert lengths.min() < lengths.max()
+    want = per_row_logprobs(model, enc, r, temperature=0.8)
+    # log-probs of order 1-10: float32 rounding of the two computations stays far below 1e-4
+    torch.testing.assert_close(r.logprobs, want * r.completion_mask, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_multi_turn_logprobs_equal_a_forward_of_each_row(case):
+    """Answers appended into the cache between turns: the policy's tokens get the log-probs of a forward over
+    the whole trajectory, and the rows run past the sliding windows."""
+    model, tok = build(case)
+    enc = prompts(tok)
+    r = multi_turn(model, tok, enc)
+    assert (r.turns > 1).any() and r.turns.unique().numel() > 1 and (r.completion_mask > r.policy_mask).any()
+    want = per_row_logprobs(model, enc, r)
+    pol = r.policy_mask.bool()
+    torch.testing.assert_close(r.logprobs[pol], want[pol], atol=1e-4, rtol=0)
+    assert (r.logprobs[~pol] == 0).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_graph_safe_decode_form_matches_eager(case, sdpa):
+    """The decode body CUDA graphs capture (slots as a tensor, attention over a wider masked span, SDPA as on
+    CUDA) against the eager form, on the CPU: with sliding windows the span reaches past them."""
+    model, tok = build(case)
+    enc = prompts(tok)
+    n, p = enc.input_ids.shape
+    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    logits = {}
+    for form in ("eager", "graph"):
+        dec.sdpa_decode = sdpa and form == "graph"
+        with torch.no_grad():
+            dec.prefill(enc.input_ids, enc.attention_mask, pos)
+            out = []
+            for t in range(3):
+                tok_t = torch.arange(n) * 3 + t + 5
+                if form == "eager":
+                    out.append(dec._decode_body(n, p + t, p + t + 1, tok_t))
+                else:
+                    dec.tok_in[:n] = tok_t
+                    out.append(dec._decode_body(n, torch.full((n,), p + t), dec.max_len))
+        logits[form] = torch.stack(out)
+    torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("padding", ["left", "none", "holes"])
+def test_training_forward_matches_hf_forward(case, padding):
+    """Values and gradients of every parameter against the Hugging Face forward. With a hole in a prompt a
+    sliding window counts the row's own positions, the Hugging Face mask its columns: there the reference is
+    each row's own forward over its real tokens (values only)."""
+    model, tok = build(case)
+    model.train()
+    t = 6
+    ids, attn = with_completions(prompts(tok), t, seed=3, last=9 if padding == "none" else None)
+    if padding == "holes":
+        ids, attn = with_hole(ids, attn)
+        if case in WINDOWED:
+            return assert_holes_count_positions(model, ids, attn)
+    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
+    torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
+    assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))
+    for k, g in hf_grads.items():
+        assert g.abs().max() > 0, k
+        # float32 rounding: each side is a few 1e-6 of the largest entry from a float64 run
+        torch.testing.assert_close(fast_grads[k], g, atol=2e-6 * g.abs().max().item(), rtol=1e-4, msg=k)
+
+
+def assert_holes_count_positions(model, ids, attn):
+    pos = grpo.position_ids_from_mask(attn)
+    with torch.no_grad():
+        got = static_decoder.hidden_states(model, ids, attn, pos)
+        for i in range(ids.shape[0]):
+            real = attn[i].bool()
+            want = model.base_model(input_ids=ids[i][real][None]).last_hidden_state[0]
+            torch.testing.assert_close(got[i][real], want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "olmo3", "gemma3"])
+def test_training_forward_matches_hf_forward_in_bfloat16(case):
+    """bf16 weights: the norms round where each family's own norm rounds (OLMo 2 and Gemma scale in float32)."""
+    model, tok = build(case)
+    model = model.to(torch.bfloat16).train()
+    t = 3
+    ids, attn = with_completions(prompts(tok), t, seed=4)
+    hf, fast = hf_and_fast_logprobs(model, ids, attn, t)
+    assert_close_in_bfloat16(fast, hf)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3"])
+def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
+    """compile_layers: the layer traces whole for every family: one graph per kind of layer (with and without
+    a window mask, with and without rotary), with the eager forward's log-probs and gradients."""
+    model, tok = build(case)
+    model.train()
+    ids, attn = with_completions(prompts(tok), 6, seed=3, last=9)
+    out = []
+    for compiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = grpo.completion_logprobs(model, ids, attn, 3, 0.8, fast_forward=True, compile_layers=compiled)
+        logp.sum().backward()
+        out.append((logp.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
+    for k, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][k], g, atol=1e-7, rtol=1e-5, msg=k)
+    assert 1 <= len(traced_layers) <= 2
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gemma2", {}),  # softcapped attention logits
+    ("gemma3", dict(final_logit_softcapping=30.0)),
+    ("gemma3", dict(use_bidirectional_attention=True)),
+    ("qwen3_moe", {}), ("gpt_oss", {}), ("qwen3_5", {}),
+])
+def test_what_the_decoder_does_not_reproduce_falls_back(name, overrides):
+    model, _ = architectures.tiny(name, **overrides)
+    assert not static_decoder.static_decode_supported(model)
+    assert not static_decoder.training_forward_supported(model)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3"])
+def test_norms_round_as_the_family_does(case):
+    """In bf16 each norm, as the decoders apply it (its weight as `_norm_weight` keeps it, over heads as a
+    table), gives the bits of the family's own norm module: where the weight multiplies (bf16 or float32)
+    and Gemma's 1 + weight included."""
+    model, _ = build(case)
+    model = model.to(torch.bfloat16)
+    fam = static_decoder._reproduced(model)
+    layer = model.model.layers[0]
+    a = layer.self_attn
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, model.config.hidden_size, generator=g) * 4).bfloat16()
+    for norm in [getattr(layer, n) for n in fam.norms if n] + [model.model.norm]:
+        got = static_decoder._rms_norm(x, static_decoder._norm_weight(norm.weight, fam), static_decoder._eps(norm),
+                                       fam.upcast)
+        torch.testing.assert_close(got, norm(x), atol=0, rtol=0)
+    q = (torch.randn(3, 5, a.q_proj.out_features, generator=g) * 4).bfloat16()
+    if fam.qk_norm == "head":
+        q = q.unflatten(-1, (-1, a.head_dim))
+        table = static_decoder._norm_weight(a.q_norm.weight, fam).expand(q.shape[-2], -1)  # the decoder's form
+        torch.testing.assert_close(static_decoder._head_norm(q, table, static_decoder._eps(a.q_norm), fam.upcast),
+                                   a.q_norm(q), atol=0, rtol=0)
+    got = static_decoder._rms_norm(q, static_decoder._norm_weight(a.q_norm.weight, fam), static_decoder._eps(a.q_norm),
+                                   fam.upcast)
+    torch.testing.assert_close(got, a.q_norm(q), atol=0, rtol=0)
+
+
+def test_rotary_that_depends_on_the_call_falls_back_in_the_sampler():
+    """Dynamic scaling recomputes the tables from the longest position of each call: the decoder, which
+    computes every slot's table at prefill, leaves it to the Hugging Face forward. The training forward
+    calls the model's own rotary module as that forward does."""
+    model, _ = architectures.tiny("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))
+    assert not static_decoder.static_decode_supported(model)
+    assert static_decoder.training_forward_supported(model)
