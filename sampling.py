@@ -5,9 +5,9 @@ token per row or, where rows paused for an environment, appends the
 environment's answer to those rows' cache and resumes them; a row ends at EOS
 or a stop sequence (unless the environment answers), or at the length limit.
 The loop runs on either of two ways to run a step: `_StaticSteps`
-(static_decoder.StaticDecoder: Llama/Qwen2 layers written out, a preallocated
-cache, CUDA graphs) or `_HFSteps` (the model's own forward over a
-DynamicCache, for every other model). `generate` runs it on the gathered
+(static_decoder.StaticDecoder: the layers of the families it lists written
+out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
+the model's own forward with masks of our own, for every other model). `generate` runs it on the gathered
 weights of the policy for a step's rollout, `evaluate` on held-out prompts.
 """
 
@@ -238,10 +238,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     The loop's steps and checks happen at the same iterations on every rank
     whatever its rows do; pauses and answers make no collective call.
 
-    static_cache: for Llama/Qwen2-family models, run the steps on
-    `StaticDecoder` (a preallocated cache, no per-token framework overhead);
-    other models, or static_cache=False, on the Hugging Face forward over a
-    DynamicCache. compact: at each check, drop finished rows from the
+    static_cache: for the families static_decoder.py writes out, run the steps
+    on `StaticDecoder` (a preallocated cache, no per-token framework overhead);
+    other models, or static_cache=False, on the model's own forward
+    (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the
     StaticDecoder batch. cuda_graph: on CUDA, replay each decode step as a
     captured CUDA graph. keep_decoder: keep StaticDecoder's weight copies,
     cache and graphs on the model for the next call (no re-copy or
