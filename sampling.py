@@ -264,6 +264,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     attn = prompt_mask.long()
     positions = grpo.position_ids_from_mask(attn)
     replay = routing.of(model) if record_routing else None
+    if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
+        routing.attached(model).stop()
     if static_cache and static_decode_supported(model) and replay is None:
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel)
     else:
@@ -276,8 +278,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p),
                           keys, check_every, all_done, respond, max_turns, compact, device)
         if replay is not None:
-            rollout.prompt_routing, rollout.routing = steps.dec.routed(prompt_ids.shape[1], steps.first_pos,
-                                                                       rollout.completion_ids.shape[1])
+            rollout.prompt_routing, routes = steps.dec.routed(prompt_ids.shape[1], steps.first_pos,
+                                                              rollout.completion_ids.shape[1])
+            # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
+            rollout.routing = routes.masked_fill(~rollout.completion_mask.bool()[:, :, None, None], -1)
         return rollout
     finally:
         if replay is not None:

@@ -228,12 +228,12 @@ def load_models(cfg, d, load_device):
         raise SystemExit(f"model: {e}") from e
     except TypeError as e:  # from_pretrained given a keyword the model does not take
         raise ConfigError("model_init_kwargs", e) from e
-    check_model(cfg, d, policy)
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
             model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
         except ValueError as e:
             raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
+    check_model(cfg, d, policy)  # with the adapters (zero at start): the paths the run takes
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
     if cfg.routing_replay:  # after the reference is copied: each model's routers record and replay for it alone
         try:
@@ -262,7 +262,12 @@ def check_model(cfg, d, policy):
     would not be the model's own (sampling.check_exact: a few tokens through both, on rank 0)."""
     if not cfg.check_model:
         return
-    problem = sampling.check_exact(policy) if d.master else None
+    problem = None
+    if d.master:
+        try:
+            problem = sampling.check_exact(policy)
+        except Exception as e:  # noqa: BLE001 (said in one line on every rank, not a traceback on one)
+            problem = f"{type(policy).__name__}: the check itself failed: {type(e).__name__}: {e}"
     problem = sharding.broadcast_object(problem, d)
     if problem:
         raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here (README: "

@@ -19,6 +19,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=6)),  # a window on every layer
     "qwen3": ("Qwen3Config", dict()),
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                          norm_topk_prob=True, decoder_sparse_step=1)),

@@ -24,7 +24,7 @@ import static_decoder  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
 # the families the written-out layers (static_decoder.py) serve; the others run the model's own forward
-FAST = {"llama", "qwen2", "mistral", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3"}
+FAST = {"llama", "qwen2", "mistral", "mistral_window", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3"}
 STOPS = list(range(97, 105))  # a..h: rows pause at scattered positions
 TEXT = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"]
 
