@@ -99,13 +99,21 @@ def main(argv):
     rank = int(os.environ.get("RANK", 0))
     seen = {}
 
-    original_sample = sampling.sample
+    original_sample, original_check_exact, checking = sampling.sample, sampling.check_exact, [False]
 
     def recording_sample(*args, **kwargs):
         rollout = original_sample(*args, **kwargs)
-        with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps(rollout.completion_ids.tolist()) + "\n")
+        if not checking[0]:  # the start-up check's few tokens are no step's rollout
+            with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps(rollout.completion_ids.tolist()) + "\n")
         return rollout
+
+    def marked_check(*args, **kwargs):
+        checking[0] = True
+        try:
+            return original_check_exact(*args, **kwargs)
+        finally:
+            checking[0] = False
 
     original_check = sharding.check_same_placement
 
@@ -113,7 +121,7 @@ def main(argv):
         seen["policy"], seen["ref"] = policy, ref
         return original_check(policy, ref)
 
-    sampling.sample, sharding.check_same_placement = recording_sample, spying_check
+    sampling.sample, sampling.check_exact, sharding.check_same_placement = recording_sample, marked_check, spying_check
     original_layer, layer_calls = static_decoder._layer_on, [0]
 
     def counting_layer(*args):  # the written-out training forward's layer, sharded or not
@@ -126,7 +134,8 @@ def main(argv):
     # train.main tears the process group down at its end: keep it for the checks
     teardown, sharding.teardown = sharding.teardown, lambda: None
     train.main(argv)
-    sampling.sample, sharding.check_same_placement = original_sample, original_check
+    sampling.sample, sampling.check_exact, sharding.check_same_placement = original_sample, original_check_exact, \
+        original_check
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode
