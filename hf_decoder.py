@@ -96,6 +96,9 @@ class HFDecoder:
         # transformers 5.x renamed the forward's past_key_values to cache (the old name warns where both exist)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        # sdpa takes a boolean mask whatever the compute dtype (under FSDP2 mixed precision the parameters rest in
+        # float32 and compute in bf16); eager adds its mask to the scores
+        self.additive = getattr(model.config, "_attn_implementation", None) != "sdpa"
         self.routing, self.routes = routing, []  # a routing.Replay that records: each forward's experts
         if routing is not None:
             routing.record()
@@ -104,7 +107,8 @@ class HFDecoder:
         self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1]
 
     def _masks(self, q_valid, q_pos):
-        """The attention mask of each layer type for queries appended as the last columns: additive (N, 1, K, L)."""
+        """The attention mask of each layer type for queries appended as the last columns, (N, 1, K, L): True where
+        a query may attend (sdpa), or 0 / the dtype's minimum to add to the scores (eager)."""
         n, k = q_valid.shape
         length = self.valid.shape[1]
         q_col = torch.arange(length - k, length, device=q_valid.device)
@@ -119,6 +123,9 @@ class HFDecoder:
             allowed = see
             if kind in _WINDOWED:
                 allowed = see & (q_pos[:, :, None] - self.pos[:, None, :] < self.window)
+            if not self.additive:
+                masks[kind] = allowed[:, None]
+                continue
             masks[kind] = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(
                 ~allowed, _dtype_min(self.dtype))[:, None]
         return masks
