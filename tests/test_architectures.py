@@ -137,3 +137,23 @@ def test_what_the_general_path_cannot_express_is_refused(monkeypatch):
     model, _ = architectures.tiny("qwen3")
     model.config.layer_types = ["chunked_attention"] * 2
     assert "chunked_attention" in sampling.check_exact(model)
+
+
+def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
+    """train.py runs the start-up check before any step: a model it refuses stops the run in one line that names
+    the model's class and why, and --check_model=false lets the run go on."""
+    import model_loading
+    import train
+
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("gemma2", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(hf_decoder, "unsupported", lambda model: "layers of type 'made_up'")
+    argv = [f"--model={tmp_path / 'model'}", "--max_steps=1", "--save_every=0", "--model_init_kwargs",
+            '{"attn_implementation": "eager"}']
+    with pytest.raises(SystemExit, match=r"model: Gemma2ForCausalLM: the sampler cannot reproduce layers of type "
+                                         r"'made_up'\. This architecture cannot be trained exactly here"):
+        train.main([*argv, f"--out_dir={tmp_path / 'a'}"])
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    train.main([*argv, f"--out_dir={tmp_path / 'b'}", "--check_model=false"])
+    assert (tmp_path / "b" / "metrics.jsonl").exists()
