@@ -146,7 +146,7 @@ class Config:
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
         # (kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
-        # GPUs; without LoRA, on the families whose written-out forward runs: README "Architectures")
+        # GPUs; without LoRA, on the families whose written-out forward runs: docs/architectures.md)
     routing_replay: bool = setting(False, run=True)  # MoE models: the training forwards route each token to the
         # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
     # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")

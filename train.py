@@ -270,8 +270,8 @@ def check_model(cfg, d, policy):
             problem = f"{type(policy).__name__}: the check itself failed: {type(e).__name__}: {e}"
     problem = sharding.broadcast_object(problem, d)
     if problem:
-        raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here (README: "
-                         f"\"Architectures\"); --check_model=false skips this check at your own risk")
+        raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here "
+                         f"(docs/architectures.md); --check_model=false skips this check at your own risk")
 
 
 def load_task(cfg, d, tokenizer, own_rewards, load_device):

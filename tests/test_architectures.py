@@ -3,7 +3,7 @@
 For each tiny random model of tests/architectures.py (float32, norms and biases randomised): greedy tokens equal
 `model.generate`'s; the sampler's log-probs (one turn, and several turns with answers of different lengths
 appended, tokens sampled past a stop forgotten) and the training forward's equal one plain forward of the model
-over each row's trajectory alone; each family takes the path README.md's table claims for it. The sliding windows
+over each row's trajectory alone; each family takes the path docs/architectures.md's table claims for it. The sliding windows
 (6 tokens) are short enough for these trajectories to cross them.
 """
 

@@ -23,7 +23,8 @@ import sampling  # noqa: E402
 import static_decoder  # noqa: E402
 from test_fast_paths import prompts, with_completions  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
-from test_training_forward import assert_close_in_bfloat16, hf_and_fast_logprobs, with_hole  # noqa: E402
+from test_training_forward import (assert_close_in_bfloat16, assert_fast_forward_matches_hf,  # noqa: E402
+                                  hf_and_fast_logprobs, with_hole)
 
 # id -> (family in tests/architectures.py, config overrides). Llama and Qwen2 have their own tests
 # (test_fast_paths.py, test_training_forward.py); here with sliding windows.
@@ -152,13 +153,7 @@ def test_training_forward_matches_hf_forward(case, padding):
         ids, attn = with_hole(ids, attn)
         if case in WINDOWED:
             return assert_holes_count_positions(model, ids, attn)
-    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
-    torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
-    assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))
-    for k, g in hf_grads.items():
-        assert g.abs().max() > 0, k
-        # float32 rounding: each side is a few 1e-6 of the largest entry from a float64 run
-        torch.testing.assert_close(fast_grads[k], g, atol=2e-6 * g.abs().max().item(), rtol=1e-4, msg=k)
+    assert_fast_forward_matches_hf(model, ids, attn, t)
 
 
 def assert_holes_count_positions(model, ids, attn):

@@ -220,6 +220,11 @@ def test_training_forward_matches_hf_forward(arch, padding):
     ids, attn = with_completions(enc, t, seed=3, last=9 if padding == "none" else None)
     if padding == "holes":
         ids, attn = with_hole(ids, attn)
+    assert_fast_forward_matches_hf(model, ids, attn, t)
+
+
+def assert_fast_forward_matches_hf(model, ids, attn, t):
+    """The written-out training forward's log-probs and every parameter's gradient equal the Hugging Face forward's."""
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, t)
     torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
     assert fast_grads.keys() == hf_grads.keys() and len(hf_grads) == len(list(model.parameters()))
