@@ -4,8 +4,12 @@
     --environment=file.py:Class     one instance per rollout; its public methods are its tools
 
 A rollout is a conversation: the policy writes a turn, which ends at its EOS
-token (the chat template's end of turn). Its text is searched for tool calls
-in the Hermes format that Qwen2.5 and most open chat templates use:
+token (the chat template's end of turn) or right after a call. The turn is
+read by the tokenizer's response template where its family has one (Qwen3,
+Qwen3.5, gpt-oss, Llama 3.x, Gemma 4: responses.py), into its content,
+reasoning and tool calls typed by the tools' schemas; otherwise (a template
+that writes no call in a known format) its text is searched for tool calls in
+the Hermes format, as Qwen2.5 and many open models write them:
 
     <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>
 
@@ -13,8 +17,8 @@ A turn without a call ends the rollout (it is the final answer). Otherwise
 every call runs, each result becomes a tool message, and the chat template
 renders those messages and the next assistant header: those tokens are the
 environment's answer, appended to the row's KV cache (sampling.sample), and
-the policy writes its next turn. The arguments are parsed as JSON, never
-evaluated; a call that is malformed, names no tool, raises, returns
+the policy writes its next turn. The arguments are parsed, never evaluated;
+a call that is malformed, names no tool, raises, returns
 something that is not text, returns too much, or runs past the timeout is
 answered with a one-line error as its result and counted (`tool_errors`).
 README: "Tools and environments" has the whole contract.
@@ -27,10 +31,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import responses
 import rewards
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _MARK = "\x00turn\x00"  # stands for an assistant turn's text where the template is rendered around one
+_RESULT = "result7q9x"  # stands for a tool's result (letters and digits: it survives any escaping)
 
 
 def load_tools(spec):
@@ -168,6 +174,8 @@ class Episode:
     tool_errors: int = 0
     turns: int = 0                                # the policy's turns written into `messages`
     calls: list = field(default_factory=list)     # (name, arguments, result) of each call, in order
+    prompt: str = ""                              # the prompt as the policy saw it (the chat template's text)
+    start: int = 0                                # messages[start:] are the completion's: turns and results
 
 
 class Agent:
@@ -179,14 +187,14 @@ class Agent:
     """
 
     def __init__(self, tokenizer, eos_ids, tools=(), environment=None, max_turns=4, timeout=10.0,
-                 max_result_chars=4000, system_prompt=None):
+                 max_result_chars=4000, system_prompt=None, chat_template_kwargs=None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tools and environments need a tokenizer with a chat template (it renders the tools "
                              "and their results)")
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
         self.tools, self.environment = list(tools), environment
         self.max_turns, self.timeout, self.max_result_chars = max_turns, timeout, max_result_chars
-        self.system_prompt = system_prompt
+        self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs or {})
         probe = environment() if environment is not None else None
         env_tools = environment_tools(probe) if probe is not None else []
         self.schemas = [tool_schema(f) for f in self.tools + env_tools]
@@ -201,8 +209,29 @@ class Agent:
                 return [e.get_reward() for e in environments]
             environment_reward.__name__ = name  # logged as reward/<class name>, as TRL does
             self.reward_funcs.append(environment_reward)
-        # a turn also ends right after a call, so that its result comes back before the policy writes on
-        self.stop_sequences = [tokenizer("</tool_call>", add_special_tokens=False).input_ids]
+        # turns are read by the tokenizer's response template where its family has one (responses.py), else
+        # by the Hermes parser below; a turn also ends right after a call, where the format closes one, so that
+        # its result comes back before the policy writes on
+        self.family = responses.set_response_template(tokenizer, self.chat_template_kwargs)
+        self.stops = responses.stop_strings(tokenizer, self.chat_template_kwargs) if self.family else ["</tool_call>"]
+        self.stop_sequences = [ids for ids in (tokenizer(s, add_special_tokens=False).input_ids for s in self.stops)
+                               if ids and ids[-1] not in self.eos_ids]  # one that ends a turn anyway needs none
+
+    def render(self, messages, **kw):
+        return responses.render(self.tokenizer, messages, self.chat_template_kwargs, **kw)
+
+    def check_template(self):
+        """ValueError, in one line, unless the chat template shows tools to the model (a probe tool's name is in
+        the prompt it writes) and can write a tool's result after a call."""
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+            [{"role": "user", "content": "x"}]
+        shown = self.render(messages, tools=[responses.PROBE], add_generation_prompt=True)
+        if responses.PROBE["function"]["name"] not in shown:
+            raise ValueError("the chat template does not render the tools (their schemas are absent from the "
+                             "prompt it writes), so the model would never see them; use a model whose chat "
+                             "template supports tools")
+        name = self.schemas[0]["function"]["name"]
+        self.answer_text([{"role": "tool", "name": name, "content": "1"}], False)
 
     def start(self, rows):
         """One Episode per row, each with its own environment (reset with the row's fields), and the prompts
@@ -220,10 +249,28 @@ class Agent:
             tools = {f.__name__: f for f in self.tools}
             if env is not None:
                 tools.update({m.__name__: m for m in environment_tools(env)})
-            episodes.append(Episode(env, tools, messages))
-            prompts.append(self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                              add_generation_prompt=True))
+            prompt = self.render(messages, tools=self.schemas, add_generation_prompt=True)
+            episodes.append(Episode(env, tools, messages, prompt=prompt, start=len(messages)))
+            prompts.append(prompt)
         return prompts, episodes
+
+    def read_turn(self, ep, ids, before):
+        """A policy's turn (its token ids, the end of turn included if it wrote one; `before`: the row's
+        completion ids ahead of it) as (message, calls). Through the response template, the message has the
+        parsed parts (content, reasoning, tool_calls) and a turn it cannot read is one malformed call; else
+        the message is the turn's text and the calls are the Hermes ones."""
+        ended = bool(ids) and ids[-1] in self.eos_ids
+        text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        if not self.family:
+            return {"role": "assistant", "content": text}, parse_calls(text)
+        prefix = ep.prompt + self.tokenizer.decode(before, skip_special_tokens=False)
+        try:
+            message = responses.read(self.tokenizer, self.tokenizer.decode(ids, skip_special_tokens=False), prefix,
+                                     self.schemas)
+        except ValueError as e:
+            return {"role": "assistant", "content": text}, [(None, f"the tool call could not be read ({e})")]
+        message.setdefault("content", "")
+        return message, responses.calls_of(message)
 
     def responder(self, episodes):
         """`respond` for sampling.sample over rows that are these episodes, in order."""
@@ -233,10 +280,9 @@ class Agent:
                 ep = episodes[turn.row]
                 ids = turn.ids[turn.start:]
                 ended = bool(ids) and ids[-1] in self.eos_ids
-                text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-                ep.messages.append({"role": "assistant", "content": text})
+                message, calls = self.read_turn(ep, ids, turn.ids[:turn.start])
+                ep.messages.append(message)
                 ep.turns += 1
-                calls = parse_calls(text)
                 texts.append((ended, calls))
                 for name, args in calls:
                     if name == "" and len(ep.tools) == 1:
@@ -276,25 +322,43 @@ class Agent:
                 continue
             n = sum(real)
             start = max((j + 1 for j in range(n) if not policy[j]), default=0)
-            last = ids[start:n]
-            if last and last[-1] in self.eos_ids:
-                last = last[:-1]
-            ep.messages.append({"role": "assistant", "content": self.tokenizer.decode(last, skip_special_tokens=False)})
+            ep.messages.append(self.read_turn(ep, ids[start:n], ids[:start])[0])
             ep.turns += 1
 
     def answer_text(self, tool_messages, ended_with_eos):
         """What follows a turn that made calls: whatever the chat template writes after the turn's text when
         tool messages follow it, up to where the policy writes again (the next assistant header, if the
-        template has one); less the end-of-turn token when the policy wrote that itself."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        full = self.tokenizer.apply_chat_template(base + tool_messages, tokenize=False, add_generation_prompt=True)
-        answer = full[full.rindex(_MARK) + len(_MARK):]
+        template has one); less the end-of-turn token when the policy wrote that itself.
+
+        With a response template the turn is rendered as the calls it made (templates such as gpt-oss's name
+        the tool's turn after the call), and the answer starts where the format closes the last call."""
+        if self.family:
+            answer = self._answer_after_calls(tool_messages)
+        else:
+            base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+            full = self.render(base + tool_messages, add_generation_prompt=True)
+            answer = full[full.rindex(_MARK) + len(_MARK):]
         if ended_with_eos:
             for i in self.eos_ids:
                 token = self.tokenizer.convert_ids_to_tokens(i)
                 if isinstance(token, str) and answer.startswith(token):
                     return answer[len(token):]
         return answer
+
+    def _answer_after_calls(self, tool_messages):
+        calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        full = self.render(base + tool_messages, tools=self.schemas, add_generation_prompt=True)
+        marked = self.render(base + [{**m, "content": _RESULT} for m in tool_messages], tools=self.schemas,
+                             add_generation_prompt=True)
+        first = marked.find(_RESULT)
+        ends = [marked.rfind(s, 0, first) + len(s) for s in self.stops if marked.rfind(s, 0, first) >= 0]
+        ends += [marked.rfind(t, 0, first) + len(t) for t in map(self.tokenizer.convert_ids_to_tokens, self.eos_ids)
+                 if isinstance(t, str) and marked.rfind(t, 0, first) >= 0]
+        if first < 0 or not ends or full[:ends[0]] != marked[:ends[0]]:
+            raise ValueError(f"the chat template ({self.family} format) does not write a tool's result after a "
+                             f"call where it can be found")
+        return full[ends[0]:]
 
 
 def episode_fields(episodes):

@@ -26,6 +26,10 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vesp
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
+# apply_chat_template's own arguments, which the trainer sets (--chat_template_kwargs holds the template's options)
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 @dataclass
@@ -149,6 +153,8 @@ class Config:
         # GPUs; without LoRA, on the families whose written-out forward runs: docs/architectures.md)
     routing_replay: bool = setting(False, run=True)  # MoE models: the training forwards route each token to the
         # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
+    chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
+        # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
     # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
@@ -260,6 +266,10 @@ def validate(cfg, world_size=1):
         need(torch.cuda.is_available(), "device",
              f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
+    need(isinstance(cfg.chat_template_kwargs, dict), "chat_template_kwargs", "must be a JSON object")
+    taken = sorted(set(cfg.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGUMENTS)) if isinstance(
+        cfg.chat_template_kwargs, dict) else []
+    need(not taken, "chat_template_kwargs", f"{', '.join(taken)}: set by the trainer itself, not a template option")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
     need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")

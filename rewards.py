@@ -344,10 +344,12 @@ def parse_gold_answer(answer, where):
     return str(value)
 
 
-def gsm8k_correctness_reward(prompts, completions, answer, **_):
-    """1 when the completion's final number equals the gold answer, else 0."""
+def gsm8k_correctness_reward(prompts, completions, answer, completion_content=None, **_):
+    """1 when the completion's final number equals the gold answer, else 0. The final answer is read from
+    `completion_content` when given (the content without the reasoning, where the chat template's family
+    separates them: a number written while thinking does not count)."""
     out = []
-    for completion, gold in zip(completions, answer):
+    for completion, gold in zip(completion_content if completion_content is not None else completions, answer):
         value = extract_final_number(completion)
         out.append(1.0 if value is not None and value == Fraction(gold) else 0.0)
     return out
@@ -505,10 +507,11 @@ def check_countdown(expression, nums, target):
         return False
 
 
-def countdown_reward(prompts, completions, nums, target, **_):
-    """1 when the last <answer>...</answer> is an equation over the given numbers reaching the target."""
+def countdown_reward(prompts, completions, nums, target, completion_content=None, **_):
+    """1 when the last <answer>...</answer> is an equation over the given numbers reaching the target (in the
+    content without the reasoning, when `completion_content` gives it)."""
     out = []
-    for completion, ns, t in zip(completions, nums, target):
+    for completion, ns, t in zip(completion_content if completion_content is not None else completions, nums, target):
         expression = _last_tagged(completion, "answer")
         if expression is not None and "=" in expression:
             expression = expression.split("=")[0]  # "<answer> 3 * 4 = 12 </answer>": the left side is the equation
@@ -583,7 +586,7 @@ def _score_at(model, input_ids, attention_mask, position_ids, last):
 
 
 def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, max_length=2048,
-                        padding_side="right"):
+                        padding_side="right", chat_template_kwargs=None):
     """One scalar per (prompt, completion) from a sequence-classification reward model.
 
     The pair goes through the reward model's own chat template when it has one
@@ -604,7 +607,8 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, ma
     templated = getattr(tokenizer, "chat_template", None) is not None
     if templated:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
-                                               tokenize=False) for p, c in zip(prompts, completions)]
+                                               tokenize=False, **(chat_template_kwargs or {}))
+                 for p, c in zip(prompts, completions)]
     else:
         texts = [p + c for p, c in zip(prompts, completions)]
     device = next(lm.parameters()).device
@@ -624,10 +628,12 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=8, ma
     return torch.cat(scores).tolist()
 
 
-def make_reward_model_reward(model, tokenizer, batch_size=8):
-    """A reward function scoring with `model`; it sees the untemplated prompt text when the task provides it."""
+def make_reward_model_reward(model, tokenizer, batch_size=8, chat_template_kwargs=None):
+    """A reward function scoring with `model`; it sees the untemplated prompt text when the task provides it.
+    chat_template_kwargs: the run's, for the reward model's own chat template (as TRL passes them)."""
     def reward_model(prompts, completions, prompt_text=None, **_):
-        return reward_model_scores(model, tokenizer, prompt_text or prompts, completions, batch_size)
+        return reward_model_scores(model, tokenizer, prompt_text or prompts, completions, batch_size,
+                                   chat_template_kwargs=chat_template_kwargs)
     reward_model.collective = True  # may run a sharded model: every rank must make the same calls
     return reward_model
 

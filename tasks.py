@@ -168,7 +168,8 @@ def _required_fields(fn):
     except (TypeError, ValueError):
         return []
     given = ("prompts", "completions", "messages", "environments",  # these two: with tools or an environment
-             "completion_ids", "step", "max_completion_length", "soft_punish_cache")  # from the trainer
+             "completion_ids", "step", "max_completion_length", "soft_punish_cache",  # from the trainer
+             "completion_messages", "completion_content", "reasoning_content", "tool_calls")  # responses.py
     return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
@@ -287,11 +288,11 @@ TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
 TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
 
 
-def _chat_formatter(tokenizer, system_prompt=None):
+def _chat_formatter(tokenizer, system_prompt=None, chat_template_kwargs=None):
     """User text (or a list of messages) -> the prompt the policy sees.
 
-    Through the tokenizer's chat template when it has one, ending where the
-    assistant's turn begins; else the plain text, with a newline to answer after.
+    Through the tokenizer's chat template when it has one (given `chat_template_kwargs`, e.g. enable_thinking),
+    ending where the assistant's turn begins; else the plain text, with a newline to answer after.
     """
     templated = tokenizer is not None and getattr(tokenizer, "chat_template", None)
 
@@ -300,12 +301,14 @@ def _chat_formatter(tokenizer, system_prompt=None):
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
         if templated:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
         return "\n\n".join(m["content"] for m in messages) + "\n"
     return fmt
 
 
-def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None, reward_funcs=None):
+def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None, reward_funcs=None,
+             chat_template_kwargs=None):
     """Build a task: prompt source, reward functions, held-out evaluation rows.
 
     tokenizer: the policy's, for chat templates. dataset: a local .jsonl/.parquet
@@ -315,18 +318,19 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     none). reward_model: (model, tokenizer) of a sequence-classification model
     whose score is added as a reward ('tldr' requires one, or reward_funcs).
     reward_funcs: functions that replace the task's own (the reward model's score
-    is still added); the task's default weights then no longer apply.
+    is still added); the task's default weights then no longer apply. chat_template_kwargs: given to every
+    chat-template rendering, the prompts' and the reward model's (TRL's setting of that name).
     """
     if name not in TASKS:
         raise ValueError(f"task: unknown task {name!r} (available: {', '.join(TASKS)})")
-    chat = _chat_formatter(tokenizer)
+    chat = _chat_formatter(tokenizer, chat_template_kwargs=chat_template_kwargs)
 
     if name == "next_letter":
         task = Task(name, _letter_prompts, [rewards.next_letter_reward], accuracy_reward="next_letter_reward")
         task.eval_rows = _letter_prompts(random.Random(f"eval-{seed}"), eval_prompts)
         hub = None
     elif name == "gsm8k":
-        math_chat = _chat_formatter(tokenizer, rewards.GSM8K_SYSTEM_PROMPT)
+        math_chat = _chat_formatter(tokenizer, rewards.GSM8K_SYSTEM_PROMPT, chat_template_kwargs)
 
         def to_row(row):
             question = row["question"]
@@ -373,7 +377,8 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         if task.accuracy_reward not in {rewards.reward_name(f) for f in task.reward_funcs}:
             task.accuracy_reward = None  # evaluation reads accuracy from that function's scores
     if reward_model is not None:
-        task.reward_funcs.append(rewards.make_reward_model_reward(*reward_model))
+        task.reward_funcs.append(rewards.make_reward_model_reward(*reward_model,
+                                                                  chat_template_kwargs=chat_template_kwargs))
         if task.weights is not None:
             task.weights = task.weights + [1.0]
 

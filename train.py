@@ -69,6 +69,7 @@ try:
     import disk
     import grpo
     import model_loading
+    import responses
     import rewards
     import routing
     import run_log
@@ -158,6 +159,7 @@ def setup(cfg, d):
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     tokenizer, policy, ref = load_models(cfg, d, load_device)
+    responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
@@ -181,7 +183,9 @@ def load_agent(cfg, tokenizer, eos_ids, task, weights):
         return None
     try:
         agent = agents.Agent(tokenizer, eos_ids, tools, environment, max_turns=cfg.max_turns,
-                             timeout=cfg.tool_timeout, system_prompt=task.system_prompt)
+                             timeout=cfg.tool_timeout, system_prompt=task.system_prompt,
+                             chat_template_kwargs=cfg.chat_template_kwargs)
+        agent.check_template()  # a template that does not show the tools stops the run here
     except ValueError as e:
         raise ConfigError("environment" if environment is not None else "tools", e) from e
     task.reward_funcs.extend(agent.reward_funcs)
@@ -290,6 +294,7 @@ def load_task(cfg, d, tokenizer, own_rewards, load_device):
         reward_model = (sharding.shard(sharding.Root(rm), d, cfg.mixed_precision).eval(), rm_tokenizer)
     try:
         task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
+                              chat_template_kwargs=cfg.chat_template_kwargs,
                               eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model,
                               reward_funcs=own_rewards)
     except (ValueError, OSError) as e:
@@ -450,7 +455,7 @@ def score(run, batch, step):
     """
     problem, seconds, t = None, {}, time.time()
     try:
-        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes)
+        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes, run.tokenizer, batch.prompts)
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
                                                  batch.completions, fields, seconds=seconds,
                                                  context=sampling.reward_context(run.cfg, step))
