@@ -46,6 +46,7 @@ SANDBOX_MODES = ("auto", "strict", "unsafe")
 SANDBOX_UID = 65534          # the program's uid: `nobody` on most systems
 DEFAULT_TIMEOUT = 10.0       # seconds of wall clock
 DEFAULT_MEMORY = 512 * MiB   # address space per process (RLIMIT_AS)
+DEFAULT_TOTAL_MEMORY = 1 << 30  # resident and swap of all the program's processes together (its control group)
 DEFAULT_FILE_SIZE = 16 * MiB  # largest file a program may write (RLIMIT_FSIZE)
 DEFAULT_PROCESSES = 32       # processes and threads of one sandbox (RLIMIT_NPROC; strict only)
 DEFAULT_DISK = 64 * MiB      # strict: size of the tmpfs at /tmp, the working folder
@@ -70,13 +71,16 @@ class Result:
     exit_code: the program's exit status, negative for the signal that killed it, None when it timed out or never ran.
     timed_out: it was killed at the wall-clock timeout. wall_time: seconds from start to the end of its output.
     sandbox_error: why the sandbox could not run it (None when it ran); `sandbox_failed` is that as a flag.
+    exceeded: the budget of its control group it passed: "memory" or "cpu" (it was then killed as a whole),
+    "processes" (a fork or a thread was refused), else None.
     """
-    __slots__ = ("stdout", "stderr", "exit_code", "timed_out", "wall_time", "sandbox_error", "truncated")
+    __slots__ = ("stdout", "stderr", "exit_code", "timed_out", "wall_time", "sandbox_error", "truncated", "exceeded")
 
     def __init__(self, stdout="", stderr="", exit_code=None, timed_out=False, wall_time=0.0, sandbox_error=None,
-                 truncated=False):
+                 truncated=False, exceeded=None):
         self.stdout, self.stderr, self.exit_code, self.timed_out = stdout, stderr, exit_code, timed_out
-        self.wall_time, self.sandbox_error, self.truncated = wall_time, sandbox_error, truncated
+        self.wall_time, self.sandbox_error, self.truncated, self.exceeded = wall_time, sandbox_error, truncated, \
+            exceeded
 
     @property
     def sandbox_failed(self):
@@ -129,8 +133,31 @@ def check(sandbox=None):
     return "strict"
 
 
+_groups_lock = _thread.allocate_lock()
+_groups_found = None  # None: not looked yet; a sandbox_cgroups.Groups; or a str: why no group can be made here
+
+
+def _groups():
+    """The control groups programs run in, or None where none can be made (said once, on stderr, by the first
+    strict check: programs then keep per-process limits only)."""
+    global _groups_found
+    with _groups_lock:
+        if _groups_found is None:
+            import sandbox_cgroups
+            _groups_found = sandbox_cgroups.find()
+            if isinstance(_groups_found, str) and os.environ.get("RANK", "0") == "0":
+                print(NO_GROUPS_BANNER.format(_groups_found), file=sys.stderr, flush=True)
+    return None if isinstance(_groups_found, str) else _groups_found
+
+
+NO_GROUPS_BANNER = ("sandbox: no control group for programs here: {}; each program's memory, CPU time and processes "
+                    "are then bounded per process (RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC), not for all its processes "
+                    "together; the OOM killer takes programs' processes first (oom_score_adj 1000)")
+
+
 def _probe():
     """'' when a program runs in the strict sandbox here, else what went wrong, as a clause."""
+    _groups()
     result = _execute(_options(code="import sys; sys.stdout.write('ok')", timeout=20.0), "strict")
     if result.sandbox_error:
         return result.sandbox_error
@@ -142,7 +169,7 @@ def _probe():
 
 def _options(code, stdin="", files=None, timeout=DEFAULT_TIMEOUT, memory=DEFAULT_MEMORY, cpu=None,
              file_size=DEFAULT_FILE_SIZE, processes=DEFAULT_PROCESSES, disk=DEFAULT_DISK,
-             max_output=DEFAULT_MAX_OUTPUT):
+             max_output=DEFAULT_MAX_OUTPUT, total_memory=DEFAULT_TOTAL_MEMORY):
     files = dict(files or {})
     for name in files:
         if not name or "/" in name or name in (".", "..") or name == PROGRAM_FILE:
@@ -150,27 +177,34 @@ def _options(code, stdin="", files=None, timeout=DEFAULT_TIMEOUT, memory=DEFAULT
     files[PROGRAM_FILE] = code
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")
+    if not total_memory >= 16 * MiB:
+        raise ValueError(f"total_memory must be at least 16 MiB (a Python interpreter's start), got {total_memory}")
     return dict(files={k: v.encode() if isinstance(v, str) else bytes(v) for k, v in files.items()},
                 stdin=stdin.encode() if isinstance(stdin, str) else bytes(stdin), timeout=float(timeout),
                 limits=dict(memory=int(memory), cpu=int(cpu) if cpu else int(timeout) + 1, file_size=int(file_size),
                             processes=int(processes), open_files=OPEN_FILES),
-                disk=int(disk), max_output=int(max_output))
+                disk=int(disk), max_output=int(max_output), total_memory=int(total_memory))
 
 
 def run(code, stdin="", *, files=None, timeout=DEFAULT_TIMEOUT, memory=DEFAULT_MEMORY, cpu=None,
         file_size=DEFAULT_FILE_SIZE, processes=DEFAULT_PROCESSES, disk=DEFAULT_DISK, max_output=DEFAULT_MAX_OUTPUT,
-        sandbox=None):
+        total_memory=DEFAULT_TOTAL_MEMORY, sandbox=None):
     """Run one program (Python source) and return its Result.
 
     stdin: text or bytes on its standard input. files: {name: text or bytes} written beside it in its empty folder
-    (it runs as main.py there). timeout: wall-clock seconds. memory: bytes of address space per process. cpu: CPU
-    seconds per process (default: the timeout rounded down, plus 1). file_size: bytes of the largest file it may
-    write. processes: how many processes and threads it may have at once. disk: bytes of its tmpfs (strict).
-    max_output: bytes kept of stdout and of stderr each. sandbox: auto, strict or unsafe (module docstring).
+    (it runs as main.py there). timeout: wall-clock seconds. memory: bytes of address space per process.
+    total_memory: bytes resident and swapped of all its processes together (tmpfs files included). cpu: CPU seconds
+    of all its processes together, and of each (default: the timeout rounded down, plus 1). processes: how many
+    processes and threads it may have at once. total_memory, cpu and processes bound the program as a whole where
+    a control group can be made (`exceeded` in the Result says which it passed), else each process alone.
+    file_size: bytes of the largest file it may write. disk: bytes of its tmpfs (strict). max_output: bytes kept of
+    stdout and of stderr each. sandbox: auto, strict or unsafe (module docstring).
     ExecutorUnavailable where strict is asked for and the machine cannot give it.
     """
-    options = _options(code, stdin, files, timeout, memory, cpu, file_size, processes, disk, max_output)
-    result = _execute(options, check(sandbox))
+    options = _options(code, stdin, files, timeout, memory, cpu, file_size, processes, disk, max_output, total_memory)
+    mode = check(sandbox)
+    with _admitted(_worst_case(options)):
+        result = _execute(options, mode)
     _count("programs")
     _count("program_seconds", result.wall_time)
     _count("timeouts", int(result.timed_out))
@@ -189,11 +223,65 @@ def run_many(programs, *, workers=None, **options):
         return []
     check(options.get("sandbox"))  # once, before the pool: an unavailable sandbox is one error, not one per program
     t0 = time.monotonic()
-    workers = workers or len(os.sched_getaffinity(0))
+    if not workers:  # one per CPU, as many as the memory budget of all running programs holds
+        worst = max(_worst_case(_options(**{k: v for k, v in job.items() if k != "sandbox"})) for job in jobs)
+        workers = max(1, min(len(os.sched_getaffinity(0)), _memory_budget() // worst))
     with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
         results = list(pool.map(lambda job: run(**job), jobs))
     _count("wait_seconds", time.monotonic() - t0)
     return results
+
+
+MEMORY_SHARE = 0.5  # of the memory the machine can still give (at a moment no program runs): all programs' budget
+_admission = None   # (threading.Condition, [bytes of the programs running, their budget])
+
+
+def _worst_case(options):
+    """The most memory one program can hold: its group's budget; without a group, one process's address space (a
+    program of many processes can hold more: then its processes' OOM score is what keeps the trainer alive)."""
+    return options["total_memory"] if _groups() else options["limits"]["memory"]
+
+
+def _memory_budget():
+    """Bytes all running programs may hold together: MEMORY_SHARE of the memory available when none ran."""
+    condition, state = _admission_state()
+    with condition:
+        if state[0] == 0:
+            import sandbox_cgroups
+            state[1] = int(sandbox_cgroups.available_memory() * MEMORY_SHARE)
+        return state[1]
+
+
+def _admission_state():
+    global _admission
+    if _admission is None:
+        import threading
+        with _lock:
+            if _admission is None:
+                _admission = (threading.Condition(), [0, 0])
+    return _admission
+
+
+class _admitted:
+    """Wait until a program of `size` bytes fits the budget of all running programs (one alone always runs)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __enter__(self):
+        condition, state = _admission_state()
+        with condition:
+            condition.wait_for(lambda: state[0] == 0 or state[0] + self.size <= state[1])
+            if state[0] == 0:
+                import sandbox_cgroups
+                state[1] = int(sandbox_cgroups.available_memory() * MEMORY_SHARE)
+            state[0] += self.size
+
+    def __exit__(self, *exc):
+        condition, state = _admission_state()
+        with condition:
+            state[0] -= self.size
+            condition.notify_all()
 
 
 TOOL_TIMEOUT = 10.0
@@ -237,7 +325,7 @@ def _read_only_paths():
     paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache"]
     for prefix in {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(_python()))}:
         real = os.path.realpath(prefix)
-        if real != "/usr" and not real.startswith("/usr/"):
+        if real not in ("/", "/usr") and not real.startswith("/usr/"):
             paths.append(real)
     return [p for p in dict.fromkeys(paths) if os.path.lexists(p)]
 
@@ -287,6 +375,11 @@ def _take_launcher():
     return taken or _start_launcher()
 
 
+# The launcher is imported as a module, from its cached bytecode (running a file as a script would compile it every
+# time, 7 ms); its folder is appended to sys.path, so that nothing beside it can stand in for a standard module.
+_LAUNCH = "import sys; sys.path.append({!r}); import sandbox_launcher; sandbox_launcher.launch({}, {})"
+
+
 def _start_launcher():
     import subprocess
     status_r, status_w = os.pipe()    # the launcher's reports
@@ -333,7 +426,9 @@ def _execute(options, mode):
     workdir = tempfile.mkdtemp(prefix="grpo-exec-") if mode == "unsafe" else None
     spec = dict(mode=mode, python=python, argv=[python, "-I", "-S", PROGRAM_FILE], files=options["files"],
                 limits=options["limits"], timeout=options["timeout"], uid=SANDBOX_UID, read_only=paths,
-                mountpoint=mountpoint, disk=options["disk"], workdir=workdir)
+                mountpoint=mountpoint, disk=options["disk"], workdir=workdir, seccomp=_seccomp_filter())
+    groups, group, exceeded = _groups(), None, None
+    spec["group_counts_processes"] = bool(groups and groups.counts_processes)
     header = marshal.dumps(spec)
     start = time.monotonic()
     try:
@@ -342,15 +437,29 @@ def _execute(options, mode):
         except OSError as e:
             return Result(sandbox_error=f"cannot start the launcher: {e}", wall_time=time.monotonic() - start)
         try:
+            if groups:  # the launcher, waiting for its spec, joins the group: all it forks is counted
+                try:
+                    group = groups.make(options["total_memory"], options["limits"]["processes"] + 1)
+                    group.add(proc.pid)
+                except OSError as e:
+                    _kill_group(proc)
+                    proc.wait()
+                    return Result(sandbox_error=f"control group: {e}", wall_time=time.monotonic() - start)
             data = len(header).to_bytes(8, "little") + header + options["stdin"]
             # strict: at the timeout the launcher kills the init and reaps it, so that when it exits nothing of the
             # sandbox is left; unsafe: the launcher is the program, and its process group is killed
-            stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_group(proc))
-            out, err, status, timed_out, truncated = _exchange(proc, data, status_r, start + options["timeout"],
-                                                               options["max_output"], stop)
+            stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_all(proc, group))
+            watch = group and (lambda: group.exceeded(options["limits"]["cpu"]))
+            out, err, status, timed_out, truncated, exceeded = _exchange(
+                proc, data, status_r, start + options["timeout"], options["max_output"], stop, watch)
         finally:
             os.close(status_r)
             os.close(control_w)
+            if group:
+                exceeded = exceeded or ("memory" if group.oom_kills() else None) or \
+                    ("processes" if group.processes_refused() else None)
+                if not group.remove():
+                    groups.leftover.append(group)
     finally:
         if workdir:
             shutil.rmtree(workdir, onerror=_force_remove)
@@ -368,7 +477,24 @@ def _execute(options, mode):
     if timed_out:
         exit_code = None
     return Result(out.decode(errors="replace"), err.decode(errors="replace"), exit_code, timed_out, wall,
-                  sandbox_error, truncated)
+                  sandbox_error, truncated, exceeded)
+
+
+_filter = []
+
+
+def _seccomp_filter():
+    """The system-call filter's program for this machine (sandbox_seccomp), built once."""
+    if not _filter:
+        import sandbox_seccomp
+        _filter.append(sandbox_seccomp.build(os.uname().machine))
+    return _filter[0]
+
+
+def _kill_all(proc, group):
+    _kill_group(proc)
+    if group:  # what left the process group (a new session) is still in the control group
+        group.kill()
 
 
 def _force_remove(function, path, excinfo):
@@ -398,10 +524,15 @@ def _write_ignoring(fd, data):
         pass
 
 
-def _exchange(proc, data, status_fd, deadline, cap, stop):
+WATCH_EVERY = 0.05  # seconds between two looks at a program's group (its CPU time; a process killed at its memory)
+
+
+def _exchange(proc, data, status_fd, deadline, cap, stop, watch=None):
     """Write `data` to the launcher's stdin while reading its stdout, stderr and status pipe, until they end and it
     has exited, or the deadline, where stop() is called, and if that has not ended it _AFTER_KILL seconds later,
-    its process group is killed. Returns (stdout, stderr, status, timed_out, truncated)."""
+    its process group is killed. Every WATCH_EVERY seconds, watch() (when given) names a budget the program has
+    passed, or None; stop() is then called as at the deadline. Returns (stdout, stderr, status, timed_out,
+    truncated, the budget watch() named)."""
     import selectors
     sel = selectors.DefaultSelector()
     stdin, stdout, stderr = proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
@@ -416,18 +547,27 @@ def _exchange(proc, data, status_fd, deadline, cap, stop):
     except (AttributeError, OSError):
         pidfd = None
     reading, view = set(kept), memoryview(data)
-    timed_out, truncated, exited = False, False, pidfd is None
+    timed_out, truncated, exited, exceeded = False, False, pidfd is None, None
+    next_watch = time.monotonic() + WATCH_EVERY
     try:
         while reading or not exited:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if watch and not exceeded and not timed_out and now >= next_watch:
+                exceeded = watch()
+                next_watch = now + WATCH_EVERY
+                if exceeded:
+                    stop()
+                    deadline = min(deadline, now + _AFTER_KILL)
+            remaining = deadline - now
             if remaining <= 0:
-                if exited or timed_out:
+                if exited or timed_out or exceeded:
                     break  # whatever still holds the pipes open is not the program's to wait for
                 timed_out = True
                 stop()
                 deadline = time.monotonic() + _AFTER_KILL
                 continue
-            for key, _ in sel.select(remaining):
+            wait = min(remaining, next_watch - now) if watch and not exceeded else remaining
+            for key, _ in sel.select(max(wait, 0)):
                 fd = key.fd
                 if fd == pidfd:
                     exited = True
@@ -464,7 +604,7 @@ def _exchange(proc, data, status_fd, deadline, cap, stop):
             except OSError:
                 pass
         proc.wait()
-    return bytes(kept[stdout]), bytes(kept[stderr]), bytes(kept[status_fd]), timed_out, truncated
+    return bytes(kept[stdout]), bytes(kept[stderr]), bytes(kept[status_fd]), timed_out, truncated, exceeded
 
 
 def _kill_group(proc):
@@ -472,294 +612,3 @@ def _kill_group(proc):
         os.killpg(proc.pid, 9)  # SIGKILL
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# ----------------------------------------------------------------------------- the launcher (the sandbox's side)
-#
-# Imported as a module, from its cached bytecode (running this file as a script would compile it every time, 7 ms);
-# appended to sys.path, so that nothing beside it can stand in for a standard module.
-_LAUNCH = "import sys; sys.path.append({!r}); import executor; executor._launch({}, {})"
-
-# Runs with the spec on stdin. Strict, as root: unshare a pid namespace, fork the
-# program's init; the child unshares user, mount, network, ipc and uts namespaces; the parent, still root outside,
-# maps uid 65534 inside to 65534 outside (a root mapping would let the program open root's files); the child takes
-# uid 65534, builds its root, sets its limits and execs Python, while the parent waits and reports. Not root: the
-# launcher unshares every namespace at once, maps 65534 inside to its own uid, then forks the init.
-
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_NAMESPACES = ((CLONE_NEWUSER, "user"), (CLONE_NEWPID, "pid"), (CLONE_NEWNET, "network"), (CLONE_NEWNS, "mount"),
-               (CLONE_NEWIPC, "ipc"), (CLONE_NEWUTS, "uts"))
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
-MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
-DEVICES = ("null", "zero", "full", "random", "urandom")
-
-
-class _SetupError(Exception):
-    """A step of building the sandbox failed; the message names the step and the error."""
-
-
-def _launch(status_fd, control_fd):
-    for fd in (status_fd, control_fd):
-        os.set_inheritable(fd, False)  # pass_fds made them inheritable; the program must not get them
-    try:
-        # every import now: once root has become uid 65534, the standard library may be out of reach (a pyenv in /root)
-        import ctypes
-        import marshal
-        import resource  # noqa: F401 - for _set_limits
-        import select
-        spec = marshal.loads(_read_exactly(0, int.from_bytes(_read_exactly(0, 8), "little")))
-        libc = ctypes.CDLL(None, use_errno=True)
-        if spec["mode"] == "strict":
-            alive = _strict(spec, libc, status_fd, control_fd)  # only the program's side returns
-        else:
-            _unsafe(spec)
-        _set_limits(spec["limits"], spec["mode"] == "strict")
-        _prctl(libc, PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")  # no setuid binary can give privileges back
-        if spec["mode"] == "strict":
-            # the launcher's death (run() kills it at the timeout) kills this init, and with it the whole namespace
-            _prctl(libc, PR_SET_PDEATHSIG, 9, "pdeathsig")
-            if select.select([alive], [], [], 0)[0]:  # the launcher died before the line above: end now
-                os._exit(1)
-            os.close(alive)
-        os.execve(spec["python"], spec["argv"], {})
-    except BaseException as e:  # noqa: B902 - whatever happens, report it on the status pipe, never as the program
-        message = str(e) if isinstance(e, _SetupError) else f"launcher: {type(e).__name__}: {e}"
-        try:
-            os.write(status_fd, f"E {message}".replace("\n", " ").encode() + b"\n")
-        finally:
-            os._exit(127)
-
-
-def _read_exactly(fd, n):
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, n - got)
-        if not chunk:
-            raise EOFError("the spec ended early")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _fail(step, errno=None):
-    import ctypes
-    errno = ctypes.get_errno() if errno is None else errno
-    raise _SetupError(f"{step} ({os.strerror(errno)})")
-
-
-def _prctl(libc, option, value, name):
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        _fail(f"prctl {name}")
-
-
-def _unshare(libc, flags, what):
-    if libc.unshare(flags) != 0:
-        import ctypes
-        errno = ctypes.get_errno()
-        raise _SetupError(_which_namespace(libc, flags) or f"{what} (unshare: {os.strerror(errno)})")
-
-
-def _which_namespace(libc, flags):
-    """Which of the namespaces in `flags` this machine refuses, tried one at a time in throwaway children."""
-    import ctypes
-    for flag, name in _NAMESPACES:
-        if not flags & flag:
-            continue
-        pid = os.fork()
-        if pid == 0:
-            extra = 0 if flag == CLONE_NEWUSER or os.geteuid() == 0 else CLONE_NEWUSER
-            os._exit(0 if libc.unshare(flag | extra) == 0 else min(ctypes.get_errno(), 255) or 1)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        if code:
-            return f"{name} namespaces (unshare: {os.strerror(code)})"
-    return None
-
-
-def _write(path, text, step):
-    try:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-    except OSError as e:
-        _fail(step, e.errno)
-
-
-def _map_ids(pid, inner, uid, gid):
-    _write(f"/proc/{pid}/setgroups", "deny", "uid mapping: setgroups")
-    _write(f"/proc/{pid}/uid_map", f"{inner} {uid} 1", "uid mapping: uid_map")
-    _write(f"/proc/{pid}/gid_map", f"{inner} {gid} 1", "uid mapping: gid_map")
-
-
-def _strict(spec, libc, status_fd, control_fd):
-    """Namespaces and the program's init. The launcher waits for the init and exits; the init returns a pipe that
-    reads end-of-file once the launcher is gone."""
-    inner = spec["uid"]
-    others = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-    root = os.geteuid() == 0
-    if root:
-        os.setgroups([])  # root's supplementary groups would survive into the namespace
-        _unshare(libc, CLONE_NEWPID, "pid namespace")
-    else:
-        uid, gid = os.geteuid(), os.getegid()
-        _check_not_root_outside(uid)
-        _unshare(libc, CLONE_NEWUSER | CLONE_NEWPID | others, "namespaces")
-        _map_ids("self", inner, uid, gid)
-    alive_r, alive_w = os.pipe()  # end-of-file for the init once the launcher is gone
-    ready_r, ready_w = os.pipe()  # root: the init has its user namespace; map it
-    go_r, go_w = os.pipe()        # root: mapped; go on
-    pid = os.fork()
-    if pid:  # the launcher
-        for fd in (alive_r, ready_w, go_r, 0, 1, 2):  # 0-2: the program's end is then the end of its output
-            os.close(fd)
-        if root and os.read(ready_r, 1) == b"u":
-            try:
-                _map_ids(pid, inner, inner, inner)
-                os.write(go_w, b"g")
-            except _SetupError as e:
-                os.write(status_fd, f"E {e}\n".encode())
-        os.close(go_w)
-        _wait_and_report(pid, spec["timeout"], status_fd, control_fd)
-    for fd in (alive_w, ready_r, go_w, control_fd):
-        os.close(fd)
-    os.setsid()  # a session of its own: kill(0, ...) from the program reaches only the sandbox
-    if root:
-        _unshare(libc, CLONE_NEWUSER | others, "namespaces")
-        os.write(ready_w, b"u")
-        if os.read(go_r, 1) != b"g":
-            os._exit(1)
-    os.close(ready_w)
-    os.close(go_r)
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
-    # opened while still root (outside): the path to Python may cross folders that uid 65534 cannot (a pyenv in /root)
-    sources = _open_sources(spec["read_only"] + [f"/dev/{name}" for name in DEVICES])
-    if root:
-        os.setresgid(inner, inner, inner)  # mapped now: what the program writes belongs to 65534 outside
-        os.setresuid(inner, inner, inner)  # (capabilities in the namespace stay until exec: no uid 0 is mapped)
-        _prctl(libc, PR_SET_DUMPABLE, 1, "dumpable")  # the uid change hid /proc/self/fd, where the sources are
-    _build_root(spec, libc, sources)
-    if libc.sethostname(b"sandbox", 7) != 0:
-        _fail("sethostname")
-    return alive_r
-
-
-def _check_not_root_outside(uid):
-    """A trainer that is not root here but is root one user namespace up (a container mapping its users onto the
-    host's root) would give the program root's identity outside, for which the kernel does not apply RLIMIT_NPROC:
-    a fork bomb would be unbounded. Refuse that, rather than run without a process limit."""
-    with open("/proc/self/uid_map") as f:
-        for line in f:
-            inside, outside, count = map(int, line.split())
-            if inside <= uid < inside + count and outside + uid - inside == 0:
-                raise _SetupError(f"process limit: uid {uid} is root outside this user namespace, where the kernel "
-                                  f"does not count processes against RLIMIT_NPROC; run the trainer as root or as an "
-                                  f"ordinary user")
-
-
-def _wait_and_report(pid, timeout, status_fd, control_fd):
-    """Wait for the init; kill it when run() asks (a byte on the control pipe, or its end: run() is gone) or a
-    second after the timeout; reap it, report its status and exit. The init, until reaped, is the launcher's alone
-    to kill (its pid cannot be anyone else's), and it reaps every process of its namespace before it dies."""
-    import select
-    pidfd = os.pidfd_open(pid)
-    if pidfd not in select.select([pidfd, control_fd], [], [], timeout + 1)[0]:
-        os.kill(pid, 9)
-    status = os.waitpid(pid, 0)[1]
-    os.write(status_fd, f"X {status}\n".encode())
-    os._exit(0)
-
-
-def _mount(libc, source, target, fstype, flags, data, step):
-    if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
-                  data and data.encode()) != 0:
-        _fail(f"mount: {step}")
-
-
-def _open_sources(paths):
-    """{path: ("link", target) or (O_PATH descriptor, mount flags to keep)} of what the sandbox shows of the host."""
-    sources = {}
-    for path in paths:
-        if os.path.islink(path):  # /bin -> usr/bin
-            sources[path] = ("link", os.readlink(path))
-        else:
-            sources[path] = (os.open(path, os.O_PATH | os.O_CLOEXEC), _kept_flags(path))
-    return sources
-
-
-def _kept_flags(path):
-    """A bind mount made in a user namespace must keep its source's nosuid, nodev, noexec and atime flags."""
-    f = os.statvfs(path).f_flag
-    flags = MS_NOSUID | MS_NODEV | (MS_NOEXEC if f & os.ST_NOEXEC else 0)
-    flags |= (MS_NOATIME if f & os.ST_NOATIME else 0) | (MS_NODIRATIME if f & os.ST_NODIRATIME else 0)
-    return flags | (MS_RELATIME if f & os.ST_RELATIME else 0)
-
-
-def _build_root(spec, libc, sources):
-    """The program's filesystem: a tmpfs root holding the read-only paths, a few devices and a tmpfs /tmp with the
-    program's files; pivot_root into it and drop the host's tree."""
-    top = spec["mountpoint"]
-    if top is None:
-        raise _SetupError("mount: no host folder to build the sandbox's root on")
-    _mount(libc, "sandbox", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", f"tmpfs on {top}")
-    for path, (fd, flags) in sources.items():
-        target = top + path
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if fd == "link":
-            os.symlink(flags, target)
-            continue
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
-        _mount(libc, f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None, f"bind {path}")
-        if not path.startswith("/dev/"):  # the devices stay writable (/dev/null)
-            _mount(libc, None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None, f"read-only {path}")
-        os.close(fd)
-    os.symlink("/proc/self/fd", top + "/dev/fd")
-    os.makedirs(top + "/tmp")
-    _mount(libc, "tmp", top + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk']},mode=0700",
-           "tmpfs /tmp")
-    for name, data in spec["files"].items():
-        fd = os.open(f"{top}/tmp/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-    _mount(libc, None, top, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None, "read-only root")
-    os.chdir(top)
-    number = SYS_PIVOT_ROOT.get(os.uname().machine)
-    if number is None:
-        raise _SetupError(f"pivot_root: no system call number known for {os.uname().machine}")
-    if libc.syscall(number, b".", b".") != 0:  # the new root over the old one (pivot_root(2), notes) ...
-        _fail("pivot_root")
-    if libc.umount2(b".", MNT_DETACH) != 0:  # ... which is then dropped: the host's tree is gone
-        _fail("umount the host's root")
-    os.chdir("/tmp")
-
-
-def _unsafe(spec):
-    """The folder made by run() gets the program's files and is its working folder; nothing else changes."""
-    os.chdir(spec["workdir"])
-    for name, data in spec["files"].items():
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-
-def _set_limits(limits, strict):
-    import resource
-    pairs = [(resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_CPU, limits["cpu"]),
-             (resource.RLIMIT_FSIZE, limits["file_size"]), (resource.RLIMIT_NOFILE, limits["open_files"]),
-             (resource.RLIMIT_CORE, 0)]
-    if strict:  # counted per user namespace, so per sandbox; outside one it would count all the user's processes
-        pairs.append((resource.RLIMIT_NPROC, limits["processes"]))
-    for name, value in pairs:
-        resource.setrlimit(name, (value, value))
-
