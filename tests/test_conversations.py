@@ -56,13 +56,44 @@ QWEN3 = (
     "{%- endif %}")
 QWEN_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# Qwen3.5: the same turns, calls written as XML: <function=NAME> with one <parameter=KEY> block per argument
-QWEN3_5 = QWEN3.replace(
-    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' + (tc.function.arguments | tojson)"
-    " + '}\\n</tool_call>' }}",
+# Qwen3.5 (and 3.6): its own tools prompt, calls written as XML (<function=NAME>, one <parameter=KEY> block per
+# argument, the value as bare text), every assistant turn after the last user query with its <think> block, and
+# the generation prompt opening one (closed at once when thinking is off)
+QWEN3_5 = (
+    "{%- set ns = namespace(last_query=0) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{% endif %}{%- endfor %}"
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n"
+    "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+    "<parameter=example_parameter_2>\\nThis is the value for the second parameter\\nthat can span\\nmultiple lines\\n"
+    "</parameter>\\n</function>\\n</tool_call>\\n\\n<IMPORTANT>\\nReminder:\\n- Function calls MUST follow the "
+    "specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML "
+    "tags\\n- Required parameters MUST be specified\\n- You may provide optional reasoning for your function call in "
+    "natural language BEFORE the function call, but NOT after\\n- If there is no function call available, answer the "
+    "question like normal with your current knowledge and do not tell the user about function calls\\n</IMPORTANT>' }}"
+    "{%- if messages[0].role == 'system' %}{{ '\\n\\n' + messages[0].content }}{% endif %}{{ '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{ '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_query %}{{ '<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{- m.content }}"
+    "{%- for tc in m.tool_calls or [] %}"
+    "{%- if loop.first and m.content %}{{ '\\n\\n' }}{% elif not loop.first %}{{ '\\n' }}{% endif %}"
     "{{- '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
     "{%- for k, v in tc.function.arguments.items() %}{{ '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}"
-    "{%- endfor %}{{ '</function>\\n</tool_call>' }}")
+    "{%- endfor %}{{ '</function>\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{ '<think>\\n' }}{% endif %}{%- endif %}")
 
 # gpt-oss (harmony): a developer turn declaring the tools as a TypeScript namespace, channels in the assistant's
 # turns (analysis: reasoning, final: the answer), a call addressed to=functions.NAME ending in <|call|>, the
@@ -70,7 +101,8 @@ QWEN3_5 = QWEN3.replace(
 GPT_OSS = (
     "{%- set ns = namespace(last='') %}"
     "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\nKnowledge cutoff: "
-    "2024-06\\n\\nReasoning: ' + (reasoning_effort | default('medium')) + '\\n\\n# Valid channels: analysis, "
+    "2024-06\\nCurrent date: ' + strftime_now('%Y-%m-%d') + '\\n\\nReasoning: ' + (reasoning_effort | default('medium'))"
+    " + '\\n\\n# Valid channels: analysis, "
     "commentary, final. Channel must be included for every message.' }}"
     "{%- if tools %}{{ '\\nCalls to these tools must go to the commentary channel: \\'functions\\'.' }}{% endif %}"
     "{{- '<|end|>' }}"
@@ -133,11 +165,13 @@ FAMILIES = {
               "The total is 5.<|im_end|>",
               "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
               "</tool_call>"),
+    # the template opens the <think> block: the model writes on inside it
     "qwen3.5": (QWEN3_5, QWEN_TOKENS, "<|im_end|>",
-                "<think>\nI add.\n</think>\n\n<tool_call>\n<function=add>\n<parameter=x>\n5\n</parameter>\n</function>\n"
+                "I add.\n</think>\n\n<tool_call>\n<function=add>\n<parameter=x>\n5\n</parameter>\n</function>\n"
                 "</tool_call>",
-                "The total is 5.<|im_end|>",
-                "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                "\n</think>\n\nThe total is 5.<|im_end|>",
+                "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+                "<think>\n",
                 "</tool_call>"),
     "gpt-oss": (GPT_OSS, GPT_OSS_TOKENS, "<|return|>",
                 # as the model writes it: the channel before the recipient, <|constrain|>json, the argument a string
