@@ -319,15 +319,24 @@ def python(code: str) -> str:
     return text
 
 
+HOST_TMP = "/.host-tmp"  # where the strict sandbox shows what Python needs of the host's /tmp
+
+
 def _read_only_paths():
-    """Host paths the strict sandbox shows, read-only, at the same place: the system's programs and libraries, the
-    dynamic linker's cache, Python's installation (wherever it lies: a pyenv under /root, a venv, conda)."""
+    """Host paths the strict sandbox shows, read-only: the system's programs and libraries, the dynamic linker's
+    cache, Python's installation (wherever it lies: a pyenv under /root, a venv, conda, uv, /opt, /home)."""
     paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache"]
     for prefix in {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(_python()))}:
         real = os.path.realpath(prefix)
         if real not in ("/", "/usr") and not real.startswith("/usr/"):
             paths.append(real)
     return [p for p in dict.fromkeys(paths) if os.path.lexists(p)]
+
+
+def _inside(path):
+    """Where the strict sandbox shows a host path: at the same place, except under /tmp, which inside is the
+    program's own empty folder; an installation there (a venv made in a temporary folder) moves to HOST_TMP."""
+    return HOST_TMP + path[4:] if path == "/tmp" or path.startswith("/tmp/") else path
 
 
 def _mountpoint(paths):
@@ -348,11 +357,11 @@ _paths = None
 
 
 def _sandbox_paths():
-    """(read-only paths, mountpoint), found once."""
+    """([(host path, path inside), ...] shown read-only, mountpoint), found once."""
     global _paths
     if _paths is None:
         paths = _read_only_paths()
-        _paths = paths, _mountpoint(paths)
+        _paths = [(p, _inside(p)) for p in paths], _mountpoint(paths)
     return _paths
 
 
@@ -422,7 +431,8 @@ def _execute(options, mode):
     import marshal
     import shutil
     import tempfile
-    python, (paths, mountpoint) = _python(), _sandbox_paths()
+    (paths, mountpoint), python = _sandbox_paths(), _python()
+    python = _inside(python) if mode == "strict" else python
     workdir = tempfile.mkdtemp(prefix="grpo-exec-") if mode == "unsafe" else None
     spec = dict(mode=mode, python=python, argv=[python, "-I", "-S", PROGRAM_FILE], files=options["files"],
                 limits=options["limits"], timeout=options["timeout"], uid=SANDBOX_UID, read_only=paths,

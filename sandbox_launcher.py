@@ -171,7 +171,7 @@ def _strict(spec, libc, status_fd, control_fd):
     os.close(go_r)
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
     # opened while still root (outside): the path to Python may cross folders that uid 65534 cannot (a pyenv in /root)
-    sources = _open_sources(spec["read_only"] + [f"/dev/{name}" for name in DEVICES])
+    sources = _open_sources(list(spec["read_only"]) + [(f"/dev/{name}",) * 2 for name in DEVICES])
     if root:
         os.setresgid(inner, inner, inner)  # mapped now: what the program writes belongs to 65534 outside
         os.setresuid(inner, inner, inner)  # (capabilities in the namespace stay until exec: no uid 0 is mapped)
@@ -214,14 +214,15 @@ def _mount(libc, source, target, fstype, flags, data, step):
         _fail(f"mount: {step}")
 
 
-def _open_sources(paths):
-    """{path: ("link", target) or (O_PATH descriptor, mount flags to keep)} of what the sandbox shows of the host."""
+def _open_sources(pairs):
+    """{path inside: ("link", target) or (O_PATH descriptor, mount flags to keep)} of what the sandbox shows of the
+    host, from (host path, path inside) pairs."""
     sources = {}
-    for path in paths:
+    for path, inside in pairs:
         if os.path.islink(path):  # /bin -> usr/bin
-            sources[path] = ("link", os.readlink(path))
+            sources[inside] = ("link", os.readlink(path))
         else:
-            sources[path] = (os.open(path, os.O_PATH | os.O_CLOEXEC), _kept_flags(path))
+            sources[inside] = (os.open(path, os.O_PATH | os.O_CLOEXEC), _kept_flags(path))
     return sources
 
 
@@ -240,11 +241,11 @@ def _build_root(spec, libc, sources):
     if top is None:
         raise _SetupError("mount: no host folder to build the sandbox's root on")
     _mount(libc, "sandbox", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", f"tmpfs on {top}")
-    # /tmp first: a Python installed under /tmp (a venv made in a temporary folder) is then mounted inside it
+    # the program's own /tmp: nothing of the host's /tmp shows there (an installation under it is moved aside)
     os.makedirs(top + "/tmp")
     _mount(libc, "tmp", top + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk']},mode=0700",
            "tmpfs /tmp")
-    for path in sorted(sources):  # a folder before what lies in it
+    for path in sorted(sources):  # a folder before what lies in it (a conda environment inside its base)
         fd, flags = sources[path]
         target = top + path
         os.makedirs(os.path.dirname(target), exist_ok=True)
