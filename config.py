@@ -183,7 +183,9 @@ class Config:
     save_every: int = setting(100, run=False, at_least=0)  # checkpoint every N steps and at the last step; 0 = never
     keep_checkpoints: int = setting(2, run=False, at_least=1)  # newest K checkpoints kept in out_dir/checkpoints
     # workloads: data, reward model, evaluation, LoRA, dashboards
-    preset: str = setting("", run=False)  # a named set of overrides from PRESETS, applied before the other settings
+    preset: str = setting("", run=False)  # a recipe by name: recipes/NAME.toml's settings, before the command line's
+    config: str = setting("", run=False)  # a recipe file (flat TOML of these settings; after --preset's, before the
+        # command line's)
     dataset: str = setting("", run=True)  # .jsonl / .parquet file (or hub id) replacing the task's prompt source
     reward_model: str = setting("", run=True)  # sequence-classification model scoring completions ("tiny" builds
         # one); "" = the task's own (tldr: weqweasdas/RM-Gemma-2B), none for the others
@@ -191,6 +193,9 @@ class Config:
         # end); 0 = never
     eval_prompts: int = setting(64, run=False)  # held-out prompts per evaluation (kept out of training when
         # eval_every > 0)
+    eval_only: bool = setting(False, run=False)  # no training: evaluate what this command would train from (out_dir's
+        # newest checkpoint, else --model, e.g. an exported out/model with a new --out_dir) on the held-out prompts;
+        # appends to out_dir/eval.jsonl
     lora_rank: int = setting(0, run=True, at_least=0)  # 0 = train all weights; r > 0 = train rank-r adapters only
     lora_alpha: float = setting(32.0, run=True, above=0)  # adapter output scaled by lora_alpha / lora_rank
     lora_target_modules: str = setting("all", run=True)  # what gets adapters: all = every linear layer in the
@@ -207,29 +212,45 @@ class Config:
 # may change.
 RUN_KEYS = cli.run_keys(Config)
 
-# Named runs: Config overrides applied before the command line's (README: "Presets").
-_QWEN_SDPA = {"attn_implementation": "sdpa"}  # no dtype: float32 weights, bf16 compute under torchrun
-PRESETS = {
-    "gsm8k-qwen2.5-0.5b": dict(
-        model="Qwen/Qwen2.5-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="gsm8k",
-        num_generations=8, prompts_per_step=32, micro_batch_size=16, lr=1e-6, warmup_steps=10, beta=0.04,
-        temperature=1.0, max_completion_length=512, max_prompt_length=512, max_steps=400,
-        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
-    "countdown-qwen2.5-3b": dict(
-        model="Qwen/Qwen2.5-3B-Instruct", model_init_kwargs=_QWEN_SDPA, task="countdown",
-        num_generations=8, prompts_per_step=32, micro_batch_size=8, lr=1e-6, warmup_steps=10, beta=0.001,
-        temperature=1.0, max_completion_length=1024, max_prompt_length=256, max_steps=300,
-        eval_every=50, eval_prompts=256, completions_table_every=25, print_completions_every=25),
-    "tldr-qwen2-0.5b": dict(
-        model="Qwen/Qwen2-0.5B-Instruct", model_init_kwargs=_QWEN_SDPA, task="tldr",
-        reward_model="weqweasdas/RM-Gemma-2B", num_generations=8, prompts_per_step=16, micro_batch_size=16,
-        lr=1e-6, beta=0.04, temperature=1.0, max_completion_length=128, max_prompt_length=512, max_steps=500,
-        eval_every=100, eval_prompts=128, completions_table_every=25, print_completions_every=25),
+# Recipes: files of settings (flat TOML) in recipes/, applied before the command line's: --preset=NAME for
+# recipes/NAME.toml, --config=FILE for any file (README: "Recipes").
+RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+
+# Other trainers' names for settings (TRL's GRPOConfig and transformers' TrainingArguments), with what to use
+# here: an unknown key that is one of them says so instead of only "unknown".
+OTHER_NAMES = {
+    "learning_rate": "use --lr",
+    "lr_scheduler_type": "use --lr_schedule (constant, linear or cosine)",
+    "warmup_ratio": "use --warmup_steps (optimizer steps)",
+    "max_new_tokens": "use --max_completion_length",
+    "max_length": "use --max_prompt_length and --max_completion_length",
+    "per_device_train_batch_size": "use --prompts_per_step (prompts per optimizer step, over all processes; "
+                                   "x --num_generations completions) and --micro_batch_size (completions per "
+                                   "forward/backward)",
+    "gradient_accumulation_steps": "not needed: a step's --prompts_per_step x --num_generations completions are "
+                                   "split into --micro_batch_size ones per forward/backward",
+    "num_train_epochs": "use --max_steps",
+    "output_dir": "use --out_dir",
+    "logging_steps": "use --log_every",
+    "save_steps": "use --save_every",
+    "save_total_limit": "use --keep_checkpoints",
+    "eval_steps": "use --eval_every",
+    "report_to": "use --wandb_mode=online (or offline); wandb is the one logger",
+    "run_name": "use --wandb_run_name",
+    "model_name_or_path": "use --model",
+    "torch_dtype": "use --model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
+    "dtype": "use --model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
+    "bf16": "use --mixed_precision=bf16",
+    "use_peft": "use --lora_rank=R (R > 0 trains adapters)",
+    "lora_r": "use --lora_rank",
+    "use_vllm": "there is no vLLM: the sampler is built in (sampling.py)",
+    "vllm_importance_sampling_correction": "use --importance_sampling (token_truncate, sequence_mask, ...)",
+    "vllm_importance_sampling_mode": "use --importance_sampling",
+    "vllm_importance_sampling_cap": "use --importance_sampling_max",
+    "log_completions": "use --print_completions_every (stdout) or --completions_table_every (wandb)",
+    "reward_model_name_or_path": "use --reward_model",
+    "do_eval": "use --eval_every (or --eval_only to evaluate without training)",
 }
-# the tool task on the tiny model (CPU, about 4 minutes): a call (2 tokens), its result (2) and the answer (1)
-PRESETS["vault"] = dict(task="vault", max_completion_length=5, max_turns=2, prompts_per_step=32, max_steps=600)
-# the same run training rank-32 adapters only: a higher learning rate, as usual for LoRA
-PRESETS["gsm8k-qwen2.5-0.5b-lora"] = {**PRESETS["gsm8k-qwen2.5-0.5b"], "lr": 2e-5, "lora_rank": 32, "lora_alpha": 64.0}
 
 
 def validate(cfg, world_size=1):
@@ -272,4 +293,5 @@ def validate(cfg, world_size=1):
     need(not taken, "chat_template_kwargs", f"{', '.join(taken)}: set by the trainer itself, not a template option")
     need(cfg.model_init_kwargs.get("device_map") is None, "model_init_kwargs",
          "device_map is not accepted: the trainer places the model (one device per process)")
-    need(cfg.eval_prompts >= 1 or cfg.eval_every == 0, "eval_prompts", f"must be >= 1 to evaluate, got {cfg.eval_prompts}")
+    need(cfg.eval_prompts >= 1 or (cfg.eval_every == 0 and not cfg.eval_only), "eval_prompts",
+         f"must be >= 1 to evaluate, got {cfg.eval_prompts}")

@@ -98,6 +98,7 @@ class Logger:
 
     def __init__(self, cfg, master, resume_step=0, run_id=None):
         self.master, self.wandb, self.max_steps = master, None, cfg.max_steps
+        self.mask_truncated, self.said = cfg.mask_truncated_completions, set()
         if not master:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -130,9 +131,23 @@ class Logger:
                      (f" (rewards {metrics['reward_time']:.2f}s)" if slow_rewards else ""))
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
-        print(" | ".join(parts), flush=True)
+        print("\n".join([" | ".join(parts)] + [f"  note: {n}" for n in self.notes(metrics)]), flush=True)
         if self.wandb is not None:
             self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def notes(self, metrics):
+        """What makes a step learn little, said under its step line the first time it happens in the run: most
+        completions truncated and masked (no loss from them), or most groups without a signal (equal rewards)."""
+        notes = []
+        if self.mask_truncated and metrics.get("truncated_frac", 0) > 0.5 and "masked" not in self.said:
+            self.said.add("masked")
+            notes.append(f"{metrics['truncated_frac']:.0%} of completions reached max_completion_length and "
+                         f"mask_truncated_completions gives them no loss; a longer limit lets them end")
+        if metrics.get("frac_reward_zero_std", 0) > 0.5 and "flat" not in self.said:
+            self.said.add("flat")
+            notes.append(f"{metrics['frac_reward_zero_std']:.0%} of groups have equal rewards, hence no advantage to "
+                         f"learn from (frac_reward_zero_std)")
+        return notes
 
     def _append(self, line):
         """One line onto metrics.jsonl, whole or not at all: a write the storage refuses (a full disk, ...) cuts
@@ -224,8 +239,9 @@ def banner(run, resumed):
     busy = busy_cpu(threads)
     if d.device.type == "cpu" and busy:  # threads that wait for a busy core: README "A machine others use too"
         lines.append(f"warning: {busy}: {threads} threads wait for each other; --threads=1 may be much faster")
-    if d.device.type == "cpu" and cfg.preset:
-        lines.append(f"warning: preset {cfg.preset} is sized for a GPU; on the CPU it will be very slow")
+    if d.device.type == "cpu" and (cfg.preset or cfg.config) and cfg.model != "tiny":  # the tiny recipes are for CPUs
+        lines.append(f"warning: recipe {cfg.preset or cfg.config} is sized for a GPU ({cfg.model}); on the CPU it "
+                     f"will be very slow")
     return "\n".join(lines)
 
 
@@ -338,6 +354,8 @@ def start_problem(cfg, d, run_keys):
             changes = changed_keys(saved, cfg, run_keys)
             # a --dataset's training rows are those not held out, and how many are held out depends on two settings
             held = [c["eval_prompts"] if c.get("dataset") and c.get("eval_every") else 0 for c in (saved, cfg_dict(cfg))]
+            if cfg.eval_only:  # evaluating only: the rows it holds out are not trained on now
+                held[1] = held[0]
             if "eval_prompts" in saved and held[0] != held[1]:
                 changes.append(("eval_prompts", f"{held[0]} rows held out", f"{held[1]} rows held out"))
             if changes:

@@ -21,18 +21,19 @@ from dataclasses import dataclass
 
 import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
 import executor  # no heavy imports either: its settings are checked with the others
-from config import PRESETS, RUN_KEYS, Config, ConfigError, validate  # the settings (config.py)
+from config import OTHER_NAMES, RECIPES, RUN_KEYS, Config, ConfigError, validate  # the settings (config.py)
 
 
 # ----------------------------------------------------------------------------- config parsing
 
 
 def parse_config(argv):
-    """The command line (after a --preset's values) as a Config, checked on its own (`validate`)."""
+    """The command line (after a recipe's values) as a Config, checked on its own (`validate`)."""
     task = [a.split("=", 1)[1] for a in argv if a.startswith("--task=")]
-    if task and task[-1] in PRESETS and not any(a.startswith("--preset") for a in argv):
-        argv = [f"--preset={task[-1]}"] + list(argv)  # a task with a preset of its own name starts from it
-    cfg = cli.parse(Config, argv, PRESETS, doc=__doc__)
+    if (task and task[-1] in cli.recipe_names(RECIPES)
+            and not any(a.startswith(("--preset", "--config")) for a in argv)):
+        argv = [f"--preset={task[-1]}"] + list(argv)  # a task with a recipe of its own name starts from it
+    cfg = cli.parse(Config, argv, RECIPES, doc=__doc__, other_names=OTHER_NAMES)
     validate(cfg)
     return cfg
 
@@ -295,7 +296,8 @@ def load_task(cfg, d, tokenizer, own_rewards, load_device):
     try:
         task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
                               chat_template_kwargs=cfg.chat_template_kwargs,
-                              eval_prompts=cfg.eval_prompts if cfg.eval_every else 0, reward_model=reward_model,
+                              eval_prompts=cfg.eval_prompts if cfg.eval_every or cfg.eval_only else 0,
+                              reward_model=reward_model,
                               reward_funcs=own_rewards)
     except (ValueError, OSError) as e:
         raise SystemExit(f"task {cfg.task}: {e}") from e
@@ -806,6 +808,8 @@ def loop(cfg, d):
     t_start = time.time()
     run = setup(cfg, d)
     resumed = resume(run) or {"step": 0, "path": None, "wandb_id": None}
+    if cfg.eval_only:
+        return evaluate_only(run, resumed)
     start_step, last_checkpoint = resumed["step"], resumed["path"]
     run_id = resumed["wandb_id"] or uuid.uuid4().hex[:12]  # os.urandom: leaves the seeded generators alone
     if d.master:
@@ -852,6 +856,21 @@ def evaluate(run, step):
     if run.d.master:
         print(f"eval at step {step} on {len(run.task.eval_rows)} held-out prompts ({time.time() - t:.1f}s): "
               + " | ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.count("/") == 1), flush=True)
+    return metrics
+
+
+def evaluate_only(run, resumed):
+    """--eval_only: the held-out evaluation of the policy this command would train from (out_dir's newest
+    checkpoint, else --model), written to out_dir/eval.jsonl; nothing is trained, saved or exported."""
+    cfg, d = run.cfg, run.d
+    if d.master:
+        print(f"evaluating {resumed['path'] or cfg.model} (step {resumed['step']}) on {cfg.eval_prompts} held-out "
+              f"prompts of task {cfg.task}", flush=True)
+    metrics = evaluate(run, resumed["step"])
+    if d.master:
+        line = {"step": resumed["step"], "checkpoint": resumed["path"], "model": cfg.model, **metrics}
+        with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(run_log.strict_json(line)) + "\n")
     return metrics
 
 

@@ -359,10 +359,15 @@ def test_a_slow_reward_function_shows_in_reward_time_and_the_eta(tmp_path, capsy
     train.main([f"--out_dir={out}", *QUICK[1:], "--max_steps=3", f"--reward_funcs={path}:slow,{path}:quick"])
     for r in rows(out):
         assert r["step_time"] >= r["reward_time"] >= r["reward_time/slow"] >= 0.3 > r["reward_time/quick"], r
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    capsys_out = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys_out if line.startswith("step ")]
     assert all("(rewards 0.3" in line for line in lines), lines
     # the ETA counts the scoring: 2 steps left at >= 0.3 s each (the rest of a tiny step is ~0.02 s)
     assert lines[0].endswith("eta 0:01"), lines[0]
+    # every group's rewards are equal (1.0): said once, under the first step line
+    notes = [line for line in capsys_out if line.startswith("  note:")]
+    assert len(notes) == 1 and "groups have equal rewards" in notes[0]
+    assert capsys_out[capsys_out.index(notes[0]) - 1] == lines[0]
     # one function: only the total
     train.main([f"--out_dir={tmp_path / 'one'}", *QUICK, f"--reward_funcs={path}:quick"])
     assert [k for k in rows(str(tmp_path / "one"))[0] if k.startswith("reward_time")] == ["reward_time"]

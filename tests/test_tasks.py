@@ -258,10 +258,6 @@ def test_presets_apply_before_command_line():
     cfg = train.parse_config(["--preset=gsm8k-qwen2.5-0.5b", "--lr=3e-6"])
     assert cfg.task == "gsm8k" and cfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.lr == 3e-6
     assert cfg.model_init_kwargs == {"attn_implementation": "sdpa"}  # no dtype: float32 weights for AdamW
-    hints = set(train.Config.__dataclass_fields__)
-    for name, overrides in train.PRESETS.items():
-        assert set(overrides) <= hints, name
-        train.validate(train.parse_config([f"--preset={name}"]))
 
 
 def _run(tmp_path, *args):
