@@ -93,6 +93,7 @@ def settings_for(args, device):
         # families row: tests/architectures.py's models at this hidden size (its 4 heads of hidden / 4 each);
         # rows, prompt length and new tokens such that the decode steps dominate the prefill
         fam_hidden=256, fam_batch=64 if gpu else 16, fam_prompt_len=16, fam_new_tokens=256 if gpu else 128,
+        fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -222,7 +223,13 @@ def bench_families(s, device):
     heads = architectures.COMMON["num_attention_heads"]
     knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
     out = {}
+    chosen = [f for f in s["fam_names"].split(",") if f]
+    unknown = set(chosen) - set(architectures.FAMILIES)
+    if unknown:
+        raise SystemExit(f"--set fam_names: unknown families {sorted(unknown)} ({', '.join(architectures.FAMILIES)})")
     for name in architectures.FAMILIES:
+        if chosen and name != "llama" and name not in chosen:
+            continue
         try:
             # wider than the tests' 64, where a CPU decode step is nearly all framework overhead: the matmuls count
             model, tok = architectures.tiny(name, hidden_size=hidden, head_dim=hidden // heads)

@@ -270,8 +270,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     replay = routing.of(model) if record_routing else None
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
-    if static_cache and static_decode_supported(model) and replay is None:
-        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel)
+    if static_cache and static_decode_supported(model):
+        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
+                             record=replay is not None)
+        compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
     else:
         steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay), False
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -282,8 +284,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p),
                           keys, check_every, all_done, respond, max_turns, compact, device)
         if replay is not None:
-            rollout.prompt_routing, routes = steps.dec.routed(prompt_ids.shape[1], steps.first_pos,
-                                                              rollout.completion_ids.shape[1])
+            rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
             rollout.routing = routes.masked_fill(~rollout.completion_mask.bool()[:, :, None, None], -1)
         return rollout
@@ -299,11 +300,12 @@ class _StaticSteps:
     length), so every row's rotary table, set at prefill, stays right however long its turns; finished rows
     can be compacted out of the batch."""
 
-    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel):
+    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False):
         self.p = ids.shape[1]
         # slot P + max_new: where finished rows write what they still decode; never attended
         self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
                                            attention_kernel=attention_kernel)
+        self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
         self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
 
     def decode(self, tok, cols, cols_h):
@@ -317,6 +319,9 @@ class _StaticSteps:
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends + self.p)
+
+    def routed(self, prompt_width, length):
+        return self.dec.routed(prompt_width, length)
 
     def compact(self, keep, live, fed_top):
         """Keep the batch rows `keep` (a tensor) if that is worth a copy of the cache; True if it was done."""
@@ -347,6 +352,9 @@ class _HFSteps:
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends, self.first_pos)
+
+    def routed(self, prompt_width, length):
+        return self.dec.routed(prompt_width, self.first_pos, length)
 
     def compact(self, keep, live, fed_top):
         return False

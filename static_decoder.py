@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import kernels
+import static_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Family:
     rope_flag: str = None          # the attention attribute that is false on layers without rotary (SmolLM3)
     window_from_config: bool = False  # every layer windowed by config.sliding_window (Mistral); otherwise the
                                       # attention module's `sliding_window`, where it has one
+    sinks: bool = False            # a learned logit per head in each softmax's denominator (gpt-oss's `sinks`)
+    half_tables: bool = False      # the rotary module gives cos/sin over half a head, which rotates the halves
+                                   # (x1 cos - x2 sin, x2 cos + x1 sin): the tables duplicated (gpt-oss)
     refuse: tuple = ()             # config fields this decoder does not implement: the model must leave them unset
 
 
@@ -58,10 +62,13 @@ FAMILIES = {
     "LlamaDecoderLayer": _LLAMA,
     "Qwen2DecoderLayer": _LLAMA,
     "Qwen3DecoderLayer": Family(qk_norm="head"),
+    "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from static_moe.py
     "MistralDecoderLayer": Family(window_from_config=True),
     "SmolLM3DecoderLayer": Family(rope_flag="use_rope"),
     "Olmo2DecoderLayer": _OLMO2,
     "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
+    # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from static_moe.py
+    "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
     "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
                                  embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
                                  refuse=("final_logit_softcapping", "attn_logit_softcapping",
@@ -134,11 +141,16 @@ def _reproduced(model):
     if any(t not in ("full_attention", "sliding_attention") for t in types_):
         return None
     for layer, kind, window in zip(layers, types_, _windows(model, fam)):
-        if _layer_family(layer) is not fam or _activation(getattr(layer.mlp, "act_fn", None)) is None:
+        if _layer_family(layer) is not fam:
             return None
         a, m = layer.self_attn, layer.mlp
-        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                                        m.down_proj)):
+        if static_moe.is_moe(m):
+            if not static_moe.supported(m):
+                return None
+        elif _activation(getattr(m, "act_fn", None)) is None or \
+                any(type(x) is not torch.nn.Linear for x in (m.gate_proj, m.up_proj, m.down_proj)):
+            return None
+        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
             return None
         if (kind == "sliding_attention" and window is None) or (window is not None and window < 1):
             return None  # a sliding layer whose window this file cannot tell
@@ -165,7 +177,10 @@ def _rotary_keys(model, fam):
 
 def _rotary(rotary_emb, fam, x, positions, key):
     """(cos, sin) of the rotary table `key` for positions (N, S), from the model's own rotary module."""
-    return rotary_emb(x, positions, key) if fam.rotary_per_type else rotary_emb(x, positions)
+    cos, sin = rotary_emb(x, positions, key) if fam.rotary_per_type else rotary_emb(x, positions)
+    if fam.half_tables:  # x1 cos - x2 sin, x2 cos + x1 sin is rotate_half's form with each table repeated
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    return cos, sin
 
 
 def static_decode_supported(model):
@@ -176,11 +191,16 @@ def static_decode_supported(model):
     forward. Sharded decoder layers are fine when they can gather themselves
     (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
     norm and head must be whole, as they are inside a sharded root's forward.
+    MoE blocks are read in place at every step (static_moe.py), never copied:
+    sharded ones would need a gather per step, which the model's own forward
+    already does, so a model with sharded experts takes that forward.
     """
     if not _reproduced(model) or not _fixed_rotary(model.model.rotary_emb):
         return False
     inner = model.model
     if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
+        return False
+    if any(static_moe.is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
         return False
     return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
 
@@ -242,6 +262,22 @@ def _signed_sin(sin):
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
+def _sink_attention(q, k, v, mask, scale, sinks):
+    """Attention whose softmax has one more logit per head, the learned sink, in its denominator only (gpt-oss).
+
+    q (..., Q, hd), k and v (..., L, hd), mask broadcasting to (..., Q, L) (True: attend; None: all), sinks
+    broadcasting to (..., 1, 1) (the heads' axis where q has it). As the model's eager attention computes it:
+    the sink joins the logits as a last column, the row's maximum is subtracted, the softmax taken and the
+    sink's column dropped.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], -1)
+    logits = logits - logits.max(-1, keepdim=True).values
+    return torch.matmul(torch.softmax(logits, -1)[..., :-1].to(v.dtype), v)
+
+
 def _padded_causal_mask(attn):
     """(N, 1, S, S) boolean attention mask: causal, and no key at a padding position of attn (N, S).
 
@@ -276,8 +312,9 @@ def training_forward_supported(model):
     """
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
-    if not _reproduced(model):
-        return False
+    fam = _reproduced(model)
+    if not fam or fam.sinks or any(static_moe.is_moe(layer.mlp) for layer in model.model.layers):
+        return False  # MoE blocks and sinks train on the model's own forward (its experts kernels, routing replay)
     layers = model.model.layers
     if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
         return False
@@ -487,7 +524,15 @@ class StaticDecoder:
         self.max_batch, self.max_len = max_batch, max_len
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
         self.scale = a0.scaling
-        self.act = _ACT[_activation(layers[0].mlp.act_fn)]
+        dense = [l.mlp for l in layers if not static_moe.is_moe(l.mlp)]
+        self.act = _ACT[_activation(dense[0].act_fn)] if dense else None
+        # MoE layers: their place among the MoE layers (routing replay records per MoE layer), experts' top-k
+        self.moe_index = {}
+        for i, l in enumerate(layers):
+            if static_moe.is_moe(l.mlp):
+                self.moe_index[i] = len(self.moe_index)
+        self.routes = None  # (rows, slots, MoE layers, k) int16 experts per token, while recording (`record`)
+        self.record_at = None  # where the step being run records its experts: (MoE layer, experts (T, k)) -> None
         embed_scale = getattr(model.model.embed_tokens, "embed_scale", None)
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.device, self.dtype)  # as HF rounds it
         slots = ("attn_in", "attn_out", "mlp_in", "mlp_out")
@@ -528,6 +573,7 @@ class StaticDecoder:
         self.unpadded = False
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
+        self.n_rows = None  # rows at the last prefill
 
     @torch.no_grad()
     def load(self, model):
@@ -565,6 +611,8 @@ class StaticDecoder:
             if gather:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
             a, m = l.self_attn, l.mlp
+            moe = static_moe.is_moe(m)
+            mine["moe"] = static_moe.MoE(m) if moe else None  # the experts stay where they are (static_moe.py)
             put(mine, {slot: norm(getattr(l, name) if name else None)
                        for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
             put(mine, {
@@ -575,9 +623,10 @@ class StaticDecoder:
                 "q_norm": norm(a.q_norm) if fam.qk_norm == "projection" else None,
                 "k_norm": norm(a.k_norm) if fam.qk_norm == "projection" else None,
                 "o": [a.o_proj.weight], "o_b": biases(a.o_proj),
-                "gate_up": [m.gate_proj.weight, m.up_proj.weight],
-                "gate_up_b": biases(m.gate_proj, m.up_proj),
-                "down": [m.down_proj.weight], "down_b": biases(m.down_proj),
+                "sinks": [a.sinks] if fam.sinks else None,
+                "gate_up": None if moe else [m.gate_proj.weight, m.up_proj.weight],
+                "gate_up_b": None if moe else biases(m.gate_proj, m.up_proj),
+                "down": None if moe else [m.down_proj.weight], "down_b": None if moe else biases(m.down_proj),
             })
             if gather:
                 l.reshard()
@@ -612,7 +661,8 @@ class StaticDecoder:
         self.compactions += 1
         for buf in (self.k_cache, self.v_cache):
             buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
-        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos])):
+        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos]),
+                    *([] if self.routes is None else [self.routes])):
             buf[:k] = buf[keep]
 
     def _embed(self, ids):
@@ -653,9 +703,13 @@ class StaticDecoder:
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
             write(i, k, v.transpose(1, 2))
             kk, vv = keys(i)
-            o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
-                                               attn_mask=masks[window], scale=self.scale)
-            x = self._mlp(x, o.transpose(1, 2).reshape(b, s, nh * self.head_dim), w, eps)
+            if w["sinks"] is not None:
+                o = _sink_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv), masks[window],
+                                    self.scale, w["sinks"].view(nh, 1, 1))
+            else:
+                o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
+                                                   attn_mask=masks[window], scale=self.scale)
+            x = self._mlp(x, o.transpose(1, 2).reshape(b, s, nh * self.head_dim), w, eps, i)
         return x
 
     def _decode_layers(self, x, cos, sin, write, keys, masks):
@@ -674,24 +728,32 @@ class StaticDecoder:
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
-            if self.sdpa_decode and not self.attention_kernel:
+            if w["sinks"] is not None:
+                o = _sink_attention(qg, kk, vv, attn_mask, self.scale, w["sinks"].view(nkv, nh // nkv, 1))
+            elif self.sdpa_decode and not self.attention_kernel:
                 o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
             else:  # the split-KV Triton kernel (CUDA), or on CPU its plain version: two batched matmuls, which
                 # beat SDPA's setup cost at small CPU shapes
                 o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
                                              self.scale)
-            x = self._mlp(x, o.reshape(b, nh * hd), w, eps)
+            x = self._mlp(x, o.reshape(b, nh * hd), w, eps, i)
         return x
 
-    def _mlp(self, x, o, w, eps):
-        """The rest of a layer after attention: output projection and residual, then the MLP and its residual."""
+    def _mlp(self, x, o, w, eps, i):
+        """The rest of layer i after attention: output projection and residual, then the MLP and its residual."""
         a = F.linear(o, w["o"], w["o_b"])
         if w["attn_out"] is not None:
             a = _rms_norm(a, w["attn_out"], eps["attn_out"], self.upcast)
         x = x + a
         h = x if w["mlp_in"] is None else _rms_norm(x, w["mlp_in"], eps["mlp_in"], self.upcast)
-        gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
-        m = F.linear(self.act(gate).mul_(up), w["down"], w["down_b"])
+        if w["moe"] is not None:
+            m, experts = w["moe"](h.reshape(-1, h.shape[-1]))  # tokens (T, H)
+            m = m.view(h.shape)
+            if self.record_at is not None:
+                self.record_at(self.moe_index[i], experts)
+        else:
+            gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
+            m = F.linear(self.act(gate).mul_(up), w["down"], w["down_b"])
         return x + (m if w["mlp_out"] is None else _rms_norm(m, w["mlp_out"], eps["mlp_out"], self.upcast))
 
     def _logits(self, x):
@@ -714,6 +776,7 @@ class StaticDecoder:
     def prefill(self, ids, attn, positions):
         """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
         n, p = ids.shape
+        self.n_rows = n
         x = self._embed(ids)
         # rotary tables for every position a row will use: prompt positions, then the completion's
         last = positions[:, -1:]
@@ -737,6 +800,8 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
 
+        self.record_at = None if self.routes is None else \
+            (lambda j, experts: self.routes[:n, :p, j].copy_(experts.view(n, p, -1)))
         x = self._layers(x, [c[:n, :p, None] for c in self.cos], [s[:n, :p, None] for s in self.sin], write, keys,
                          masks)
         return self._logits(x[:, -1])
@@ -777,6 +842,13 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
 
+        def record(j, experts):  # (b, k): each row's experts at its slot
+            if torch.is_tensor(slot):
+                self.routes[rows, slot, j] = experts.to(self.routes.dtype)
+            else:
+                self.routes[:b, slot, j] = experts.to(self.routes.dtype)
+
+        self.record_at = None if self.routes is None else record
         return self._logits(self._decode_layers(x, cos, sin, write, keys, masks))
 
     def _mark(self):
@@ -842,9 +914,39 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
 
+        self.record_at = None if self.routes is None else \
+            (lambda j, experts: self.routes.__setitem__(
+                (real_rows, real_slots, j), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
         x = self._layers(self._embed(ids), cos, sin, write, keys, masks)  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
+
+    def record(self, on):
+        """Routing replay: from the next prefill on, keep the experts every MoE layer chose for each token, by
+        row and cache slot (a slot written again, after a row forgot it, keeps the last token's); off: keep none."""
+        on = on and bool(self.moe_index)
+        if on == (self.routes is not None):
+            if on:
+                self.routes.fill_(-1)
+            return
+        self.graphs.clear()  # captured graphs record, or not, as they were captured
+        if not on:
+            self.routes = None
+            return
+        k = next(w["moe"].k for w in self.w[0] if w["moe"] is not None)
+        self.routes = torch.full((self.max_batch, self.max_len, len(self.moe_index), k), -1, dtype=torch.int16,
+                                 device=self.device)
+
+    def routed(self, prompt_width, length):
+        """The experts recorded for the prompt slots (N, P, MoE layers, k) and for completion positions
+        0 .. length - 1 (N, length, MoE layers, k), completion position j at slot P + j (P = prompt_width); -1 where
+        the slot holds no token of the row (never fed, or forgotten): the router's live choice there. Rows in
+        their order at prefill (the caller does not compact a recording batch)."""
+        self._mark()
+        n = self.routes.shape[0] if self.n_rows is None else self.n_rows
+        comp = self.routes[:n, prompt_width:prompt_width + length]
+        fed = self.key_mask[:n, prompt_width:prompt_width + length]
+        return self.routes[:n, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)
 
     @torch.no_grad()
     def truncate(self, rows, ends):

@@ -13,6 +13,7 @@ import architectures  # noqa: E402
 import grpo  # noqa: E402
 import routing  # noqa: E402
 import sampling  # noqa: E402
+import static_decoder  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
 TEXT = ["a>", "hello world>", "xyz", "b>" * 7]
@@ -90,6 +91,29 @@ def test_training_forward_routes_as_the_sampler_did(family):
     grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
     differ, decisions = replay.counts()
     assert decisions > 0 and differ == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_written_out_sampler_records_what_the_model_forward_records(family):
+    """MoE families sample on the written-out layers (static_decoder.py, static_moe.py): over several turns
+    (pauses, forgotten tokens, answers of different lengths) the sampler records, token by token, the experts the
+    model's own forward (hf_decoder.py, through the routers' top-k) records for the same rollout, and -1 at the
+    same places."""
+    model, tok = architectures.tiny(family)
+    assert static_decoder.static_decode_supported(model)
+    enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = {}
+    for static in (True, False):
+        out[static] = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30,
+                                      eos_ids=list(range(97, 105)), pad_id=tok.pad_token_id,
+                                      seeds=torch.arange(4) * 7 + 3, max_turns=3, check_every=4,
+                                      respond=answering(lambda row, k: (row % 3) + 2 * k), record_routing=True,
+                                      static_cache=static)
+    fast, hf = out[True], out[False]
+    assert (fast.turns > 1).any() and torch.equal(fast.completion_ids, hf.completion_ids)
+    assert torch.equal(fast.routing, hf.routing) and (fast.routing >= 0).any() and (fast.routing < 0).any()
+    real = enc.attention_mask.bool()
+    assert torch.equal(fast.prompt_routing[real], hf.prompt_routing[real])
 
 
 def test_replayed_gates_come_from_the_live_router():

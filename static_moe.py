@@ -1,0 +1,210 @@
+"""Mixture-of-Experts blocks written out for the fast decoder (static_decoder.StaticDecoder).
+
+A MoE block is a router (a linear layer whose top-k picks each token's experts
+and their gates) and the experts, which transformers 5 keeps as fused 3-D
+parameters, (experts, out, in) or (experts, in, out), in `mlp.experts`. The
+decoder copies the dense weights it fuses, but never the experts: for a
+30B-A3B model a copy would be tens of gigabytes per rank. `MoE` reads them in
+place, at every step, so they are always the model's current weights.
+
+How the experts run. Each token's k (token, expert) pairs are sorted by expert
+and one grouped matmul (`torch.nn.functional.grouped_mm`: each expert's rows
+times that expert's weight, group boundaries given as a tensor of offsets)
+computes every pair at once, for gate/up and again for down. Measured on CPU
+at decode shapes (16 tokens, top-2 of 8 experts, hidden 256; and top-8 of 128,
+hidden 1024), it beat the alternatives that read the weights in place: the
+per-expert loop the models' eager forward runs (it needs the hit experts on
+the host: a sync per layer, and one small matmul per expert), gathering each
+pair's expert matrix and a batched matmul (a copy of k expert matrices per
+token: several times slower), and running every expert on every token (E / k
+times the arithmetic). It needs no host value, so a CUDA graph can capture it.
+Where grouped_mm cannot take the weights (some dtypes and strides on some
+devices; a probe at start finds out), the gather and batched matmul stand in.
+
+LoRA on the experts (model_loading.LoRAExperts, a parametrization whose read
+returns W + scaling * B A over every expert): the decoder reads the frozen W
+in place and adds the low-rank term for the chosen experts only,
+scaling * (x A_e^T) B_e^T, instead of merging all E experts at every step.
+Any other parametrization is read through the attribute (merged), as the
+model's own forward reads it.
+
+Routing replay (routing.py) records the experts chosen here: `MoE.__call__`
+returns them, and the decoder keeps them per cache slot.
+Of the project it imports nothing.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+
+def _qwen_router(router):
+    """Qwen3-MoE (and Qwen2-MoE) routing: softmax over all experts in float32, top-k, renormalised when
+    norm_topk_prob, rounded to the logits' dtype."""
+    def route(h, weight, bias):
+        logits = F.linear(h, weight, bias)
+        probs = torch.softmax(logits, -1, dtype=torch.float)
+        top, idx = torch.topk(probs, router.top_k, dim=-1)
+        if router.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return top.to(logits.dtype), idx
+    return route
+
+
+def _gpt_oss_router(router):
+    """gpt-oss routing: top-k of the biased logits, then a softmax over the k chosen."""
+    def route(h, weight, bias):
+        top, idx = torch.topk(F.linear(h, weight, bias), router.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), idx
+    return route
+
+
+def _silu_halves(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gpt_oss_gate(experts):
+    """gpt-oss's clamped SwiGLU: gate and up interleaved, gate clamped above, up on both sides, sigmoid of
+    alpha * gate, and 1 added to up."""
+    alpha, limit = experts.alpha, experts.limit
+
+    def gate_fn(gate_up):
+        gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return gate_fn
+
+
+# the MoE block's class name -> (router attribute, router function, expert layout, the experts' gate function).
+# layout "out_in": (E, out, in), read F.linear(x, W[e]); "in_out": (E, in, out), read x @ W[e]
+BLOCKS = {
+    "Qwen3MoeSparseMoeBlock": ("gate", _qwen_router, "out_in", None),
+    "GptOssMLP": ("router", _gpt_oss_router, "in_out", _gpt_oss_gate),
+}
+
+
+def _block_spec(mlp):
+    return next((BLOCKS[c.__name__] for c in type(mlp).__mro__ if c.__name__ in BLOCKS), None)
+
+
+def is_moe(mlp):
+    """True for an MLP that routes tokens to experts (it has an `experts` module)."""
+    return hasattr(mlp, "experts")
+
+
+def supported(mlp):
+    """True for a MoE block this file computes as the model does: a block in `BLOCKS` whose router holds the
+    settings it reads and whose experts are plain 3-D parameters (or LoRA-adapted ones)."""
+    spec = _block_spec(mlp)
+    if spec is None:
+        return False
+    router, experts = getattr(mlp, spec[0], None), mlp.experts
+    if router is None or getattr(router, "weight", None) is None or not hasattr(router, "top_k"):
+        return False
+    if spec[1] is _qwen_router and not hasattr(router, "norm_topk_prob"):
+        return False
+    if spec[3] is None and type(getattr(experts, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+        return False
+    if getattr(mlp, "shared_expert", None) is not None:
+        return False
+    ws = [experts.gate_up_proj, experts.down_proj]
+    return all(w.dim() == 3 for w in ws)
+
+
+class _Weight:
+    """One fused expert weight, read in place: the base (E, in, out) view for grouped_mm, and LoRA's factors when
+    a LoRAExperts parametrization adapts it (its read would merge all E experts)."""
+
+    def __init__(self, experts, name, layout):
+        self.experts, self.name, self.layout = experts, name, layout
+        self.lora = None
+        if parametrize.is_parametrized(experts, name):
+            chain = getattr(experts.parametrizations, name)
+            if len(chain) == 1 and all(hasattr(chain[0], a) for a in ("lora_A", "lora_B", "scaling", "enabled")):
+                self.lora = chain[0]  # the base weight is chain.original, read at each call
+            else:
+                self.lora = False  # another parametrization: read the attribute, merged as the model reads it
+
+    def base(self):
+        """The weight as (E, in, out), a view of the model's parameter (no copy)."""
+        if self.lora is None:
+            w = getattr(self.experts, self.name)
+        elif self.lora is False:
+            w = getattr(self.experts, self.name)
+        else:
+            w = getattr(self.experts.parametrizations, self.name).original
+        w = w.detach()
+        return w.transpose(1, 2) if self.layout == "out_in" else w
+
+    def low_rank(self):
+        """(A (E, in, r), B (E, r, out), scaling) of an enabled LoRA adapter, else None."""
+        lora = self.lora
+        if not lora or not lora.enabled:
+            return None
+        return lora.lora_A.detach().transpose(1, 2), lora.lora_B.detach().transpose(1, 2), lora.scaling
+
+
+def _probe_grouped(w):
+    """True when grouped_mm takes this weight (E, in, out) on its device and dtype."""
+    try:
+        x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
+        offs = torch.full((w.shape[0],), 1, device=w.device, dtype=torch.int32)
+        F.grouped_mm(x, w, offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+class MoE:
+    """A MoE block's forward over tokens h (T, H), on the model's own router and expert parameters.
+
+    __call__ returns (the block's output (T, H), the chosen experts (T, k)). The arithmetic is the model's:
+    router logits and gates as its router computes them, each chosen expert's projections, the gate function,
+    each output scaled by its gate and summed into the token's row in the hidden dtype.
+    """
+
+    def __init__(self, mlp):
+        router_attr, router_fn, layout, gate_fn = _block_spec(mlp)
+        self.router = getattr(mlp, router_attr)
+        self.route = router_fn(self.router)
+        experts = mlp.experts
+        self.k = self.router.top_k
+        self.n_experts = experts.gate_up_proj.shape[0]
+        self.gate_fn = _silu_halves if gate_fn is None else gate_fn(experts)
+        self.experts = experts
+        self.gate_up, self.down = _Weight(experts, "gate_up_proj", layout), _Weight(experts, "down_proj", layout)
+        self.biased = getattr(experts, "gate_up_proj_bias", None) is not None
+        self.grouped = _probe_grouped(self.gate_up.base()) and _probe_grouped(self.down.base())
+        self.expert_ids = torch.arange(self.n_experts, device=experts.gate_up_proj.device)
+
+    def _matmul(self, x, weight, order_expert, offs, bias):
+        """Each row of x (sorted by expert) times its expert's weight, plus its expert's bias and LoRA term."""
+        w = weight.base()
+        if self.grouped:
+            y = F.grouped_mm(x, w, offs=offs)
+        else:
+            y = torch.bmm(x[:, None], w[order_expert])[:, 0]
+        if bias is not None:
+            y = y + bias[order_expert]
+        lr = weight.low_rank()
+        if lr is not None:
+            a, b, scaling = lr
+            if self.grouped:
+                y = y + F.grouped_mm(F.grouped_mm(x, a, offs=offs), b, offs=offs) * scaling
+            else:
+                y = y + torch.bmm(torch.bmm(x[:, None], a[order_expert]), b[order_expert])[:, 0] * scaling
+        return y
+
+    def __call__(self, h):
+        gates, idx = self.route(h, self.router.weight, getattr(self.router, "bias", None))  # (T, k) each
+        # the (token, expert) pairs grouped by expert, and where each expert's group ends, found on the device
+        # (no host sync: bincount on CUDA reads its input's maximum)
+        order_expert, order = idx.reshape(-1).sort(stable=True)
+        offs = torch.searchsorted(order_expert, self.expert_ids, right=True, out_int32=True)
+        token = order // self.k
+        e = self.experts
+        up = self._matmul(h[token], self.gate_up, order_expert, offs,
+                          e.gate_up_proj_bias if self.biased else None)
+        out = self._matmul(self.gate_fn(up), self.down, order_expert, offs, e.down_proj_bias if self.biased else None)
+        out = out * gates.reshape(-1)[order, None]
+        return torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)), idx
