@@ -25,7 +25,7 @@ def _env(name, default, **kw):  # a Config setting whose default an environment 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code", "shapes")
 # apply_chat_template's own arguments, which the trainer sets (--chat_template_kwargs holds the template's options)
 CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import routing as routing_replay
+import vision
 from static_decoder import hidden_states, training_forward_supported
 
 # ----------------------------------------------------------------------------- positions
@@ -220,7 +221,7 @@ def default_chunk_tokens(vocab_size, device):
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
                         chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
-                        entropy_grad=False, routing=None):
+                        entropy_grad=False, routing=None, images=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask
@@ -252,6 +253,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     `routing` (N, S, layers, k): with routing replay (routing.py), the experts
     each token goes to in each MoE layer, moved with its row; the forward then
     routes as the sampler did.
+    `images`: the rows' vision.PromptImages (a vision-language model's prompts with images): the language model
+    runs with their embeddings in place of the prompts' image tokens and their rotary positions (vision.py), as
+    in the sampler's prefill.
     """
     t = num_completion_tokens
     n, s = input_ids.shape
@@ -262,14 +266,19 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
     left_padded_only, padded = torch.stack([movable, lead.any()]).tolist()
     real = attention_mask.bool()
+    pictures = None  # the prompts' image tokens, moved with their rows
+    if images is not None and any(g.shape[0] for g in images.grid):
+        pictures = vision.image_mask(model, input_ids, s - t, real)
     if left_padded_only:
         if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
             cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s
             input_ids, real = input_ids.gather(1, cols), real.gather(1, cols)
+            pictures = None if pictures is None else pictures.gather(1, cols)
             if routing is not None:
                 routing = routing.gather(1, cols[:, :, None, None].expand_as(routing))
         if width is not None and width < s:
             input_ids, real = input_ids[:, :width], real[:, :width]
+            pictures = None if pictures is None else pictures[:, :width]
             routing = None if routing is None else routing[:, :width]
         mask, positions = None, torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
     else:
@@ -281,7 +290,11 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
         routing_replay.attached(model).stop()
     if fast_forward is None:
         fast_forward = training_forward_supported(model)
-    if fast_forward:
+    if pictures is not None:
+        rope, _ = vision.rope_positions(model, input_ids, pictures, images, real)
+        hidden = vision.hidden_states(model, input_ids, pictures, images, attention_mask=mask, position_ids=rope,
+                                      use_cache=False).last_hidden_state
+    elif fast_forward:
         hidden = hidden_states(model, input_ids, mask, positions, compiled=compile_layers)
     else:
         hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,

@@ -21,6 +21,11 @@ masks are ours, built per layer type from each column's token position:
 What this cannot express (another attention implementation than eager or
 sdpa, a layer type without a rule here, a cache layer kind it does not know)
 is refused by `unsupported(model)` with one line. Of the project it imports nothing.
+
+A vision-language model's prompt arrives with its images as `images`: a function that runs the prefill's language
+model with the image embeddings in place (vision.hidden_states), the prompt's rotary positions (3, N, P) and each
+row's `delta`, the shift of its text positions past the prompt; every later token then takes position + delta on
+each rotary axis.
 """
 
 import inspect
@@ -76,7 +81,7 @@ class HFDecoder:
     token per row, extend rows by a block of tokens, truncate (forget) rows' tokens from a position on.
     """
 
-    def __init__(self, model, ids, attn, positions, routing=None):
+    def __init__(self, model, ids, attn, positions, routing=None, images=None):
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicSlidingWindowLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
@@ -104,7 +109,9 @@ class HFDecoder:
             routing.record()
         self.valid = torch.zeros(ids.shape[0], 0, dtype=torch.bool, device=ids.device)
         self.pos = torch.zeros(ids.shape[0], 0, dtype=torch.long, device=ids.device)
+        self.images, self.delta = (images, images[2]) if images is not None else (None, None)
         self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1]
+        self.images = None  # the prefill's alone
 
     def _masks(self, q_valid, q_pos):
         """The attention mask of each layer type for queries appended as the last columns, (N, 1, K, L): True where
@@ -141,8 +148,15 @@ class HFDecoder:
             masks["linear_attention"] = valid.long()
         if self.one_mask:
             masks = masks[self.kinds[0]]
-        logits = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=True,
-                            logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
+        if self.images is not None:  # a prompt with images: their embeddings and the rotary positions of the grid
+            run, rope, _ = self.images
+            hidden = run(ids, attention_mask=masks, position_ids=rope, use_cache=True,
+                         **{self.cache_kw: self.cache}).last_hidden_state
+            logits = self.model.get_output_embeddings()(hidden[:, -keep:] if keep else hidden)
+        else:
+            rope = positions if self.delta is None else positions + self.delta[:, None]
+            logits = self.model(input_ids=ids, attention_mask=masks, position_ids=rope, use_cache=True,
+                                logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
         if self.routing is not None:
             self.routes.append(self.routing.take(ids.shape))  # (N, K, layers, k), a column per token fed
         return logits

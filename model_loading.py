@@ -278,11 +278,22 @@ def _choose_attention(kwargs, auto_class, config):
 _CONFIG_LOCATION = ("revision", "subfolder", "token", "cache_dir", "local_files_only", "trust_remote_code")
 
 
+def causal_lm_class(config):
+    """The auto class a policy of `config` loads with: a model with a vision tower as a vision-language model (its
+    language model, vision tower and head; AutoModelForCausalLM would give some of them, Qwen3.5, text only)."""
+    if getattr(config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
     kwargs = _init_kwargs(model_init_kwargs, device)
     name_or_path = resolve_model_path(name_or_path)
     located = {k: kwargs[k] for k in _CONFIG_LOCATION if k in kwargs}
     config = _from_pretrained(AutoConfig.from_pretrained, name_or_path, **located)
+    if auto_class is AutoModelForCausalLM:
+        auto_class = causal_lm_class(config)
     _choose_attention(kwargs, auto_class, config)
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
         if kwargs.get("dtype") == "auto":  # "the checkpoint's dtype": there is no checkpoint, use the config's
@@ -352,8 +363,8 @@ def build_reference_model(policy, beta):
     """
     if beta == 0:
         return None
-    ref = AutoModelForCausalLM.from_config(policy.config, dtype=next(policy.parameters()).dtype,
-                                           attn_implementation=policy.config._attn_implementation)
+    ref = causal_lm_class(policy.config).from_config(policy.config, dtype=next(policy.parameters()).dtype,
+                                                     attn_implementation=policy.config._attn_implementation)
     ref.load_state_dict(policy.state_dict())
     ref.to(next(policy.parameters()).device)
     ref.eval()
@@ -494,6 +505,11 @@ def _short_name(name, is_expert):
     return ".".join(name.split(".")[-2:]) if is_expert else name.rsplit(".", 1)[-1]
 
 
+def _language_model(model):
+    """The decoder a model's layers are in: a vision-language model's language model (not its vision tower)."""
+    return getattr(model.base_model, "language_model", None) or model.base_model
+
+
 def _all_targets(model, found):
     """The names "all" adapts: every nn.Linear in the decoder layers except MoE routing, and every expert weight there.
 
@@ -501,7 +517,7 @@ def _all_targets(model, found):
     the experts, in the block that holds them; its weights are not adapted, as
     in PEFT's defaults. Embeddings and lm_head lie outside the layers.
     """
-    layers = getattr(model.base_model, "layers", None)
+    layers = getattr(_language_model(model), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         return []
     paths = {id(m): n for n, m in model.named_modules()}
@@ -523,12 +539,17 @@ def add_lora(model, rank, alpha, target_modules):
     of an nn.Linear or an expert weight anywhere in the model; "all" may be one
     of them. An entry that matches nothing is an error. Returns the names
     adapted. Call it before sharding, so fully_shard wraps the adapted blocks.
+    A vision-language model's adapters go on its language model only: its
+    vision tower (whose MLPs share the names) stays as it is.
     """
     if rank < 1:
         raise ValueError(f"lora_rank: must be >= 1, got {rank}")
     entries = target_modules.split(",") if isinstance(target_modules, str) else target_modules
     targets = [t.strip() for t in entries if t.strip()]
     found = _adaptable(model)
+    if _language_model(model) is not model.base_model:  # the language model of a vision-language model alone
+        inside = {n for n, m in model.named_modules() if m is _language_model(model)}.pop() + "."
+        found = [f for f in found if f[0].startswith(inside)]
     have = ", ".join(sorted({_short_name(n, e) for n, _, _, e in found}))
     kinds = "linear layer or expert weight" if any(e for *_, e in found) else "linear layer"
 

@@ -26,6 +26,7 @@ import rewards
 import routing
 import sharding
 import hf_decoder
+import vision
 from static_decoder import StaticDecoder, static_decode_supported
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
@@ -218,7 +219,7 @@ class Turn(NamedTuple):
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
            top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
            keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1,
-           record_routing=False):
+           record_routing=False, images=None):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     A row pauses at its first EOS or at the end of one of `stop_sequences`
@@ -253,7 +254,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     on CUDA, StaticDecoder's decode attention runs as the split-KV Triton
     kernel of kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's
     experts in every MoE layer (routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
-    forward, which routes through its routers).
+    forward, which routes through its routers). images: the rows' vision.PromptImages (a vision-language
+    model's image prompts), on the model's own forward: their embeddings and rotary positions enter the prefill.
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -270,12 +272,15 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     replay = routing.of(model) if record_routing else None
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
-    if static_cache and static_decode_supported(model):
+    prefill = _image_prefill(model, prompt_ids, attn, images) if images is not None else None
+    # a vision-language model runs on the model's own modules (its language model under our masks), never on
+    # written-out layers
+    if static_cache and not vision.is_vision_model(model) and static_decode_supported(model):
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
                              record=replay is not None)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
     else:
-        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay), False
+        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill), False
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
             # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
             # so that none samples past one (the same on every rank: it depends on the model alone)
@@ -336,9 +341,9 @@ class _HFSteps:
     grows by a column per fed token for all rows; the masks say which columns are a row's own tokens, so an
     answer appended to some rows, or samples forgotten, leave holes that are never attended."""
 
-    def __init__(self, model, ids, attn, positions, max_new, replay=None):
+    def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
         self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
-        self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay)
+        self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
 
@@ -358,6 +363,21 @@ class _HFSteps:
 
     def compact(self, keep, live, fed_top):
         return False
+
+
+def _image_prefill(model, ids, attn, images):
+    """What HFDecoder's prefill needs of prompts with images: the language model run with their embeddings, the
+    prompt's rotary positions and each row's delta (vision.py); None when no row has an image."""
+    if not any(g.shape[0] for g in images.grid):
+        return None
+    real = attn.bool()
+    mask = vision.image_mask(model, ids, ids.shape[1], real)
+    rope, delta = vision.rope_positions(model, ids, mask, images, real)
+    feats = vision.features(model, images)  # once per distinct prompt, whatever the group size
+
+    def run(ids_, **kwargs):
+        return vision.hidden_states(model, ids_, mask, images, feats=feats, **kwargs)
+    return run, rope, delta
 
 
 def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
@@ -570,21 +590,28 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
-def start_rows(rows, mine, tokenizer, cfg, device, agent=None):
-    """This rank's prompts, their left-padded ids and mask, and with an agent their episodes, of `rows` (every
-    rank's rows; `mine` is this rank's slice). Without an agent all rows are tokenized together, so every
-    rank pads alike; with one, each rollout's environment is made and reset on the rank that samples it."""
+def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
+    """This rank's prompts, their left-padded ids and mask, with an agent their episodes, and with a
+    vision.ImageEncoder `images` the rows' vision.PromptImages (else None), of `rows` (every rank's rows; `mine`
+    is this rank's slice). Without an agent all rows are tokenized together, so every rank pads alike; with one,
+    each rollout's environment is made and reset on the rank that samples it."""
     if agent is None:
         prompts = [r["prompt"] for r in rows]
-        enc = encode_prompts(tokenizer, prompts, cfg, device)
-        return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None
+        texts, pictures = prompts, None
+        if images is not None:  # each prompt's images processed once, its placeholders widened to their tokens
+            texts, pictures = images(rows, prompts)
+            pictures = pictures.rows(range(len(rows))[mine]).to(device)
+        enc = encode_prompts(tokenizer, texts, cfg, device)
+        return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, pictures
+    if images is not None and any(vision.row_images(r) for r in rows[mine]):
+        raise ValueError("prompts with images and tools or an environment together are not supported")
     prompts, episodes = agent.start(rows[mine])
     enc = encode_prompts(tokenizer, prompts, cfg, device)
-    return prompts, enc.input_ids, enc.attention_mask, episodes
+    return prompts, enc.input_ids, enc.attention_mask, episodes, None
 
 
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent=None,
-             episodes=None, record_routing=False):
+             episodes=None, record_routing=False, images=None):
     """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
@@ -592,6 +619,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
     size). Every rank has as many rows, so as many batches. With an `agent` (agents.Agent), row i is
     `episodes[i]`'s conversation: its turns are answered by the agent's tools, up to `agent.max_turns`.
+    `images`: the rows' vision.PromptImages, or None.
     """
     n = prompt_ids.shape[0]
     size = cfg.generation_batch_size or n
@@ -607,7 +635,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
                                 top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
                                 # the next batch reuses the weight copies and the cache
                                 keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
-                                record_routing=record_routing, **turns))
+                                record_routing=record_routing,
+                                images=None if images is None else images.rows(rows), **turns))
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
     if agent is not None:
         agent.finish(episodes, rollout)
@@ -616,7 +645,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     return rollout, text
 
 
-def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None):
+def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
 
     The rows are split over the processes (the last rank's share padded with
@@ -641,12 +670,12 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
             mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
             fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
-            prompts, ids, attn, episodes = start_rows([chunk[i // G] for i in index], mine, tokenizer, cfg,
-                                                      device, agent)
+            prompts, ids, attn, episodes, pictures = start_rows([chunk[i // G] for i in index], mine, tokenizer,
+                                                                cfg, device, agent, images)
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
             rollout, completions = generate(policy, tokenizer, ids, attn, seeds, temperature, cfg, d, eos_ids,
-                                            agent, episodes)
+                                            agent, episodes, images=pictures)
             total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions,
                                                      reward_fields(fields, rollout, episodes, tokenizer, prompts),
                                                      context=reward_context(cfg, step))

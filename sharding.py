@@ -100,8 +100,10 @@ class Root(torch.nn.Module):
 
 
 def transformer_blocks(lm):
-    """The repeated decoder layers of a Hugging Face causal LM (model.layers in Llama/Qwen/Mistral...)."""
-    layers = getattr(lm.base_model, "layers", None)
+    """The repeated decoder layers of a Hugging Face causal LM (model.layers in Llama/Qwen/Mistral...; a
+    vision-language model's model.language_model.layers, its vision tower staying with the root)."""
+    inner = getattr(lm.base_model, "language_model", None) or lm.base_model
+    layers = getattr(inner, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"shard: found no decoder layers at {type(lm.base_model).__name__}.layers; "
                          "this model's block list must be named for fully_shard")

@@ -20,6 +20,7 @@ from fractions import Fraction
 from typing import Callable
 
 import rewards
+import shapes
 
 def countdown_problem(rng, min_numbers=3, max_numbers=4, max_value=99, max_target=1000):
     """Numbers and a target reachable with them: combine the numbers in a random order with random operations."""
@@ -282,8 +283,9 @@ TINY_TOOL_TEMPLATE = (
 # the tiny model a task brings when --model=tiny: write_tiny_model's keywords
 TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>"]
 TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=TINY_TOOL_TOKENS)}
+TINY_WRITERS = {"shapes": shapes.write_tiny_model}  # tasks whose tiny model is another model: its writer (path)
 
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code")
+TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code", "shapes")
 # the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
 TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
 
@@ -328,6 +330,10 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     if name == "next_letter":
         task = Task(name, _letter_prompts, [rewards.next_letter_reward], accuracy_reward="next_letter_reward")
         task.eval_rows = _letter_prompts(random.Random(f"eval-{seed}"), eval_prompts)
+        hub = None
+    elif name == "shapes":  # a picture in each prompt (shapes.py): for a vision-language model
+        task = Task(name, shapes.prompts, [shapes.square_colour_reward], accuracy_reward="square_colour_reward")
+        task.eval_rows = shapes.prompts(random.Random(f"eval-{seed}"), eval_prompts)
         hub = None
     elif name == "gsm8k":
         math_chat = _chat_formatter(tokenizer, rewards.GSM8K_SYSTEM_PROMPT, chat_template_kwargs)

@@ -74,6 +74,7 @@ try:
     import rewards
     import routing
     import run_log
+    import vision
     import sampling
     import sharding
     import tasks
@@ -144,6 +145,8 @@ class Run:
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
     entropy_coef: float = 0.0           # the entropy bonus's coefficient, which use_adaptive_entropy moves
     last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
+    images: typing.Optional[object] = None  # vision.ImageEncoder of a vision-language policy's prompts, or None
+    step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
 
 
 def setup(cfg, d):
@@ -166,7 +169,25 @@ def setup(cfg, d):
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
-               entropy_coef=cfg.entropy_coef)
+               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task))
+
+
+def load_images(cfg, model, tokenizer, task):
+    """The encoder of prompts' images (vision.py) for a vision-language policy, else None; a task whose prompts
+    hold images and a policy that cannot see them, or a setting that does not carry images, stop the run."""
+    path = os.path.join(cfg.out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
+    try:
+        encoder = vision.ImageEncoder.for_model(model, tokenizer, vision.load_image_processor(path)
+                                                if vision.is_vision_model(model) else None)
+    except ValueError as e:
+        raise SystemExit(f"model: {e}") from e
+    row = task.prompts_for_step(cfg.seed, 1, 1)[0] if task.rows or task.make_prompts else {}
+    if vision.row_images(row) and encoder is None:
+        raise SystemExit(f"task {cfg.task}: its prompts hold images, and {type(model).__name__} has no vision tower "
+                         f"(a vision-language model, e.g. Qwen2.5-VL, sees them)")
+    if encoder is not None and cfg.dynamic_sampling:
+        raise ConfigError("dynamic_sampling", "not supported with a vision-language model's image prompts yet")
+    return encoder
 
 
 def load_agent(cfg, tokenizer, eos_ids, task, weights):
@@ -219,7 +240,8 @@ def _local_tiny(cfg, d, name, write):
 def load_models(cfg, d, load_device):
     """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
-    write = functools.partial(model_loading.write_tiny_model, **tasks.TINY_MODELS.get(cfg.task, {}))
+    write = tasks.TINY_WRITERS.get(cfg.task) or functools.partial(model_loading.write_tiny_model,
+                                                                  **tasks.TINY_MODELS.get(cfg.task, {}))
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
@@ -322,6 +344,7 @@ class Batch:
     rollout: sampling.Rollout           # completion ids (n, T), masks, log-probs, truncation, turns
     completions: list                   # (n,) completion text: the whole trajectory, tool calls and results included
     episodes: list = None               # (n,) agents.Episode: each rollout's conversation, with tools
+    images: object = None               # vision.PromptImages of the rows' prompts (a vision-language model's), or None
 
 
 def rollout(run, step, round=0):
@@ -335,14 +358,16 @@ def rollout(run, step, round=0):
     n = N // d.world_size
     mine = slice(d.rank * n, (d.rank + 1) * n)
     fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
-    prompts, ids, attn, episodes = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device, run.agent)
+    prompts, ids, attn, episodes, images = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device,
+                                                               run.agent, run.images)
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
     run.policy.eval()
     sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, cfg.temperature, cfg, d,
-                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay)
+                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
+                                             images=images)
     run.policy.train()
-    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes)
+    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images)
 
 
 def draw(run, step):
@@ -502,13 +527,19 @@ def routes(route, mb):
     return None if route is None else mb.take(route)[0]
 
 
+def images_of(run, mb):
+    """The micro-batch's prompts' images (the batch being trained's, vision.PromptImages), or None."""
+    return None if run.step_images is None else run.step_images.rows(mb.rows)
+
+
 def reference_logprobs(run, ids, mask, micro, route=None):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
     model = run.ref if run.ref is not None else policy
     with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
         logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
-                      compile_layers=run.cfg.compile_layers, routing=routes(route, mb))[0] for mb in micro]
+                      compile_layers=run.cfg.compile_layers, routing=routes(route, mb),
+                      images=images_of(run, mb))[0] for mb in micro]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
@@ -520,7 +551,8 @@ def sampling_logprobs(run, ids, mask, micro, route=None):
     cfg, policy = run.cfg, run.policy
     with torch.no_grad():
         return [policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
-                       compile_layers=cfg.compile_layers, routing=routes(route, mb)) for mb in micro]
+                       compile_layers=cfg.compile_layers, routing=routes(route, mb), images=images_of(run, mb))
+                for mb in micro]
 
 
 def update(run, batch, advantages, step):
@@ -541,6 +573,7 @@ def update(run, batch, advantages, step):
     cfg, d, policy = run.cfg, run.d, run.policy
     objective = grpo.Objective.of(cfg)
     n_mini = cfg.steps_per_generation
+    run.step_images = batch.images  # each forward below takes its micro-batch's rows of them
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
     T = batch.rollout.completion_ids.shape[1]
@@ -603,7 +636,7 @@ def update(run, batch, advantages, step):
                 logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                        width=mb.width, compile_layers=cfg.compile_layers,
                                        entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
-                                       routing=routes(route, mb))
+                                       routing=routes(route, mb), images=images_of(run, mb))
                 mb_mask = loss_mask[mb.rows, :mb.t]
                 if old_logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
                     keep_old(j, i, mb, logp.detach())
@@ -848,7 +881,7 @@ def evaluate(run, step):
     t = time.time()
     try:
         metrics = sampling.evaluate(run.policy, run.tokenizer, run.task, run.weights, run.cfg, run.d, run.eos_ids,
-                                    run.agent, step=step)
+                                    run.agent, step=step, images=run.images)
     except rewards.RewardFunctionError as e:
         raise SystemExit(f"evaluation at step {step}: {e}") from e
     if run.reward_model is not None:

@@ -1,0 +1,120 @@
+"""Images in prompts: tiny vision-language models built from configs (no download), float32.
+
+The sampler's log-probs of image prompts, and the training forward's, against one plain forward of the model
+with the same pixel values (the model's own forward finds the image tokens and their rotary positions itself);
+a group's images processed and run through the vision tower once.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import model_loading
+import sampling
+import vision
+
+pytest.importorskip("PIL")  # the image processors' backend without torchvision
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "mrope_section": [2, 3, 3]})
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2)
+FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", {}, dict(window_size=8, fullatt_block_indexes=[0])),
+    "qwen3_vl": ("Qwen3VLConfig", dict(rope_parameters={**TEXT["rope_parameters"], "mrope_interleaved": True}),
+                 dict(num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    "qwen3_5": ("Qwen3_5Config", dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                      layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                      rope_parameters={**TEXT["rope_parameters"], "mrope_interleaved": True,
+                                                       "partial_rotary_factor": 0.5}),
+                dict(num_position_embeddings=64)),
+}
+
+
+def tiny_vl(family, seed=0):
+    """(model, tokenizer, ImageEncoder) of a randomly initialised 2-4 layer vision-language model, eval mode."""
+    import transformers
+    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+
+    tok = model_loading.build_byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.padding_side = "left"
+    cls, text, vis = FAMILIES[family]
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    cfg = getattr(transformers, cls)(
+        text_config={**TEXT, **text, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+                     "pad_token_id": tok.pad_token_id},
+        vision_config={**VISION, **vis}, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms and biases off their initial values, so that a path that forgets one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                         max_pixels=24 * 24)
+    return model.eval(), tok, vision.ImageEncoder.for_model(model, tok, processor)
+
+
+def picture(seed, size=(16, 12)):
+    return (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")
+
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def image_rows():
+    """Three prompts: one image, two images of other sizes, and none; the first prompt twice (one group)."""
+    first = {"prompt": f"look {PAD} what?", "images": [picture(1)]}
+    return [first, first,
+            {"prompt": f"a{PAD}b{PAD}c", "images": [picture(2, (8, 20)), picture(3, (12, 12))]},
+            {"prompt": "no image here at all, text", "images": []}]
+
+
+def plain_logprobs(model, ids, mask, rollout, images):
+    """Each policy token's log-prob from one forward of the model over the row alone, pixel values included."""
+    out = torch.zeros_like(rollout.logprobs)
+    for i in range(ids.shape[0]):
+        p = ids[i][mask[i].bool()]
+        c = rollout.completion_ids[i][rollout.completion_mask[i].bool()]
+        row = torch.cat([p, c])[None]
+        extra = vision.plain_inputs(model, row, images.rows([i]))
+        logits = model(input_ids=row, **extra).logits[0, len(p) - 1:-1].float()
+        out[i, :len(c)] = torch.log_softmax(logits, -1).gather(-1, c[:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(family):
+    model, tok, encoder = tiny_vl(family)
+    rows = image_rows()
+    texts, images = encoder(rows, [r["prompt"] for r in rows])
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc.input_ids, enc.attention_mask
+    assert (ids == model.config.image_token_id).sum(1).tolist()[:3] == [
+        int(g[:, 1:].prod(-1).sum()) // 4 for g in images.grid[:3]]
+    vocab = model.config.get_text_config().vocab_size
+    answers = iter([[3, 1, 4], [1], [5, 9], [2, 6, 5], [7, 7]])
+    # turns of one token, answers of different lengths, a token sampled past each pause forgotten: decode and
+    # extend steps after the image at positions of each row's own
+    rollout = sampling.sample(model, ids, mask, max_new_tokens=14, eos_ids=range(vocab), pad_id=tok.pad_token_id,
+                              seeds=torch.arange(4), check_every=2, max_turns=3, images=images,
+                              respond=lambda turns: [next(answers, [7]) for _ in turns])
+    want = plain_logprobs(model, ids, mask, rollout, images)
+    policy = rollout.policy_mask.bool()
+    assert policy.sum() >= 8 and rollout.turns.max() == 3
+    assert (rollout.logprobs - want)[policy].abs().max() < 1e-4
+    full_ids = torch.cat([ids, rollout.completion_ids], 1)
+    full_mask = torch.cat([mask, rollout.completion_mask], 1)
+    train, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1], images=images)
+    assert (train - want)[policy].abs().max() < 1e-4
+    # the images matter: without them the same tokens have other log-probs
+    blind, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
+    assert (blind - want)[:3][policy[:3]].abs().max() > 1e-3
