@@ -612,7 +612,10 @@ class StaticDecoder:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
             a, m = l.self_attn, l.mlp
             moe = static_moe.is_moe(m)
-            mine["moe"] = static_moe.MoE(m) if moe else None  # the experts stay where they are (static_moe.py)
+            if not moe:
+                mine["moe"] = None
+            elif mine.get("moe") is None or mine["moe"].block is not m:  # kept: captured graphs read its tensors
+                mine["moe"] = static_moe.MoE(m)  # the experts stay where they are (static_moe.py)
             put(mine, {slot: norm(getattr(l, name) if name else None)
                        for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
             put(mine, {

@@ -165,6 +165,7 @@ class MoE:
 
     def __init__(self, mlp):
         router_attr, router_fn, layout, gate_fn = _block_spec(mlp)
+        self.block = mlp
         self.router = getattr(mlp, router_attr)
         self.route = router_fn(self.router)
         experts = mlp.experts

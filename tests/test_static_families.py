@@ -317,3 +317,20 @@ def test_sharded_experts_take_the_model_forward(monkeypatch):
     blocks = _moe_blocks(model)
     monkeypatch.setattr(static_decoder, "_is_sharded", lambda m: m is blocks[0])
     assert not static_decoder.static_decode_supported(model)
+
+
+def test_kept_moe_decoder_reads_the_experts_as_they_are_now():
+    """With the decoder kept between calls (keep_decoder), the experts changed in place (as an optimizer step
+    changes them) decode as they are at the next call: the decoder holds no stale copy."""
+    model, tok = build("qwen3-moe")
+    enc = prompts(tok)
+    kw = dict(max_new_tokens=10, eos_ids=[], pad_id=tok.pad_token_id, seeds=torch.arange(6), keep_decoder=True)
+    sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    kept = model._static_decoder
+    with torch.no_grad():
+        for mlp in _moe_blocks(model):
+            mlp.experts.down_proj.mul_(3.0)
+            mlp.gate.weight.mul_(-1.0)
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    assert model._static_decoder is kept
+    torch.testing.assert_close(r.logprobs, per_row_logprobs(model, enc, r) * r.completion_mask, atol=1e-4, rtol=0)
