@@ -230,8 +230,8 @@ class Agent:
             raise ValueError("the chat template does not render the tools (their schemas are absent from the "
                              "prompt it writes), so the model would never see them; use a model whose chat "
                              "template supports tools")
-        name = self.schemas[0]["function"]["name"]
-        self.answer_text([{"role": "tool", "name": name, "content": "1"}], False)
+        if self.schemas:
+            self.answer_text([{"role": "tool", "name": self.schemas[0]["function"]["name"], "content": "1"}], False)
 
     def start(self, rows):
         """One Episode per row, each with its own environment (reset with the row's fields), and the prompts

@@ -82,7 +82,7 @@ FAMILIES = {
         "defaults": {"role": "assistant"},
         "start_anchor_pattern": r"(?:<\|turn>model\n|<tool_response\|>)",
         "fields": {
-            "reasoning_content": {"open": "<|channel>thought\n", "close_pattern": r"<channel\|>\s*", "content": "text"},
+            "reasoning_content": {"open": "<|channel>thought\n", "close_pattern": r"\n?<channel\|>\s*", "content": "text"},
             "tool_calls": {"open_pattern": r"<\|tool_call>call:(?P<name>[\w.-]+)", "close_pattern": r"<tool_call\|>\s*",
                            "repeats": True, "content": "json",
                            "content_args": {"string_delims": [['<|"|>', '<|"|>']], "unquoted_keys": True},

@@ -1,6 +1,6 @@
 """Conversations as chat models write them: options for the chat template (`--chat_template_kwargs`, e.g.
 Qwen3's enable_thinking), a completion read into its parts (content, reasoning, tool calls) for reward
-functions, and tool calls in each family's own format (Qwen3, Qwen3.5, gpt-oss, Llama 3.x) read by the
+functions, and tool calls in each family's own format (Qwen3, Qwen3.5, gpt-oss, Llama 3.x, Gemma 4) read by the
 tokenizer's response template (responses.py), run, and answered as the family's template writes a result.
 
 Each family's chat template is written out below in the published template's format (compact: only what a
@@ -157,6 +157,46 @@ LLAMA3 = (
     "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
+# Gemma 4: tools declared in the system turn in its own notation (unquoted keys, strings between <|"|> marks), a
+# call as <|tool_call>call:NAME{key:value}<tool_call|>, the result written right after it in the same model turn
+# (<|tool_response>response:NAME{value:...}<tool_response|>), where the model goes on
+GEMMA4 = (
+    "{%- macro arg(v) %}{% if v is string %}{{ '<|\"|>' + v + '<|\"|>' }}{% else %}{{ v }}{% endif %}{% endmacro %}"
+    "{%- set ns = namespace(role='', kind='') %}"
+    "{%- set rest = messages[1:] if messages[0].role == 'system' else messages %}"
+    "{%- if enable_thinking or tools or messages[0].role == 'system' %}{{ '<|turn>system\\n' }}"
+    "{%- if enable_thinking %}{{ '<|think|>\\n' }}{% endif %}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content | trim }}{% endif %}"
+    "{%- for t in tools or [] %}{%- set p = t.function.parameters %}"
+    "{{- '<|tool>declaration:' + t.function.name + '{description:<|\"|>' + t.function.description + '<|\"|>"
+    ",parameters:{properties:{' }}"
+    "{%- for k, v in p.properties | dictsort %}{% if not loop.first %},{% endif %}"
+    "{{- k + ':{description:<|\"|>' + v.description + '<|\"|>,type:<|\"|>' + v.type | upper + '<|\"|>}' }}{% endfor %}"
+    "{{- '},required:[' }}{% for r in p.required %}{% if not loop.first %},{% endif %}{{ '<|\"|>' + r + '<|\"|>' }}"
+    "{%- endfor %}{{ '],type:<|\"|>OBJECT<|\"|>}}<tool|>' }}{% endfor %}{{ '<turn|>\\n' }}{% endif %}"
+    "{%- set last = namespace(user=-1) %}{% for m in rest %}{% if m.role == 'user' %}{% set last.user = loop.index0 %}"
+    "{%- endif %}{% endfor %}"
+    "{%- for m in rest %}{% if m.role != 'tool' %}"
+    "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
+    "{%- if not (role == 'model' and ns.role == 'assistant') %}{{ '<|turn>' + role + '\\n' }}{% endif %}"
+    "{%- set ns.role, ns.kind = m.role, '' %}"
+    "{%- if m.reasoning_content and loop.index0 > last.user and m.tool_calls %}"
+    "{{- '<|channel>thought\\n' + m.reasoning_content + '\\n<channel|>' }}{% endif %}"
+    "{%- for tc in m.tool_calls or [] %}{{ '<|tool_call>call:' + tc.function.name + '{' }}"
+    "{%- for k, v in tc.function.arguments | dictsort %}{% if not loop.first %},{% endif %}{{ k + ':' + arg(v) }}{% endfor %}"
+    "{{- '}<tool_call|>' }}{% set ns.kind = 'call' %}{% endfor %}"
+    "{%- set scan = namespace(stop=false) %}"
+    "{%- for f in rest[loop.index0 + 1:] if m.tool_calls %}{% if f.role != 'tool' %}{% set scan.stop = true %}"
+    "{%- elif not scan.stop %}{{ '<|tool_response>response:' + f.name + '{value:' + arg(f.content) + '}<tool_response|>' }}"
+    "{%- set ns.kind = 'response' %}{% endif %}{% endfor %}"
+    "{%- set content = (m.content or '') | trim %}{{ content }}"
+    "{%- if ns.kind == 'call' %}{{ '<|tool_response>' }}"
+    "{%- elif not (ns.kind == 'response' and not content) %}{{ '<turn|>\\n' }}{% endif %}"
+    "{%- endif %}{% endfor %}"
+    "{%- if add_generation_prompt and ns.kind not in ['call', 'response'] %}{{ '<|turn>model\\n' }}{% endif %}")
+GEMMA4_TOKENS = ["<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>',
+                 "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|think|>"]
+
 # family: (template, marker tokens, end of turn, a turn that reasons and calls add(x=5) as the family's models
 # write it, a final answer, the result of add as the template appends it, the stop that ends a call turn)
 FAMILIES = {
@@ -186,6 +226,11 @@ FAMILIES = {
                '<|start_header_id|>ipython<|end_header_id|>\n\n"5"<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
                '\n\n',
                None),  # the call is the whole turn: the end of turn ends it
+    "gemma4": (GEMMA4, GEMMA4_TOKENS, "<turn|>",
+               "<|channel>thought\nI add.\n<channel|><|tool_call>call:add{x:5}<tool_call|>",
+               "The total is 5.<turn|>",
+               '<|tool_response>response:add{value:<|"|>5<|"|>}<tool_response|>',
+               "<tool_call|>"),
 }
 
 
