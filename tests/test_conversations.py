@@ -138,7 +138,8 @@ LLAMA3 = (
     "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
     "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
     "{%- if tools %}{{ 'Environment: ipython\\n' }}{% endif %}"
-    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + (date_string | default('26 Jul 2024')) + '\\n\\n'"
+    " + system + '<|eot_id|>' }}"
     "{%- for m in rest %}"
     "{%- if m.role == 'user' %}{{ '<|start_header_id|>user<|end_header_id|>\\n\\n' }}"
     "{%- if loop.first and tools %}{{ 'Given the following functions, please respond with a JSON for a function call "
@@ -412,9 +413,15 @@ def test_a_template_that_does_not_render_tools_stops_the_run(tmp_path):
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+# each family's options and the end of its prompt with them
+TRAIN_RUNS = {"qwen3": ('{"enable_thinking": false}', "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+              "gpt-oss": ('{"reasoning_effort": "low"}', "<|start|>assistant"),
+              "llama3": ('{"date_string": "1 Jan 2026"}', "<|start_header_id|>assistant<|end_header_id|>\n\n")}
+
+
+@pytest.mark.parametrize("family", list(TRAIN_RUNS))
 def test_an_environment_runs_unchanged_through_train(tmp_path, family):
-    """A TRL-style environment on a tiny model with the family's template and thinking off: the run completes,
+    """A TRL-style environment on a tiny model with the family's template and its options: the run completes,
     whatever a random model writes, and the reward functions receive the parts of each completion."""
     env_file = tmp_path / "my_env.py"
     env_file.write_text(
@@ -439,7 +446,7 @@ def test_an_environment_runs_unchanged_through_train(tmp_path, family):
     os.environ["PARTS_LOG"] = str(log)
     try:
         out = tmp_path / "out"
-        kwargs = '{"enable_thinking": false}' if family == "qwen3" else '{"reasoning_effort": "low"}'
+        kwargs, prompt_end = TRAIN_RUNS[family]
         train.main([f"--model={model_dir}", f"--environment={env_file}:Counter", f"--reward_funcs={env_file}:parts",
                     f"--chat_template_kwargs={kwargs}", "--max_steps=1", "--max_completion_length=24",
                     "--prompts_per_step=2", "--num_generations=2", f"--out_dir={out}", "--save_every=0"])
@@ -448,7 +455,8 @@ def test_an_environment_runs_unchanged_through_train(tmp_path, family):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(rows) == 1 and "reward/Counter" in rows[0] and "tool_calls" in rows[0]
     prompt, content, reasoning, calls, messages = json.loads(log.read_text().splitlines()[0])
-    assert prompt.endswith("<think>\n\n</think>\n\n" if family == "qwen3" else "<|start|>assistant")
-    assert "Reasoning: low" in prompt or family == "qwen3"
+    assert prompt.endswith(prompt_end)
+    assert ("Reasoning: low" in prompt) == (family == "gpt-oss")
+    assert ("Today Date: 1 Jan 2026" in prompt) == (family == "llama3")
     assert len(content) == len(reasoning) == len(calls) == len(messages) == 4
     assert all(m and m[0]["role"] == "assistant" for m in messages)
