@@ -15,9 +15,9 @@ that very call back out of the rendering is the one (`find_response_template`). 
 keeps the Hermes parser of agents.py.
 
 The formats (the published templates' tool-call syntax, as TRL 1.16's chat_template_utils.py describes them):
-  qwen3     Qwen2.5 / Qwen3 / Qwen3-VL:  <think>...</think> then <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+  qwen3     Qwen2.5 / Qwen3 / Qwen3-VL:  <think>...</think>, <tool_call>{"name": ..., "arguments": {...}}</tool_call>
   qwen3.5   Qwen3.5 / Qwen3.6:  <tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>
-  gpt-oss   harmony channels: analysis (reasoning), final (content), and to=functions.NAME ... json<|message|>{...}<|call|>
+  gpt-oss   harmony channels: analysis (reasoning), final (content), to=functions.NAME ... json<|message|>{...}<|call|>
   llama3    Llama 3.1 / 3.2 / 3.3:  {"name": NAME, "parameters": {...}} as the whole turn, closed by <|eot_id|>
   gemma4    <|channel>thought ...<channel|> and <|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>
 """
@@ -98,6 +98,7 @@ PROBE = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"probe_arg_q7": {"type": "integer", "description": "A number."}},
                    "required": ["probe_arg_q7"]}}}
 _PROBE_CALL = {"type": "function", "function": {"name": "probe_tool_q7", "arguments": {"probe_arg_q7": 7}}}
+
 
 def render(tokenizer, messages, chat_template_kwargs=None, **kw):
     """The chat template's text for `messages`; the run's chat_template_kwargs (e.g. enable_thinking) go to every
