@@ -6,7 +6,9 @@ TRL calls them), so `def f(completions, **kwargs)` works too: one score per
 completion, `None` where it cannot score one (that completion then gets
 advantage 0 instead of a made-up score). A score is any real number (bool,
 int, float, numpy scalar) that stays finite as float32. `fields` are the
-task's per-prompt data (the gold answer, ...) repeated for each completion.
+task's per-prompt data (the gold answer, ...) repeated for each completion,
+and the trainer's: the token ids, and each completion's parts (its final
+content, reasoning and tool calls: responses.reward_parts).
 
 Here: the general-purpose rewards (length, format), final-number extraction
 for GSM8K, the countdown expression checker, unit tests of model-written code
