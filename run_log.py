@@ -170,6 +170,8 @@ class Logger:
         if self.wandb is None:
             return
         import wandb
+        if "image" in columns:  # pictures (arrays or PIL images) shown as pictures
+            columns = {**columns, "image": [None if x is None else wandb.Image(x) for x in columns["image"]]}
         self.wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in zip(*columns.values())])},
                        step=step)
 
@@ -180,6 +182,8 @@ class Logger:
             shown = slice(0, min(len(batch.prompts), 4 * G))  # the first four groups, whole
             self.table(step, "completions", {
                 "prompt": batch.prompts[shown], "completion": batch.completions[shown],
+                **({"image": [first_image(batch.fields, i) for i in range(len(batch.prompts))[shown]]}
+                   if "image" in batch.fields or "images" in batch.fields else {}),
                 **{k: v[shown].tolist() for k, v in parts.items()},
                 # with tools: each turn, call and result as its own message
                 **({"conversation": [json.dumps(e.messages) for e in batch.episodes[shown]],
@@ -195,6 +199,15 @@ class Logger:
             self.jsonl.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def first_image(fields, i):
+    """Row i's picture for the completions table: its `image`, or the first of its `images`; None without one."""
+    image = fields.get("image", [None] * (i + 1))[i]
+    images = fields.get("images", [None] * (i + 1))[i]
+    if image is None and images is not None and len(images):
+        image = images[0]
+    return image
 
 
 def count(n):

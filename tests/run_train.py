@@ -53,7 +53,7 @@ def uneven_sampling(root, d, pad_id):
     for the loop, or it all-gathers them again at every forward (where a rank
     that stopped early would leave the other waiting forever).
     """
-    vocab = root.config.vocab_size
+    vocab = root.config.get_text_config().vocab_size  # a vision-language config holds it in its text config
     eos_ids = list(range(vocab)) if d.rank == 0 else [vocab + 7]
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=MAX_NEW, eos_ids=eos_ids, pad_id=pad_id, seeds=torch.arange(3) + 3 * d.rank,

@@ -118,3 +118,81 @@ def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(famil
     # the images matter: without them the same tokens have other log-probs
     blind, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
     assert (blind - want)[:3][policy[:3]].abs().max() > 1e-3
+
+
+def test_a_groups_images_go_through_the_vision_tower_once():
+    model, tok, encoder = tiny_vl("qwen2_5_vl")
+    rows = image_rows()
+    calls = []
+    original = encoder.image_processor.__call__
+    encoder.image_processor = lambda images, **kw: calls.append(len(images)) or original(images=images, **kw)
+    texts, images = encoder(rows, [r["prompt"] for r in rows])
+    assert calls == [1, 2]  # the group's two rows share one processing; the row without images needs none
+    assert images.pixel_values[0] is images.pixel_values[1]
+    seen = []
+    model.model.visual.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    feats, _ = vision.features(model, images)
+    # one pass over the patches of each distinct prompt's images, the group's features repeated for its rows
+    assert seen == [sum(int(g.prod(-1).sum()) for g in images.grid[1:3])]
+    tokens = [int(g.prod(-1).sum()) // 4 for g in images.grid]
+    assert feats.shape[0] == sum(tokens)
+    torch.testing.assert_close(feats[:tokens[0]], feats[tokens[0]:2 * tokens[0]], rtol=0, atol=0)
+
+
+def test_lora_adapts_the_language_model_only():
+    for targets in ("all", "gate_proj"):  # the vision tower's MLPs have a gate_proj too
+        m = tiny_vl("qwen2_5_vl")[0]
+        assert any(n.endswith("gate_proj") for n, _ in m.model.visual.named_modules())
+        adapted = model_loading.add_lora(m, 4, 8.0, targets)
+        assert adapted and all(n.startswith("model.language_model.") for n in adapted), adapted
+        assert not any(p.requires_grad for p in m.model.visual.parameters())
+
+
+def test_shapes_pictures_and_reward():
+    import random
+
+    import shapes
+    rows = shapes.prompts(random.Random(0), 20)
+    for row in rows:
+        picture = row["images"][0]
+        # the square fills the inside of its cell: find the cell whose inner 6 x 6 pixels are one colour
+        found = []
+        for cell in range(shapes.GRID ** 2):
+            r, c = divmod(cell, shapes.GRID)
+            inner = picture[r * 8 + 1:r * 8 + 7, c * 8 + 1:c * 8 + 7].reshape(-1, 3)
+            if (inner != 255).any() and (inner == inner[0]).all():
+                found.append(tuple(int(v) for v in inner[0]))
+        assert found == [shapes.COLOURS[row["answer"]]]
+    assert len({r["answer"] for r in rows}) == 4
+    assert shapes.square_colour_reward(None, ["red" * 4, "red blue", "xx"], ["red", "red", "red"]) == [1.0, 0.25, 0.0]
+
+
+def test_shapes_task_trains_and_the_table_shows_the_pictures(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    import train
+    logged = []
+    real_log = wandb.Run.log
+    monkeypatch.setattr(wandb.Run, "log", lambda self, data, *a, **k: (logged.append(dict(data)),
+                                                                       real_log(self, data, *a, **k))[1])
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    train.main([f"--out_dir={tmp_path / 'out'}", "--task=shapes", "--wandb_mode=offline", "--num_generations=2",
+                "--prompts_per_step=2", "--max_steps=1", "--completions_table_every=1",
+                "--print_completions_every=0", "--lora_rank=4"])
+    table = next(d["completions"] for d in logged if "completions" in d)
+    assert table.columns[:3] == ["prompt", "completion", "image"]
+    assert len(table.data) == 4 and all(isinstance(row[2], wandb.Image) for row in table.data)
+
+
+def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path):
+    from test_distributed import RUN_TRAIN, launch, metrics, tokens
+    runs = {}
+    for nproc in (1, 2):
+        out_dir = str(tmp_path / f"p{nproc}")
+        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
+                           "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4"], nproc)
+        runs[nproc] = out_dir
+    assert tokens(runs[1]) == tokens(runs[2]) and len(tokens(runs[1])) == 2
+    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
