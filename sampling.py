@@ -728,6 +728,10 @@ def check_exact(model, tolerance=2e-3, new_tokens=3):
     and the training forward's must equal one plain forward of the model over each row's trajectory alone.
     This catches an architecture whose layers, masks, states or head our paths get wrong, listed or not.
     Meaningful for float32 weights (the default); lower precision differs by its rounding, and is not checked.
+    A vision-language model is checked on text prompts: its language model on the general path, as with images;
+    what images add (their embeddings in place of the image tokens, the multi-axis rotary positions of the
+    grid, decode positions continued past it) is compared with the model's own forward by tests/test_vision.py,
+    as a start-up check would need the model's image processor and pictures.
     """
     name = type(model).__name__
     if not static_decode_supported(model):

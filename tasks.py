@@ -425,7 +425,9 @@ def _prompt_column_row(chat, messages=False):
         row = dict(row)
         prompt = row["prompt"]
         if isinstance(prompt, list):
-            row.setdefault("prompt_text", next((m["content"] for m in reversed(prompt) if m["role"] == "user"), ""))
+            prompt = with_image_parts(prompt, len(_row_images(row)))
+            row.setdefault("prompt_text", next((_text_of(m["content"]) for m in reversed(prompt)
+                                                if m["role"] == "user"), ""))
             row["prompt"] = chat(prompt)
         row.setdefault("prompt_text", row["prompt"])
         if messages:
@@ -433,6 +435,37 @@ def _prompt_column_row(chat, messages=False):
                            else [{"role": "user", "content": prompt}])
         return row
     return to_row
+
+
+def _row_images(row):
+    """A row's images (its `images` column, or `image` as one), [] without."""
+    images = row.get("images") if row.get("images") is not None else row.get("image")
+    return [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _text_of(content):
+    """A message's text: its content, or the text parts of a content list (text and image parts)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+def with_image_parts(messages, count):
+    """Messages whose image parts stand for a row's `count` images: as they are when they hold image parts, else
+    (TRL's convention for an `image`/`images` column beside text messages) that many image parts put before the
+    text of the first user message. The chat template renders each as the model's image placeholder."""
+    has = any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+              for m in messages)
+    if not count or has:
+        return messages
+    out, done = [], False
+    for m in messages:
+        if m["role"] == "user" and not done:
+            text = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            m = {**m, "content": [{"type": "image"} for _ in range(count)] + text}
+            done = True
+        out.append(m)
+    return out
 
 
 def _prompt_problem(prompt):
@@ -452,8 +485,12 @@ def _prompt_problem(prompt):
         missing = [k for k in ("role", "content") if k not in m]
         if missing:
             return f"message {j} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(m)})"
+        parts = m["content"] if isinstance(m["content"], list) else None
+        if parts is not None and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in parts):
+            continue  # content as parts: text and images (a vision-language model's prompt)
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            return f"message {j}: 'role' and 'content' must be text, got {m!r:.80}"
+            return (f"message {j}: 'role' must be text and 'content' text or a list of "
+                    f"{{\"type\": \"text\"|\"image\"}} parts, got {m!r:.80}")
     return None
 
 

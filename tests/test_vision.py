@@ -196,3 +196,30 @@ def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path):
         assert a["reward"] == b["reward"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+QWEN_VL_TEMPLATE = (  # how the Qwen-VL chat templates render text and image parts (written out here, no download)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_conversational_prompts_with_image_parts_or_an_image_column():
+    import tasks
+    _, tok, encoder = tiny_vl("qwen2_5_vl")
+    tok.chat_template = QWEN_VL_TEMPLATE
+    to_row = tasks._prompt_column_row(tasks._chat_formatter(tok), messages=True)
+    # an image column beside text messages: the images go first in the first user message (TRL's convention)
+    column = to_row({"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}],
+                     "images": [picture(1), picture(2)]})
+    assert column["prompt"].endswith(f"<|im_start|>user\n{PAD}{PAD}what?<|im_end|>\n<|im_start|>assistant\n")
+    assert column["prompt_text"] == "what?"
+    # image parts where the conversation puts them
+    parts = to_row({"prompt": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"},
+                                                            {"type": "text", "text": "b"}]}],
+                    "image": picture(3)})
+    assert f"a{PAD}b" in parts["prompt"] and parts["prompt_text"] == "ab"
+    assert tasks._prompt_problem([{"role": "user", "content": [{"type": "video"}]}]) is not None
+    texts, images = encoder([column, parts], [column["prompt"], parts["prompt"]])
+    assert [g.shape[0] for g in images.grid] == [2, 1] and texts[0].count("<|image_pad|>") > 2
