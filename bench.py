@@ -725,7 +725,9 @@ def bench_exec(s):
                 "plain_pool": lambda: pool(plain), "rewards": rewards_pool, "naive_rewards": lambda: pool(
                     lambda: plain(naive))}
         med = medians(runs, s, torch.device("cpu"))
+    groups = executor._groups()  # what bounds each program as a whole: its control group, if one can be made
     return {"exec_mode": mode, "exec_workers": workers,
+            "exec_groups": groups.describe() if groups else "no control group (per-process limits)",
             "exec_ours_programs_per_s": n / med["ours"], "exec_plain_programs_per_s": n / med["plain"],
             "exec_isolated_programs_per_s": n / med["isolated"], "exec_speedup_vs_plain": med["plain"] / med["ours"],
             "exec_overhead_ms": (med["ours"] - med["isolated"]) / n * 1e3,
@@ -837,7 +839,8 @@ def table(r, s):
                      f"{r['bf16_matmul_flops_per_s'] / 1e12:,.0f} TFLOP/s", "bf16 matmul", f"{r['long_train_mfu']:.2f}"))
     if has("exec_ours_programs_per_s"):
         rows += [
-            (f"programs/s, one at a time ({r['exec_mode']} sandbox)", f"{r['exec_ours_programs_per_s']:.1f}",
+            (f"programs/s, one at a time ({r['exec_mode']} sandbox, {r.get('exec_groups', '?')})",
+             f"{r['exec_ours_programs_per_s']:.1f}",
              f"{r['exec_plain_programs_per_s']:.1f}", "subprocess.run([python, file])",
              f"{r['exec_speedup_vs_plain']:.2f}x"),
             ("sandbox cost per program over python -I -S", f"{r['exec_overhead_ms']:.1f} ms",

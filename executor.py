@@ -11,20 +11,29 @@ Modes (the `sandbox` argument, else the environment variable GRPO_SANDBOX, which
           when it ends, or is killed, the kernel kills everything it started, daemons included (as an init, it also
           ignores the signals it sends itself without a handler); a mount namespace whose
           root holds only /usr, Python's installation and a few devices, read-only, and a private tmpfs for /tmp, the
-          working folder (no home, no out_dir, no /etc/shadow, no /proc); ipc and uts namespaces. And all of unsafe.
+          working folder (no home, no out_dir, no /etc/shadow, no /proc); ipc and uts namespaces; a system-call
+          filter (sandbox_seccomp.py: no new namespaces, mount, ptrace, bpf, keys, perf, userfaultfd, io_uring,
+          modules, reboot, raw or netlink sockets; EPERM). And all of unsafe.
   auto    strict. Where the kernel refuses a namespace, every run refuses with one line naming what is missing; it
           never falls back to unsafe by itself.
-  unsafe  what needs no namespace: resource limits (no process limit: outside a user namespace RLIMIT_NPROC counts
-          every process of the user), a new session killed as one group, an empty temporary folder and an empty
-          environment. Not a sandbox: the program runs as the trainer's user (UNSAFE_BANNER says what it lacks).
+  unsafe  what needs no namespace: resource limits (a process limit only from a control group: outside a user
+          namespace RLIMIT_NPROC counts every process of the user), the control group and the system-call filter,
+          a new session killed as one group, an empty temporary folder and an empty environment. Not a sandbox: the program runs as the trainer's user (UNSAFE_BANNER says what it lacks).
 
 Every program gets a wall-clock timeout, and limits on CPU time, address space (RLIMIT_AS), file size, processes and
-open files; its stdout and stderr are cut at `max_output` bytes each. It runs as `python -I -S`: isolated mode, no
+open files; its stdout and stderr are cut at `max_output` bytes each. Where a control group can be made
+(sandbox_cgroups.py), each program has one: memory (resident and swap), CPU time and processes are budgets for all
+its processes together, and passing the memory or CPU budget kills it whole (Result.exceeded names which); where
+none can be made, the first strict check says so once on stderr and the limits stay per process. Either way every
+process of a program has oom_score_adj 1000 (the OOM killer's first choice; the trainer's score is not touched),
+and a program is only started while the memory budget of all running programs (MEMORY_SHARE of what the machine
+has available) holds it, which also sizes run_many's pool. It runs as `python -I -S`: isolated mode, no
 `site`, so only the standard library, and a faster start than a plain `python file.py` (README: Running
 model-written code, for the measured overhead).
 
-How: run() starts `python -I -S` running this module's _launch(STATUS, CONTROL) (the launcher), sends it a spec on
-stdin (then the program's stdin), and reads the program's stdout and stderr. The launcher builds the sandbox, forks
+How: run() starts `python -I -S` running sandbox_launcher.launch(STATUS, CONTROL) (the launcher), puts it in the
+program's control group, sends it a spec on stdin (then the program's stdin), and reads the program's stdout and
+stderr. The launcher builds the sandbox, forks
 the program's init and waits for it; it reports on STATUS, a pipe the program never holds, a failure while building
 the sandbox ("E ..."), then the program's exit status ("X ..."), so a program cannot pass for a sandbox failure nor
 fake its status; at the timeout run() writes to CONTROL and the launcher kills the init, which takes its whole
@@ -37,9 +46,9 @@ import sys
 import time
 import _thread
 
-# The launcher (a fresh interpreter running _launch, once per program) imports only what is above, plus ctypes,
-# marshal, resource and select; the trainer's side imports subprocess, selectors and the thread pool inside the functions
-# that use them, so that no program's start pays for them (about 25 ms on a slow core).
+# The launcher (a fresh interpreter per program) imports sandbox_launcher, not this module; here the trainer's side
+# imports subprocess, selectors, threading and the thread pool inside the functions that use them, so that a trainer
+# that never runs a program pays nothing for them.
 
 KiB, MiB = 1 << 10, 1 << 20
 SANDBOX_MODES = ("auto", "strict", "unsafe")
@@ -298,8 +307,8 @@ def python(code: str) -> str:
         code: The whole program, as Python source.
 
     Returns:
-        What the program wrote to standard output, then to standard error, with a note when it timed out or exited
-        with an error; the middle of a long output is cut. When it could not be run, the reason, starting with
+        What the program wrote to standard output, then to standard error, with a note when it timed out, passed
+        its memory or CPU limit, or exited with an error; the middle of a long output is cut. When it could not be run, the reason, starting with
         "error:".
     """
     try:
@@ -311,6 +320,8 @@ def python(code: str) -> str:
     text = result.stdout + result.stderr
     if result.timed_out:
         text += f"\n[timed out after {TOOL_TIMEOUT:g} seconds]"
+    elif result.exceeded in ("memory", "cpu"):
+        text += f"\n[killed: it passed its {'memory' if result.exceeded == 'memory' else 'CPU time'} limit]"
     elif result.exit_code:
         text += f"\n[exit code {result.exit_code}]"
     if len(text) > TOOL_MAX_CHARS:

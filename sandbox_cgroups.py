@@ -14,6 +14,7 @@ trainer runs under (a container's) still holds for the trainer and its programs 
 grpo-sandbox-<trainer pid>-<n>, and those of a trainer that died are removed by the next one.
 """
 
+import itertools
 import os
 import signal
 import time
@@ -96,7 +97,7 @@ class Groups:
 
     def __init__(self, version, bases):
         self.version, self.bases = version, bases
-        self.count = 0
+        self.count = itertools.count(1)  # next() on it is atomic: programs start from many threads at once
         self.leftover = []  # groups that could not be removed yet (a process still dying): tried again later
 
     @property
@@ -110,8 +111,7 @@ class Groups:
     def make(self, memory, processes):
         """A new group with these budgets: `memory` bytes resident and swap for all its processes together,
         `processes` at once. OSError when the kernel refuses."""
-        self.count += 1
-        name = f"{PREFIX}{os.getpid()}-{self.count}"
+        name = f"{PREFIX}{os.getpid()}-{next(self.count)}"
         group = Group(self.version, {c: os.path.join(base, name) for c, base in self.bases.items()})
         try:
             for folder in dict.fromkeys(group.dirs.values()):
@@ -139,7 +139,9 @@ class Groups:
         self.leftover = [g for g in self.leftover if not g.remove(wait=False)]
 
     def clean_stale(self):
-        """Remove the groups of trainers that are gone (killed before they could remove their own)."""
+        """Remove the empty groups of trainers that are gone (killed before they could remove their own; their
+        launchers killed their programs when the trainer's end closed their control pipes). A group with processes
+        is left alone: its trainer may live in another pid namespace, where its pid means nothing here."""
         for base in set(self.bases.values()):
             try:
                 names = os.listdir(base)
@@ -148,7 +150,10 @@ class Groups:
             for name in names:
                 owner = name[len(PREFIX):].split("-")[0]
                 if name.startswith(PREFIX) and owner.isdigit() and not _alive(int(owner)):
-                    Group(self.version, {"": os.path.join(base, name)}).remove(wait=False)
+                    try:
+                        os.rmdir(os.path.join(base, name))
+                    except OSError:
+                        pass
 
 
 class Group:
