@@ -183,8 +183,10 @@ def load_images(cfg, model, tokenizer, task):
         raise SystemExit(f"model: {e}") from e
     row = task.prompts_for_step(cfg.seed, 1, 1)[0] if task.rows or task.make_prompts else {}
     if vision.row_images(row) and encoder is None:
-        raise SystemExit(f"task {cfg.task}: its prompts hold images, and {type(model).__name__} has no vision tower "
-                         f"(a vision-language model, e.g. Qwen2.5-VL, sees them)")
+        why = ("images in prompts run on the Qwen-VL family's layout (Qwen2.5-VL, Qwen3-VL, Qwen3.5) only"
+               if getattr(model.config, "vision_config", None) is not None else "it has no vision tower")
+        raise SystemExit(f"task {cfg.task}: its prompts hold images, and {type(model).__name__} cannot see them: "
+                         f"{why}")
     if encoder is not None and cfg.dynamic_sampling:
         raise ConfigError("dynamic_sampling", "not supported with a vision-language model's image prompts yet")
     return encoder

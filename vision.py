@@ -30,10 +30,12 @@ IMAGE_COLUMNS = ("image", "images")
 
 
 def is_vision_model(model):
-    """True for a model with a vision tower whose language model this file drives (Qwen-VL family layout)."""
+    """True for a model with a vision tower whose language model this file drives: the Qwen-VL family's layout
+    (a language model, the vision tower's features, multi-axis rotary positions). Others with a vision tower
+    (Gemma 3, ...) run text prompts as any model does; prompts with images stop the run at start."""
     inner = getattr(model, "base_model", None)
-    return (getattr(model.config, "vision_config", None) is not None
-            and hasattr(inner, "language_model") and hasattr(inner, "get_image_features"))
+    return (getattr(model.config, "vision_config", None) is not None and hasattr(inner, "language_model")
+            and hasattr(inner, "get_image_features") and hasattr(inner, "get_rope_index"))
 
 
 def row_images(row):

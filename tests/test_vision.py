@@ -223,3 +223,10 @@ def test_conversational_prompts_with_image_parts_or_an_image_column():
     assert tasks._prompt_problem([{"role": "user", "content": [{"type": "video"}]}]) is not None
     texts, images = encoder([column, parts], [column["prompt"], parts["prompt"]])
     assert [g.shape[0] for g in images.grid] == [2, 1] and texts[0].count("<|image_pad|>") > 2
+
+
+def test_image_prompts_on_a_model_without_a_vision_tower_stop_at_start(tmp_path, tiny_dir):
+    import train
+    with pytest.raises(SystemExit, match="its prompts hold images, and Qwen2ForCausalLM cannot see them: it has no "
+                                         "vision tower"):
+        train.main([f"--out_dir={tmp_path / 'out'}", "--task=shapes", f"--model={tiny_dir}", "--max_steps=1"])
