@@ -662,7 +662,7 @@ def _first_non_finite(state_dict):
     return None
 
 
-def export_model(model, tokenizer, path, state_dict=None):
+def export_model(model, tokenizer, path, state_dict=None, image_processor=None):
     """Save a Hugging Face folder (config, tokenizer, safetensors) that `from_pretrained` loads.
 
     `state_dict` lets a sharded run pass full tensors gathered elsewhere. LoRA
@@ -701,6 +701,8 @@ def export_model(model, tokenizer, path, state_dict=None):
         os.makedirs(tmp)
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if image_processor is not None:  # a vision-language model's: the export reads images as training did
+            image_processor.save_pretrained(tmp)
     except BaseException as e:
         # a full disk (...) is one line; safetensors and torch may have wrapped its OSError: judged before the
         # partial folder is removed, while the disk is still as the write left it

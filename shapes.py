@@ -27,15 +27,14 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 
 
 def _shape_mask(shape):
-    """(CELL, CELL) bool: the shape drawn in a cell, a pixel of margin around it."""
+    """(CELL, CELL) bool: the shape drawn in a cell."""
     y, x = np.mgrid[0:CELL, 0:CELL]
-    inner = (y >= 1) & (y < CELL - 1) & (x >= 1) & (x < CELL - 1)
-    if shape == "square":
-        return inner
+    c = (CELL - 1) / 2
+    if shape == "square":  # the whole cell: the most colour of the three, which the tiny model can learn to find
+        return np.ones((CELL, CELL), dtype=bool)
     if shape == "disc":
-        c = (CELL - 1) / 2
-        return (y - c) ** 2 + (x - c) ** 2 <= (c - 0.5) ** 2
-    return inner & (np.abs(x - (CELL - 1) / 2) <= (y - 1) / 2)  # a triangle, apex at the top
+        return (y - c) ** 2 + (x - c) ** 2 <= 2.5 ** 2
+    return (y >= 2) & (y < CELL - 1) & (np.abs(x - c) <= (y - 2) / 2 + 0.5)  # a triangle, apex at the top
 
 
 def draw(rng):

@@ -934,7 +934,8 @@ def export(run, start_step, history, t_start):
     if not d.master:
         return
     try:
-        model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, state_dict=full_weights)
+        model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, state_dict=full_weights,
+                                   image_processor=None if run.images is None else run.images.image_processor)
     except ValueError as e:  # non-finite weights: nothing is written
         raise SystemExit(str(e)) from e
     print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")

@@ -167,7 +167,7 @@ def test_shapes_pictures_and_reward():
     assert shapes.square_colour_reward(None, ["red" * 4, "red blue", "xx"], ["red", "red", "red"]) == [1.0, 0.25, 0.0]
 
 
-def test_shapes_task_trains_and_the_table_shows_the_pictures(tmp_path, monkeypatch):
+def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_them(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     import train
     logged = []
@@ -181,6 +181,11 @@ def test_shapes_task_trains_and_the_table_shows_the_pictures(tmp_path, monkeypat
     table = next(d["completions"] for d in logged if "completions" in d)
     assert table.columns[:3] == ["prompt", "completion", "image"]
     assert len(table.data) == 4 and all(isinstance(row[2], wandb.Image) for row in table.data)
+    # the export reads images as the run did: its image processor beside the weights
+    export = str(tmp_path / "out" / "model")
+    assert vision.load_image_processor(export).to_dict() == vision.load_image_processor(
+        str(tmp_path / "out" / "tiny_model_init")).to_dict()
+    assert vision.is_vision_model(model_loading.load_model(export, {"dtype": "float32"}))
 
 
 def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path):
