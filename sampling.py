@@ -279,6 +279,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
                              record=replay is not None)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
+        if not steps.forgets_exactly and respond is not None and max_turns > 1:
+            check_every = 1  # recurrent layers (see below)
     else:
         steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill), False
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -311,6 +313,7 @@ class _StaticSteps:
         self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
                                            attention_kernel=attention_kernel)
         self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
+        self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
 
     def decode(self, tok, cols, cols_h):

@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 import kernels
 import static_moe
+import static_recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,10 @@ class Family:
     sinks: bool = False            # a learned logit per head in each softmax's denominator (gpt-oss's `sinks`)
     half_tables: bool = False      # the rotary module gives cos/sin over half a head, which rotates the halves
                                    # (x1 cos - x2 sin, x2 cos + x1 sin): the tables duplicated (gpt-oss)
+    partial_rotary: bool = False   # rotary over the first dims of each head only (the tables' width), the rest
+                                   # passed through (Qwen3.5)
+    gated_query: bool = False      # q_proj gives each head's query and then a gate: the attention's output is
+                                   # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     refuse: tuple = ()             # config fields this decoder does not implement: the model must leave them unset
 
 
@@ -69,6 +74,9 @@ FAMILIES = {
     "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
     # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from static_moe.py
     "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
+    # gated attention with partial rotary beside Gated DeltaNet layers (static_recurrent.py)
+    "Qwen3_5DecoderLayer": Family(qk_norm="head", unit_offset=True, upcast=True, partial_rotary=True,
+                                  gated_query=True),
     "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
                                  embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
                                  refuse=("final_logit_softcapping", "attn_logit_softcapping",
@@ -134,23 +142,38 @@ def _reproduced(model):
         return None
     if any(getattr(cfg, k, None) for k in fam.refuse):
         return None
-    head_dim = layers[0].self_attn.head_dim
-    if any(name.endswith("inv_freq") and 2 * b.numel() != head_dim for name, b in inner.rotary_emb.named_buffers()):
-        return None  # rotary over part of each head
+    attention = [layer.self_attn for layer in layers if _attends(layer)]
+    if not attention:
+        return None
+    head_dim = attention[0].head_dim
+    for name, b in inner.rotary_emb.named_buffers():
+        if name.endswith("inv_freq") and (2 * b.numel() > head_dim or
+                                          (2 * b.numel() != head_dim and not fam.partial_rotary)):
+            return None  # rotary over part of each head, where the family does not say so
     types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
-    if any(t not in ("full_attention", "sliding_attention") for t in types_):
+    if any(t not in ("full_attention", "sliding_attention", "linear_attention") for t in types_):
         return None
     for layer, kind, window in zip(layers, types_, _windows(model, fam)):
         if _layer_family(layer) is not fam:
             return None
-        a, m = layer.self_attn, layer.mlp
+        m = layer.mlp
+        if (kind == "linear_attention") != (not _attends(layer)):
+            return None
         if static_moe.is_moe(m):
             if not static_moe.supported(m):
                 return None
         elif _activation(getattr(m, "act_fn", None)) is None or \
                 any(type(x) is not torch.nn.Linear for x in (m.gate_proj, m.up_proj, m.down_proj)):
             return None
+        if not _attends(layer):
+            if not static_recurrent.supported(getattr(layer, "linear_attn", None)):
+                return None
+            continue
+        a = layer.self_attn
         if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+            return None
+        if fam.gated_query and (a.q_proj.out_features != 2 * cfg.num_attention_heads * a.head_dim or
+                                a.q_proj.bias is not None):
             return None
         if (kind == "sliding_attention" and window is None) or (window is not None and window < 1):
             return None  # a sliding layer whose window this file cannot tell
@@ -159,11 +182,25 @@ def _reproduced(model):
     return fam
 
 
+def _query_parts(q_weight, heads, fam, kv):
+    """The fused projection's parts: q_proj's weight, k's and v's; with a gated query, q_proj holds each head's
+    query then its gate (heads, 2, head_dim, H): the queries first, the gates after k and v."""
+    if not fam.gated_query:
+        return [q_weight, *kv]
+    per_head = q_weight.view(heads, 2, -1, q_weight.shape[-1])
+    return [per_head[:, 0].flatten(0, 1), *kv, per_head[:, 1].flatten(0, 1)]
+
+
+def _attends(layer):
+    """True for a layer with softmax attention (not a recurrent one)."""
+    return getattr(layer, "self_attn", None) is not None
+
+
 def _windows(model, fam):
-    """Each layer's sliding window in tokens, None for full attention."""
+    """Each layer's sliding window in tokens, None for full attention (and for recurrent layers)."""
     if fam.window_from_config:
         return [model.config.sliding_window] * len(model.model.layers)
-    return [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+    return [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.model.layers]
 
 
 def _rotary_keys(model, fam):
@@ -171,7 +208,7 @@ def _rotary_keys(model, fam):
     for a layer without rotary."""
     cfg = model.config
     kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
-    return [None if fam.rope_flag and not getattr(layer.self_attn, fam.rope_flag) else
+    return [None if not _attends(layer) or (fam.rope_flag and not getattr(layer.self_attn, fam.rope_flag)) else
             kind if fam.rotary_per_type else "all" for layer, kind in zip(model.model.layers, kinds)]
 
 
@@ -313,8 +350,10 @@ def training_forward_supported(model):
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
     fam = _reproduced(model)
-    if not fam or fam.sinks or any(static_moe.is_moe(layer.mlp) for layer in model.model.layers):
-        return False  # MoE blocks and sinks train on the model's own forward (its experts kernels, routing replay)
+    if not fam or fam.sinks or fam.gated_query or fam.partial_rotary or \
+            any(static_moe.is_moe(layer.mlp) or not _attends(layer) for layer in model.model.layers):
+        return False  # MoE blocks, sinks and hybrid layers train on the model's own forward (its experts
+        # kernels and routers for routing replay, its chunked recurrent kernels)
     layers = model.model.layers
     if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
         return False
@@ -517,7 +556,7 @@ class StaticDecoder:
 
     def __init__(self, model, max_batch, max_len):
         cfg, layers = model.config, model.model.layers
-        a0 = layers[0].self_attn
+        a0 = next(l.self_attn for l in layers if _attends(l))
         self.fam = fam = _layer_family(layers[0])
         self.qk_norm, self.upcast = fam.qk_norm, fam.upcast  # read in every layer of every step
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -537,7 +576,7 @@ class StaticDecoder:
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.device, self.dtype)  # as HF rounds it
         slots = ("attn_in", "attn_out", "mlp_in", "mlp_out")
         self.eps = [{**{slot: _eps(getattr(l, name)) for slot, name in zip(slots, fam.norms) if name},
-                     **({"qk": _eps(l.self_attn.q_norm)} if fam.qk_norm else {})} for l in layers]
+                     **({"qk": _eps(l.self_attn.q_norm)} if fam.qk_norm and _attends(l) else {})} for l in layers]
         self.final_eps = _eps(model.model.norm)
         # per layer: which rotary table (None: no rotary) and which sliding window (None: full attention)
         rotary_keys, windows = _rotary_keys(model, fam), _windows(model, fam)
@@ -546,15 +585,22 @@ class StaticDecoder:
                      for key, window in zip(rotary_keys, windows)]
         self.windows = sorted(set(windows) - {None})
         kw = dict(device=self.device, dtype=self.dtype)
-        shape = (len(layers), max_batch, self.n_kv, max_len, self.head_dim)
+        # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
+        # their states per row instead (static_recurrent.py)
+        self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if _attends(l))}
+        self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype)
+                          for i, l in enumerate(layers) if not _attends(l)}
+        self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see static_recurrent.py)
+        shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
         # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
         # with its first half negated (see _rotate)
         self.rotary = model.model.rotary_emb
         probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.cos = [torch.zeros(max_batch, max_len, self.head_dim, device=self.device,
-                                dtype=_rotary(self.rotary, fam, *probe, key)[0].dtype) for key in self.rotary_keys]
+        tables = [_rotary(self.rotary, fam, *probe, key)[0] for key in self.rotary_keys]
+        self.rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
+        self.cos = [torch.zeros(max_batch, max_len, self.rot_dim, device=self.device, dtype=t.dtype) for t in tables]
         self.sin = [torch.zeros_like(c) for c in self.cos]
         self.rotary_cast = any(c.dtype != self.dtype for c in self.cos)
         # each slot's token position, for sliding windows
@@ -606,11 +652,14 @@ class StaticDecoder:
         first = self.w is None
         if first:
             self.w = ([{} for _ in model.model.layers], {})
-        for l, mine in zip(model.model.layers, self.w[0]):
+        for i, (l, mine) in enumerate(zip(model.model.layers, self.w[0])):
             gather = _is_sharded(l)  # static_decode_supported let it through: it gathers itself
             if gather:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
-            a, m = l.self_attn, l.mlp
+            a, m = getattr(l, "self_attn", None), l.mlp
+            mine["linear"] = self.recurrent.get(i)
+            if a is None:  # a recurrent layer: its own copies (static_recurrent.py)
+                mine["linear"].load(l.linear_attn)
             moe = static_moe.is_moe(m)
             if not moe:
                 mine["moe"] = None
@@ -619,7 +668,11 @@ class StaticDecoder:
             put(mine, {slot: norm(getattr(l, name) if name else None)
                        for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
             put(mine, {
-                "qkv": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                "qkv": None, "qkv_b": None, "qk_norm": None, "q_norm": None, "k_norm": None, "o": None, "o_b": None,
+                "sinks": None,
+            } if a is None else {
+                # q, k, v, and after them the query's gate where the family has one
+                "qkv": _query_parts(a.q_proj.weight, nh, fam, [a.k_proj.weight, a.v_proj.weight]),
                 "qkv_b": biases(a.q_proj, a.k_proj, a.v_proj),
                 # q/k norms: one table over the heads of q and k (Qwen3, Gemma), or q's and k's apart (OLMo 2)
                 "qk_norm": norm(a.q_norm, nh) + norm(a.k_norm, nkv) if fam.qk_norm == "head" else None,
@@ -627,6 +680,8 @@ class StaticDecoder:
                 "k_norm": norm(a.k_norm) if fam.qk_norm == "projection" else None,
                 "o": [a.o_proj.weight], "o_b": biases(a.o_proj),
                 "sinks": [a.sinks] if fam.sinks else None,
+            })
+            put(mine, {
                 "gate_up": None if moe else [m.gate_proj.weight, m.up_proj.weight],
                 "gate_up_b": None if moe else biases(m.gate_proj, m.up_proj),
                 "down": None if moe else [m.down_proj.weight], "down_b": None if moe else biases(m.down_proj),
@@ -667,6 +722,8 @@ class StaticDecoder:
         for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos]),
                     *([] if self.routes is None else [self.routes])):
             buf[:k] = buf[keep]
+        for layer in self.recurrent.values():
+            layer.compact(keep)
 
     def _embed(self, ids):
         x = F.embedding(ids, self.w[1]["embed"])
@@ -674,48 +731,64 @@ class StaticDecoder:
 
     def _project(self, x, lead, w, eps, rope, cos, sin):
         """A layer's attention inputs from x (*lead, H): q and k (*lead, nh + nkv, hd), normed and rotated by
-        the rotary table `rope` of cos, sin (None: no rotary) as the family does, and v (*lead, nkv, hd)."""
+        the rotary table `rope` of cos, sin (None: no rotary) as the family does, v (*lead, nkv, hd), and the
+        query's gate (*lead, nh * hd), None where the family has none."""
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         h = x if w["attn_in"] is None else _rms_norm(x, w["attn_in"], eps["attn_in"], self.upcast)
         qkv = F.linear(h, w["qkv"], w["qkv_b"])
+        gate = None
+        if self.fam.gated_query:  # the gates come after q, k and v (see _query_parts)
+            qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
         if self.qk_norm == "projection":  # over all of q and all of k, before the split into heads
             q = _rms_norm(qkv[..., :nh * hd], w["q_norm"], eps["qk"], self.upcast)
             k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], w["k_norm"], eps["qk"], self.upcast)
             qk = torch.cat([q, k], -1).view(*lead, nh + nkv, hd)
             v = qkv[..., (nh + nkv) * hd:].view(*lead, nkv, hd)
         else:
-            heads = qkv.view(*lead, nh + 2 * nkv, hd)
+            heads = qkv.unflatten(-1, (nh + 2 * nkv, hd))
             qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:, :]
             if self.qk_norm == "head":  # each head of q and k, in one pass
                 qk = _head_norm(qk, w["qk_norm"], eps["qk"], self.upcast)
         if rope is not None:
-            qk = _rotate(qk, cos[rope], sin[rope])  # rotary on queries and keys in one pass
+            rd = self.rot_dim
+            if rd == hd:
+                qk = _rotate(qk, cos[rope], sin[rope])  # rotary on queries and keys in one pass
+            else:  # partial rotary: the first rd dims of each head rotate, the rest pass
+                qk = torch.cat([_rotate(qk[..., :rd], cos[rope], sin[rope]).to(qk.dtype), qk[..., rd:]], -1)
             if self.rotary_cast:
                 qk = qk.to(self.dtype)
-        return qk, v
+        return qk, v, gate
 
-    def _layers(self, x, cos, sin, write, keys, masks):
-        """Prefill: x (B, S, H) through every layer; write(layer, k, v) stores the new K/V; keys(layer) -> cached K, V.
-        cos, sin: (B, S, 1, hd) per rotary table; masks: window (None: full attention) -> attention mask."""
+    def _mixer_in(self, x, w, eps):
+        return x if w["attn_in"] is None else _rms_norm(x, w["attn_in"], eps["attn_in"], self.upcast)
+
+    def _layers(self, x, cos, sin, write, keys, masks, recurrent):
+        """Prefill: x (B, S, H) through every layer; write(cache row, k, v) stores the new K/V; keys(cache row) ->
+        cached K, V. cos, sin: (B, S, 1, hd) per rotary table; masks: window (None: full attention) -> attention
+        mask; recurrent(layer, h): a recurrent layer's output for its normed inputs h (B, S, H)."""
         b, s, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         for i, w in enumerate(self.w[0]):
             rope, window = self.plan[i]
             eps = self.eps[i]
-            qk, v = self._project(x, (b, s), w, eps, rope, cos, sin)
+            if w["linear"] is not None:
+                x = self._mlp(x, recurrent(w["linear"], self._mixer_in(x, w, eps)), w, eps, i, projected=True)
+                continue
+            qk, v, gate = self._project(x, (b, s), w, eps, rope, cos, sin)
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
-            write(i, k, v.transpose(1, 2))
-            kk, vv = keys(i)
+            write(self.kv_index[i], k, v.transpose(1, 2))
+            kk, vv = keys(self.kv_index[i])
             if w["sinks"] is not None:
                 o = _sink_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv), masks[window],
                                     self.scale, w["sinks"].view(nh, 1, 1))
             else:
                 o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
                                                    attn_mask=masks[window], scale=self.scale)
-            x = self._mlp(x, o.transpose(1, 2).reshape(b, s, nh * self.head_dim), w, eps, i)
+            o = o.transpose(1, 2).reshape(b, s, nh * self.head_dim)
+            x = self._mlp(x, o if gate is None else o * torch.sigmoid(gate), w, eps, i)
         return x
 
-    def _decode_layers(self, x, cos, sin, write, keys, masks):
+    def _decode_layers(self, x, cos, sin, write, keys, masks, recurrent):
         """Decode: x (B, H), one token per row, through every layer: the arithmetic of `_layers` with no
         sequence axis, which saves a sixth of the operations per token (views and transposes), a
         difference that shows on small CPU batches."""
@@ -724,9 +797,12 @@ class StaticDecoder:
         for i, w in enumerate(self.w[0]):
             rope, window = self.plan[i]
             eps = self.eps[i]
-            qk, v = self._project(x, (b,), w, eps, rope, cos, sin)
-            write(i, qk[:, nh:], v)  # (B, nkv, hd) each
-            kk, vv = keys(i)  # (B, nkv, L, hd)
+            if w["linear"] is not None:
+                x = self._mlp(x, recurrent(w["linear"], self._mixer_in(x, w, eps)), w, eps, i, projected=True)
+                continue
+            qk, v, gate = self._project(x, (b,), w, eps, rope, cos, sin)
+            write(self.kv_index[i], qk[:, nh:], v)  # (B, nkv, hd) each
+            kk, vv = keys(self.kv_index[i])  # (B, nkv, L, hd)
             attn_mask = masks[window]
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
@@ -739,12 +815,14 @@ class StaticDecoder:
                 # beat SDPA's setup cost at small CPU shapes
                 o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
                                              self.scale)
-            x = self._mlp(x, o.reshape(b, nh * hd), w, eps, i)
+            o = o.reshape(b, nh * hd)
+            x = self._mlp(x, o if gate is None else o * torch.sigmoid(gate), w, eps, i)
         return x
 
-    def _mlp(self, x, o, w, eps, i):
-        """The rest of layer i after attention: output projection and residual, then the MLP and its residual."""
-        a = F.linear(o, w["o"], w["o_b"])
+    def _mlp(self, x, o, w, eps, i, projected=False):
+        """The rest of layer i after attention: output projection (unless `projected`: a recurrent layer's output)
+        and residual, then the MLP and its residual."""
+        a = o if projected else F.linear(o, w["o"], w["o_b"])
         if w["attn_out"] is not None:
             a = _rms_norm(a, w["attn_out"], eps["attn_out"], self.upcast)
         x = x + a
@@ -805,8 +883,9 @@ class StaticDecoder:
 
         self.record_at = None if self.routes is None else \
             (lambda j, experts: self.routes[:n, :p, j].copy_(experts.view(n, p, -1)))
+        real = attn.bool()
         x = self._layers(x, [c[:n, :p, None] for c in self.cos], [s[:n, :p, None] for s in self.sin], write, keys,
-                         masks)
+                         masks, lambda layer, h: layer.prefill(h, real))
         return self._logits(x[:, -1])
 
     def _decode_body(self, b, slot, kv_len, tok=None):
@@ -852,7 +931,7 @@ class StaticDecoder:
                 self.routes[:b, slot, j] = experts.to(self.routes.dtype)
 
         self.record_at = None if self.routes is None else record
-        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks))
+        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks, lambda layer, h: layer.decode(h)))
 
     def _mark(self):
         """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
@@ -920,7 +999,8 @@ class StaticDecoder:
         self.record_at = None if self.routes is None else \
             (lambda j, experts: self.routes.__setitem__(
                 (real_rows, real_slots, j), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
-        x = self._layers(self._embed(ids), cos, sin, write, keys, masks)  # (b, K, H)
+        x = self._layers(self._embed(ids), cos, sin, write, keys, masks,
+                         lambda layer, h: layer.extend(h, valid))  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
 

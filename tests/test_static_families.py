@@ -43,10 +43,13 @@ CASES = {
     "qwen3-moe-dense-layer": ("qwen3_moe", dict(mlp_only_layers=[1])),  # a dense MLP beside a MoE block
     # sliding window 6 on one of two layers, sinks, biased q/k/v/o, yarn rotary, a biased router, clamped SwiGLU
     "gpt-oss": ("gpt_oss", {}),
+    # three Gated DeltaNet layers (static_recurrent.py) and one gated attention layer with partial rotary
+    "qwen3-5": ("qwen3_5", {}),
 }
 WINDOWED = ("mistral-window", "qwen2-window", "olmo3", "gemma3")
-MOE = ("qwen3-moe", "qwen3-moe-dense-layer", "gpt-oss")  # the sampler only: they train on the model's own forward
-DENSE = [c for c in CASES if c not in MOE]
+MOE = ("qwen3-moe", "qwen3-moe-dense-layer", "gpt-oss")
+SAMPLER_ONLY = MOE + ("qwen3-5",)  # written out in the sampler only: they train on the model's own forward
+DENSE = [c for c in CASES if c not in SAMPLER_ONLY]
 
 
 def build(case, **kw):
@@ -72,7 +75,7 @@ def per_row_logprobs(model, enc, rollout, temperature=1.0):
 def test_family_takes_the_fast_paths(case):
     model, _ = build(case)
     assert static_decoder.static_decode_supported(model)
-    assert static_decoder.training_forward_supported(model.train()) == (case not in MOE)
+    assert static_decoder.training_forward_supported(model.train()) == (case not in SAMPLER_ONLY)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -208,7 +211,6 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     ("gemma2", {}),  # softcapped attention logits
     ("gemma3", dict(final_logit_softcapping=30.0)),
     ("gemma3", dict(use_bidirectional_attention=True)),
-    ("qwen3_5", {}),
 ])
 def test_what_the_decoder_does_not_reproduce_falls_back(name, overrides):
     model, _ = architectures.tiny(name, **overrides)

@@ -1,0 +1,176 @@
+"""Gated DeltaNet layers written out for the fast decoder (static_decoder.StaticDecoder): Qwen3.5's linear attention.
+
+A Gated DeltaNet layer (Yang et al. 2024, "Gated Delta Networks") keeps, per
+row, two states instead of a KV cache: the last kernel-1 inputs of its causal
+depthwise convolution, and a recurrent matrix per value head (key_dim x
+value_dim) that each token decays by exp(g) and corrects towards its value
+(the delta rule, step size beta). The layer here computes what the model's
+module computes (transformers' Qwen3_5GatedDeltaNet), on the decoder's copies
+of its projections, fused into one matmul:
+
+- prefill: padding is zeroed before the projections, as the model zeroes it,
+  so a left-padded row's states stay at zero through its padding, as for the
+  row alone; the recurrence over the prompt runs the model's own chunked rule;
+- decode: one token per row, the convolution and the recurrence in a few
+  tensor operations, no host value (graph-capturable);
+- extend (an environment's answer appended, rows with answers of different
+  lengths): a token at a time, and a row's states move only where its column
+  is a real token, so a padding hole never enters them.
+
+A state cannot forget a token once absorbed: the decoder says so
+(`forgets_exactly`), and the sampler then looks at rows after every token, so
+that none samples past a stop. Of the project it imports nothing.
+"""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+# the layer classes this file reproduces
+CLASSES = ("Qwen3_5GatedDeltaNet",)
+
+
+def supported(module):
+    """True for a Gated DeltaNet layer of a class in `CLASSES` with the settings read here."""
+    if type(module).__name__ not in CLASSES and not any(c.__name__ in CLASSES for c in type(module).__mro__):
+        return False
+    projections = [getattr(module, n, None) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                       "out_proj")]
+    if any(type(p) is not torch.nn.Linear for p in projections):
+        return False
+    norm = getattr(module, "norm", None)
+    return (module.activation == "silu" and getattr(norm, "activation", None) == "silu"
+            and hasattr(norm, "variance_epsilon") and isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d))
+
+
+def _l2norm(x, eps=1e-6):
+    """x over its last dim scaled to unit length, as the model's recurrent rule computes it."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class DeltaNet:
+    """One Gated DeltaNet layer over a batch of rows: its fused input projection and its per-row states.
+
+    conv (rows, channels, kernel - 1): the last inputs of the convolution; rec (rows, value heads, key_dim,
+    value_dim) float32: the recurrent matrix. Rows are batch rows, as the decoder's cache rows."""
+
+    def __init__(self, module, max_batch, device, dtype):
+        m = module
+        self.nk, self.nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+        self.key_dim, self.value_dim, self.conv_dim = m.key_dim, m.value_dim, m.conv_dim
+        self.kernel = m.conv_kernel_size
+        self.eps = m.norm.variance_epsilon
+        self.conv = torch.zeros(max_batch, self.conv_dim, self.kernel - 1, device=device, dtype=dtype)
+        self.rec = torch.zeros(max_batch, self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
+        # the model's chunked delta rule for prefill (the function its own forward calls)
+        cls = next(c for c in type(m).__mro__ if c.__name__ in CLASSES)
+        self.chunk_rule = inspect.getmodule(cls).torch_chunk_gated_delta_rule
+        self.w = {}  # filled by load, which the decoder calls with the layer gathered
+
+    @torch.no_grad()
+    def load(self, m):
+        """Copy the layer's weights in (the projections fused), into the same tensors after the first load (captured
+        graphs hold them); under FSDP2 the decoder calls this while the layer is gathered."""
+        fused = [m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight]
+        own = {"out": m.out_proj.weight, "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
+               "dt_bias": m.dt_bias, "norm": m.norm.weight}
+        if "in" not in self.w:
+            self.w["in"] = torch.cat([p.detach() for p in fused])
+            self.w.update({k: None if t is None else t.detach().clone() for k, t in own.items()})
+        else:
+            torch.cat([p.detach() for p in fused], out=self.w["in"])
+            for k, t in own.items():
+                if t is not None:
+                    self.w[k].copy_(t)
+
+    def compact(self, keep):
+        k = keep.numel()
+        self.conv[:k] = self.conv[keep]
+        self.rec[:k] = self.rec[keep]
+
+    def _split(self, h):
+        """The fused projection of h (..., H): the convolution's input (..., C), z (..., value heads, dv), b, a."""
+        proj = F.linear(h, self.w["in"])
+        c, v = self.conv_dim, self.value_dim
+        z = proj[..., c:c + v].unflatten(-1, (self.nv, self.dv))
+        return proj[..., :c], z, proj[..., c + v:c + v + self.nv], proj[..., c + v + self.nv:]
+
+    def _gates(self, b, a):
+        """beta (step size) and g (log decay) per value head, as the model computes them."""
+        return b.sigmoid(), -self.w["A_log"].float().exp() * F.softplus(a.float() + self.w["dt_bias"])
+
+    def _heads(self, mixed):
+        """q, k (..., key heads, dk) and v (..., value heads, dv) from the convolution's output."""
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.nk, self.dk)), k.unflatten(-1, (self.nk, self.dk)),
+                v.unflatten(-1, (self.nv, self.dv)))
+
+    def _out(self, core, z):
+        """The gated RMSNorm over each value head, then the output projection: core, z (..., nv, dv)."""
+        dtype = z.dtype
+        x = core.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (self.w["norm"] * x.to(dtype)) * F.silu(z.float())
+        return F.linear(x.to(dtype).flatten(-2), self.w["out"])
+
+    def prefill(self, h, valid):
+        """h (N, P, H) the layer's normed inputs, valid (N, P) the real tokens: the layer's output (N, P, H); rows
+        [0, N) of the states set to what the prompts leave."""
+        n, p, _ = h.shape
+        h = h * valid[:, :, None].to(h.dtype)  # padding enters as zeros, as in the model
+        mixed, z, b, a = self._split(h)
+        x = mixed.transpose(1, 2)  # (N, C, P)
+        conv = F.conv1d(x, self.w["conv"][:, None], self.w["conv_b"], padding=self.kernel - 1,
+                        groups=self.conv_dim)[:, :, :p]
+        keep = F.pad(x, (max(0, self.kernel - 1 - p), 0))[:, :, -(self.kernel - 1):] if self.kernel > 1 else x[:, :, :0]
+        self.conv[:n] = keep
+        q, k, v = self._heads(F.silu(conv).to(h.dtype).transpose(1, 2))
+        beta, g = self._gates(b, a)
+        core, state = self.chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        self.rec[:n] = state
+        return self._out(core, z)
+
+    def _step(self, mixed, z, b, a, conv, rec):
+        """One token per row from its projections (rows, ...) and states; (output, new conv, new rec)."""
+        window = torch.cat([conv, mixed[:, :, None]], -1)  # (rows, C, kernel)
+        out = (window * self.w["conv"]).sum(-1)
+        if self.w["conv_b"] is not None:
+            out = out + self.w["conv_b"]
+        q, k, v = self._heads(F.silu(out))
+        beta, g = self._gates(b, a)
+        rep = self.nv // self.nk
+        q, k = (t.repeat_interleave(rep, dim=1).float() for t in (q, k))  # each key head serves rep value heads
+        q, k, v = _l2norm(q), _l2norm(k), v.float()
+        q = q / (self.dk ** 0.5)
+        rec = rec * g.exp()[:, :, None, None]
+        delta = (v - (rec * k[:, :, :, None]).sum(-2)) * beta.float()[:, :, None]
+        rec = rec + k[:, :, :, None] * delta[:, :, None, :]
+        core = (rec * q[:, :, :, None]).sum(-2)  # (rows, nv, dv)
+        return self._out(core.to(z.dtype), z), window[:, :, 1:], rec
+
+    def decode(self, h):
+        """h (b, H), one token for each of the first b rows: the layer's output (b, H); their states updated."""
+        bsz = h.shape[0]
+        out, conv, rec = self._step(*self._split(h), self.conv[:bsz], self.rec[:bsz])
+        self.conv[:bsz].copy_(conv)
+        self.rec[:bsz].copy_(rec)
+        return out
+
+    def extend(self, h, valid):
+        """h (b, K, H) a block of tokens per row, valid (b, K) the real ones: the output (b, K, H), each row's
+        states moved by its real tokens only, a token at a time."""
+        bsz, width, _ = h.shape
+        mixed, z, b, a = self._split(h)
+        conv, rec = self.conv[:bsz], self.rec[:bsz]
+        outs = []
+        for c in range(width):
+            out, new_conv, new_rec = self._step(mixed[:, c], z[:, c], b[:, c], a[:, c], conv, rec)
+            real = valid[:, c]
+            conv = torch.where(real[:, None, None], new_conv, conv)
+            rec = torch.where(real[:, None, None, None], new_rec, rec)
+            outs.append(out)
+        self.conv[:bsz] = conv
+        self.rec[:bsz] = rec
+        return torch.stack(outs, 1)
