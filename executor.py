@@ -147,8 +147,8 @@ _groups_found = None  # None: not looked yet; a sandbox_cgroups.Groups; or a str
 
 
 def _groups():
-    """The control groups programs run in, or None where none can be made (said once, on stderr, by the first
-    strict check: programs then keep per-process limits only)."""
+    """The control groups programs run in, or None where none can be made (said once, on stderr, when first
+    looked for, by the first strict check or program: programs then keep per-process limits only)."""
     global _groups_found
     with _groups_lock:
         if _groups_found is None:
@@ -222,8 +222,8 @@ def run(code, stdin="", *, files=None, timeout=DEFAULT_TIMEOUT, memory=DEFAULT_M
 
 
 def run_many(programs, *, workers=None, **options):
-    """Run many programs at once, `workers` at a time (default: one per CPU this process may use); their Results,
-    in order. A program is its source, or a dict of run()'s arguments ({"code": ..., "stdin": ..., "timeout": ...});
+    """Run many programs at once, `workers` at a time (default: one per CPU this process may use, as many as the
+    memory budget of all running programs holds); their Results, in order. A program is its source, or a dict of run()'s arguments ({"code": ..., "stdin": ..., "timeout": ...});
     `options` are run()'s keyword arguments for all of them. Each program has its own timeout, counted from its own
     start: a slow one costs its own time, not the others'."""
     from concurrent.futures import ThreadPoolExecutor
@@ -378,6 +378,7 @@ def _sandbox_paths():
 
 _spares = []  # launchers started ahead of need, waiting for their spec
 _spares_pid = os.getpid()
+_launcher_groups = {}  # launcher's pid: its program's control group, which it joins as it starts
 
 
 def _take_launcher():
@@ -397,25 +398,35 @@ def _take_launcher():
 
 # The launcher is imported as a module, from its cached bytecode (running a file as a script would compile it every
 # time, 7 ms); its folder is appended to sys.path, so that nothing beside it can stand in for a standard module.
-_LAUNCH = "import sys; sys.path.append({!r}); import sandbox_launcher; sandbox_launcher.launch({}, {})"
+_LAUNCH = "import sys; sys.path.append({!r}); import sandbox_launcher; sandbox_launcher.launch({}, {}, {!r})"
 
 
 def _start_launcher():
+    """A launcher, and its program's control group (made now, with the default budgets; run() sets the program's
+    own). The launcher joins the group as it starts: moving a process between groups waits for the kernel (an RCU
+    grace period, about 10 ms on a busy 2-core VM), and a spare does so while the program before it runs."""
     import subprocess
+    groups = _groups()
+    group = groups.make(DEFAULT_TOTAL_MEMORY, DEFAULT_PROCESSES + 1) if groups else None
     status_r, status_w = os.pipe()    # the launcher's reports
     control_r, control_w = os.pipe()  # strict: a byte, or end-of-file, and the launcher kills the sandbox's init
     try:
         proc = subprocess.Popen([_python(), "-I", "-S", "-c", _LAUNCH.format(
-            os.path.dirname(os.path.abspath(__file__)), status_w, control_r)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w, control_r), env={}, cwd="/",
-            start_new_session=True)
+            os.path.dirname(os.path.abspath(__file__)), status_w, control_r, group.procs_files() if group else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w, control_r),
+            env={}, cwd="/", start_new_session=True)
     except OSError:
         os.close(status_r)
         os.close(control_w)
+        if group:
+            group.remove()
         raise
     finally:
         os.close(status_w)
         os.close(control_r)
+    if group:
+        with _lock:
+            _launcher_groups[proc.pid] = group
     return proc, status_r, control_w
 
 
@@ -434,6 +445,9 @@ def _discard_spares():
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             proc.wait()
+        group = _launcher_groups.pop(proc.pid, None)
+        if group:
+            group.remove(wait=False)
 
 
 def _execute(options, mode):
@@ -458,13 +472,15 @@ def _execute(options, mode):
         except OSError as e:
             return Result(sandbox_error=f"cannot start the launcher: {e}", wall_time=time.monotonic() - start)
         try:
-            if groups:  # the launcher, waiting for its spec, joins the group: all it forks is counted
+            with _lock:
+                group = _launcher_groups.pop(proc.pid, None)
+            if group:  # the launcher joined it before reading its spec: all it forks is counted
                 try:
-                    group = groups.make(options["total_memory"], options["limits"]["processes"] + 1)
-                    group.add(proc.pid)
+                    group.set_limits(options["total_memory"], options["limits"]["processes"] + 1)
                 except OSError as e:
                     _kill_group(proc)
                     proc.wait()
+                    group.remove()
                     return Result(sandbox_error=f"control group: {e}", wall_time=time.monotonic() - start)
             data = len(header).to_bytes(8, "little") + header + options["stdin"]
             # strict: at the timeout the launcher kills the init and reaps it, so that when it exits nothing of the

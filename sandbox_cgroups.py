@@ -3,7 +3,7 @@ CPU time and the number of processes, where the kernel's control groups can be m
 
     groups = sandbox_cgroups.find()     # Groups, or a str saying why no group can be made here
     group = groups.make(memory=1 << 30, processes=33)
-    group.add(pid)                       # before the process starts the program: all it forks is counted
+    group.add(pid)                       # or the process writes its pid to group.procs_files(): all it forks counts
     group.exceeded(cpu_seconds)          # "memory" (the kernel killed one of its processes), "cpu", or None
     group.remove()                       # kills what is left, removes the group
 
@@ -116,19 +116,12 @@ class Groups:
         try:
             for folder in dict.fromkeys(group.dirs.values()):
                 os.mkdir(folder)
-            if self.version == 1:
-                _write(f"{group.dirs['memory']}/memory.limit_in_bytes", str(memory))
-                if os.path.exists(f"{group.dirs['memory']}/memory.memsw.limit_in_bytes"):  # swap counted too
-                    _write(f"{group.dirs['memory']}/memory.memsw.limit_in_bytes", str(memory))
-                if "pids" in group.dirs:
-                    _write(f"{group.dirs['pids']}/pids.max", str(processes))
-            else:
+            if self.version == 2:
                 folder = group.dirs[""]
-                _write(f"{folder}/memory.max", str(memory))
                 if os.path.exists(f"{folder}/memory.swap.max"):
                     _write(f"{folder}/memory.swap.max", "0")  # memory.max is then resident and swap together
                 _write(f"{folder}/memory.oom.group", "1")     # an OOM kill takes every process of the group
-                _write(f"{folder}/pids.max", str(processes))
+            group.set_limits(memory, processes)
         except BaseException:
             group.remove()
             raise
@@ -161,13 +154,33 @@ class Group:
 
     def __init__(self, version, dirs):
         self.version, self.dirs = version, dirs
-        self.cpu_killed = False
+        self.memory = self.processes = None
 
-    def _procs_files(self):
+    def set_limits(self, memory, processes):
+        """The budgets: `memory` bytes resident and swap for all its processes together, `processes` at once."""
+        if memory != self.memory:
+            if self.version == 1:
+                folder = self.dirs["memory"]
+                files = ["memory.limit_in_bytes"]
+                if os.path.exists(f"{folder}/memory.memsw.limit_in_bytes"):  # swap counted too
+                    # the kernel keeps limit <= memsw.limit at every step: raise memsw first, lower it last
+                    files.insert(0 if self.memory is not None and memory > self.memory else 1,
+                                 "memory.memsw.limit_in_bytes")
+                for name in files:
+                    _write(f"{folder}/{name}", str(memory))
+            else:
+                _write(f"{self.dirs['']}/memory.max", str(memory))
+            self.memory = memory
+        if processes != self.processes and (self.version == 2 or "pids" in self.dirs):
+            _write(f"{self.dirs.get('pids') or self.dirs['']}/pids.max", str(processes))
+            self.processes = processes
+
+    def procs_files(self):
+        """The files a process writes its pid to, to join the group (and so will all it starts)."""
         return [f"{folder}/cgroup.procs" for folder in dict.fromkeys(self.dirs.values())]
 
     def add(self, pid):
-        for path in self._procs_files():
+        for path in self.procs_files():
             _write(path, str(pid))
 
     def cpu_seconds(self):
@@ -205,7 +218,7 @@ class Group:
 
     def pids(self):
         found = set()
-        for path in self._procs_files():
+        for path in self.procs_files():
             try:
                 found.update(int(p) for p in _read(path).split())
             except OSError:

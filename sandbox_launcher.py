@@ -30,10 +30,13 @@ class _SetupError(Exception):
     """A step of building the sandbox failed; the message names the step and the error."""
 
 
-def launch(status_fd, control_fd):
+def launch(status_fd, control_fd, group=()):
+    """`group`: the cgroup.procs files of the program's control group, joined first (before the spec comes)."""
     for fd in (status_fd, control_fd):
         os.set_inheritable(fd, False)  # pass_fds made them inheritable; the program must not get them
     try:
+        for path in group:
+            _write(path, str(os.getpid()), "join the control group")
         # every import now: once root has become uid 65534, the standard library may be out of reach (a pyenv in /root)
         import ctypes
         import marshal
