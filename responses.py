@@ -211,7 +211,7 @@ def reasoning_of(message):
 # ----------------------------------------------------------------------------- what reward functions get
 
 
-def reward_parts(tokenizer, prompts, completion_ids, episodes=None):
+def reward_parts(tokenizer, prompts, completion_ids, episodes=None, completions=None):
     """Each completion as its parts, for reward functions (TRL's names for a message's parts):
 
     completion_messages: what the policy and the tools wrote after the prompt, as messages (TRL's conversational
@@ -221,7 +221,8 @@ def reward_parts(tokenizer, prompts, completion_ids, episodes=None):
     reasoning_content: the reasoning of every turn, joined by newlines ('' when there is none);
     tool_calls: every call the policy made, in order, {"type": "function", "function": {"name", "arguments"}}.
 
-    Without a response template (no known family), a turn is its text as written: content is the completion.
+    Without a response template (no known family), a turn is its text as written: content is the completion
+    (`completions`, the text the trainer decoded, where it is given).
     """
     if episodes is not None:
         turns = [ep.messages[ep.start:] for ep in episodes]
@@ -230,9 +231,10 @@ def reward_parts(tokenizer, prompts, completion_ids, episodes=None):
     else:
         template = getattr(tokenizer, "response_template", None)
         turns, calls = [], []
-        for prompt, ids in zip(prompts, completion_ids):
+        for i, (prompt, ids) in enumerate(zip(prompts, completion_ids)):
             # the completion's text as `completions` has it (special tokens dropped)
-            message = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+            text = completions[i] if completions is not None else tokenizer.decode(ids, skip_special_tokens=True)
+            message = {"role": "assistant", "content": text}
             if template is not None:
                 try:
                     message = read(tokenizer, tokenizer.decode(ids, skip_special_tokens=False), prompt)

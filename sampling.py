@@ -66,7 +66,7 @@ def completion_id_lists(rollout):
     return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool())]
 
 
-def reward_fields(fields, rollout, episodes, tokenizer=None, prompts=None):
+def reward_fields(fields, rollout, episodes, tokenizer=None, prompts=None, completions=None):
     """What reward functions get of each completion besides its prompt and text: the row's data, the
     trajectory's ids, with an agent the conversation and the environment, and with the tokenizer the
     completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
@@ -74,7 +74,7 @@ def reward_fields(fields, rollout, episodes, tokenizer=None, prompts=None):
     if episodes is not None:
         out.update(agents.episode_fields(episodes))
     if tokenizer is not None:
-        out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes))
+        out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes, completions))
     return out
 
 
@@ -680,7 +680,8 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             rollout, completions = generate(policy, tokenizer, ids, attn, seeds, temperature, cfg, d, eos_ids,
                                             agent, episodes, images=pictures)
             total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions,
-                                                     reward_fields(fields, rollout, episodes, tokenizer, prompts),
+                                                     reward_fields(fields, rollout, episodes, tokenizer, prompts,
+                                                                   completions),
                                                      context=reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():

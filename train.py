@@ -484,7 +484,8 @@ def score(run, batch, step):
     """
     problem, seconds, t = None, {}, time.time()
     try:
-        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes, run.tokenizer, batch.prompts)
+        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes, run.tokenizer, batch.prompts,
+                                        batch.completions)
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
                                                  batch.completions, fields, seconds=seconds,
                                                  context=sampling.reward_context(run.cfg, step))

@@ -337,6 +337,8 @@ def test_rewards_see_content_and_reasoning_apart():
     assert responses.set_response_template(plain) is None
     parts = responses.reward_parts(plain, ["q"] * 2, [encode(plain, "<think>a</think>b"), encode(plain, "c")])
     assert parts["completion_content"] == ["<think>a</think>b", "c"] and parts["reasoning_content"] == ["", ""]
+    texts = ["<think>a</think>b", "c"]  # the trainer's decoded text, when it passes it, is the content as it is
+    assert responses.reward_parts(plain, ["q"] * 2, [encode(plain, t) for t in texts], completions=texts) == parts
 
 
 # ----------------------------------------------------------------------------- each family's tool calls
@@ -460,3 +462,19 @@ def test_an_environment_runs_unchanged_through_train(tmp_path, family):
     assert ("Today Date: 1 Jan 2026" in prompt) == (family == "llama3")
     assert len(content) == len(reasoning) == len(calls) == len(messages) == 4
     assert all(m and m[0]["role"] == "assistant" for m in messages)
+
+
+def test_without_a_template_the_content_is_the_completion(tmp_path):
+    """The default tiny model (no chat template): through train.py, each completion's content is its text and
+    it has no reasoning or calls, so rewards that read the content score as they always did."""
+    reward_file = tmp_path / "check.py"
+    reward_file.write_text(
+        "def same(completions, completion_content, reasoning_content, tool_calls, completion_messages, **kw):\n"
+        "    assert completion_content == completions and reasoning_content == [''] * len(completions)\n"
+        "    assert tool_calls == [[]] * len(completions)\n"
+        "    assert completion_messages == [[{'role': 'assistant', 'content': c}] for c in completions]\n"
+        "    return [1.0] * len(completions)\n")
+    out = tmp_path / "out"
+    train.main([f"--reward_funcs={reward_file}:same", "--max_steps=1", "--prompts_per_step=2", "--num_generations=2",
+                "--max_completion_length=8", f"--out_dir={out}", "--save_every=0"])
+    assert json.loads(open(out / "metrics.jsonl").readline())["reward/same"] == 1.0
