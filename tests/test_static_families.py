@@ -336,3 +336,20 @@ def test_kept_moe_decoder_reads_the_experts_as_they_are_now():
     r = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
     assert model._static_decoder is kept
     torch.testing.assert_close(r.logprobs, per_row_logprobs(model, enc, r) * r.completion_mask, atol=1e-4, rtol=0)
+
+
+def test_sharded_hybrid_and_moe_families_sample_as_the_whole_model():
+    """Two processes, FSDP2 (tests/sharded_families.py): Qwen3.5 on the written-out layers, each block gathered
+    for its copy; Qwen3-MoE and gpt-oss, whose sharded experts cannot be read in place, on their own forward."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "tests", "sharded_families.py"), "qwen3_5", "qwen3_moe", "gpt_oss"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    lines = {tuple(line.split()) for line in r.stdout.splitlines() if line.endswith(" ok")}
+    assert lines == {(rank, fam, path, "ok") for rank in "01"
+                     for fam, path in (("qwen3_5", "fast"), ("qwen3_moe", "hf"), ("gpt_oss", "hf"))}
