@@ -196,7 +196,8 @@ def hidden_states(model, input_ids, mask, images, *, feats=None, **kwargs):
     extra = {}
     if image is not None:
         if int(mask.sum()) != image.shape[0]:
-            raise ValueError(f"the prompts hold {int(mask.sum())} image tokens for {image.shape[0]} image embeddings")
+            raise ValueError(f"the prompts hold {int(mask.sum())} image tokens for {image.shape[0]} image embeddings "
+                             f"(a prompt cut by max_prompt_length loses its first tokens: raise it)")
         embeds = embeds.masked_scatter(mask[..., None].expand_as(embeds), image.to(embeds.dtype))
         if deep is not None:
             extra = dict(visual_pos_masks=mask, deepstack_visual_embeds=[d.to(embeds.dtype) for d in deep])
