@@ -176,6 +176,10 @@ class MoE:
         self.gate_up, self.down = _Weight(experts, "gate_up_proj", layout), _Weight(experts, "down_proj", layout)
         self.biased = getattr(experts, "gate_up_proj_bias", None) is not None
         self.grouped = _probe_grouped(self.gate_up.base()) and _probe_grouped(self.down.base())
+        # the LoRA factors' shapes (rank r) may not suit grouped_mm where the base weights do (bf16 wants rows of
+        # 16 bytes): probed apart
+        factors = [t for w in (self.gate_up, self.down) if w.lora for t in (w.lora.lora_A, w.lora.lora_B)]
+        self.grouped_lora = self.grouped and all(_probe_grouped(t.detach().transpose(1, 2)) for t in factors)
         self.expert_ids = torch.arange(self.n_experts, device=experts.gate_up_proj.device)
 
     def _matmul(self, x, weight, order_expert, offs, bias):
@@ -190,7 +194,7 @@ class MoE:
         lr = weight.low_rank()
         if lr is not None:
             a, b, scaling = lr
-            if self.grouped:
+            if self.grouped_lora:
                 y = y + F.grouped_mm(F.grouped_mm(x, a, offs=offs), b, offs=offs) * scaling
             else:
                 y = y + torch.bmm(torch.bmm(x[:, None], a[order_expert]), b[order_expert])[:, 0] * scaling
