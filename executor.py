@@ -521,10 +521,12 @@ _filter = []
 
 
 def _seccomp_filter():
-    """The system-call filter's program for this machine (sandbox_seccomp), built once."""
+    """The system-call filter's program for this machine (sandbox_seccomp), built once; None where its system call
+    numbers are not known (strict then refuses, naming the architecture)."""
     if not _filter:
         import sandbox_seccomp
-        _filter.append(sandbox_seccomp.build(os.uname().machine))
+        machine = os.uname().machine
+        _filter.append(sandbox_seccomp.build(machine) if machine in sandbox_seccomp.AUDIT_ARCH else None)
     return _filter[0]
 
 

@@ -2,7 +2,7 @@
 reads its spec on stdin, builds the sandbox (strict: namespaces, a root of read-only paths, a tmpfs /tmp; unsafe: a
 folder), sets the limits, installs the system-call filter (sandbox_seccomp) and execs the program's Python.
 
-It imports only os and sys at the top, and ctypes, marshal, resource, select and sandbox_seccomp in launch(), before
+It imports only os at the top, and ctypes, marshal, resource, select and sandbox_seccomp in launch(), before
 it gives up root: once uid 65534, the standard library may be out of reach (a pyenv under /root).
 """
 
@@ -57,8 +57,11 @@ def launch(status_fd, control_fd, group=()):
             if select.select([alive], [], [], 0)[0]:  # the launcher died before the line above: end now
                 os._exit(1)
             os.close(alive)
+        if spec["seccomp"] is None and spec["mode"] == "strict":
+            raise _SetupError(f"seccomp: no system call table for {os.uname().machine} (x86_64 and aarch64 known)")
         try:  # last: building the sandbox needed the calls this denies
-            sandbox_seccomp.install(spec["seccomp"], libc)
+            if spec["seccomp"] is not None:
+                sandbox_seccomp.install(spec["seccomp"], libc)
         except OSError as e:
             raise _SetupError(e.strerror) from None
         os.execve(spec["python"], spec["argv"], {})
