@@ -5,6 +5,8 @@ with the same pixel values (the model's own forward finds the image tokens and t
 a group's images processed and run through the vision tower once.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -35,12 +37,12 @@ FAMILIES = {
 }
 
 
-def tiny_vl(family, seed=0):
-    """(model, tokenizer, ImageEncoder) of a randomly initialised 2-4 layer vision-language model, eval mode."""
+def tiny_vl_parts(family, extra_tokens=()):
+    """(config, tokenizer, image processor) of a 2-4 layer vision-language model of `family`."""
     import transformers
-    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
-    tok = model_loading.build_byte_tokenizer()
+    tok = model_loading.build_byte_tokenizer(extra_tokens)
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.padding_side = "left"
     cls, text, vis = FAMILIES[family]
@@ -51,6 +53,16 @@ def tiny_vl(family, seed=0):
         vision_config={**VISION, **vis}, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None,
         tie_word_embeddings=False)
+    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                         max_pixels=24 * 24)
+    return cfg, tok, processor
+
+
+def tiny_vl(family, seed=0):
+    """(model, tokenizer, ImageEncoder) of a randomly initialised 2-4 layer vision-language model, eval mode."""
+    from transformers import AutoModelForImageTextToText
+
+    cfg, tok, processor = tiny_vl_parts(family)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)
@@ -58,8 +70,6 @@ def tiny_vl(family, seed=0):
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
-                                         max_pixels=24 * 24)
     return model.eval(), tok, vision.ImageEncoder.for_model(model, tok, processor)
 
 
@@ -188,17 +198,33 @@ def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_th
     assert vision.is_vision_model(model_loading.load_model(export, {"dtype": "float32"}))
 
 
-def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path, family):
+    """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
+    Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
+    import shapes
     from test_distributed import RUN_TRAIN, launch, metrics, tokens
+    # a reward that differs between completions from the first step (a random model rarely names a colour), so
+    # that the gradients compared are not zero; it also reads the pictures it is given
+    reward = tmp_path / "spread.py"
+    reward.write_text("def spread(prompts, completions, images, **_):\n"
+                      "    return [(ord(c[:1] or ' ') % 5) / 4 + float(im[0].mean()) / 1000 "
+                      "for c, im in zip(completions, images)]\n")
     runs = {}
     for nproc in (1, 2):
         out_dir = str(tmp_path / f"p{nproc}")
+        model = [f"--reward_funcs={reward}:spread"]
+        if family != "qwen2_5_vl":  # where tests/run_train.py reads the initial model from
+            path = os.path.join(out_dir, "tiny_model_init")
+            for part in tiny_vl_parts(family, extra_tokens=list(shapes.COLOURS)):
+                part.save_pretrained(path)
+            model.append(f"--model={path}")
         launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
-                           "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4"], nproc)
+                           "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4", *model], nproc)
         runs[nproc] = out_dir
     assert tokens(runs[1]) == tokens(runs[2]) and len(tokens(runs[1])) == 2
     for a, b in zip(metrics(runs[1]), metrics(runs[2])):
-        assert a["reward"] == b["reward"]
+        assert a["reward"] == b["reward"] and a["grad_norm"] > 0
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
