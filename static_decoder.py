@@ -68,6 +68,7 @@ FAMILIES = {
     "Qwen2DecoderLayer": _LLAMA,
     "Qwen3DecoderLayer": Family(qk_norm="head"),
     "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from static_moe.py
+    "Qwen2MoeDecoderLayer": _LLAMA,  # Qwen2's attention; MoE blocks with a shared expert from static_moe.py
     "MistralDecoderLayer": Family(window_from_config=True),
     "SmolLM3DecoderLayer": Family(rope_flag="use_rope"),
     "Olmo2DecoderLayer": _OLMO2,

@@ -79,6 +79,7 @@ def _gpt_oss_gate(experts):
 # layout "out_in": (E, out, in), read F.linear(x, W[e]); "in_out": (E, in, out), read x @ W[e]
 BLOCKS = {
     "Qwen3MoeSparseMoeBlock": ("gate", _qwen_router, "out_in", None),
+    "Qwen2MoeSparseMoeBlock": ("gate", _qwen_router, "out_in", None),  # and a shared expert (below)
     "GptOssMLP": ("router", _gpt_oss_router, "in_out", _gpt_oss_gate),
 }
 
@@ -105,10 +106,19 @@ def supported(mlp):
         return False
     if spec[3] is None and type(getattr(experts, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
         return False
-    if getattr(mlp, "shared_expert", None) is not None:
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None and not _plain_shared_expert(mlp):
         return False
     ws = [experts.gate_up_proj, experts.down_proj]
     return all(w.dim() == 3 for w in ws)
+
+
+def _plain_shared_expert(mlp):
+    """Qwen2-MoE's shared expert: a SiLU MLP of plain linear layers, scaled by sigmoid of a linear gate."""
+    shared, gate = mlp.shared_expert, getattr(mlp, "shared_expert_gate", None)
+    lins = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + [gate]
+    return (all(type(x) is torch.nn.Linear for x in lins) and
+            type(getattr(shared, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"))
 
 
 class _Weight:
@@ -181,6 +191,8 @@ class MoE:
         factors = [t for w in (self.gate_up, self.down) if w.lora for t in (w.lora.lora_A, w.lora.lora_B)]
         self.grouped_lora = self.grouped and all(_probe_grouped(t.detach().transpose(1, 2)) for t in factors)
         self.expert_ids = torch.arange(self.n_experts, device=experts.gate_up_proj.device)
+        self.shared = getattr(mlp, "shared_expert", None)  # every token's expert beside the routed ones (Qwen2-MoE)
+        self.shared_gate = getattr(mlp, "shared_expert_gate", None)
 
     def _matmul(self, x, weight, order_expert, offs, bias):
         """Each row of x (sorted by expert) times its expert's weight, plus its expert's bias and LoRA term."""
@@ -212,4 +224,10 @@ class MoE:
                           e.gate_up_proj_bias if self.biased else None)
         out = self._matmul(self.gate_fn(up), self.down, order_expert, offs, e.down_proj_bias if self.biased else None)
         out = out * gates.reshape(-1)[order, None]
-        return torch.zeros_like(h).index_add_(0, token, out.to(h.dtype)), idx
+        routed = torch.zeros_like(h).index_add_(0, token, out.to(h.dtype))
+        if self.shared is not None:  # read in place, as the experts: the block is whole (see static_decoder)
+            s = self.shared
+            shared = F.linear(F.silu(F.linear(h, s.gate_proj.weight)) * F.linear(h, s.up_proj.weight),
+                              s.down_proj.weight)
+            routed = routed + torch.sigmoid(F.linear(h, self.shared_gate.weight)) * shared
+        return routed, idx

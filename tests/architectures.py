@@ -23,6 +23,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict()),
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                          norm_topk_prob=True, decoder_sparse_step=1)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1)),
     "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
                                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                                           layer_types=["linear_attention"] * 3 + ["full_attention"])),

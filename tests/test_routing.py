@@ -93,7 +93,7 @@ def test_training_forward_routes_as_the_sampler_did(family):
     assert decisions > 0 and differ == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_written_out_sampler_records_what_the_model_forward_records(family):
     """MoE families sample on the written-out layers (static_decoder.py, static_moe.py): over several turns
     (pauses, forgotten tokens, answers of different lengths) the sampler records, token by token, the experts the

@@ -41,13 +41,14 @@ CASES = {
     "gemma3": ("gemma3", {}),  # sliding window 6 on two of its three layers, another rotary base there
     "qwen3-moe": ("qwen3_moe", {}),  # Qwen3's attention, MoE blocks read in place (static_moe.py)
     "qwen3-moe-dense-layer": ("qwen3_moe", dict(mlp_only_layers=[1])),  # a dense MLP beside a MoE block
+    "qwen2-moe": ("qwen2_moe", {}),  # Qwen2's attention (biased q/k/v), a shared expert beside the routed ones
     # sliding window 6 on one of two layers, sinks, biased q/k/v/o, yarn rotary, a biased router, clamped SwiGLU
     "gpt-oss": ("gpt_oss", {}),
     # three Gated DeltaNet layers (static_recurrent.py) and one gated attention layer with partial rotary
     "qwen3-5": ("qwen3_5", {}),
 }
 WINDOWED = ("mistral-window", "qwen2-window", "olmo3", "gemma3")
-MOE = ("qwen3-moe", "qwen3-moe-dense-layer", "gpt-oss")
+MOE = ("qwen3-moe", "qwen3-moe-dense-layer", "qwen2-moe", "gpt-oss")
 SAMPLER_ONLY = MOE + ("qwen3-5",)  # written out in the sampler only: they train on the model's own forward
 DENSE = [c for c in CASES if c not in SAMPLER_ONLY]
 
@@ -258,7 +259,7 @@ def _moe_blocks(model):
     return [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("case", ["qwen3-moe", "qwen2-moe", "gpt-oss"])
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("lora", [False, True])
 def test_moe_block_equals_the_model_block(case, grouped, lora):
