@@ -1042,7 +1042,9 @@ class StaticDecoder:
 
     def _capture(self, b, span):
         # warm-up on a side stream, then capture; running the body computes this very step's values, so the
-        # cache slots it writes get the same contents the replay writes
+        # cache slots it writes get the same contents the replay writes. Recurrent states are not slots: each
+        # run would feed them the token again, so they are put back as they were before the replay runs
+        saved = [layer.snapshot() for layer in self.recurrent.values()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -1052,4 +1054,6 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self._decode_body(b, self.slot_in, span)
+        for layer, states in zip(self.recurrent.values(), saved):
+            layer.restore(states)
         return graph, out

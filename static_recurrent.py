@@ -84,6 +84,13 @@ class DeltaNet:
                 if t is not None:
                     self.w[k].copy_(t)
 
+    def snapshot(self):
+        return self.conv.clone(), self.rec.clone()
+
+    def restore(self, states):
+        self.conv.copy_(states[0])
+        self.rec.copy_(states[1])
+
     def compact(self, keep):
         k = keep.numel()
         self.conv[:k] = self.conv[keep]

@@ -379,3 +379,32 @@ def test_moe_in_bfloat16_with_lora_on_experts(case):
         base = per_row_logprobs(model, enc, r)
     off, effect = (r.logprobs - want).abs().mean(), (base - want).abs().mean()
     assert off < 0.02 and effect > 10 * off
+
+
+def test_recurrent_states_put_back_around_a_repeated_step():
+    """CUDA graph capture runs the decode body twice before the replay runs it: KV slots are written again with
+    the same values, but a recurrent state would take the token again (it does: the logits move), so capture
+    puts the states back (`snapshot` / `restore`) and the replay gives the step's first result."""
+    model, tok = build("qwen3-5")
+    enc = prompts(tok)
+    n, p = enc.input_ids.shape
+    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    dec.prefill(enc.input_ids, enc.attention_mask, grpo.position_ids_from_mask(enc.attention_mask))
+    dec.tok_in[:n] = torch.arange(n) + 5
+    slot = torch.full((n,), p)
+    layers = list(dec.recurrent.values())
+    before = [layer.snapshot() for layer in layers]
+    with torch.no_grad():
+        once = dec._decode_body(n, slot, dec.max_len).clone()
+        after_once = [layer.snapshot() for layer in layers]
+        for layer, states in zip(layers, before):
+            layer.restore(states)
+        dec._decode_body(n, slot, dec.max_len)
+        twice = dec._decode_body(n, slot, dec.max_len)
+        assert (twice - once).abs().max() > 1e-3  # the state took the token twice
+        for layer, states in zip(layers, before):
+            layer.restore(states)
+        again = dec._decode_body(n, slot, dec.max_len)
+    torch.testing.assert_close(again, once, atol=0, rtol=0)
+    for layer, (conv, rec) in zip(layers, after_once):
+        assert torch.equal(layer.conv, conv) and torch.equal(layer.rec, rec)
