@@ -408,3 +408,16 @@ def test_recurrent_states_put_back_around_a_repeated_step():
     torch.testing.assert_close(again, once, atol=0, rtol=0)
     for layer, (conv, rec) in zip(layers, after_once):
         assert torch.equal(layer.conv, conv) and torch.equal(layer.rec, rec)
+
+
+def test_recurrent_states_follow_their_rows_through_compaction():
+    """Rows stopping at scattered lengths are dropped from the batch as they finish: the recurrent states move
+    with their rows, and each row's log-probs still equal a forward of the row alone."""
+    model, tok = build("qwen3-5")
+    enc = prompts(tok)
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
+                        pad_id=tok.pad_token_id, temperature=0.8, seeds=torch.arange(6) * 3, check_every=4,
+                        keep_decoder=True)
+    assert model._static_decoder.compactions > 0
+    want = per_row_logprobs(model, enc, r, temperature=0.8)
+    torch.testing.assert_close(r.logprobs, want * r.completion_mask, atol=1e-4, rtol=0)
