@@ -230,6 +230,9 @@ def help_text(cls, doc="", recipes=()):
                  "none" if value is None else value)
         lines.append(f"    --{name} ({_type_name(hints[name])}, default {shown})")
         said = " ".join(comments.get(name, []))  # the comment as one paragraph, however the source wraps it
+        choices = cls.__dataclass_fields__[name].metadata.get("choices")
+        if choices:
+            said += f" (one of: {', '.join(choices)})"
         lines += textwrap.wrap(said, 116, initial_indent=" " * 8, subsequent_indent=" " * 8)
     if recipes:
         lines.append(f"\nRecipes (--preset=NAME for recipes/NAME.toml, or --config=FILE; then any setting overrides "

@@ -20,12 +20,14 @@ def _env(name, default, **kw):  # a Config setting whose default an environment 
     return setting(factory=lambda: os.environ.get(name, default), **kw)
 
 
-# What grpo.py and tasks.py accept, repeated here so that the settings are checked before torch is imported
+# What grpo.py and tasks/ accept, repeated here so that the settings are checked before torch is imported
 # (both import it); tests/test_startup.py checks that they agree.
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code", "shapes")
+# the tasks: a file each in tasks/ (tasks.task_names, read here without importing the package)
+TASKS = tuple(sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks"))
+                     if f.endswith(".py") and not f.startswith("_")))
 # apply_chat_template's own arguments, which the trainer sets (--chat_template_kwargs holds the template's options)
 CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -47,8 +49,8 @@ class Config:
         # OMP_NUM_THREADS (torchrun sets 1 for several processes), else the cores shared out among this node's
         # processes. A machine others use too: try 1 (README)
     # task and rewards
-    task: str = setting("next_letter", run=True, choices=TASKS)  # where prompts come from and how they are scored
-        # (tasks.get_task)
+    task: str = setting("next_letter", run=True, choices=TASKS)  # where prompts come from and how they are scored:
+        # tasks/NAME.py
     reward_funcs: str = setting("", run=True)  # your own reward functions instead of the task's, comma-separated
         # file.py:name or package.module:name (README: "Your own reward functions")
     reward_weights: list = setting(factory=list, run=True)  # one per reward function, comma-separated; empty =

@@ -10,26 +10,24 @@ task's per-prompt data (the gold answer, ...) repeated for each completion,
 and the trainer's: the token ids, and each completion's parts (its final
 content, reasoning and tool calls: responses.reward_parts).
 
-Here: the general-purpose rewards (length, format), final-number extraction
-for GSM8K, the countdown expression checker, unit tests of model-written code
-(run in executor.py's sandbox), reward-model scoring, and the default task's
-reward. Which task uses which functions is in tasks.py.
+Here: what every task shares. Scoring (score_completions), the general-purpose
+rewards (length, format, DAPO's overlong punishment), the final number of a
+math answer (extract_final_number), reward-model scoring, and loading your own
+functions (--reward_funcs). Each task's own reward functions are in its file in
+tasks/; `rewards.<name>` still finds them.
 """
 
 import importlib.util
-import json
 import math
 import os
 import re
 import sys
 import time
-from collections import Counter
 from fractions import Fraction
 from numbers import Real
 
 import torch
 
-import executor
 
 # ----------------------------------------------------------------------------- scoring
 
@@ -168,7 +166,7 @@ def format_reward(prompts, completions, **_):
     return [1.0 if len(c) <= _FORMAT_MAX_CHARS and _FORMAT.match(c) else 0.0 for c in completions]
 
 
-# ----------------------------------------------------------------------------- final numbers (GSM8K)
+# ----------------------------------------------------------------------------- final numbers (math answers)
 #
 # Model output is hostile input: every function below looks at a bounded window
 # of the text, uses only regexes that run in linear time (no nested or adjacent
@@ -330,253 +328,6 @@ def extract_final_number(text):
     return numbers[-1] if numbers else None
 
 
-def parse_gold_answer(answer, where):
-    """A dataset's gold answer ('... #### 72' or '72') -> its canonical string ('72', '-1/2').
-
-    Fails loudly naming `where` (the row) instead of letting an unreadable gold
-    answer turn into a free or impossible reward later.
-    """
-    text = str(answer)
-    if "####" in text:
-        text = text[text.rfind("####") + 4:]
-    value = parse_number(text)
-    if value is None:
-        raise ValueError(f"{where}: cannot read a number from the gold answer {str(answer)[-200:]!r} "
-                         f"(expected '... #### <number>' or a plain number)")
-    return str(value)
-
-
-def gsm8k_correctness_reward(prompts, completions, answer, completion_content=None, **_):
-    """1 when the completion's final number equals the gold answer, else 0. The final answer is read from
-    `completion_content` when given (the content without the reasoning, where the chat template's family
-    separates them: a number written while thinking does not count)."""
-    out = []
-    for completion, gold in zip(completion_content if completion_content is not None else completions, answer):
-        value = extract_final_number(completion)
-        out.append(1.0 if value is not None and value == Fraction(gold) else 0.0)
-    return out
-
-
-def gsm8k_format_reward(prompts, completions, **_):
-    """1 when the final answer is a number inside \\boxed{...}, as the system prompt asks."""
-    out = []
-    for completion in completions:
-        boxed = _boxed_content(_normalise(completion[-MAX_SCAN_CHARS:]))
-        out.append(1.0 if boxed is not None and _number_in_boxed(boxed) is not None else 0.0)
-    return out
-
-
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then give the final answer as a single "
-                       "number in \\boxed{}.")
-
-# ----------------------------------------------------------------------------- countdown
-#
-# The answer is an arithmetic expression. It is tokenized and parsed here by a
-# small recursive-descent parser and evaluated over exact fractions; nothing the
-# model writes is ever handed to Python's eval, exec or ast.
-
-MAX_EXPRESSION_CHARS = 200
-MAX_NESTING = 20
-MAX_MAGNITUDE = 10 ** 12  # any intermediate numerator or denominator beyond this scores 0
-
-
-class ExpressionError(ValueError):
-    pass
-
-
-def _tokenize_expression(text):
-    tokens, i = [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch in " \t\n":
-            i += 1
-        elif ch.isdigit() and ch.isascii():
-            j = i
-            while j < len(text) and text[j].isdigit() and text[j].isascii():
-                j += 1
-            if j - i > 6:
-                raise ExpressionError("number too long")
-            tokens.append(int(text[i:j]))
-            i = j
-        elif ch in "+-*/()":
-            tokens.append(ch)
-            i += 1
-        else:
-            raise ExpressionError(f"character {ch!r} is not allowed")  # '.', '^', letters, '_', ...
-    return tokens
-
-
-def parse_expression(text):
-    """Text -> tree: an int leaf, or (op, left, right). Only integers, + - * / and parentheses.
-
-    Grammar: expr = term {(+|-) term}; term = factor {(*|/) factor}; factor = INT | ( expr ).
-    No unary minus: every number must be one of the given ones. '**' fails (a
-    factor cannot start with '*').
-    """
-    if len(text) > MAX_EXPRESSION_CHARS:
-        raise ExpressionError("expression too long")
-    tokens = _tokenize_expression(text)
-    pos = 0
-
-    def peek():
-        return tokens[pos] if pos < len(tokens) else None
-
-    def left_assoc(ops, operand):  # one grammar level: operand {op operand}, folded to the left
-        def level(depth):
-            nonlocal pos
-            node = operand(depth)
-            while peek() in ops:
-                op = tokens[pos]
-                pos += 1
-                node = (op, node, operand(depth))
-            return node
-        return level
-
-    def factor(depth):
-        nonlocal pos
-        tok = peek()
-        if isinstance(tok, int):
-            pos += 1
-            return tok
-        if tok == "(":
-            if depth >= MAX_NESTING:
-                raise ExpressionError("too deeply nested")
-            pos += 1
-            node = expr(depth + 1)
-            if peek() != ")":
-                raise ExpressionError("missing ')'")
-            pos += 1
-            return node
-        raise ExpressionError(f"expected a number or '(' at token {pos}, got {tok!r}")
-
-    term = left_assoc(("*", "/"), factor)
-    expr = left_assoc(("+", "-"), term)  # factor's parentheses reach it by name, once it exists
-    tree = expr(0)
-    if pos != len(tokens):
-        raise ExpressionError(f"unexpected {tokens[pos]!r} at token {pos}")
-    return tree
-
-
-def expression_leaves(tree):
-    if isinstance(tree, int):
-        return [tree]
-    return expression_leaves(tree[1]) + expression_leaves(tree[2])
-
-
-def evaluate_expression(tree):
-    """Exact value of a parsed tree as a Fraction; ExpressionError on division by zero or huge values."""
-    if isinstance(tree, int):
-        return Fraction(tree)
-    op, left, right = tree
-    a, b = evaluate_expression(left), evaluate_expression(right)
-    if op == "+":
-        value = a + b
-    elif op == "-":
-        value = a - b
-    elif op == "*":
-        value = a * b
-    else:
-        if b == 0:
-            raise ExpressionError("division by zero")
-        value = a / b
-    if abs(value.numerator) > MAX_MAGNITUDE or value.denominator > MAX_MAGNITUDE:
-        raise ExpressionError("intermediate value too large")
-    return value
-
-
-def _last_tagged(text, tag):
-    """Content of the last <tag>...</tag> (plain string search: linear time), or None."""
-    start = text.rfind(f"<{tag}>")
-    if start < 0:
-        return None
-    start += len(tag) + 2
-    end = text.find(f"</{tag}>", start)
-    return text[start:end] if end >= 0 else None
-
-
-def check_countdown(expression, nums, target):
-    """True when `expression` uses only the given numbers (each at most once) and equals `target`."""
-    try:
-        tree = parse_expression(expression.strip())
-    except ExpressionError:
-        return False
-    available = Counter(int(n) for n in nums)
-    if Counter(expression_leaves(tree)) - available:  # a number not given, or used too often
-        return False
-    try:
-        return evaluate_expression(tree) == Fraction(int(target))
-    except ExpressionError:
-        return False
-
-
-def countdown_reward(prompts, completions, nums, target, completion_content=None, **_):
-    """1 when the last <answer>...</answer> is an equation over the given numbers reaching the target (in the
-    content without the reasoning, when `completion_content` gives it)."""
-    out = []
-    for completion, ns, t in zip(completion_content if completion_content is not None else completions, nums, target):
-        expression = _last_tagged(completion, "answer")
-        if expression is not None and "=" in expression:
-            expression = expression.split("=")[0]  # "<answer> 3 * 4 = 12 </answer>": the left side is the equation
-        out.append(1.0 if expression is not None and check_countdown(expression, ns, t) else 0.0)
-    return out
-
-
-# ----------------------------------------------------------------------------- code: unit tests in the sandbox
-#
-# The completion's code runs in executor.py's sandbox beside code_harness.py, which judges each test from a process
-# the program cannot reach and prints its verdicts after a nonce the program never sees (its docstring says how).
-# A program that exits early, prints "passed", rebinds builtins or returns an always-equal object passes nothing.
-
-CODE_TEST_TIMEOUT = 1.0  # seconds for each test, and for loading the program
-CODE_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")
-_PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n", re.IGNORECASE)
-
-
-def extract_code(completion):
-    """The code of the last ```python fenced block (one the completion ends inside runs to the end), else the
-    whole text."""
-    last = None
-    for last in _PYTHON_FENCE.finditer(completion):
-        pass
-    if last is None:
-        return completion
-    end = completion.find("```", last.end())
-    return completion[last.end():end if end >= 0 else len(completion)]
-
-
-def code_tests_reward(prompts, completions, tests, **_):
-    """Fraction of the row's unit tests that the completion's code passes; None where the sandbox could not run it.
-
-    `tests`: assert statements (`assert f(2) == 4`), or {"input", "output"} pairs for a program that reads stdin.
-    All completions run at once, a pool of sandboxes sized to the CPUs; each has (tests + 1) x CODE_TEST_TIMEOUT
-    seconds plus 2, so a slow program costs its own row, not the step.
-    """
-    with open(CODE_HARNESS) as f:
-        harness = f.read()
-    jobs, nonces = [], []
-    for completion, row_tests in zip(completions, tests):
-        nonce = os.urandom(16).hex()  # os.urandom: leaves the seeded generators alone
-        nonces.append(nonce)
-        spec = {"nonce": nonce, "tests": list(row_tests), "timeout": CODE_TEST_TIMEOUT}
-        jobs.append({"code": harness, "files": {"solution.py": extract_code(completion)}, "stdin": json.dumps(spec),
-                     "timeout": (len(row_tests) + 1) * CODE_TEST_TIMEOUT + 2})
-    results = executor.run_many(jobs)
-    return [_passed_fraction(r, nonce, len(t)) for r, nonce, t in zip(results, nonces, tests)]
-
-
-def _passed_fraction(result, nonce, n):
-    """From the judge's line after the nonce (only the judge can write it); 0 when there is none (the program
-    killed or hung its judge), None when the sandbox failed or there are no tests."""
-    if result.sandbox_failed or n == 0:
-        return None
-    for line in result.stdout.splitlines():
-        if line.startswith(nonce + " "):
-            verdicts = json.loads(line[len(nonce) + 1:])
-            if isinstance(verdicts, list) and len(verdicts) == n and all(isinstance(v, bool) for v in verdicts):
-                return sum(verdicts) / n
-    return 0.0
-
-
 # ----------------------------------------------------------------------------- reward models
 
 
@@ -640,17 +391,6 @@ def make_reward_model_reward(model, tokenizer, batch_size=8, chat_template_kwarg
     return reward_model
 
 
-# ----------------------------------------------------------------------------- the default task
-
-def next_letter_reward(prompts, completions, answer, **_):
-    """Fraction of the completion's characters (up to its first 4) that are the answer letter."""
-    out = []
-    for c, a in zip(completions, answer):
-        head = c[:4]
-        out.append(sum(ch == a for ch in head) / 4)
-    return out
-
-
 # ----------------------------------------------------------------------------- your own reward functions
 
 
@@ -711,28 +451,16 @@ def load_reward_funcs(spec):
     return funcs
 
 
-# ----------------------------------------------------------------------------- the vault task (tools)
+# ----------------------------------------------------------------------------- the tasks' reward functions
 
 
-def vault_reward(completions, messages, environments, **_):
-    """1 when the policy's last turn starts with the code its environment drew, else 0."""
-    scores = []
-    for conversation, env in zip(messages, environments):
-        last = next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")
-        scores.append(1.0 if last[:1] == env.code else 0.0)
-    return scores
-
-
-def tool_format_reward(completions, messages, **_):
-    """The vault task's format, step by step: 1 for a call and then an answer that is one digit, 0.75 for a
-    call, 0.5 for opening one with the first token, else 0. Like format_reward, it rewards the form and not
-    the content: it lets a model that starts from random weights find the call and the kind of answer, after
-    which vault_reward teaches it to answer with what the tool returned."""
-    scores = []
-    for c, conversation in zip(completions, messages):
-        if any(m["role"] == "tool" for m in conversation):
-            last = conversation[-1]["content"] if conversation[-1]["role"] == "assistant" else ""
-            scores.append(1.0 if last[:1].isdigit() else 0.75)
-        else:
-            scores.append(0.5 if c.startswith("<tool_call>") else 0.0)
-    return scores
+def __getattr__(name):
+    """A task's own reward function (or constant) by name, from its file in tasks/: `rewards.next_letter_reward`
+    and the spec `rewards:gsm8k_correctness_reward` keep working now that each task holds its own."""
+    if not name.startswith("_"):
+        import tasks
+        for task in tasks.TASKS:
+            found = getattr(tasks.module(task), name, None)
+            if found is not None:
+                return found
+    raise AttributeError(f"module 'rewards' has no attribute {name!r}")

@@ -9,7 +9,6 @@ Every setting (config.py: the Config dataclass) can be given as --key=value or -
 """
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -242,8 +241,7 @@ def _local_tiny(cfg, d, name, write):
 def load_models(cfg, d, load_device):
     """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
-    write = tasks.TINY_WRITERS.get(cfg.task) or functools.partial(model_loading.write_tiny_model,
-                                                                  **tasks.TINY_MODELS.get(cfg.task, {}))
+    write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
@@ -305,7 +303,7 @@ def check_model(cfg, d, policy):
 
 def load_task(cfg, d, tokenizer, own_rewards, load_device):
     """Prompts, reward functions (plus a reward model's score) and their weights, held-out evaluation prompts."""
-    rm_path = cfg.reward_model or tasks.TASK_REWARD_MODELS.get(cfg.task, "")
+    rm_path = cfg.reward_model or tasks.default_reward_model(cfg.task)
     if rm_path == model_loading.TINY:
         rm_path = _local_tiny(cfg, d, "tiny_reward_model_init", model_loading.write_tiny_reward_model)
     reward_model = None  # (model behind its root wrapper, its own tokenizer)
@@ -532,7 +530,8 @@ def routes(route, mb):
 
 def images_of(run, mb):
     """The micro-batch's prompts' images (the batch being trained's, vision.PromptImages), or None."""
-    return None if run.step_images is None else run.step_images.rows(mb.rows)
+    images = getattr(run, "step_images", None)  # a run made elsewhere (a test's namespace) may not carry any
+    return None if images is None else images.rows(mb.rows)
 
 
 def reference_logprobs(run, ids, mask, micro, route=None):

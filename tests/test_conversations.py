@@ -19,6 +19,7 @@ import responses  # noqa: E402
 import rewards  # noqa: E402
 import sampling  # noqa: E402
 import tasks  # noqa: E402
+from tasks import vault  # noqa: E402
 import train  # noqa: E402
 
 # ----------------------------------------------------------------------------- the families' chat templates
@@ -398,8 +399,8 @@ def test_a_malformed_call_is_answered_with_a_short_error(family):
 def test_hermes_calls_without_a_family_keep_the_built_in_parser():
     """A template that writes no tool calls of a known family (the vault task's tiny one) keeps the Hermes parser
     and stop, as before."""
-    tok = model_loading.build_byte_tokenizer(tasks.TINY_TOOL_TOKENS)
-    tok.chat_template = tasks.TINY_TOOL_TEMPLATE
+    tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
+    tok.chat_template = vault.TINY_TOOL_TEMPLATE
     agent = agents.Agent(tok, [tok.eos_token_id], [], TRLStyleEnv)
     assert agent.family is None and agent.stop_sequences == [encode(tok, "</tool_call>")]
 

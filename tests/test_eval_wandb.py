@@ -101,8 +101,8 @@ def test_evaluation_reports_greedy_accuracy_and_sampled_reward(tmp_path):
     def length(prompts, completions, **_):
         return [float(len(c)) for c in completions]
 
-    task = tasks.Task("probe", None, [matches, length], accuracy_reward="matches",
-                        eval_rows=[{"prompt": p, "expected": e} for p, e in zip(prompts, expected)])
+    task = tasks.Task(None, [matches, length], accuracy_reward="matches", name="probe",
+                      eval_rows=[{"prompt": p, "expected": e} for p, e in zip(prompts, expected)])
     policy = sharding.Root(model).train()  # what train.py passes: the model behind its (here unsharded) root
     m = sampling.evaluate(policy, tok, task, [1.0, 0.0], cfg, sharding.setup("cpu"), eos)
     assert model.training  # put back as it was

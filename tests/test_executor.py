@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import executor  # noqa: E402
 import rewards  # noqa: E402
 import tasks  # noqa: E402
+from tasks import code as code_task  # noqa: E402
 import train  # noqa: E402
 
 REAL_PROBE = executor._probe
@@ -460,9 +461,9 @@ def test_stdin_stdout_tests():
 
 def test_only_the_judges_line_counts():
     fake = executor.Result(stdout="[true, true]\npassed\nabc [true, true]\n", exit_code=0)
-    assert rewards._passed_fraction(fake, "0123", 2) == 0.0
-    assert rewards._passed_fraction(executor.Result(stdout="0123 [true, false]\n"), "0123", 2) == 0.5
-    assert rewards._passed_fraction(executor.Result(sandbox_error="mount: ..."), "0123", 2) is None
+    assert code_task._passed_fraction(fake, "0123", 2) == 0.0
+    assert code_task._passed_fraction(executor.Result(stdout="0123 [true, false]\n"), "0123", 2) == 0.5
+    assert code_task._passed_fraction(executor.Result(sandbox_error="mount: ..."), "0123", 2) is None
 
 
 def test_extract_code():
@@ -484,8 +485,8 @@ def test_code_task_rows(tmp_path):
     humaneval = {"prompt": "def add(a, b):\n", "entry_point": "add", "test": (
         "METADATA = {}\n\ndef check(candidate):\n    assert candidate(1, 1) == 2\n    for x in range(3):\n"
         "        assert candidate(x, 0) == x\n    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-6\n")}
-    assert tasks.code_tests(mbpp) == ["assert add(1, 1) == 2"]
-    assert tasks.code_tests(humaneval) == ["assert add(1, 1) == 2", "assert abs(add(0.5, 0.25) - 0.75) < 1e-06"]
+    assert code_task.code_tests(mbpp) == ["assert add(1, 1) == 2"]
+    assert code_task.code_tests(humaneval) == ["assert add(1, 1) == 2", "assert abs(add(0.5, 0.25) - 0.75) < 1e-06"]
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "p", "tests": ["assert f() == 1"]}) + "\n"
                     + json.dumps({"prompt": "p", "tests": ["print('not an assert')"]}) + "\n")

@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerFast
 import model_loading
 import rewards
 import tasks
+from tasks import next_letter
 
 
 def test_model_init_kwargs_are_forwarded(tiny_dir, tmp_path):
@@ -142,8 +143,8 @@ def test_builtin_rewards():
     task = tasks.get_task("next_letter")
     rows = task.make_prompts(__import__("random").Random(0), 50)
     for r in rows:  # the answer is the letter after the prompt's letter, so it depends on the prompt
-        assert r["answer"] == tasks.LETTERS[(tasks.LETTERS.index(r["prompt"][0]) + 1) % len(tasks.LETTERS)]
-    assert len({r["answer"] for r in rows}) == len(tasks.LETTERS)
+        assert r["answer"] == next_letter.LETTERS[(next_letter.LETTERS.index(r["prompt"][0]) + 1) % len(next_letter.LETTERS)]
+    assert len({r["answer"] for r in rows}) == len(next_letter.LETTERS)
     with pytest.raises(ValueError, match="task"):
         tasks.get_task("nope")
 

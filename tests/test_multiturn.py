@@ -18,6 +18,7 @@ import sampling  # noqa: E402
 import sharding  # noqa: E402
 import static_decoder  # noqa: E402
 import tasks  # noqa: E402
+from tasks import vault  # noqa: E402
 import train  # noqa: E402
 from test_fast_paths import prompts, tiny_model  # noqa: E402
 from test_sampler import Scripted  # noqa: E402
@@ -202,8 +203,8 @@ def test_rollout_fields_survive_concatenation():
 
 
 def tool_tokenizer():
-    tok = model_loading.build_byte_tokenizer(tasks.TINY_TOOL_TOKENS)
-    tok.chat_template = tasks.TINY_TOOL_TEMPLATE
+    tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
+    tok.chat_template = vault.TINY_TOOL_TEMPLATE
     return tok
 
 
@@ -317,8 +318,8 @@ def test_environment_runs_unchanged_through_train(tmp_path):
         "        return str(self.n)\n"
         "    def get_reward(self):\n"
         "        return float(self.n > 0)\n")
-    model_dir = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=tasks.TINY_TOOL_TEMPLATE,
-                                               extra_tokens=tasks.TINY_TOOL_TOKENS)
+    model_dir = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=vault.TINY_TOOL_TEMPLATE,
+                                               extra_tokens=vault.TINY_TOOL_TOKENS)
     out = tmp_path / "out"
     train.main([f"--model={model_dir}", f"--environment={env_file}:Counter", "--max_steps=2",
                 "--max_completion_length=24", "--prompts_per_step=2", "--num_generations=4", f"--out_dir={out}",
@@ -330,7 +331,7 @@ def test_environment_runs_unchanged_through_train(tmp_path):
 def test_answer_text_with_a_chatml_tool_role():
     """A template where tools answer in a turn of their own (ChatML, as Qwen2.5's): the answer closes the
     policy's turn (unless the policy wrote the end of turn itself), holds the tool turn, opens the next."""
-    tok = model_loading.build_byte_tokenizer(tasks.TINY_TOOL_TOKENS)
+    tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
     tok.chat_template = model_loading.TINY_CHAT_TEMPLATE
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     agent = agents.Agent(tok, [im_end], [multiply])

@@ -156,3 +156,29 @@ def test_a_step_that_masks_most_completions_says_so_once(tmp_path, capsys):
     assert masked  # the premise: some step truncated most completions
     said = [out[i - 1].split("/")[0] for i, l in enumerate(out) if "mask_truncated_completions gives them no loss" in l]
     assert said == [f"step {masked[0]}"]  # once, under the first such step's line
+
+
+def test_a_task_is_one_file_the_documented_example_trains(tmp_path):
+    """docs/tasks.md's example task, dropped as one file into a fresh copy of the code, is listed by --help and
+    trains, with no other file changed."""
+    import re
+    import shutil
+    import subprocess
+    text = open(os.path.join(ROOT, "docs", "tasks.md")).read()
+    block = re.search(r"```python\n# tasks/(\w+)\.py\n(.*?)```", text, re.DOTALL)
+    name, source = block.group(1), block.group(2)
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "tests", "out*", "__pycache__", "results"))
+    assert not (copy / "tasks" / f"{name}.py").exists()
+    (copy / "tasks" / f"{name}.py").write_text(source)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=copy, capture_output=True, text=True,
+                               env=env).stdout
+    task_help = help_text.split("--task ", 1)[1].split("\n    --", 1)[0]  # the --task entry of --help
+    assert re.search(rf"\b{name}\b", task_help), task_help
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "train.py", f"--task={name}", f"--out_dir={out}", *SMALL,
+                        "--max_completion_length=2"], cwd=copy, capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2] and f"reward/{name}_reward" in lines[0]

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
 import tasks  # noqa: E402
+from tasks import countdown  # noqa: E402
 import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,8 +111,8 @@ def test_countdown_uses_the_last_answer_and_needs_tags():
 
 def test_countdown_problems_are_seeded_and_reachable():
     import random
-    a = [tasks.countdown_problem(random.Random(s)) for s in range(50)]
-    b = [tasks.countdown_problem(random.Random(s)) for s in range(50)]
+    a = [countdown.countdown_problem(random.Random(s)) for s in range(50)]
+    b = [countdown.countdown_problem(random.Random(s)) for s in range(50)]
     assert a == b
     for nums, target in a:
         assert 3 <= len(nums) <= 4 and all(1 <= n <= 99 for n in nums) and 1 <= target <= 1000

@@ -15,6 +15,7 @@ import sampling
 import model_loading
 import rewards
 import tasks
+from tasks import next_letter
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,7 +296,7 @@ def test_rerunning_a_finished_run_says_so(tmp_path, monkeypatch, capsys):
 def test_group_of_64_with_micro_batches_of_4(tmp_path, monkeypatch):
     def odd_length(prompts, completions, **_):  # a reward with spread at initialisation
         return [float(len(c.encode()) % 2) for c in completions]
-    monkeypatch.setattr(train.tasks, "get_task", lambda name, **_: tasks.Task(name, tasks._letter_prompts, [odd_length]))
+    monkeypatch.setattr(train.tasks, "get_task", lambda name, **_: tasks.Task(next_letter.prompts, [odd_length], name=name))
     rows, _, _ = run_train(tmp_path, monkeypatch, "--max_steps=1", "--num_generations=64", "--prompts_per_step=1",
                            "--micro_batch_size=4", "--loss_type=dapo")
     assert rows[0]["step"] == 1 and rows[0]["grad_norm"] > 0 and 0 < rows[0]["reward"] < 1

@@ -161,7 +161,7 @@ def test_lora_adapts_the_language_model_only():
 def test_shapes_pictures_and_reward():
     import random
 
-    import shapes
+    from tasks import shapes
     rows = shapes.prompts(random.Random(0), 20)
     for row in rows:
         picture = row["images"][0]
@@ -202,7 +202,7 @@ def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_th
 def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path, family):
     """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
     Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
-    import shapes
+    from tasks import shapes
     from test_distributed import RUN_TRAIN, launch, metrics, tokens
     # a reward that differs between completions from the first step (a random model rarely names a colour), so
     # that the gradients compared are not zero; it also reads the pictures it is given

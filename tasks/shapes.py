@@ -10,7 +10,7 @@ an answer is one token; the reward counts the completion's mentions of the
 square's colour (four of them, in the default four tokens, score 1). A random policy rarely writes a colour word at all; one that
 names a colour at random is right a quarter of the time.
 
-`write_tiny_model` writes the tiny Qwen2.5-VL the task runs on by default: a
+`write_tiny_model` writes the tiny Qwen2.5-VL the task runs on with --model=tiny (the default): a
 config, a byte-level tokenizer with the vision tokens and the colours, and the
 image processor's settings (no weights: train.py initialises them).
 """
@@ -18,6 +18,8 @@ image processor's settings (no weights: train.py initialises them).
 import os
 
 import numpy as np
+
+from tasks import Task
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
 SHAPES = ("square", "disc", "triangle")
@@ -105,3 +107,7 @@ def _image_processor():
     side = CELL * GRID
     return Processor(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=side * side,
                      max_pixels=side * side)
+
+
+def make(ctx):
+    return Task(prompts, [square_colour_reward], accuracy_reward="square_colour_reward")

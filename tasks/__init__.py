@@ -1,120 +1,56 @@
-"""Tasks: where prompts come from and which reward functions score them.
+"""Tasks: where prompts come from and which reward functions score them, one file per task in this folder.
 
-A task is generated in code (next_letter, countdown), read from a local file
-(.jsonl / .parquet; code reads tests/data/code_tiny.jsonl by default) or a hub
-dataset (gsm8k, tldr, any `--dataset` with a `prompt` column), and may hold
-back prompts for evaluation. Prompts for a step are a pure function of
-(seed, step), so a resumed run sees the same ones.
-The reward functions themselves live in rewards.py.
+A task is a module `tasks/NAME.py` (NAME is then a --task value, listed by --help) with
+
+    def make(ctx) -> Task      # ctx: the run's tokenizer and chat formatting (ctx.chat()), reward model, ...
+
+and, in the same file, its prompts and its reward functions. Prompts are generated in code (a function
+(rng, n) -> rows), read from a local file (.jsonl / .parquet) or a hub dataset, or brought by --dataset (rows
+with a `prompt` column are used as they are, their other columns passed to the reward functions by name); some
+are held back for evaluation. Prompts for a step are a pure function of (seed, step), so a resumed run sees the
+same ones. A task module may also name its default reward model (REWARD_MODEL) and the tiny model it runs on with
+--model=tiny (TINY_MODEL: write_tiny_model's keywords; or a write_tiny_model(path) of its own). What every task
+shares (scoring, answer extraction, the reward model) is in rewards.py. docs/tasks.md shows a task written out.
 """
 
-import ast
-import builtins
+import importlib
 import inspect
 import json
 import os
 import random
-import sys
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Callable
 
 import rewards
-import shapes
 
-def countdown_problem(rng, min_numbers=3, max_numbers=4, max_value=99, max_target=1000):
-    """Numbers and a target reachable with them: combine the numbers in a random order with random operations."""
-    while True:
-        nums = [rng.randint(1, max_value) for _ in range(rng.randint(min_numbers, max_numbers))]
-        order = nums[:]
-        rng.shuffle(order)
-        value = Fraction(order[0])
-        for n in order[1:]:
-            ops = ["+", "*"] + (["-"] if value - n > 0 else []) + (["/"] if value % n == 0 else [])
-            op = rng.choice(ops)
-            value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
-        if value.denominator == 1 and 1 <= value <= max_target:
-            return nums, int(value)
+FOLDER = os.path.dirname(os.path.abspath(__file__))
 
 
-def countdown_prompt_text(nums, target):
-    # wording after TinyZero's countdown prompt (Jiayi Pan et al., 2025)
-    return (f"Using the numbers {list(nums)}, create an equation that equals {target}. You can use +, -, * and /, "
-            f"parentheses, and each number at most once. Show your reasoning in <think> </think> tags, then give "
-            f"only the equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+def task_names(folder=FOLDER):
+    """The tasks: each NAME.py in this folder (not __init__ or a _private file), without importing any."""
+    return tuple(sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_")))
 
 
-def _countdown_prompts(rng, n):
-    rows = []
-    for _ in range(n):
-        nums, target = countdown_problem(rng)
-        rows.append({"nums": nums, "target": target})
-    return rows
+TASKS = task_names()
 
 
-# ----------------------------------------------------------------------------- code: problems with unit tests
-
-CODE_SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "code_tiny.jsonl")
-
-
-def code_tests(row):
-    """A row's unit tests: its `tests`, MBPP's `test_list`, or the asserts of HumanEval's `check(candidate)` (its
-    `test` and `entry_point` columns). Each is one assert statement, or {"input": ..., "output": ...} text for a
-    program that reads stdin; ValueError naming the first that is neither (parsed, never run)."""
-    if "tests" in row:
-        tests = row["tests"]
-    elif "test_list" in row:
-        tests = row["test_list"]
-    elif "test" in row and "entry_point" in row:
-        tests = _humaneval_asserts(row["test"], row["entry_point"])
-    else:
-        raise KeyError("tests")
-    if not isinstance(tests, list) or not tests:
-        raise ValueError(f"tests: expected a non-empty list, got {tests!r:.80}")
-    for i, test in enumerate(tests):
-        if isinstance(test, dict):
-            if set(test) != {"input", "output"} or not all(isinstance(v, str) for v in test.values()):
-                raise ValueError(f"test {i}: expected {{\"input\": text, \"output\": text}}, got {test!r:.80}")
-        elif isinstance(test, str):
-            try:
-                body = ast.parse(test).body
-            except SyntaxError as e:
-                raise ValueError(f"test {i} is not Python ({e.msg}): {test!r:.80}") from None
-            if len(body) != 1 or not isinstance(body[0], ast.Assert):
-                raise ValueError(f"test {i} is not one assert statement: {test!r:.80}")
-        else:
-            raise ValueError(f"test {i}: expected an assert statement or an input/output pair, got {test!r:.80}")
-    if len({type(t) for t in tests}) > 1:
-        raise ValueError("tests: either all assert statements or all input/output pairs")
-    return list(tests)
+def module(name):
+    """The module of task `name` (imported on first use)."""
+    return importlib.import_module(f"tasks.{name}")
 
 
-def _humaneval_asserts(test_code, entry_point):
-    """The asserts at the top of HumanEval's `def check(candidate)`, `candidate` renamed to the function's name; an
-    assert that uses a variable of check() (a loop's) is left out, as it cannot stand alone."""
-    check = next((n for n in ast.parse(test_code).body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
-    if check is None or not check.args.args:
-        raise ValueError("test: no check(candidate) function")
-    candidate, out = check.args.args[0].arg, []
-    for node in check.body:
-        if not isinstance(node, ast.Assert):
-            continue
-        names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
-        if all(n.id == candidate or hasattr(builtins, n.id) or n.id in sys.stdlib_module_names for n in names):
-            for n in names:
-                n.id = entry_point if n.id == candidate else n.id
-            out.append(ast.unparse(node))
-    return out
+def default_reward_model(name):
+    """The reward model task `name` uses when --reward_model is not given: its module's REWARD_MODEL, or ''."""
+    return getattr(module(name), "REWARD_MODEL", "")
 
 
-def code_prompt_text(problem, tests):
-    """The problem, its first test as an example, and how to answer."""
-    if isinstance(tests[0], dict):
-        example = (f"The program reads standard input and writes standard output. For example, for the input\n"
-                   f"{tests[0]['input'].rstrip()}\nit prints\n{tests[0]['output'].rstrip()}\n")
-    else:
-        example = f"Your code should pass this test:\n{tests[0]}\n"
-    return f"{problem.strip()}\n{example}Write the whole solution in one ```python code block."
+def tiny_model_writer(name, write_tiny_model):
+    """The function that writes the tiny model task `name` runs on with --model=tiny: its module's own
+    write_tiny_model, else `write_tiny_model` with its TINY_MODEL keywords (a chat template, extra tokens)."""
+    m = module(name)
+    if hasattr(m, "write_tiny_model"):
+        return m.write_tiny_model
+    return lambda path: write_tiny_model(path, **getattr(m, "TINY_MODEL", {}))
 
 
 # ----------------------------------------------------------------------------- data
@@ -180,7 +116,7 @@ def _required_fields(fn):
 
 @dataclass
 class Task:
-    name: str
+    """What a task module's make(ctx) returns: where its prompts come from and what scores them."""
     make_prompts: Callable = None  # procedural prompts: (rng, n) -> rows; None when rows come from a dataset
     reward_funcs: list = field(default_factory=list)
     weights: list = None           # default reward weights (None = all 1); --reward_weights overrides
@@ -191,6 +127,9 @@ class Task:
     environment: type = None       # the task's own environment class (one instance per rollout), or None
     system_prompt: str = None      # the system message of the task's chat prompts, if any
     formats_prompt_column: bool = False  # to_row also formats rows that bring a `prompt` column (else used as is)
+    hub: tuple = None              # (hub id, config, train split, eval split) the rows come from without --dataset
+    dataset: str = None            # a local file the rows come from without --dataset
+    name: str = None               # set by get_task: the task's file name
 
     def _format(self, row):
         return self.to_row(row) if self.to_row is not None else row
@@ -225,71 +164,6 @@ class Task:
         return cache[(seed, epoch)]
 
 
-# The default task: the prompt names a letter, the answer is the letter that
-# follows it in the alphabet. The right answer depends on the prompt, so a
-# rising reward means the model reads it rather than learning one constant reply.
-LETTERS = "abcdefgh"
-
-
-def _letter_prompts(rng, n):
-    rows = []
-    for _ in range(n):
-        i = rng.randrange(len(LETTERS))
-        text = f"{LETTERS[i]}>"  # no chat template: the prompt is the raw text
-        rows.append({"prompt": text, "prompt_text": text, "answer": LETTERS[(i + 1) % len(LETTERS)]})
-    return rows
-
-
-# The tool task: the answer is a code the model cannot know from its prompt. Its environment draws one for
-# each rollout and shows it only through a tool, so the reward rises only once the policy learns to call the
-# tool and copy what it returns. Small enough for the tiny model on a CPU: a call is two tokens of its own
-# chat format (<tool_call></tool_call>, the only tool, no arguments), the code one digit.
-
-
-class Vault:
-    """The vault task's environment, written as TRL documents environments: reset, and one tool."""
-
-    def reset(self, seed, **_):
-        self.code = str(random.Random(f"vault-{seed}").randrange(10))
-        return None  # nothing added to the prompt: the code is only in the tool
-
-    def read_code(self) -> str:
-        """Read the code of the vault.
-
-        Returns:
-            The code, one digit.
-        """
-        return self.code
-
-
-def _vault_prompts(rng, n):
-    return [{"prompt": "", "prompt_text": "code?", "seed": rng.randrange(1 << 30)} for _ in range(n)]
-
-
-# the tiny model's chat template for the vault task: ChatML-like turns, and tool results written into the
-# assistant's turn after <tool_response>, the turn going on right after the result (tool-integrated reasoning
-# formats write results into the turn too): the answer is then the token after the code
-TINY_TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% set after_tool = loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'tool' %}"
-    "{% set before_tool = not loop.last and messages[loop.index0 + 1]['role'] == 'tool' %}"
-    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}"
-    "{% else %}{% if not (m['role'] == 'assistant' and after_tool) %}<|im_start|>{{ m['role'] }}\n{% endif %}"
-    "{{ m['content'] }}{% if not (m['role'] == 'assistant' and before_tool) %}<|im_end|>\n{% endif %}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}<|im_start|>assistant\n{% endif %}")
-# the tiny model a task brings when --model=tiny: write_tiny_model's keywords
-TINY_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>"]
-TINY_MODELS = {"vault": dict(chat_template=TINY_TOOL_TEMPLATE, extra_tokens=TINY_TOOL_TOKENS)}
-TINY_WRITERS = {"shapes": shapes.write_tiny_model}  # tasks whose tiny model is another model: its writer (path)
-
-TASKS = ("next_letter", "gsm8k", "countdown", "tldr", "vault", "code", "shapes")
-# the reward model a task uses when --reward_model is not given (TRL's GRPO documentation example for tl;dr)
-TASK_REWARD_MODELS = {"tldr": "weqweasdas/RM-Gemma-2B"}
-
-
 def _chat_formatter(tokenizer, system_prompt=None, chat_template_kwargs=None):
     """User text (or a list of messages) -> the prompt the policy sees.
 
@@ -309,6 +183,20 @@ def _chat_formatter(tokenizer, system_prompt=None, chat_template_kwargs=None):
     return fmt
 
 
+@dataclass
+class Context:
+    """What a task's make(ctx) may use: the policy's tokenizer and the run's chat-template options, through
+    chat(); the reward model and the user's own reward functions, when the task depends on them."""
+    tokenizer: object = None
+    chat_template_kwargs: dict = None
+    reward_model: tuple = None
+    reward_funcs: list = None
+
+    def chat(self, system_prompt=None):
+        """User text (or messages) -> the prompt the policy sees (see _chat_formatter)."""
+        return _chat_formatter(self.tokenizer, system_prompt, self.chat_template_kwargs)
+
+
 def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward_model=None, reward_funcs=None,
              chat_template_kwargs=None):
     """Build a task: prompt source, reward functions, held-out evaluation rows.
@@ -325,58 +213,12 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     """
     if name not in TASKS:
         raise ValueError(f"task: unknown task {name!r} (available: {', '.join(TASKS)})")
-    chat = _chat_formatter(tokenizer, chat_template_kwargs=chat_template_kwargs)
-
-    if name == "next_letter":
-        task = Task(name, _letter_prompts, [rewards.next_letter_reward], accuracy_reward="next_letter_reward")
-        task.eval_rows = _letter_prompts(random.Random(f"eval-{seed}"), eval_prompts)
-        hub = None
-    elif name == "shapes":  # a picture in each prompt (shapes.py): for a vision-language model
-        task = Task(name, shapes.prompts, [shapes.square_colour_reward], accuracy_reward="square_colour_reward")
-        task.eval_rows = shapes.prompts(random.Random(f"eval-{seed}"), eval_prompts)
-        hub = None
-    elif name == "gsm8k":
-        math_chat = _chat_formatter(tokenizer, rewards.GSM8K_SYSTEM_PROMPT, chat_template_kwargs)
-
-        def to_row(row):
-            question = row["question"]
-            return {"prompt": math_chat(question), "prompt_text": question, "answer": row["answer"]}
-        task = Task(name, None, [rewards.gsm8k_correctness_reward, rewards.gsm8k_format_reward], weights=[1.0, 0.1],
-                    to_row=to_row, accuracy_reward="gsm8k_correctness_reward", system_prompt=rewards.GSM8K_SYSTEM_PROMPT)
-        hub = ("openai/gsm8k", "main", "train", "test")
-    elif name == "vault":
-        def to_row(row):  # the prompt is rendered with the tools by agents.Agent; here without, for the record
-            return {**row, "prompt": chat(row["prompt_text"])}
-        task = Task(name, _vault_prompts, [rewards.vault_reward, rewards.tool_format_reward], weights=[1.0, 0.2],
-                    to_row=to_row, accuracy_reward="vault_reward", environment=Vault)
-        task.eval_rows = [to_row(r) for r in _vault_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
-        hub = None
-    elif name == "countdown":
-        def to_row(row):
-            text = countdown_prompt_text(row["nums"], row["target"])
-            return {"prompt": chat(text), "prompt_text": text, "nums": list(row["nums"]), "target": int(row["target"])}
-        task = Task(name, _countdown_prompts, [rewards.countdown_reward, rewards.format_reward], weights=[1.0, 0.1], to_row=to_row,
-                    accuracy_reward="countdown_reward")
-        task.eval_rows = [to_row(r) for r in _countdown_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
-        hub = None
-    elif name == "code":  # problems with unit tests; the code runs in executor.py's sandbox (rewards.code_tests_reward)
-        def to_row(row):
-            tests = code_tests(row)
-            problem = row["prompt"] if isinstance(row.get("prompt"), str) else row["text"]  # MBPP's column: text
-            text = code_prompt_text(problem, tests)
-            return {"prompt": chat(text), "prompt_text": text, "tests": tests}
-        task = Task(name, None, [rewards.code_tests_reward], to_row=to_row, accuracy_reward="code_tests_reward",
-                    formats_prompt_column=True)
-        dataset = dataset or CODE_SAMPLE  # a dozen MBPP-style rows; --dataset for MBPP or HumanEval-style files
-        hub = None
-    else:  # tldr: Reddit posts ending in "TL;DR:", plain text as in the dataset (TRL's example does the same)
-        if reward_model is None and not reward_funcs:
-            raise ValueError("task tldr: needs a reward model (--reward_model=PATH or hub id) or --reward_funcs")
-
-        def to_row(row):
-            return {"prompt": row["prompt"], "prompt_text": row["prompt"]}
-        task = Task(name, None, [], to_row=to_row)
-        hub = ("trl-lib/tldr", None, "train", "validation")
+    ctx = Context(tokenizer, chat_template_kwargs, reward_model, reward_funcs)
+    task = module(name).make(ctx)
+    task.name = name
+    if task.make_prompts is not None:
+        task.eval_rows = [task._format(r) for r in task.make_prompts(random.Random(f"eval-{seed}"), eval_prompts)]
+    chat = ctx.chat()
 
     if reward_funcs:
         task.reward_funcs, task.weights = list(reward_funcs), None
@@ -388,6 +230,7 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
         if task.weights is not None:
             task.weights = task.weights + [1.0]
 
+    dataset, hub = dataset or task.dataset, task.hub
     if dataset:
         rows, eval_rows = load_rows(dataset), []
         source = dataset
@@ -550,5 +393,7 @@ def _check_rows(task, rows, source, kind):
             if f not in formatted and f not in row:
                 raise ValueError(f"{source}, {kind} {i}: reward function '{fn}' needs a column '{f}' "
                                  f"(columns: {sorted(row)})")
-        if "answer" in row and any(rewards.reward_name(fn) == "gsm8k_correctness_reward" for fn in task.reward_funcs):
-            row["answer"] = rewards.parse_gold_answer(row["answer"], f"{source}, {kind} {i}")
+        for fn in task.reward_funcs:  # a reward function may parse its columns at load (gsm8k's gold answers)
+            for column, parse in getattr(fn, "column_parsers", {}).items():
+                if column in row:
+                    row[column] = parse(row[column], f"{source}, {kind} {i}")
