@@ -157,7 +157,7 @@ class Config:
         # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
-    # tools and environments: multi-turn rollouts (agents.py; README: "Tools and environments")
+    # tools and environments: multi-turn rollouts (environments.py; README: "Tools and environments")
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
     max_turns: int = setting(4, run=True, at_least=1)  # the policy's turns per completion when it has tools (calls

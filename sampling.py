@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import agents
+import environments
 import grpo
 import responses
 import rewards
@@ -72,7 +72,7 @@ def reward_fields(fields, rollout, episodes, tokenizer=None, prompts=None, compl
     completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
     out = {**fields, "completion_ids": completion_id_lists(rollout)}
     if episodes is not None:
-        out.update(agents.episode_fields(episodes))
+        out.update(environments.episode_fields(episodes))
     if tokenizer is not None:
         out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes, completions))
     return out
@@ -620,7 +620,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
     many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
     changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
-    size). Every rank has as many rows, so as many batches. With an `agent` (agents.Agent), row i is
+    size). Every rank has as many rows, so as many batches. With an `agent` (environments.Agent), row i is
     `episodes[i]`'s conversation: its turns are answered by the agent's tools, up to `agent.max_turns`.
     `images`: the rows' vision.PromptImages, or None.
     """

@@ -65,7 +65,7 @@ try:
     import torch
     import transformers
 
-    import agents
+    import environments
     import disk
     import grpo
     import model_loading
@@ -140,7 +140,7 @@ class Run:
     weights: list                       # one per reward function
     reward_model: object                # (root-wrapped model, its tokenizer) or None
     optimizer: torch.optim.Optimizer
-    agent: typing.Optional[agents.Agent] = None  # tools / environment of multi-turn rollouts, or None
+    agent: typing.Optional[environments.Agent] = None  # tools / environment of multi-turn rollouts, or None
     bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
     entropy_coef: float = 0.0           # the entropy bonus's coefficient, which use_adaptive_entropy moves
     last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
@@ -195,17 +195,17 @@ def load_agent(cfg, tokenizer, eos_ids, task, weights):
     """The run's tools and environment (the task's own environment unless --environment names one), or None.
     An environment with get_reward adds its score to the task's rewards, weight 1."""
     try:
-        tools = agents.load_tools(cfg.tools) if cfg.tools else []
+        tools = environments.load_tools(cfg.tools) if cfg.tools else []
     except ValueError as e:
         raise ConfigError("tools", e) from e
     try:
-        environment = agents.load_environment(cfg.environment) if cfg.environment else task.environment
+        environment = environments.load_environment(cfg.environment) if cfg.environment else task.environment
     except ValueError as e:
         raise ConfigError("environment", e) from e
     if not tools and environment is None:
         return None
     try:
-        agent = agents.Agent(tokenizer, eos_ids, tools, environment, max_turns=cfg.max_turns,
+        agent = environments.Agent(tokenizer, eos_ids, tools, environment, max_turns=cfg.max_turns,
                              timeout=cfg.tool_timeout, system_prompt=task.system_prompt,
                              chat_template_kwargs=cfg.chat_template_kwargs)
         agent.check_template()  # a template that does not show the tools stops the run here
@@ -343,7 +343,7 @@ class Batch:
     prompt_mask: torch.Tensor           # (n, S)
     rollout: sampling.Rollout           # completion ids (n, T), masks, log-probs, truncation, turns
     completions: list                   # (n,) completion text: the whole trajectory, tool calls and results included
-    episodes: list = None               # (n,) agents.Episode: each rollout's conversation, with tools
+    episodes: list = None               # (n,) environments.Episode: each rollout's conversation, with tools
     images: object = None               # vision.PromptImages of the rows' prompts (a vision-language model's), or None
 
 

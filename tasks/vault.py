@@ -78,7 +78,7 @@ def tool_format_reward(completions, messages, **_):
 def make(ctx):
     chat = ctx.chat()
 
-    def to_row(row):  # the prompt is rendered with the tools by agents.Agent; here without, for the record
+    def to_row(row):  # the prompt is rendered with the tools by environments.Agent; here without, for the record
         return {**row, "prompt": chat(row["prompt_text"])}
     return Task(prompts, [vault_reward, tool_format_reward], weights=[1.0, 0.2], to_row=to_row,
                 accuracy_reward="vault_reward", environment=Vault)

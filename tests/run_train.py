@@ -81,14 +81,14 @@ def uneven_sampling(root, d, pad_id):
 def pause_often():
     """Every turn calls the environment's only tool (as the empty call does), and a turn ends at any of the
     letters a-h: rows of a random tiny model then take several turns, at different steps on each rank."""
-    import agents
-    original_init = agents.Agent.__init__
+    import environments
+    original_init = environments.Agent.__init__
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.stop_sequences = [[t] for t in range(97, 105)]
-    agents.Agent.__init__ = init
-    agents.parse_calls = lambda text: [("", {})]
+    environments.Agent.__init__ = init
+    environments.parse_calls = lambda text: [("", {})]
 
 
 def main(argv):

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import agents  # noqa: E402
+import environments  # noqa: E402
 import model_loading  # noqa: E402
 import responses  # noqa: E402
 import rewards  # noqa: E402
@@ -283,7 +283,7 @@ def test_chat_template_kwargs_render_every_prompt_as_apply_chat_template_does():
                                                       enable_thinking=False)
         assert b["prompt"] == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         assert a["prompt"] == b["prompt"] + "<think>\n\n</think>\n\n"  # the template's switch, and nothing else
-    agent = agents.Agent(tok, [tok.convert_tokens_to_ids("<|im_end|>")], [], TRLStyleEnv,
+    agent = environments.Agent(tok, [tok.convert_tokens_to_ids("<|im_end|>")], [], TRLStyleEnv,
                          chat_template_kwargs=cfg.chat_template_kwargs)
     prompts, eps = agent.start([{"prompt_text": "Add five."}])
     assert prompts[0] == tok.apply_chat_template([{"role": "user", "content": "Add five."}], tools=agent.schemas,
@@ -354,7 +354,7 @@ def test_each_familys_tool_calls_are_read_into_the_same_call_and_run(family):
     template, _, eot, call, final, result, stop = FAMILIES[family]
     tok = family_tokenizer(family)
     eos = tok.convert_tokens_to_ids(eot)
-    agent = agents.Agent(tok, [eos], [], TRLStyleEnv, max_turns=3)
+    agent = environments.Agent(tok, [eos], [], TRLStyleEnv, max_turns=3)
     agent.check_template()
     assert agent.family == family
     assert agent.stop_sequences == ([encode(tok, stop)] if stop else [])
@@ -384,7 +384,7 @@ def test_a_malformed_call_is_answered_with_a_short_error(family):
     rollout goes on."""
     call = FAMILIES[family][3]
     tok = family_tokenizer(family)
-    agent = agents.Agent(tok, [tok.convert_tokens_to_ids(FAMILIES[family][2])], [], TRLStyleEnv, max_turns=3)
+    agent = environments.Agent(tok, [tok.convert_tokens_to_ids(FAMILIES[family][2])], [], TRLStyleEnv, max_turns=3)
     _, eps = agent.start([{"prompt_text": "a"}, {"prompt_text": "b"}])
     broken = call.replace("5", "5,,") if family != "qwen3.5" else call.replace("<parameter=x>", "<parameter=y>")
     unknown = call.replace("add", "subtract")
@@ -401,7 +401,7 @@ def test_hermes_calls_without_a_family_keep_the_built_in_parser():
     and stop, as before."""
     tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
     tok.chat_template = vault.TINY_TOOL_TEMPLATE
-    agent = agents.Agent(tok, [tok.eos_token_id], [], TRLStyleEnv)
+    agent = environments.Agent(tok, [tok.eos_token_id], [], TRLStyleEnv)
     assert agent.family is None and agent.stop_sequences == [encode(tok, "</tool_call>")]
 
 

@@ -115,7 +115,7 @@ def test_evaluation_reports_greedy_accuracy_and_sampled_reward(tmp_path):
                       "eval/reward/matches", "eval/reward/length"}
 
 
-def test_wandb_offline_logs_namespaced_metrics_eval_and_completions_table(tmp_path, monkeypatch):
+def test_wandb_offline_logs_namespaced_metrics_eval_and_completions_table(tmp_path, monkeypatch, capfd):
     wandb = pytest.importorskip("wandb")
     logged = []
     real_log = wandb.Run.log
@@ -127,6 +127,10 @@ def test_wandb_offline_logs_namespaced_metrics_eval_and_completions_table(tmp_pa
                 "--num_generations=2", "--prompts_per_step=2", "--micro_batch_size=4", "--max_completion_length=4",
                 "--max_prompt_length=48", "--max_steps=2", "--eval_every=2", "--eval_prompts=2",
                 "--completions_table_every=1", "--print_completions_every=0"])
+    # wandb suggests another product of theirs (Weave) when a module named like an agent library is loaded: none of
+    # ours is (the tools and environments live in environments.py)
+    said = capfd.readouterr()
+    assert "weave" not in (said.out + said.err).lower()
     metrics = [(s, d) for s, d in logged if "completions" not in d]
     tables = [(s, d["completions"]) for s, d in logged if "completions" in d]
     assert [s for s, _ in metrics] == [1, 2] and [s for s, _ in tables] == [1, 2]

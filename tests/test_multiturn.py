@@ -1,5 +1,5 @@
 """Multi-turn rollouts: rows that pause, take an environment's answer into their KV cache, and resume; the loss
-over the policy's tokens only; tools and environments (agents.py) as TRL defines them."""
+over the policy's tokens only; tools and environments (environments.py) as TRL defines them."""
 
 import copy
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import agents  # noqa: E402
+import environments  # noqa: E402
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
 import sampling  # noqa: E402
@@ -219,7 +219,7 @@ def multiply(a: int, b: int) -> int:
 
 
 def test_parse_calls_reads_json_and_never_evaluates():
-    calls = agents.parse_calls('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call> and '
+    calls = environments.parse_calls('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call> and '
                                '<tool_call>__import__("os").system("x")</tool_call><tool_call>[1]</tool_call>'
                                '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert calls[0] == ("multiply", {"a": 3, "b": 4}) and calls[1][0] is None and calls[2][0] is None
@@ -246,7 +246,7 @@ def test_failing_tools_answer_with_an_error_and_the_run_goes_on():
     jobs = [(raises, {}), (not_text, {}), (huge, {}), (slow, {}), (multiply, {"a": 2, "b": 5}),
             (multiply, {"c": 1}), (None, "the tool call is not valid JSON")]
     t = time.monotonic()
-    out = agents.run_calls(jobs, timeout=0.5, limit=4000)
+    out = environments.run_calls(jobs, timeout=0.5, limit=4000)
     assert time.monotonic() - t < 2
     assert [failed for _, failed in out] == [True, True, True, True, False, True, True]
     assert "RuntimeError: broken" in out[0][0] and "not text" in out[1][0] and "3,000,000" in out[2][0]
@@ -285,7 +285,7 @@ def test_environment_turns_through_the_agent():
     """An episode per row: reset's text joins the prompt, tools are the methods, a call's result is rendered by
     the chat template and tokenized as the answer; a turn without a call ends the rollout."""
     tok = tool_tokenizer()
-    agent = agents.Agent(tok, [tok.eos_token_id], [multiply], TRLStyleEnv, max_turns=3)
+    agent = environments.Agent(tok, [tok.eos_token_id], [multiply], TRLStyleEnv, max_turns=3)
     assert [s["function"]["name"] for s in agent.schemas] == ["multiply", "add", "total_so_far"]
     prompts_, eps = agent.start([{"prompt_text": "hi"}, {"prompt_text": "yo"}])
     assert "hi Add numbers." in prompts_[0] and "tools: multiply add total_so_far" in prompts_[0]
@@ -334,7 +334,7 @@ def test_answer_text_with_a_chatml_tool_role():
     tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
     tok.chat_template = model_loading.TINY_CHAT_TEMPLATE
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    agent = agents.Agent(tok, [im_end], [multiply])
+    agent = environments.Agent(tok, [im_end], [multiply])
     msg = [{"role": "tool", "name": "multiply", "content": "12"}]
     tool_turn = "<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
     assert agent.answer_text(msg, ended_with_eos=False) == "<|im_end|>\n" + tool_turn
@@ -350,7 +350,7 @@ def test_python_tool_runs_in_the_sandbox_through_the_agent():
     """--tools=executor.py:python: the model's code runs in the sandbox and its output comes back as the result;
     code that fails comes back as its error, as text, and the rollout goes on."""
     tok = tool_tokenizer()
-    agent = agents.Agent(tok, [tok.eos_token_id], agents.load_tools("executor.py:python"), max_turns=3)
+    agent = environments.Agent(tok, [tok.eos_token_id], environments.load_tools("executor.py:python"), max_turns=3)
     _, eps = agent.start([{"prompt_text": "6*7?"}, {"prompt_text": "1/0?"}])
     enc = lambda code: tok('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}}) +  # noqa
                            '</tool_call>', add_special_tokens=False).input_ids
