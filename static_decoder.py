@@ -12,9 +12,15 @@ One decoder serves every family in `FAMILIES`: a family is a `Family` row
 saying where its layer departs from Llama's (which norms sit where, q/k
 norms, how a norm scales, what the embedding and the rotary look like), not
 a copy of the layer. Sliding-window layers attend to the keys whose token
-position lies less than the window before the query's.
+position lies less than the window before the query's. MoE blocks
+(static_moe.py) read the model's experts in place instead of copying them;
+Gated DeltaNet layers (static_recurrent.py) keep states per row instead of
+cache slots. Families with either, or with sinks, a gated query or partial
+rotary, are written out in the sampler only: `training_forward_supported`
+leaves their training to the model's own forward.
 
-Of the project it imports only kernels.py (the optional Triton decode attention).
+Of the project it imports kernels.py (the optional Triton decode attention), static_moe.py and
+static_recurrent.py.
 """
 
 import dataclasses
