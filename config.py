@@ -47,22 +47,22 @@ class Config:
     device: str = setting("auto", run=False)  # auto (cuda when available), cpu or cuda
     threads: int = setting(0, run=False, at_least=0)  # CPU threads of each process's torch operations; 0 =
         # OMP_NUM_THREADS (torchrun sets 1 for several processes), else the cores shared out among this node's
-        # processes. A machine others use too: try 1 (README)
+        # processes. A machine others use too: try 1 (docs/runs.md)
     # task and rewards
     task: str = setting("next_letter", run=True, choices=TASKS)  # where prompts come from and how they are scored:
         # tasks/NAME.py
     reward_funcs: str = setting("", run=True)  # your own reward functions instead of the task's, comma-separated
-        # file.py:name or package.module:name (README: "Your own reward functions")
+        # file.py:name or package.module:name (docs/tasks.md)
     reward_weights: list = setting(factory=list, run=True)  # one per reward function, comma-separated; empty =
         # defaults
     sandbox: str = setting("auto", run=False, choices=executor.SANDBOX_MODES)  # model-written code (task code, the
         # python tool): auto or strict = Linux namespaces, refusing where there are none; unsafe = limits only
-        # (README)
+        # (docs/sandbox.md)
     # batch
     num_generations: int = setting(8, run=True, at_least=2)  # G, completions per prompt
     prompts_per_step: int = setting(16, run=True, at_least=1)  # prompts per optimizer step, over all processes
     dynamic_sampling: bool = setting(False, run=True)  # DAPO: drop groups without a signal (advantages all 0: their
-        # rewards all equal) and draw more prompts until prompts_per_step groups have one (README: "Dynamic sampling")
+        # rewards all equal) and draw more prompts until prompts_per_step groups have one (docs/objective.md)
     max_generation_rounds: int = setting(4, run=True, at_least=1)  # dynamic_sampling: rounds of prompts_per_step
         # prompts drawn at most; then the step fills up with groups without a signal
     micro_batch_size: int = setting(16, run=False, at_least=1)  # completions per forward/backward (gradient
@@ -96,7 +96,7 @@ class Config:
     epsilon_high: typing.Optional[float] = setting(None, run=True, above=0)  # clip range above (DAPO's clip-higher);
         # None = epsilon
     loss_type: str = setting("grpo", run=True, choices=LOSS_TYPES)  # TRL's names: a policy term and an aggregation
-        # (README: "The objective"): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo, vespo
+        # (docs/objective.md): grpo, dapo, dr_grpo, bnpo, luspo (PPO clip), cispo, sapo, vespo
     importance_sampling_level: str = setting("token", run=True, choices=IMPORTANCE_SAMPLING_LEVELS)  # the ratio pi /
         # pi_old per token, or per sequence (GSPO)
     delta: typing.Optional[float] = setting(None, run=True, above=1)  # two-sided clip: the unclipped ratio also
@@ -115,7 +115,7 @@ class Config:
         # tokens (with use_adaptive_entropy: the coefficient it starts from)
     use_adaptive_entropy: bool = setting(False, run=True)  # Skywork-OR1's control: after each optimizer step the
         # coefficient moves by entropy_coef_delta, up while the mean entropy is at or below entropy_target, else down,
-        # and it applies only then (README: "Entropy bonus")
+        # and it applies only then (docs/objective.md)
     entropy_target: float = setting(0.2, run=True, at_least=0)  # use_adaptive_entropy: the mean entropy (nats) kept
     entropy_coef_delta: float = setting(0.005, run=True, at_least=0)  # use_adaptive_entropy: the coefficient's step
     entropy_coef_min: float = setting(0.0, run=True, at_least=0)  # use_adaptive_entropy: its bounds
@@ -136,7 +136,7 @@ class Config:
         # does by default
     importance_sampling: str = setting("none", run=True, choices=IMPORTANCE_SAMPLING)  # correct for the sampler's
         # log-probs differing from the trainer's: none, token_truncate, token_mask, sequence_truncate or sequence_mask
-        # (README)
+        # (docs/objective.md)
     importance_sampling_min: float = setting(0.0, run=True, at_least=0)  # weights are clipped to [min, max]
         # (truncate) or zeroed outside (mask)
     importance_sampling_max: float = setting(3.0, run=True)  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by
@@ -157,7 +157,7 @@ class Config:
         # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
-    # tools and environments: multi-turn rollouts (environments.py; README: "Tools and environments")
+    # tools and environments: multi-turn rollouts (environments.py; docs/agents.md)
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
     max_turns: int = setting(4, run=True, at_least=1)  # the policy's turns per completion when it has tools (calls
@@ -215,7 +215,7 @@ class Config:
 RUN_KEYS = cli.run_keys(Config)
 
 # Recipes: files of settings (flat TOML) in recipes/, applied before the command line's: --preset=NAME for
-# recipes/NAME.toml, --config=FILE for any file (README: "Recipes").
+# recipes/NAME.toml, --config=FILE for any file (README: "Real use").
 RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 # Other trainers' names for settings (TRL's GRPOConfig and transformers' TrainingArguments), with what to use

@@ -21,7 +21,7 @@ the policy writes its next turn. The arguments are parsed, never evaluated;
 a call that is malformed, names no tool, raises, returns
 something that is not text, returns too much, or runs past the timeout is
 answered with a one-line error as its result and counted (`tool_errors`).
-README: "Tools and environments" has the whole contract.
+docs/agents.md has the whole contract.
 """
 
 import inspect

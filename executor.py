@@ -28,8 +28,8 @@ none can be made, the first strict check says so once on stderr and the limits s
 process of a program has oom_score_adj 1000 (the OOM killer's first choice; the trainer's score is not touched),
 and a program is only started while the memory budget of all running programs (MEMORY_SHARE of what the machine
 has available) holds it, which also sizes run_many's pool. It runs as `python -I -S`: isolated mode, no
-`site`, so only the standard library, and a faster start than a plain `python file.py` (README: Running
-model-written code, for the measured overhead).
+`site`, so only the standard library, and a faster start than a plain `python file.py` (docs/sandbox.md, for
+the measured overhead).
 
 How: run() starts `python -I -S` running sandbox_launcher.launch(STATUS, CONTROL) (the launcher), puts it in the
 program's control group, sends it a spec on stdin (then the program's stdin), and reads the program's stdout and

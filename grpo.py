@@ -485,7 +485,7 @@ def k3_kl(ref_logp, logp):
     return (torch.expm1(d.clamp(max=20.0)) - d).clamp(min=0.0)
 
 
-# The objective along four axes (README: "The objective"). `loss_type` keeps TRL's names; each name is a policy
+# The objective along four axes (docs/objective.md). `loss_type` keeps TRL's names; each name is a policy
 # term and an aggregation, so a paper is a combination of settings, not a branch of its own.
 POLICY_TERM = {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip", "bnpo": "clip", "luspo": "clip",
                "cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
@@ -637,7 +637,7 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
 @dataclass(frozen=True)
 class Objective:
     """The settings of the loss, by the names of config.py's Config fields (`Objective.of(cfg)` copies them): a new
-    setting of the objective is a field here and one there. README: "The objective" maps papers onto them."""
+    setting of the objective is a field here and one there. docs/objective.md maps papers onto them."""
     loss_type: str = "grpo"               # a policy term (POLICY_TERM) and an aggregation (AGGREGATION)
     beta: float = 0.04                    # the k3 KL's coefficient; 0 = no KL term
     epsilon: float = 0.2                  # PPO's clip below

@@ -250,7 +250,7 @@ def banner(run, resumed):
         lines.append(f"warning: {metrics} holds steps of an earlier run but out_dir has no checkpoint to resume from "
                      f"(--save_every 0?): starting over at step 1 and replacing them")
     busy = busy_cpu(threads)
-    if d.device.type == "cpu" and busy:  # threads that wait for a busy core: README "A machine others use too"
+    if d.device.type == "cpu" and busy:  # threads that wait for a busy core: docs/runs.md "A machine others use too"
         lines.append(f"warning: {busy}: {threads} threads wait for each other; --threads=1 may be much faster")
     if d.device.type == "cpu" and (cfg.preset or cfg.config) and cfg.model != "tiny":  # the tiny recipes are for CPUs
         lines.append(f"warning: recipe {cfg.preset or cfg.config} is sized for a GPU ({cfg.model}); on the CPU it "
@@ -273,7 +273,7 @@ def busy_cpu(threads):
 
 
 def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group_std):
-    """The step's metrics over all ranks (README: "Logged metrics"), from this rank's sums, largest
+    """The step's metrics over all ranks (docs/metrics.md), from this rank's sums, largest
     sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()

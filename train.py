@@ -725,7 +725,7 @@ def entropy_threshold(run, ids, mask, micro, loss_mask, entropy=None):
 def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask, threshold=None):
     """None, or (m, T) / (m, 1) in {0, 1}: the tokens whose policy term counts in this micro-batch (TRL's entropy
     and off-policy masks; neither changes a normaliser). threshold: the step's entropy quantile
-    (`entropy_threshold`); None (no counted token) keeps none (README: "Which tokens count")."""
+    (`entropy_threshold`); None (no counted token) keeps none (docs/objective.md: "Which tokens count")."""
     keep = None
     if cfg.top_entropy_quantile < 1:
         keep = (grpo.high_entropy_mask(entropy.detach(), mask, threshold=threshold) if threshold is not None
