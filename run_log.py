@@ -229,9 +229,9 @@ def banner(run, resumed):
                  f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
-    import model_loading  # here, not at the top: the rest of this file has no use for transformers
+    import lora  # here, not at the top: the rest of this file has no use for torch
     import sampling
-    adapted = model_loading.lora_summary(lm)  # which layers, how many of each: "all" differs by family
+    adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family
     lines = [
         f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model} ({type(lm).__name__}): {count(total)} parameters, {count(trainable)} trainable | "

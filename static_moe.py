@@ -21,7 +21,7 @@ times the arithmetic). It needs no host value, so a CUDA graph can capture it.
 Where grouped_mm cannot take the weights (some dtypes and strides on some
 devices; a probe at start finds out), the gather and batched matmul stand in.
 
-LoRA on the experts (model_loading.LoRAExperts, a parametrization whose read
+LoRA on the experts (lora.LoRAExperts, a parametrization whose read
 returns W + scaling * B A over every expert): the decoder reads the frozen W
 in place and adds the low-rank term for the chosen experts only,
 scaling * (x A_e^T) B_e^T, instead of merging all E experts at every step.

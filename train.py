@@ -69,6 +69,7 @@ try:
     import disk
     import grpo
     import model_loading
+    import lora
     import responses
     import rewards
     import routing
@@ -257,7 +258,7 @@ def load_models(cfg, d, load_device):
         raise ConfigError("model_init_kwargs", e) from e
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
-            model_loading.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+            lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
         except ValueError as e:
             raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
     check_model(cfg, d, policy)  # with the adapters (zero at start): the paths the run takes
@@ -538,7 +539,7 @@ def reference_logprobs(run, ids, mask, micro, route=None):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
     model = run.ref if run.ref is not None else policy
-    with torch.no_grad(), model_loading.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
+    with torch.no_grad(), lora.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
         logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
                       compile_layers=run.cfg.compile_layers, routing=routes(route, mb),
                       images=images_of(run, mb))[0] for mb in micro]

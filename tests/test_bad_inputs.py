@@ -11,6 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model_loading  # noqa: E402
+
+import lora  # noqa: E402
 import rewards  # noqa: E402
 import tasks  # noqa: E402
 
@@ -228,20 +230,20 @@ def tiny_model(weights_dir):
 
 def test_each_lora_target_must_match(tiny_model):
     with pytest.raises(ValueError) as e:
-        model_loading.add_lora(tiny_model, 4, 8, "q_proj,v_prj,down_proj")
+        lora.add_lora(tiny_model, 4, 8, "q_proj,v_prj,down_proj")
     text = _one_line(e)
     assert "'v_prj' matches no linear layer" in text
     assert "(the model has: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)" in text
     with pytest.raises(ValueError, match=r"'v_prj', 'mlp\.nope' match no linear layer"):
-        model_loading.add_lora(tiny_model, 4, 8, ["q_proj", "v_prj", "mlp.nope"])
+        lora.add_lora(tiny_model, 4, 8, ["q_proj", "v_prj", "mlp.nope"])
     with pytest.raises(ValueError, match="lora_target_modules: empty"):
-        model_loading.add_lora(tiny_model, 4, 8, " , ")
+        lora.add_lora(tiny_model, 4, 8, " , ")
     # a refused call leaves the model as it was: no adapters, nothing frozen
-    assert not model_loading.lora_modules(tiny_model) and all(p.requires_grad for p in tiny_model.parameters())
+    assert not lora.lora_modules(tiny_model) and all(p.requires_grad for p in tiny_model.parameters())
 
 
 def test_lora_targets_may_be_dotted_tails(tiny_model):
-    replaced = model_loading.add_lora(tiny_model, 4, 8, "self_attn.q_proj,mlp.down_proj")
+    replaced = lora.add_lora(tiny_model, 4, 8, "self_attn.q_proj,mlp.down_proj")
     assert sorted(replaced) == sorted(f"model.layers.{i}.{n}" for i in range(2)
                                       for n in ("self_attn.q_proj", "mlp.down_proj"))
 

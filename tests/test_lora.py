@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
+import lora  # noqa: E402
 import train  # noqa: E402
 from conftest import finished  # noqa: E402
 
@@ -46,7 +47,7 @@ def _train_steps(model, tok, steps=3, lr=1e-2):
 def test_add_lora_replaces_targets_and_freezes_the_rest(tmp_path):
     model, _ = _tiny(tmp_path)
     total = sum(p.numel() for p in model.parameters())
-    replaced = model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    replaced = lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     assert len(replaced) == 2 * 7  # two layers, seven projections each
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
@@ -57,24 +58,24 @@ def test_add_lora_replaces_targets_and_freezes_the_rest(tmp_path):
     assert sum(p.numel() for n, p in model.named_parameters() if n in trainable) == 2 * per_layer
     assert sum(p.numel() for p in model.parameters()) == total + 2 * per_layer
     with pytest.raises(ValueError, match="lora_target_modules: 'nope' matches no linear layer"):
-        model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, "nope")
+        lora.add_lora(_tiny(tmp_path)[0], 4, 8, "nope")
 
 
 def test_default_targets_on_a_dense_model_are_its_seven_projections(tmp_path):
     from config import Config
-    assert Config().lora_target_modules == model_loading.ALL_TARGETS
-    everything = model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, model_loading.ALL_TARGETS)
-    assert sorted(everything) == sorted(model_loading.add_lora(_tiny(tmp_path)[0], 4, 8, TARGETS))
+    assert Config().lora_target_modules == lora.ALL_TARGETS
+    everything = lora.add_lora(_tiny(tmp_path)[0], 4, 8, lora.ALL_TARGETS)
+    assert sorted(everything) == sorted(lora.add_lora(_tiny(tmp_path)[0], 4, 8, TARGETS))
     model, _ = _tiny(tmp_path)
-    model_loading.add_lora(model, 4, 8, model_loading.ALL_TARGETS)
-    assert model_loading.lora_summary(model) == ("LoRA rank 4 on q_proj x2, k_proj x2, v_proj x2, o_proj x2, "
+    lora.add_lora(model, 4, 8, lora.ALL_TARGETS)
+    assert lora.lora_summary(model) == ("LoRA rank 4 on q_proj x2, k_proj x2, v_proj x2, o_proj x2, "
                                                  "gate_proj x2, up_proj x2, down_proj x2: 9,728 parameters")
-    assert model_loading.lora_summary(_tiny(tmp_path)[0]) is None
+    assert lora.lora_summary(_tiny(tmp_path)[0]) is None
 
 
 def test_only_adapter_parameters_change(tmp_path):
     model, tok = _tiny(tmp_path)
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     _train_steps(model, tok)
     for n, p in model.named_parameters():
@@ -89,12 +90,12 @@ def test_adapters_start_as_the_base_model_and_switch_off_to_it(tmp_path):
     base = copy.deepcopy(model)
     ids, mask, T = _batch(tok)
     base_logp = grpo.completion_logprobs(base, ids, mask, T)[0]
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     assert torch.allclose(grpo.completion_logprobs(model, ids, mask, T)[0], base_logp, atol=1e-6)  # B = 0
     _train_steps(model, tok)
     with torch.no_grad():
         adapted = grpo.completion_logprobs(model, ids, mask, T)[0]
-        with model_loading.adapters_disabled(model):
+        with lora.adapters_disabled(model):
             off = grpo.completion_logprobs(model, ids, mask, T)[0]
         again = grpo.completion_logprobs(model, ids, mask, T)[0]
     assert not torch.allclose(adapted, base_logp, atol=1e-3)
@@ -104,7 +105,7 @@ def test_adapters_start_as_the_base_model_and_switch_off_to_it(tmp_path):
 
 def test_sampler_sees_the_adapted_weights(tmp_path):
     model, tok = _tiny(tmp_path)
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     _train_steps(model, tok)
     model.eval()
     enc = tok(["a>", "hello>"], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -116,7 +117,7 @@ def test_sampler_sees_the_adapted_weights(tmp_path):
     T = out.completion_ids.shape[1]
     with torch.no_grad():
         train_logp = grpo.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
-        with model_loading.adapters_disabled(model):
+        with lora.adapters_disabled(model):
             base_logp = grpo.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
     torch.testing.assert_close(out.logprobs, train_logp, atol=1e-5, rtol=0)
     assert not torch.allclose(out.logprobs, base_logp, atol=1e-3)
@@ -128,7 +129,7 @@ def test_merged_export_reproduces_adapted_logits(tmp_path):
 
     model, tok = _tiny(tmp_path)
     plain_keys = set(model.state_dict())
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     _train_steps(model, tok)
     path = model_loading.export_model(model, tok, str(tmp_path / "export"))
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
@@ -176,12 +177,12 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
     """The adapters-off reference gives the same log-probs a frozen copy of the starting model would."""
     model, tok = _tiny(tmp_path)
     ref = model_loading.build_reference_model(model, beta=0.04)
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     torch.manual_seed(0)
-    for m in model_loading.lora_modules(model).values():
+    for m in lora.lora_modules(model).values():
         torch.nn.init.normal_(m.lora_B, std=0.05)  # as if trained
     ids, mask, T = _batch(tok, seed=3)
-    with torch.no_grad(), model_loading.adapters_disabled(model):
+    with torch.no_grad(), lora.adapters_disabled(model):
         torch.testing.assert_close(grpo.completion_logprobs(model, ids, mask, T)[0],
                                    grpo.completion_logprobs(ref, ids, mask, T)[0], atol=1e-6, rtol=0)
 
@@ -189,16 +190,16 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
 FSDP_WORKER = r'''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import grpo, model_loading
+import grpo, lora, model_loading
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 dist.init_process_group("gloo")
 path, targets = sys.argv[2], sys.argv[4]
 model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
 tok = model_loading.load_tokenizer(path)
-model_loading.add_lora(model, rank=4, alpha=8, target_modules=targets)
+lora.add_lora(model, rank=4, alpha=8, target_modules=targets)
 torch.manual_seed(1)
-for m in model_loading.lora_modules(model).values():
+for m in lora.lora_modules(model).values():
     torch.nn.init.normal_(m.lora_B, std=0.05)  # non-zero, so adapters on and off differ
 full = {k: v.clone() for k, v in model.state_dict().items()}
 for layer in model.model.layers:
@@ -212,7 +213,7 @@ def logprobs(model):  # through the root's forward, as the sharded trainer calls
     logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
     return torch.log_softmax(logits[:, -6:-1].float(), -1).gather(-1, ids[:, -5:, None])[..., 0]
 logp = logprobs(model)
-with torch.no_grad(), model_loading.adapters_disabled(model):
+with torch.no_grad(), lora.adapters_disabled(model):
     ref = logprobs(model)
 logp.sum().backward()
 grads = {n: p.grad is not None for n, p in model.named_parameters()}
@@ -251,7 +252,7 @@ def test_lora_under_fsdp2_fully_shard(tmp_path, write, targets):
     assert finished(proc, out), proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
     model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
-    model_loading.add_lora(model, rank=4, alpha=8, target_modules=targets)
+    lora.add_lora(model, rank=4, alpha=8, target_modules=targets)
     model.load_state_dict(got["full"])
     tok = model_loading.load_tokenizer(path)
     enc = tok(["a>", "hello there>"], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -259,7 +260,7 @@ def test_lora_under_fsdp2_fully_shard(tmp_path, write, targets):
     ids = torch.cat([enc.input_ids, comp], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
     logp, _ = grpo.completion_logprobs(model, ids, mask, 5)  # the trainer's path, unsharded
-    with torch.no_grad(), model_loading.adapters_disabled(model):
+    with torch.no_grad(), lora.adapters_disabled(model):
         ref, _ = grpo.completion_logprobs(model, ids, mask, 5)
     logp.sum().backward()
     torch.testing.assert_close(got["logp"], logp.detach(), atol=1e-5, rtol=1e-5)
@@ -269,8 +270,8 @@ def test_lora_under_fsdp2_fully_shard(tmp_path, write, targets):
     assert got["grad_A"].keys() == {n for n in params if n.endswith("lora_A")}
     for n, g in got["grad_A"].items():
         torch.testing.assert_close(g, params[n].grad, atol=1e-5, rtol=1e-4)
-    merged = model_loading.merge_lora_state_dict(model, got["gathered"])  # what a sharded run exports
-    want = model_loading.merge_lora_state_dict(model)
+    merged = lora.merge_lora_state_dict(model, got["gathered"])  # what a sharded run exports
+    want = lora.merge_lora_state_dict(model)
     assert merged.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(merged[k], want[k], atol=0, rtol=0, msg=k)

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import architectures  # noqa: E402
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
+import lora  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "gpt_oss", "qwen3_5"]
 # how each family stores a fused expert weight, read off its experts' forward: qwen3_moe F.linear(x, W[e]) on
@@ -44,7 +45,7 @@ def _ids(tok, seed=0):
 def _random_B(model, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for a in model_loading.lora_modules(model).values():
+        for a in lora.lora_modules(model).values():
             a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
 
 
@@ -52,7 +53,7 @@ def _random_B(model, seed=1):
 def test_all_adapts_every_layer_linear_and_expert_weight(family):
     model, _ = architectures.tiny(family)
     want = _expected(model)
-    adapted = model_loading.add_lora(model, RANK, ALPHA, "all")
+    adapted = lora.add_lora(model, RANK, ALPHA, "all")
     assert sorted(adapted) == sorted(want)
     # the walk is not vacuous: each family's particular layers are among them
     particular = {"qwen3_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj"],
@@ -64,7 +65,7 @@ def test_all_adapts_every_layer_linear_and_expert_weight(family):
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     assert sum(p.numel() for p in trainable.values()) == sum(RANK * (i + o) * e for i, o, e in want.values())
-    summary = model_loading.lora_summary(model)
+    summary = lora.lora_summary(model)
     assert summary.startswith(f"LoRA rank {RANK} on ") and summary.endswith(
         f": {sum(p.numel() for p in trainable.values()):,} parameters")
     if family != "qwen3_5":
@@ -76,7 +77,7 @@ def test_adapted_model_is_the_base_plus_the_deltas(family):
     model, tok = architectures.tiny(family)
     base = copy.deepcopy(model)
     ids = _ids(tok)
-    model_loading.add_lora(model, RANK, ALPHA, "all")
+    lora.add_lora(model, RANK, ALPHA, "all")
     with torch.no_grad():
         base_logits = base(ids).logits
         assert torch.equal(model(ids).logits, base_logits)  # B = 0: the base model, bit for bit
@@ -85,8 +86,8 @@ def test_adapted_model_is_the_base_plus_the_deltas(family):
     merged = copy.deepcopy(base)
     params = dict(merged.named_parameters())
     with torch.no_grad():
-        for name, a in model_loading.lora_modules(model).items():
-            if isinstance(a, model_loading.LoRALinear):
+        for name, a in lora.lora_modules(model).items():
+            if isinstance(a, lora.LoRALinear):
                 params[f"{name}.weight"].add_(a.scaling * a.lora_B @ a.lora_A)
                 continue
             owner, rest = name.split(".parametrizations.")
@@ -98,7 +99,7 @@ def test_adapted_model_is_the_base_plus_the_deltas(family):
         adapted = model(ids).logits
         torch.testing.assert_close(adapted, merged(ids).logits, atol=1e-5, rtol=1e-5)
         assert (adapted - base_logits).abs().max() > 1e-2  # the deltas are big enough to tell
-        with model_loading.adapters_disabled(model):
+        with lora.adapters_disabled(model):
             assert torch.equal(model(ids).logits, base_logits)
         torch.testing.assert_close(model(ids).logits, adapted, atol=0, rtol=0)  # switched back on
 
@@ -109,7 +110,7 @@ def test_merged_export_loads_as_a_plain_model(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model, tok = architectures.tiny(family)
-    model_loading.add_lora(model, RANK, ALPHA, "all")
+    lora.add_lora(model, RANK, ALPHA, "all")
     _random_B(model)
     path = model_loading.export_model(model, tok, str(tmp_path / "export"))
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
@@ -117,7 +118,7 @@ def test_merged_export_loads_as_a_plain_model(family, tmp_path):
     assert not any("lora" in k or "parametrizations" in k for k in saved), saved
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                   attn_implementation=model.config._attn_implementation).eval()
-    assert not model_loading.lora_modules(loaded)
+    assert not lora.lora_modules(loaded)
     ids = _ids(tok, seed=2)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
@@ -128,7 +129,7 @@ def test_each_experts_implementation_reads_the_adapted_weight_once_per_forward(i
     """However the experts' forward reads its fused weights, it sees W + delta, merged once per forward (the eager
     loop reads the whole weight once per expert it runs)."""
     model, tok = architectures.tiny("qwen3_moe")
-    model_loading.add_lora(model, RANK, ALPHA, "all")
+    lora.add_lora(model, RANK, ALPHA, "all")
     _random_B(model)
     ids = _ids(tok, seed=3)
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_each_experts_implementation_reads_the_adapted_weight_once_per_forward(i
     model.set_experts_implementation(implementation)
     assert model.config._experts_implementation == implementation
     merges = []
-    experts = [a for a in model_loading.lora_modules(model).values() if isinstance(a, model_loading.LoRAExperts)]
+    experts = [a for a in lora.lora_modules(model).values() if isinstance(a, lora.LoRAExperts)]
     hooks = [a.register_forward_hook(lambda m, args, out: merges.append(m)) for a in experts]
     with torch.no_grad():
         got = model(ids).logits
@@ -150,7 +151,7 @@ def test_only_adapters_train_and_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
         model, tok = architectures.tiny("qwen3_moe")
-        model_loading.add_lora(model, RANK, ALPHA, "all")
+        lora.add_lora(model, RANK, ALPHA, "all")
         _random_B(model)
         if checkpointing:
             model_loading.enable_checkpointing(model)
@@ -168,14 +169,14 @@ def test_only_adapters_train_and_checkpointing_gives_the_same_gradients():
 
 def test_explicit_names_reach_expert_weights_and_misses_list_them():
     model, _ = architectures.tiny("qwen3_moe")
-    assert model_loading.add_lora(model, RANK, ALPHA, "experts.gate_up_proj,q_proj") == [
+    assert lora.add_lora(model, RANK, ALPHA, "experts.gate_up_proj,q_proj") == [
         f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.q_proj", "mlp.experts.gate_up_proj")]
     model, _ = architectures.tiny("qwen3_moe")
     with pytest.raises(ValueError) as e:
-        model_loading.add_lora(model, RANK, ALPHA, "q_proj,gate_proj")  # the dense layers' name: no such layer
+        lora.add_lora(model, RANK, ALPHA, "q_proj,gate_proj")  # the dense layers' name: no such layer
     assert str(e.value) == ("lora_target_modules: 'gate_proj' matches no linear layer or expert weight (the model has: "
                             "experts.down_proj, experts.gate_up_proj, k_proj, lm_head, o_proj, q_proj, v_proj)")
-    assert not model_loading.lora_modules(model) and all(p.requires_grad for p in model.parameters())
+    assert not lora.lora_modules(model) and all(p.requires_grad for p in model.parameters())
 
 
 def test_checkpoint_round_trip_restores_expert_adapters_and_their_optimizer_state(tmp_path):
@@ -184,7 +185,7 @@ def test_checkpoint_round_trip_restores_expert_adapters_and_their_optimizer_stat
 
     def adapted():
         model, tok = architectures.tiny("qwen3_moe")
-        model_loading.add_lora(model, RANK, ALPHA, "all")
+        lora.add_lora(model, RANK, ALPHA, "all")
         root = sharding.Root(model)
         return root, torch.optim.AdamW([p for p in root.parameters() if p.requires_grad], lr=1e-2), tok
 

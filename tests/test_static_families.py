@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import architectures  # noqa: E402
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
+import lora  # noqa: E402
 import sampling  # noqa: E402
 import static_decoder  # noqa: E402
 import static_moe  # noqa: E402
@@ -261,17 +262,17 @@ def _moe_blocks(model):
 
 @pytest.mark.parametrize("case", ["qwen3-moe", "qwen2-moe", "gpt-oss"])
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("lora", [False, True])
-def test_moe_block_equals_the_model_block(case, grouped, lora):
+@pytest.mark.parametrize("adapters", [False, True])
+def test_moe_block_equals_the_model_block(case, grouped, adapters):
     """static_moe.MoE on the model's own parameters against the block's forward, tokens of a sequence: the
     grouped matmul and its stand-in (gather and batched matmul), with LoRA on the experts' fused weights
     (the low-rank term for the chosen experts against the model's merged weight) and without."""
     model, _ = build(case)
-    if lora:
-        model_loading.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
+    if adapters:
+        lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
-            for a in model_loading.lora_modules(model).values():
+            for a in lora.lora_modules(model).values():
                 a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
     g = torch.Generator().manual_seed(2)
     h = torch.randn(2, 7, model.config.hidden_size, generator=g)
@@ -293,15 +294,15 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
     (the adapters' B random, so that they change the model) the sampler's log-probs, over several turns, equal
     one forward of the adapted model over each row's trajectory; with the adapters off, the base model's."""
     model, tok = build("qwen3-moe")
-    model_loading.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
+    lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for a in model_loading.lora_modules(model).values():
+        for a in lora.lora_modules(model).values():
             a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
     assert static_decoder.static_decode_supported(model)
     enc = prompts(tok)
     for adapted in (True, False):
-        for a in model_loading.lora_modules(model).values():
+        for a in lora.lora_modules(model).values():
             a.enabled = adapted
         r = multi_turn(model, tok, enc)
         pol = r.policy_mask.bool()
@@ -363,10 +364,10 @@ def test_moe_in_bfloat16_with_lora_on_experts(case):
     bf16 rounding of the model's own forward, on average over the tokens (bf16 logits of order 10 round by a
     few hundredths), and the adapters' effect is ten times larger."""
     model, tok = build(case)
-    model_loading.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
+    lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for a in model_loading.lora_modules(model).values():
+        for a in lora.lora_modules(model).values():
             a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.3)
     model = model.to(torch.bfloat16)
     moe = [static_moe.MoE(mlp) for mlp in _moe_blocks(model)]
@@ -375,7 +376,7 @@ def test_moe_in_bfloat16_with_lora_on_experts(case):
     kw = dict(max_new_tokens=12, eos_ids=[], pad_id=tok.pad_token_id, seeds=torch.arange(6))
     r = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
     want = per_row_logprobs(model, enc, r)
-    with model_loading.adapters_disabled(model):
+    with lora.adapters_disabled(model):
         base = per_row_logprobs(model, enc, r)
     off, effect = (r.logprobs - want).abs().mean(), (base - want).abs().mean()
     assert off < 0.02 and effect > 10 * off

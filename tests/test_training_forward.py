@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
 import model_loading  # noqa: E402
+import lora  # noqa: E402
 import static_decoder  # noqa: E402
 from test_fast_paths import cuda, prompts, tiny_model, with_completions  # noqa: E402
 
@@ -324,7 +325,7 @@ def test_training_forward_falls_back_where_it_does_not_apply():
     assert static_decoder.training_forward_supported(model.eval())  # dropout is off in eval mode
     assert not static_decoder.training_forward_supported(model.train())
     model, _ = tiny_model()
-    model_loading.add_lora(model, rank=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    lora.add_lora(model, rank=2, alpha=4, target_modules=["q_proj", "v_proj"])
     assert not static_decoder.training_forward_supported(model)  # adapters replace the projections
 
 

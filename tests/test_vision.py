@@ -13,6 +13,7 @@ import torch
 
 import grpo
 import model_loading
+import lora
 import sampling
 import vision
 
@@ -153,7 +154,7 @@ def test_lora_adapts_the_language_model_only():
     for targets in ("all", "gate_proj"):  # the vision tower's MLPs have a gate_proj too
         m = tiny_vl("qwen2_5_vl")[0]
         assert any(n.endswith("gate_proj") for n, _ in m.model.visual.named_modules())
-        adapted = model_loading.add_lora(m, 4, 8.0, targets)
+        adapted = lora.add_lora(m, 4, 8.0, targets)
         assert adapted and all(n.startswith("model.language_model.") for n in adapted), adapted
         assert not any(p.requires_grad for p in m.model.visual.parameters())
 
