@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import time
-import typing
 import uuid
 from dataclasses import dataclass
 
@@ -61,23 +60,18 @@ if __name__ == "__main__":
         raise
 
 try:
-    import huggingface_hub
     import torch
-    import transformers
 
-    import environments
     import disk
     import grpo
     import model_loading
     import lora
-    import responses
     import rewards
     import routing
     import run_log
-    import vision
+    from run_setup import setup  # the models, task, tools and optimizer of a run
     import sampling
     import sharding
-    import tasks
 except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer's traceback
     if __name__ != "__main__":
         raise
@@ -86,17 +80,6 @@ except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer'
 
 
 # ----------------------------------------------------------------------------- optimizer
-
-
-def make_optimizer(params, cfg):
-    """AdamW over the tensors `params`; fused (one update call over all parameters) on devices torch has the
-    kernel for, as in Hugging Face Trainer's default `adamw_torch_fused`, and torch's default implementation
-    elsewhere. On CPU the default is a loop over tensors, about 5x slower per step for the tiny model (1.34
-    against 0.28 ms). A checkpoint's optimizer state brings its own setting: one saved unfused resumes unfused."""
-    params = list(params)
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def lr_factor(cfg, opt_step, total_opt_steps):
@@ -123,212 +106,6 @@ def set_hyperparameters(optimizer, cfg, opt_step):
     for group in optimizer.param_groups:
         group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     return lr
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-@dataclass
-class Run:
-    """What setup() builds once and every step uses."""
-    cfg: Config
-    d: sharding.Dist
-    tokenizer: object
-    policy: sharding.Root               # the language model behind its (sharded) root wrapper
-    ref: typing.Optional[sharding.Root]  # the reference (frozen unless sync_ref_model); None when beta == 0 or LoRA
-    eos_ids: list
-    task: tasks.Task
-    weights: list                       # one per reward function
-    reward_model: object                # (root-wrapped model, its tokenizer) or None
-    optimizer: torch.optim.Optimizer
-    agent: typing.Optional[environments.Agent] = None  # tools / environment of multi-turn rollouts, or None
-    bad_steps: int = 0                  # optimizer steps in a row skipped for a non-finite loss or gradient
-    entropy_coef: float = 0.0           # the entropy bonus's coefficient, which use_adaptive_entropy moves
-    last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
-    images: typing.Optional[object] = None  # vision.ImageEncoder of a vision-language policy's prompts, or None
-    step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
-
-
-def setup(cfg, d):
-    """Models, task and optimizer for one run; nothing is read from or written to out_dir but the tiny models."""
-    torch.manual_seed(cfg.seed)
-    # transformers' bars for loading and saving off; the hub's download bars on, so a long download shows progress
-    transformers.utils.logging.disable_progress_bar()
-    huggingface_hub.utils.enable_progress_bars()
-    try:  # first: a spec that does not resolve stops the run before any model loads
-        own_rewards = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
-    except ValueError as e:
-        raise ConfigError("reward_funcs", e) from e
-    check_sandbox(cfg, d)
-    # several processes: load on the CPU, fully_shard moves each process's shard to its device
-    load_device = "cpu" if d.world_size > 1 else d.device
-    tokenizer, policy, ref = load_models(cfg, d, load_device)
-    responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
-    task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
-    optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
-    eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
-    agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
-    return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
-               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task))
-
-
-def load_images(cfg, model, tokenizer, task):
-    """The encoder of prompts' images (vision.py) for a vision-language policy, else None; a task whose prompts
-    hold images and a policy that cannot see them, or a setting that does not carry images, stop the run."""
-    path = os.path.join(cfg.out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
-    try:
-        encoder = vision.ImageEncoder.for_model(model, tokenizer, vision.load_image_processor(path)
-                                                if vision.is_vision_model(model) else None)
-    except ValueError as e:
-        raise SystemExit(f"model: {e}") from e
-    row = task.prompts_for_step(cfg.seed, 1, 1)[0] if task.rows or task.make_prompts else {}
-    if vision.row_images(row) and encoder is None:
-        why = ("images in prompts run on the Qwen-VL family's layout (Qwen2.5-VL, Qwen3-VL, Qwen3.5) only"
-               if getattr(model.config, "vision_config", None) is not None else "it has no vision tower")
-        raise SystemExit(f"task {cfg.task}: its prompts hold images, and {type(model).__name__} cannot see them: "
-                         f"{why}")
-    if encoder is not None and cfg.dynamic_sampling:
-        raise ConfigError("dynamic_sampling", "not supported with a vision-language model's image prompts yet")
-    return encoder
-
-
-def load_agent(cfg, tokenizer, eos_ids, task, weights):
-    """The run's tools and environment (the task's own environment unless --environment names one), or None.
-    An environment with get_reward adds its score to the task's rewards, weight 1."""
-    try:
-        tools = environments.load_tools(cfg.tools) if cfg.tools else []
-    except ValueError as e:
-        raise ConfigError("tools", e) from e
-    try:
-        environment = environments.load_environment(cfg.environment) if cfg.environment else task.environment
-    except ValueError as e:
-        raise ConfigError("environment", e) from e
-    if not tools and environment is None:
-        return None
-    try:
-        agent = environments.Agent(tokenizer, eos_ids, tools, environment, max_turns=cfg.max_turns,
-                             timeout=cfg.tool_timeout, system_prompt=task.system_prompt,
-                             chat_template_kwargs=cfg.chat_template_kwargs)
-        agent.check_template()  # a template that does not show the tools stops the run here
-    except ValueError as e:
-        raise ConfigError("environment" if environment is not None else "tools", e) from e
-    task.reward_funcs.extend(agent.reward_funcs)
-    weights.extend([1.0] * len(agent.reward_funcs))
-    return agent
-
-
-def check_sandbox(cfg, d):
-    """The mode of executor.py for what runs model-written code; a task that runs code (and strict, always) checks at
-    start-up that this machine can give it, and stops naming what is missing. Unsafe says so in the banner."""
-    os.environ["GRPO_SANDBOX"] = cfg.sandbox  # the executor's default: the code task's reward and the python tool
-    if cfg.task == "code" or cfg.sandbox == "strict":
-        try:
-            executor.check(cfg.sandbox)
-        except executor.ExecutorUnavailable as e:
-            raise ConfigError("sandbox", e) from e
-    if cfg.sandbox == "unsafe" and d.master:
-        print(executor.UNSAFE_BANNER, flush=True)
-
-
-def _local_tiny(cfg, d, name, write):
-    """The folder of a tiny model written into out_dir (by the master; the others wait until it is there)."""
-    path = os.path.join(cfg.out_dir, name)
-    if d.master:
-        write(path)
-    sharding.barrier(d)
-    return path
-
-
-def load_models(cfg, d, load_device):
-    """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
-    # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
-    write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
-    path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
-    if d.master:
-        print(f"loading {cfg.model} on {load_device} ...", flush=True)
-    try:
-        tokenizer = model_loading.load_tokenizer(path)
-        policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
-                                          gradient_checkpointing=cfg.gradient_checkpointing)
-    except model_loading.InitKwargsError as e:  # an attention implementation the model does not have, ...
-        raise ConfigError("model_init_kwargs", str(e).removeprefix("model_init_kwargs: ")) from e
-    except (OSError, ValueError) as e:  # a missing folder, damaged weights: one line (GRPO_DEBUG=1: the traceback)
-        raise SystemExit(f"model: {e}") from e
-    except TypeError as e:  # from_pretrained given a keyword the model does not take
-        raise ConfigError("model_init_kwargs", e) from e
-    if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
-        try:
-            lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
-        except ValueError as e:
-            raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
-    check_model(cfg, d, policy)  # with the adapters (zero at start): the paths the run takes
-    ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
-    if cfg.routing_replay:  # after the reference is copied: each model's routers record and replay for it alone
-        try:
-            for model in (policy, ref) if ref is not None else (policy,):
-                routing.of(model)
-        except ValueError as e:
-            raise ConfigError("routing_replay", e) from e
-    low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
-    if low and cfg.lr < 1e-4 and d.master:
-        print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
-              f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
-              f"torchrun + FSDP2 compute in bfloat16", flush=True)
-    if cfg.compile_layers and not grpo.training_forward_supported(policy.train()) and d.master:  # as it trains
-        print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
-              "(LoRA, attention dropout or another architecture), which is not compiled", flush=True)
-    # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
-    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision).train()
-    if ref is not None:
-        ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
-        sharding.check_same_placement(policy, ref)
-    return tokenizer, policy, ref
-
-
-def check_model(cfg, d, policy):
-    """Stop, naming the architecture and what is wrong, where the sampler's or the training forward's log-probs
-    would not be the model's own (sampling.check_exact: a few tokens through both, on rank 0)."""
-    if not cfg.check_model:
-        return
-    problem = None
-    if d.master:
-        try:
-            problem = sampling.check_exact(policy)
-        except Exception as e:  # noqa: BLE001 (said in one line on every rank, not a traceback on one)
-            problem = f"{type(policy).__name__}: the check itself failed: {type(e).__name__}: {e}"
-    problem = sharding.broadcast_object(problem, d)
-    if problem:
-        raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here "
-                         f"(docs/architectures.md); --check_model=false skips this check at your own risk")
-
-
-def load_task(cfg, d, tokenizer, own_rewards, load_device):
-    """Prompts, reward functions (plus a reward model's score) and their weights, held-out evaluation prompts."""
-    rm_path = cfg.reward_model or tasks.default_reward_model(cfg.task)
-    if rm_path == model_loading.TINY:
-        rm_path = _local_tiny(cfg, d, "tiny_reward_model_init", model_loading.write_tiny_reward_model)
-    reward_model = None  # (model behind its root wrapper, its own tokenizer)
-    if rm_path:
-        try:
-            rm, rm_tokenizer = model_loading.load_reward_model(rm_path, cfg.model_init_kwargs, load_device,
-                                                               cfg.seed + 1)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"reward_model: {e}") from e
-        # sharded like the reference; every rank scores as many completions in as many forwards
-        reward_model = (sharding.shard(sharding.Root(rm), d, cfg.mixed_precision).eval(), rm_tokenizer)
-    try:
-        task = tasks.get_task(cfg.task, tokenizer=tokenizer, dataset=cfg.dataset, seed=cfg.seed,
-                              chat_template_kwargs=cfg.chat_template_kwargs,
-                              eval_prompts=cfg.eval_prompts if cfg.eval_every or cfg.eval_only else 0,
-                              reward_model=reward_model,
-                              reward_funcs=own_rewards)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"task {cfg.task}: {e}") from e
-    weights = cfg.reward_weights or task.weights or [1.0] * len(task.reward_funcs)
-    if len(weights) != len(task.reward_funcs):
-        raise ConfigError("reward_weights", f"{len(weights)} weights for {len(task.reward_funcs)} reward functions "
-                          f"({', '.join(rewards.reward_name(f) for f in task.reward_funcs)})")
-    return task, weights, reward_model
 
 
 # ----------------------------------------------------------------------------- the step

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
+import run_setup  # noqa: E402
 import lora  # noqa: E402
 import train  # noqa: E402
 from conftest import finished  # noqa: E402
@@ -168,7 +169,7 @@ def test_compile_layers_warns_where_the_hugging_face_forward_runs(tmp_path, caps
     for lora_rank in (0, 4):
         cfg = train.Config(device="cpu", out_dir=str(tmp_path / str(lora_rank)), compile_layers=True,
                            lora_rank=lora_rank)
-        train.load_models(cfg, d, "cpu")
+        run_setup.load_models(cfg, d, "cpu")
         said = capsys.readouterr().out
         assert ("compile_layers has no effect" in said) == (lora_rank > 0), said
 

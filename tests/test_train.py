@@ -16,6 +16,7 @@ import model_loading
 import rewards
 import tasks
 from tasks import next_letter
+import run_setup
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ def test_fused_adamw_steps_like_the_per_tensor_loop():
     start = [torch.randn(7, 5), torch.randn(5)]
     fast = [p.clone().requires_grad_() for p in start]
     slow = [p.clone().requires_grad_() for p in start]
-    opt_fast = train.make_optimizer(fast, cfg)
+    opt_fast = run_setup.make_optimizer(fast, cfg)
     assert opt_fast.defaults["fused"]  # CPU has the fused kernel
     opt_slow = torch.optim.AdamW(slow, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, foreach=False)
     for step in range(5):
@@ -296,7 +297,7 @@ def test_rerunning_a_finished_run_says_so(tmp_path, monkeypatch, capsys):
 def test_group_of_64_with_micro_batches_of_4(tmp_path, monkeypatch):
     def odd_length(prompts, completions, **_):  # a reward with spread at initialisation
         return [float(len(c.encode()) % 2) for c in completions]
-    monkeypatch.setattr(train.tasks, "get_task", lambda name, **_: tasks.Task(next_letter.prompts, [odd_length], name=name))
+    monkeypatch.setattr(tasks, "get_task", lambda name, **_: tasks.Task(next_letter.prompts, [odd_length], name=name))
     rows, _, _ = run_train(tmp_path, monkeypatch, "--max_steps=1", "--num_generations=64", "--prompts_per_step=1",
                            "--micro_batch_size=4", "--loss_type=dapo")
     assert rows[0]["step"] == 1 and rows[0]["grad_norm"] > 0 and 0 < rows[0]["reward"] < 1
