@@ -13,6 +13,7 @@ import torch
 
 import cli
 import grpo
+import logprobs
 import model_loading
 import sharding
 import tasks
@@ -234,7 +235,7 @@ def bench_long(path, s, device, root, overrides):
 
 def naive_logprobs(model, ids, attn, t, temperature):
     """The obvious version: full logits for every position, float32, log_softmax over the vocabulary, gather."""
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids_from_mask(attn)).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids_from_mask(attn)).logits
     logits = logits[:, -t - 1:-1].float() / temperature  # (N, T, V)
     return torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None])[..., 0]
 
@@ -300,7 +301,7 @@ def bench_memory(s, device):
             model.zero_grad(set_to_none=True)
         return go
 
-    ours = run(lambda: grpo.completion_logprobs(model, ids, attn, t, 1.0)[0])
+    ours = run(lambda: logprobs.completion_logprobs(model, ids, attn, t, 1.0)[0])
     naive = run(lambda: naive_logprobs(model, ids, attn, t, 1.0))
     ours(), naive()  # warm-up: lazily created state does not count
     peaks = {"ours": [], "naive": []}

@@ -1,5 +1,9 @@
 """Run Python that the policy wrote: each program in a fresh process, sandboxed, with limits.
 
+One concern in one file (at the 650-line mark): the trainer's side of the sandbox, running programs,
+their limits, the pool and their results; the sandbox's own side is sandbox_launcher.py, the kernel's
+control groups and system-call filter sandbox_cgroups.py and sandbox_seccomp.py.
+
     result = executor.run("print(1 + 1)")     # Result: stdout, stderr, exit_code, timed_out, wall_time, sandbox_error
     results = executor.run_many(["print(1)", {"code": "print(input())", "stdin": "hi"}])  # a pool, one per CPU
     executor.python("print(2 ** 10)")         # the tool a policy calls: "1024\n"

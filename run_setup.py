@@ -15,7 +15,6 @@ import transformers
 
 import environments
 import executor
-import grpo
 import lora
 import model_loading
 import responses
@@ -23,6 +22,7 @@ import rewards
 import routing
 import sampling
 import sharding
+import static_decoder
 import tasks
 import vision
 from config import Config, ConfigError
@@ -185,7 +185,7 @@ def load_models(cfg, d, load_device):
         print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
               f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
               f"torchrun + FSDP2 compute in bfloat16", flush=True)
-    if cfg.compile_layers and not grpo.training_forward_supported(policy.train()) and d.master:  # as it trains
+    if cfg.compile_layers and not static_decoder.training_forward_supported(policy.train()) and d.master:  # as it trains
         print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
               "(LoRA, attention dropout or another architecture), which is not compiled", flush=True)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)

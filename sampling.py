@@ -1,5 +1,9 @@
 """The sampler: completions for left-padded prompts on the (sharded) policy, one or several turns each.
 
+One concern in one file (past 650 lines on purpose): the decode loop and what drives it (rows paused and
+resumed, answers appended, compaction, the draws) share one state; a step's rollout and held-out evaluation
+beside it are the loop's only callers.
+
 `sample` is one decode loop over a KV cache. Each step either decodes one
 token per row or, where rows paused for an environment, appends the
 environment's answer to those rows' cache and resumes them; a row ends at EOS
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import environments
-import grpo
+import logprobs
 import responses
 import rewards
 import routing
@@ -190,7 +194,7 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
-    pick = _compiled_gumbel_max() if grpo.fused_head_available(logits.device) else _gumbel_max
+    pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
     if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
         return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
     return pick(logits, keys, 1.0 / temperature)
@@ -268,7 +272,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     # is elementwise, so these are the numbers of drawing them one step at a time
     keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
     attn = prompt_mask.long()
-    positions = grpo.position_ids_from_mask(attn)
+    positions = logprobs.position_ids_from_mask(attn)
     replay = routing.of(model) if record_routing else None
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
@@ -760,7 +764,7 @@ def check_exact(model, tolerance=2e-3, new_tokens=3):
         want = _plain_logprobs(model, ids, mask, rollout)
         full_ids = torch.cat([ids, rollout.completion_ids], 1)
         full_mask = torch.cat([mask, rollout.completion_mask], 1)
-        train, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
+        train, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
     finally:
         model.train(was_training)
     policy = rollout.policy_mask.bool()

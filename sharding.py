@@ -76,7 +76,7 @@ class Root(torch.nn.Module):
 
     FSDP2 gathers a module's parameters in hooks around its forward. The
     trainer reaches into the language model in ways its own forward does not
-    cover: `grpo.completion_logprobs` runs `lm.base_model` and then multiplies
+    cover: `logprobs.completion_logprobs` runs `lm.base_model` and then multiplies
     by the output-embedding weight itself, chunk by chunk, and the sampler
     runs a whole decode loop. Called on a sharded language model, those would
     bypass the root's hooks and see the root's parameters (embeddings, final

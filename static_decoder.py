@@ -1,8 +1,12 @@
 """Decoder layers written out: the fast decoder behind `sampling.sample`, and the training forward.
 
+One concern in one file (past 650 lines on purpose): the family table and the three places a layer is
+written out (the training forward, prefill, decode) must change together; the MoE blocks and the recurrent
+layers, which stand alone, are static_moe.py and static_recurrent.py.
+
 `sampling.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
-allocated once, CUDA graphs on GPU. `grpo.completion_logprobs` asks
+allocated once, CUDA graphs on GPU. `logprobs.completion_logprobs` asks
 `training_forward_supported(model)` and, when it holds, runs
 `hidden_states`: the same layers on the model's own parameters, with
 autograd. Both compute what the Hugging Face forward computes (the tests

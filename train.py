@@ -1,4 +1,8 @@
-"""GRPO training, top to bottom: config, setup, the step, then the loop.
+"""GRPO training, top to bottom: the settings, the step, then the loop.
+
+One concern in one file (past 650 lines on purpose): the algorithm, read top to bottom in the order it
+runs: the step's rollout, scoring, advantages and update, then the loop around it. What a run is built from
+(models, task, tools, optimizer) is run_setup.py.
 
     python train.py                                   # the tiny offline default, on CPU, a few minutes
     python train.py --help                            # every setting, its type, default and meaning
@@ -64,6 +68,7 @@ try:
 
     import disk
     import grpo
+    import logprobs
     import model_loading
     import lora
     import rewards
@@ -317,7 +322,7 @@ def reference_logprobs(run, ids, mask, micro, route=None):
     policy = run.policy
     model = run.ref if run.ref is not None else policy
     with torch.no_grad(), lora.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
-        logp = [model(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
+        logp = [model(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
                       compile_layers=run.cfg.compile_layers, routing=routes(route, mb),
                       images=images_of(run, mb))[0] for mb in micro]
     if model is run.ref:
@@ -330,7 +335,7 @@ def sampling_logprobs(run, ids, mask, micro, route=None):
     Before the step's first optimizer step, these are the weights that sampled."""
     cfg, policy = run.cfg, run.policy
     with torch.no_grad():
-        return [policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
+        return [policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
                        compile_layers=cfg.compile_layers, routing=routes(route, mb), images=images_of(run, mb))
                 for mb in micro]
 
@@ -365,17 +370,17 @@ def update(run, batch, advantages, step):
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
     # mini-batch j: the step's rows i with i % n_mini == j, whatever the world size (n / n_mini of them on each rank);
     # its normalisers over all ranks, so any world size gives the same gradient
-    rows = grpo.mini_batch_rows(ids.shape[0], batch.mine.start, n_mini, d.device)
+    rows = logprobs.mini_batch_rows(ids.shape[0], batch.mine.start, n_mini, d.device)
     N = batch.prompt_ids.shape[0] * d.world_size // n_mini
     num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
                   for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
     # in each, rows of similar length together, each micro-batch cut to the columns its rows use
-    minis = [[grpo.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
-              for mb in grpo.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+    minis = [[logprobs.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
+              for mb in logprobs.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens)]
              for r in rows]
     if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
-        minis = [grpo.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
+        minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
     ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
     old_logp, is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
     # |trainer - sampler| log-prob over the counted tokens, summed and largest (at the weights that sampled)
@@ -413,7 +418,7 @@ def update(run, batch, advantages, step):
             step_loss = step_entropy = 0.0  # this optimizer step's loss and entropy sum on this rank
             objective = dataclasses.replace(objective, entropy_coef=entropy_bonus(run))
             for i, mb in enumerate(micro):
-                logp, entropy = policy(grpo.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                        width=mb.width, compile_layers=cfg.compile_layers,
                                        entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
                                        routing=routes(route, mb), images=images_of(run, mb))

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import hf_decoder  # noqa: E402
 import sampling  # noqa: E402
 import static_decoder  # noqa: E402
@@ -42,7 +43,7 @@ def training_logprobs(model, enc, rollout, grad=False):
     ids = torch.cat([enc.input_ids, rollout.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, rollout.completion_mask], 1)
     with torch.set_grad_enabled(grad):
-        return grpo.completion_logprobs(model, ids, mask, rollout.completion_ids.shape[1], 1.0)[0]
+        return logprobs.completion_logprobs(model, ids, mask, rollout.completion_ids.shape[1], 1.0)[0]
 
 
 @pytest.fixture(scope="module", params=list(architectures.FAMILIES))
@@ -101,7 +102,7 @@ def test_softcapped_head_gradient_equals_autograd():
     """Gemma 2's final-logit softcap in the chunked head: values and gradients equal autograd through the
     model's own logits, over several chunks and at a temperature."""
     model, tok = architectures.tiny("gemma2")
-    assert grpo.head_of(model).softcap
+    assert logprobs.head_of(model).softcap
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
     comp = torch.randint(0, 256, (6, 7), generator=torch.Generator().manual_seed(0))
     ids = torch.cat([enc.input_ids, comp], 1)
@@ -109,10 +110,10 @@ def test_softcapped_head_gradient_equals_autograd():
     weights = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
     params = [p for p in model.parameters()]
 
-    logp, _ = grpo.completion_logprobs(model, ids, mask, 7, temperature=0.7, chunk_tokens=5)
+    logp, _ = logprobs.completion_logprobs(model, ids, mask, 7, temperature=0.7, chunk_tokens=5)
     ours = torch.autograd.grad((logp * weights).sum(), params)
     logits = model(input_ids=ids, attention_mask=mask,
-                   position_ids=grpo.position_ids_from_mask(mask)).logits[:, -8:-1].float() / 0.7
+                   position_ids=logprobs.position_ids_from_mask(mask)).logits[:, -8:-1].float() / 0.7
     ref_logp = torch.log_softmax(logits, -1).gather(-1, comp[..., None])[..., 0]
     ref = torch.autograd.grad((ref_logp * weights).sum(), params)
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
@@ -125,7 +126,7 @@ def test_start_up_check_catches_a_wrong_path(monkeypatch):
     monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, whatever the family
     model, _ = architectures.tiny("gemma2")
     with monkeypatch.context() as m:
-        m.setattr(grpo, "head_of", lambda model: None)
+        m.setattr(logprobs, "head_of", lambda model: None)
         assert "training forward" in sampling.check_exact(model)
     model, _ = architectures.tiny("gemma3")
     assert sampling.check_exact(model) is None

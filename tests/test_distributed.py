@@ -348,12 +348,12 @@ for nested in (False, True):
     if dist.get_rank() == 0:
         print(f"nested={nested} before={before} inside={inside}", flush=True)
 # forwards only, as the reference model runs: FSDP's per-forward records must not pile up
-import grpo
+import logprobs
 ids = torch.arange(3, 23).view(2, 10)
 records = []
 for _ in range(3):
     with torch.no_grad():
-        root(grpo.completion_logprobs, ids, torch.ones_like(ids), 4)
+        root(logprobs.completion_logprobs, ids, torch.ones_like(ids), 4)
     sharding.free_gathered(root)
     records.append(len(lm.model.layers[0]._get_fsdp_state()._comm_ctx.post_forward_order))
 if dist.get_rank() == 0:

@@ -51,3 +51,12 @@ def test_the_readme_is_a_front_door():
     lines = _text("README.md").splitlines()
     assert len(lines) <= 300, len(lines)
     assert "python train.py" in _text("README.md") and "python -m pytest tests" in _text("README.md")
+
+
+def test_a_long_file_says_why_it_is_one():
+    """A source file past 650 lines says, in its first lines, why it is one concern rather than two files."""
+    sources = [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    sources += [os.path.join("tasks", f) for f in os.listdir(os.path.join(ROOT, "tasks")) if f.endswith(".py")]
+    long = [f for f in sources if _text(f).count("\n") > 650]
+    unexplained = [f for f in long if "one concern" not in "\n".join(_text(f).splitlines()[:12]).lower()]
+    assert unexplained == [], unexplained

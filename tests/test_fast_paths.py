@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
+
+import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import static_decoder  # noqa: E402
@@ -145,7 +147,7 @@ def test_sampler_logprobs_equal_training_forward():
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     attn = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, ids, attn, r.completion_ids.shape[1], temperature=0.8)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, r.completion_ids.shape[1], temperature=0.8)
     torch.testing.assert_close(logp * r.completion_mask, r.logprobs, atol=1e-5, rtol=0)
 
 
@@ -153,7 +155,7 @@ def test_prefill_and_decode_logits_match_hf_forward():
     model, tok = tiny_model()
     enc = prompts(tok)
     n, p = enc.input_ids.shape
-    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    pos = logprobs.position_ids_from_mask(enc.attention_mask)
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 4)
     with torch.no_grad():
         got = dec.prefill(enc.input_ids, enc.attention_mask, pos)
@@ -163,7 +165,7 @@ def test_prefill_and_decode_logits_match_hf_forward():
         got = dec.decode(nxt, p)
         ids = torch.cat([enc.input_ids, nxt[:, None]], 1)
         attn = torch.cat([enc.attention_mask, torch.ones(n, 1, dtype=torch.long)], 1)
-        want = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids_from_mask(attn)).logits[:, -1]
+        want = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids_from_mask(attn)).logits[:, -1]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -176,7 +178,7 @@ def test_graph_safe_decode_form_matches_eager_on_cpu(arch, sdpa):
     model, tok = tiny_model(arch)
     enc = prompts(tok)
     n, p = enc.input_ids.shape
-    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    pos = logprobs.position_ids_from_mask(enc.attention_mask)
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     logits, caches = {}, {}
     for form in ("eager", "graph"):
@@ -389,7 +391,7 @@ def test_cuda_decode_attention_kernel_samples_like_sdpa(arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
     """The compiled sampler (one fused pass over the logits) against the eager Gumbel-max, on a real vocabulary."""
-    assert grpo.fused_head_available("cuda")
+    assert logprobs.fused_head_available("cuda")
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(300, 151_936, generator=g) * 3).to("cuda", dtype)
     keys = sampling.row_keys(torch.arange(300, device="cuda"), 5)

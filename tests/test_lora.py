@@ -11,6 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
+
+import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import run_setup  # noqa: E402
@@ -39,7 +41,7 @@ def _train_steps(model, tok, steps=3, lr=1e-2):
     ids, mask, T = _batch(tok)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     for _ in range(steps):
-        logp, _ = grpo.completion_logprobs(model, ids, mask, T)
+        logp, _ = logprobs.completion_logprobs(model, ids, mask, T)
         (-(logp.sum(1) * adv).mean()).backward()
         opt.step()
         opt.zero_grad()
@@ -90,15 +92,15 @@ def test_adapters_start_as_the_base_model_and_switch_off_to_it(tmp_path):
     model, tok = _tiny(tmp_path)
     base = copy.deepcopy(model)
     ids, mask, T = _batch(tok)
-    base_logp = grpo.completion_logprobs(base, ids, mask, T)[0]
+    base_logp = logprobs.completion_logprobs(base, ids, mask, T)[0]
     lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
-    assert torch.allclose(grpo.completion_logprobs(model, ids, mask, T)[0], base_logp, atol=1e-6)  # B = 0
+    assert torch.allclose(logprobs.completion_logprobs(model, ids, mask, T)[0], base_logp, atol=1e-6)  # B = 0
     _train_steps(model, tok)
     with torch.no_grad():
-        adapted = grpo.completion_logprobs(model, ids, mask, T)[0]
+        adapted = logprobs.completion_logprobs(model, ids, mask, T)[0]
         with lora.adapters_disabled(model):
-            off = grpo.completion_logprobs(model, ids, mask, T)[0]
-        again = grpo.completion_logprobs(model, ids, mask, T)[0]
+            off = logprobs.completion_logprobs(model, ids, mask, T)[0]
+        again = logprobs.completion_logprobs(model, ids, mask, T)[0]
     assert not torch.allclose(adapted, base_logp, atol=1e-3)
     torch.testing.assert_close(off, base_logp, atol=1e-6, rtol=0)
     torch.testing.assert_close(again, adapted, atol=0, rtol=0)  # switched back on afterwards
@@ -117,9 +119,9 @@ def test_sampler_sees_the_adapted_weights(tmp_path):
     mask = torch.cat([enc.attention_mask, torch.ones_like(out.completion_ids)], 1)
     T = out.completion_ids.shape[1]
     with torch.no_grad():
-        train_logp = grpo.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
+        train_logp = logprobs.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
         with lora.adapters_disabled(model):
-            base_logp = grpo.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
+            base_logp = logprobs.completion_logprobs(model, ids, mask, T)[0] * out.completion_mask
     torch.testing.assert_close(out.logprobs, train_logp, atol=1e-5, rtol=0)
     assert not torch.allclose(out.logprobs, base_logp, atol=1e-3)
 
@@ -184,14 +186,14 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
         torch.nn.init.normal_(m.lora_B, std=0.05)  # as if trained
     ids, mask, T = _batch(tok, seed=3)
     with torch.no_grad(), lora.adapters_disabled(model):
-        torch.testing.assert_close(grpo.completion_logprobs(model, ids, mask, T)[0],
-                                   grpo.completion_logprobs(ref, ids, mask, T)[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(logprobs.completion_logprobs(model, ids, mask, T)[0],
+                                   logprobs.completion_logprobs(ref, ids, mask, T)[0], atol=1e-6, rtol=0)
 
 
 FSDP_WORKER = r'''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import grpo, lora, model_loading
+import grpo, logprobs, lora, model_loading
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 dist.init_process_group("gloo")
@@ -210,12 +212,12 @@ enc = tok(["a>", "hello there>"], return_tensors="pt", padding=True, add_special
 comp = torch.arange(10).view(2, 5) + 97
 ids = torch.cat([enc.input_ids, comp], 1)
 mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
-def logprobs(model):  # through the root's forward, as the sharded trainer calls it
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+def token_logprobs(model):  # through the root's forward, as the sharded trainer calls it
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)).logits
     return torch.log_softmax(logits[:, -6:-1].float(), -1).gather(-1, ids[:, -5:, None])[..., 0]
-logp = logprobs(model)
+logp = token_logprobs(model)
 with torch.no_grad(), lora.adapters_disabled(model):
-    ref = logprobs(model)
+    ref = token_logprobs(model)
 logp.sum().backward()
 grads = {n: p.grad is not None for n, p in model.named_parameters()}
 assert all(g == ("lora_" in n) for n, g in grads.items()), grads
@@ -260,9 +262,9 @@ def test_lora_under_fsdp2_fully_shard(tmp_path, write, targets):
     comp = torch.arange(10).view(2, 5) + 97
     ids = torch.cat([enc.input_ids, comp], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
-    logp, _ = grpo.completion_logprobs(model, ids, mask, 5)  # the trainer's path, unsharded
+    logp, _ = logprobs.completion_logprobs(model, ids, mask, 5)  # the trainer's path, unsharded
     with torch.no_grad(), lora.adapters_disabled(model):
-        ref, _ = grpo.completion_logprobs(model, ids, mask, 5)
+        ref, _ = logprobs.completion_logprobs(model, ids, mask, 5)
     logp.sum().backward()
     torch.testing.assert_close(got["logp"], logp.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["ref"], ref, atol=1e-5, rtol=1e-5)

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import architectures  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import lora  # noqa: E402
 
@@ -157,7 +158,7 @@ def test_only_adapters_train_and_checkpointing_gives_the_same_gradients():
             model_loading.enable_checkpointing(model)
         model.train()
         ids = _ids(tok, seed=4)
-        logp, _ = grpo.completion_logprobs(model, ids, torch.ones_like(ids), 4)
+        logp, _ = logprobs.completion_logprobs(model, ids, torch.ones_like(ids), 4)
         logp.sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == {n for n, p in model.named_parameters() if p.requires_grad}

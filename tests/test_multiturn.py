@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import environments  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import sampling  # noqa: E402
 import sharding  # noqa: E402
@@ -54,7 +55,7 @@ def training_logprobs(model, enc, r):
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(r.completion_ids)], 1)
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], 1.0)
+        logp, _ = logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], 1.0)
     return logp
 
 
@@ -178,7 +179,7 @@ def test_gradient_counts_policy_tokens_only(tmp_path):
 
     def naive_grad(loss_mask):
         model = copy.deepcopy(init)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)).logits
         logp = torch.log_softmax(logits[:, -t - 1:-1].float(), -1).gather(-1, ids[:, -t:, None])[..., 0]
         naive_loss(logp, logp.detach(), logp.detach(), adv, loss_mask.float(), 0.1, 0.2, 0.2, "grpo", 30).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import grpo
+
+import logprobs
 import sharding
 import train
 from test_train import run_train
@@ -33,7 +35,7 @@ def test_mini_batch_rows_do_not_depend_on_the_number_of_processes():
     as many rows of each."""
     for world in (1, 2, 4):
         n = 16 // world
-        per_rank = [grpo.mini_batch_rows(n, rank * n, 4) for rank in range(world)]
+        per_rank = [logprobs.mini_batch_rows(n, rank * n, 4) for rank in range(world)]
         assert all(len(rows) == n // 4 for mine in per_rank for rows in mine)
         for j in range(4):
             assert torch.cat([rank * n + mine[j] for rank, mine in enumerate(per_rank)]).tolist() == list(range(j, 16, 4))
@@ -80,7 +82,7 @@ def test_mini_batches_match_sequential_optimizer_steps_on_their_rows_alone(tmp_p
     t = r.completion_ids.shape[1]
 
     def naive_logp(model):  # and the entropy, from full logits
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)).logits
         logp_all = torch.log_softmax(logits[:, -t - 1:-1].float() / 0.7, -1)
         return logp_all.gather(-1, ids[:, -t:, None])[..., 0], -(logp_all.exp() * logp_all).sum(-1)
     loss_mask = r.completion_mask.float()
@@ -134,12 +136,12 @@ def test_one_mini_batch_takes_the_old_log_probs_from_its_first_pass(tmp_path, mo
     gradient for every micro-batch before the first optimizer step."""
     import sharding
     forwards = {"grad": 0, "no_grad": 0}
-    real = grpo.completion_logprobs
+    real = logprobs.completion_logprobs
 
     def counting(*a, **k):
         forwards["grad" if torch.is_grad_enabled() else "no_grad"] += 1
         return real(*a, **k)
-    monkeypatch.setattr(grpo, "completion_logprobs", counting)
+    monkeypatch.setattr(logprobs, "completion_logprobs", counting)
     for mini, expected in ((1, {"grad": 2 * 3, "no_grad": 0}), (2, {"grad": 2 * 4, "no_grad": 4})):
         cfg = train.Config(device="cpu", out_dir=str(tmp_path / str(mini)), prompts_per_step=2, num_generations=4,
                            micro_batch_size=3, num_iterations=2, steps_per_generation=mini, beta=0, save_every=0)

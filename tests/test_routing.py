@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import routing  # noqa: E402
 import sampling  # noqa: E402
 import static_decoder  # noqa: E402
@@ -73,7 +74,7 @@ def test_training_forward_routes_as_the_sampler_did(family):
     nudge_routers(model)
     seen = experts_seen(model)
     replay = routing.of(model)
-    logp, _ = grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
+    logp, _ = logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
     differ, decisions = replay.counts()
     lead = (mask.cumsum(1) == 0).sum(1)
     cols = (torch.arange(ids.shape[1]) + lead[:, None]) % ids.shape[1]
@@ -88,7 +89,7 @@ def test_training_forward_routes_as_the_sampler_did(family):
 
     # with the routers as they sampled, no replayed decision differs: past each row's end nothing is replayed
     model.load_state_dict(as_sampled)
-    grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
+    logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
     differ, decisions = replay.counts()
     assert decisions > 0 and differ == 0
 
@@ -126,8 +127,8 @@ def test_replayed_gates_come_from_the_live_router():
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
     route = torch.cat([r.prompt_routing, r.routing], 1)
-    plain, _ = grpo.completion_logprobs(model, ids, mask, 12)
-    replayed, _ = grpo.completion_logprobs(model, ids, mask, 12, routing=route)
+    plain, _ = logprobs.completion_logprobs(model, ids, mask, 12)
+    replayed, _ = logprobs.completion_logprobs(model, ids, mask, 12, routing=route)
     torch.testing.assert_close(replayed, plain, atol=1e-6, rtol=0)
     replayed.sum().backward()
     assert all(rt.weight.grad is not None and rt.weight.grad.abs().sum() > 0 for rt in routing.routers(model))

@@ -2,7 +2,8 @@
 
 import torch
 
-import grpo
+
+import logprobs
 import sampling
 
 
@@ -40,7 +41,7 @@ def _training_logprobs(model, ids, mask, rollout, temperature):
     full = torch.cat([ids, rollout.completion_ids], 1)
     full_mask = torch.cat([mask, torch.ones_like(rollout.completion_ids)], 1)
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, full, full_mask, rollout.completion_ids.shape[1], temperature)
+        logp, _ = logprobs.completion_logprobs(model, full, full_mask, rollout.completion_ids.shape[1], temperature)
     return logp * rollout.completion_mask
 
 

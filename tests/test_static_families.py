@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import lora  # noqa: E402
 import sampling  # noqa: E402
@@ -133,7 +134,7 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
     model, tok = build(case)
     enc = prompts(tok)
     n, p = enc.input_ids.shape
-    pos = grpo.position_ids_from_mask(enc.attention_mask)
+    pos = logprobs.position_ids_from_mask(enc.attention_mask)
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     logits = {}
     for form in ("eager", "graph"):
@@ -170,7 +171,7 @@ def test_training_forward_matches_hf_forward(case, padding):
 
 
 def assert_holes_count_positions(model, ids, attn):
-    pos = grpo.position_ids_from_mask(attn)
+    pos = logprobs.position_ids_from_mask(attn)
     with torch.no_grad():
         got = static_decoder.hidden_states(model, ids, attn, pos)
         for i in range(ids.shape[0]):
@@ -200,7 +201,7 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     out = []
     for compiled in (False, True):
         model.zero_grad(set_to_none=True)
-        logp, _ = grpo.completion_logprobs(model, ids, attn, 3, 0.8, fast_forward=True, compile_layers=compiled)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, 3, 0.8, fast_forward=True, compile_layers=compiled)
         logp.sum().backward()
         out.append((logp.detach(), {k: p.grad for k, p in model.named_parameters()}))
     torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
@@ -390,7 +391,7 @@ def test_recurrent_states_put_back_around_a_repeated_step():
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
-    dec.prefill(enc.input_ids, enc.attention_mask, grpo.position_ids_from_mask(enc.attention_mask))
+    dec.prefill(enc.input_ids, enc.attention_mask, logprobs.position_ids_from_mask(enc.attention_mask))
     dec.tok_in[:n] = torch.arange(n) + 5
     slot = torch.full((n,), p)
     layers = list(dec.recurrent.values())

@@ -11,6 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo
+
+import logprobs
 import sampling
 import model_loading
 import rewards
@@ -114,7 +116,7 @@ def accumulated_grad(model, ref_logp, ids, mask, r, adv, micro, loss_type):
     cmask = r.completion_mask.float()
     for s in range(0, n, micro):
         sl = slice(s, s + micro)
-        logp, _ = grpo.completion_logprobs(model, ids[sl], mask[sl], t, chunk_tokens=5)
+        logp, _ = logprobs.completion_logprobs(model, ids[sl], mask[sl], t, chunk_tokens=5)
         loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[sl], adv[sl], cmask[sl], grpo.Objective(
             beta=0.1, epsilon=0.2, loss_type=loss_type, max_completion_length=6), num_sequences=n,
             num_tokens=cmask.sum())
@@ -129,7 +131,7 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
     """
     model.zero_grad()
     t = r.completion_ids.shape[1]
-    pos = grpo.position_ids_from_mask(mask)
+    pos = logprobs.position_ids_from_mask(mask)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None])[..., 0]
     d = ref_logp - logp
@@ -161,7 +163,7 @@ def naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type, counted
 def test_micro_batch_split_gives_the_same_gradient(model, tokenizer, loss_type):
     ids, mask, r, adv = rollout_batch(model, tokenizer)
     with torch.no_grad():
-        ref_logp = grpo.completion_logprobs(model, ids, mask, r.completion_ids.shape[1])[0] + 0.05
+        ref_logp = logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1])[0] + 0.05
     whole = accumulated_grad(model, ref_logp, ids, mask, r, adv, 8, loss_type)
     split = accumulated_grad(model, ref_logp, ids, mask, r, adv, 2, loss_type)
     naive = naive_full_batch_grad(model, ref_logp, ids, mask, r, adv, loss_type)
@@ -204,13 +206,13 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     counted = (torch.arange(t)[None] < lengths[:, None]).float()
     temperature = 0.7
     with torch.no_grad():
-        ref_logp = grpo.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
+        ref_logp = logprobs.completion_logprobs(model, ids, mask, t, temperature)[0] + 0.05
     kwargs, rows, ts, cols, widths = MICRO_BATCH_CASES[case]
     kwargs = dict(kwargs)
     split = kwargs.pop("split", None)
-    micro = grpo.micro_batches(mask, counted, t, **kwargs)
+    micro = logprobs.micro_batches(mask, counted, t, **kwargs)
     if split:
-        micro = grpo.split_micro_batches(micro, split)
+        micro = logprobs.split_micro_batches(micro, split)
     assert sorted(torch.cat([m.rows for m in micro]).tolist()) == list(range(n))  # every row exactly once
     assert [m.rows.tolist() for m in micro] == rows
     assert [m.t for m in micro] == ts
@@ -218,7 +220,7 @@ def test_length_sorted_trimmed_micro_batches_give_the_same_gradient(model, token
     assert [m.width for m in micro] == widths
     model.zero_grad()
     for m in micro:
-        logp, _ = grpo.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5, width=m.width)
+        logp, _ = logprobs.completion_logprobs(model, *m.take(ids, mask), m.t, temperature, chunk_tokens=5, width=m.width)
         loss, _ = grpo.grpo_loss(logp, logp.detach(), ref_logp[m.rows, :m.t], adv[m.rows], counted[m.rows, :m.t],
                                  grpo.Objective(beta=0.1, epsilon=0.2, loss_type=loss_type, max_completion_length=6),
                                  num_sequences=n, num_tokens=counted.sum())
@@ -237,12 +239,12 @@ def test_chunked_logprobs_equal_full_log_softmax(model, tokenizer, rows):
     t = r.completion_ids.shape[1]
     for temperature in (1.0, 0.6):
         logits = model(input_ids=ids, attention_mask=mask,
-                       position_ids=grpo.position_ids_from_mask(mask)).logits[:, -t - 1:-1].float() / temperature
+                       position_ids=logprobs.position_ids_from_mask(mask)).logits[:, -t - 1:-1].float() / temperature
         full = torch.log_softmax(logits, -1)
         expected = full.gather(-1, ids[:, -t:, None])[..., 0]
         entropy = -(full.exp() * full).sum(-1)
         for chunk in (1, 7, 1000):
-            logp, ent = grpo.completion_logprobs(model, ids, mask, t, temperature, chunk_tokens=chunk)
+            logp, ent = logprobs.completion_logprobs(model, ids, mask, t, temperature, chunk_tokens=chunk)
             torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ent, entropy, atol=1e-5, rtol=1e-5)
 
@@ -364,7 +366,7 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, request, import
     t = r.completion_ids.shape[1]
 
     def naive_logp(model):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=grpo.position_ids_from_mask(mask)).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids_from_mask(mask)).logits
         return torch.log_softmax(logits[:, -t - 1:-1].float() / 0.7, -1).gather(-1, ids[:, -t:, None])[..., 0]
     loss_mask = r.completion_mask.float()
     with torch.no_grad():
@@ -459,9 +461,9 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(r.completion_ids)], 1)
     t = r.completion_ids.shape[1]
-    logp, entropy = grpo.completion_logprobs(init, ids, mask, t, 1.0, entropy_grad=cfg.entropy_coef != 0)
+    logp, entropy = logprobs.completion_logprobs(init, ids, mask, t, 1.0, entropy_grad=cfg.entropy_coef != 0)
     with torch.no_grad():
-        ref = grpo.completion_logprobs(init, ids, mask, t, 1.0)[0]
+        ref = logprobs.completion_logprobs(init, ids, mask, t, 1.0)[0]
     loss_mask = r.policy_mask.float()
     keep = None
     if cfg.top_entropy_quantile < 1:  # the quantile over the whole batch's counted tokens
@@ -497,7 +499,7 @@ def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monke
             return torch.cat([x, torch.tensor([others.numel()])])
         return torch.cat([x, others])  # the other rank: already `most` long, no padding
     monkeypatch.setattr(sharding, "all_gather_rows", fake_gather)
-    micro = [grpo.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), grpo.MicroBatch(torch.tensor([1, 3]),
+    micro = [logprobs.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), logprobs.MicroBatch(torch.tensor([1, 3]),
                                                                                         slice(0, 3), 3, 3)]
     policy = lambda fn, ids, mask, t, *a, **k: (None, entropy[ids[:, 0]])  # noqa: E731 (rows named by ids)
     run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy,

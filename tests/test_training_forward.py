@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
+
+import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import lora  # noqa: E402
 import static_decoder  # noqa: E402
@@ -21,7 +23,7 @@ from test_fast_paths import cuda, prompts, tiny_model, with_completions  # noqa:
 
 
 def naive_logprobs(model, ids, attn, t, temperature):
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids_from_mask(attn)).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids_from_mask(attn)).logits
     logp_all = torch.log_softmax(logits[:, -t - 1:-1].float() / temperature, -1)
     return logp_all.gather(-1, ids[:, -t:, None])[..., 0], -(logp_all.exp() * logp_all).sum(-1)
 
@@ -49,7 +51,7 @@ def test_chunked_logprobs_loss_and_grads_match_naive(chunk_tokens):
         loss.backward()
         return logp.detach(), ent.detach(), loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
-    fast = loss_and_grads(lambda: grpo.completion_logprobs(model, ids, attn, t, 0.9, chunk_tokens=chunk_tokens))
+    fast = loss_and_grads(lambda: logprobs.completion_logprobs(model, ids, attn, t, 0.9, chunk_tokens=chunk_tokens))
     slow = loss_and_grads(lambda: naive_logprobs(model, ids, attn, t, 0.9))
     for a, b in zip(fast[:3], slow[:3]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -81,7 +83,7 @@ def test_left_padding_needs_no_attention_mask(monkeypatch, padding):
         return sdpa(*args, **kwargs)
     monkeypatch.setattr(static_decoder.F, "scaled_dot_product_attention", spy)
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, ids, attn, t, 0.9, fast_forward=True)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, t, 0.9, fast_forward=True)
     assert len(masks) >= model.config.num_hidden_layers
     assert all((m is None) == (padding == "left") for m in masks)
     if padding == "empty prompt":  # predicted from a padding position: the two forwards need not agree there
@@ -104,12 +106,12 @@ def test_width_runs_fewer_positions_with_the_same_counted_logprobs(monkeypatch, 
         want, _ = naive_logprobs(model, ids, attn, t, 0.9)
     seen = []
     inner = model.base_model.forward
-    monkeypatch.setattr(grpo, "hidden_states", lambda m, i, *a, **k: seen.append(i.shape[1]) or
+    monkeypatch.setattr(logprobs, "hidden_states", lambda m, i, *a, **k: seen.append(i.shape[1]) or
                         static_decoder.hidden_states(m, i, *a, **k))
     monkeypatch.setattr(model.base_model, "forward", lambda input_ids, **k: seen.append(input_ids.shape[1]) or
                         inner(input_ids=input_ids, **k))
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, ids, attn, t, 0.9, width=width, fast_forward=fast)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, t, 0.9, width=width, fast_forward=fast)
     assert seen == [width]
     keep = torch.arange(t)[None] < counted[:, None]
     torch.testing.assert_close(logp[keep], want[keep], atol=1e-5, rtol=0)
@@ -124,7 +126,7 @@ def test_chunked_logprobs_in_bfloat16_match_naive():
     t = 5
     ids, attn = with_completions(enc, t, seed=2)
     out = []
-    for fn in (lambda: grpo.completion_logprobs(model, ids, attn, t, 0.7, chunk_tokens=4),
+    for fn in (lambda: logprobs.completion_logprobs(model, ids, attn, t, 0.7, chunk_tokens=4),
                lambda: naive_logprobs(model, ids, attn, t, 0.7)):
         model.zero_grad(set_to_none=True)
         logp, _ = fn()
@@ -149,7 +151,7 @@ def test_bfloat16_weight_gradient_does_not_degrade_with_more_chunks():
     errors = []
     for chunk in (n, 4):
         weight.grad = None
-        logp, _ = grpo._ChunkedTokenLogprobs.apply(hidden, weight, targets, 1.0, chunk)
+        logp, _ = logprobs._ChunkedTokenLogprobs.apply(hidden, weight, targets, 1.0, chunk)
         (logp * upstream).sum().backward()
         assert weight.grad.dtype == torch.bfloat16
         errors.append(((weight.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()).item())
@@ -162,7 +164,7 @@ def test_chunked_logprobs_backward_twice_with_a_retained_graph():
     enc = prompts(tok)
     for chunk in (None, 3):
         model.zero_grad(set_to_none=True)
-        logp, _ = grpo.completion_logprobs(model, enc.input_ids, enc.attention_mask, 4, 1.0, chunk_tokens=chunk)
+        logp, _ = logprobs.completion_logprobs(model, enc.input_ids, enc.attention_mask, 4, 1.0, chunk_tokens=chunk)
         logp.sum().backward(retain_graph=True)
         once = model.lm_head.weight.grad.clone()
         logp.sum().backward()
@@ -177,7 +179,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
         model.train()
         assert model.model.gradient_checkpointing == ckpt
         ids = torch.arange(40).view(2, 20) + 3
-        logp, _ = grpo.completion_logprobs(model, ids, torch.ones_like(ids), 8)
+        logp, _ = logprobs.completion_logprobs(model, ids, torch.ones_like(ids), 8)
         logp.sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k in grads[0]:
@@ -191,7 +193,7 @@ def hf_and_fast_logprobs(model, ids, attn, t, temperature=0.8):
     weights = torch.linspace(-1, 1, ids.shape[0] * t).view(-1, t).to(ids.device)
     for fast in (False, True):
         model.zero_grad(set_to_none=True)
-        logp, _ = grpo.completion_logprobs(model, ids, attn, t, temperature, fast_forward=fast)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, t, temperature, fast_forward=fast)
         (logp * weights).sum().backward()
         out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}))
     return out
@@ -248,7 +250,7 @@ def eager_and_compiled(model, ids, attn, t):
     out = []
     for compiled in (False, True):
         model.zero_grad(set_to_none=True)
-        logp, _ = grpo.completion_logprobs(model, ids, attn, t, 0.8, fast_forward=True, compile_layers=compiled)
+        logp, _ = logprobs.completion_logprobs(model, ids, attn, t, 0.8, fast_forward=True, compile_layers=compiled)
         logp.sum().backward()
         out.append((logp.detach(), {k: p.grad.float() for k, p in model.named_parameters()}))
     return out
@@ -311,7 +313,7 @@ def test_training_forward_checkpoints_its_layers(tmp_path):
                 kept[0] += x.numel() * x.element_size()
             return x
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            logp, _ = grpo.completion_logprobs(model, ids, torch.ones_like(ids), 8, fast_forward=True)
+            logp, _ = logprobs.completion_logprobs(model, ids, torch.ones_like(ids), 8, fast_forward=True)
         logp.sum().backward()
         saved.append(kept[0])
         grads.append({k: p.grad for k, p in model.named_parameters()})
@@ -350,7 +352,7 @@ def test_cuda_fused_head_matches_eager_chunks(dtype):
     out = []
     for fused, chunk in ((False, 7), (True, 7), (True, 1000)):
         hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
-        logp, ent = grpo._ChunkedTokenLogprobs.apply(hidden, weight, targets, 0.7, chunk, fused)
+        logp, ent = logprobs._ChunkedTokenLogprobs.apply(hidden, weight, targets, 0.7, chunk, fused)
         (logp * upstream).sum().backward()
         out.append((logp.detach(), ent, hidden.grad.float(), weight.grad.float()))
     for got in out[1:]:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import grpo
+
+import logprobs
 import model_loading
 import lora
 import sampling
@@ -124,10 +125,10 @@ def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(famil
     assert (rollout.logprobs - want)[policy].abs().max() < 1e-4
     full_ids = torch.cat([ids, rollout.completion_ids], 1)
     full_mask = torch.cat([mask, rollout.completion_mask], 1)
-    train, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1], images=images)
+    train, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1], images=images)
     assert (train - want)[policy].abs().max() < 1e-4
     # the images matter: without them the same tokens have other log-probs
-    blind, _ = grpo.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
+    blind, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
     assert (blind - want)[:3][policy[:3]].abs().max() > 1e-3
 
 

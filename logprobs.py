@@ -1,0 +1,406 @@
+"""Token log-probs of completions, computed without the full logits, and the micro-batches they are taken in.
+
+`completion_logprobs` runs the training forward (written out where static_decoder.py can, else the model's own)
+and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,
+chunk by chunk over the vocabulary with a hand-written backward, so the (tokens x vocabulary) logits never exist
+whole. The head applies what the model applies to its final logits (Head: a scale, a softcap).
+`micro_batches` packs a step's rows into forwards of equal cost (sorted by length, trimmed to the longest row).
+
+Shapes: N completions, T completion length, V vocabulary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import routing as routing_replay
+import vision
+from static_decoder import hidden_states, training_forward_supported
+
+# ----------------------------------------------------------------------------- positions
+
+
+def position_ids_from_mask(attention_mask):
+    """Left padding shifts where real tokens start: position 0 is each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- token log-probs
+
+
+def _chunk_stats(z, targets, inv_temperature):
+    """One chunk of logits (rows, V) -> each row's log-sum-exp, target log-prob and entropy, in float32.
+
+    The math of the eager loop below, written without in-place ops so that
+    torch.compile turns it into a couple of passes over the (bf16) logits.
+    """
+    z = z.float() * inv_temperature
+    top = z.amax(-1, keepdim=True)
+    shifted = z - top
+    prob = shifted.exp()  # unnormalised
+    total = prob.sum(-1, keepdim=True)
+    log_total = total.log()
+    logp = shifted.gather(-1, targets[:, None]) - log_total
+    entropy = log_total - (shifted * prob).sum(-1, keepdim=True) / total
+    return (top + log_total)[:, 0], logp[:, 0], entropy[:, 0]
+
+
+def _chunk_grad(z, targets, lse, grad, inv_temperature):
+    """d(sum grad * logp) / d logits for one chunk: grad * (onehot(target) - softmax) / temperature, in z's dtype."""
+    prob = (z.float() * inv_temperature - lse[:, None]).exp()
+    hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+    return ((hit.float() - prob) * (grad[:, None] * inv_temperature)).to(z.dtype)
+
+
+_FUSED = {}
+
+
+def fused_head_available(device):
+    """On CUDA with Triton, the chunk math runs compiled: the eager version makes about ten float32 passes
+    over each (rows, V) chunk of logits, which costs more than the vocabulary matmul itself."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401  (torch.compile's GPU code generator)
+    except ImportError:
+        return False
+    return True
+
+
+def _fused(name):
+    if not _FUSED:  # compiled on first use; dynamic: chunks of any number of rows share one kernel
+        _FUSED["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _FUSED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _FUSED[name]
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[target] and the entropy, chunk by chunk of rows.
+
+    Forward keeps one chunk of logits at a time and saves only the inputs and
+    each row's log-sum-exp; backward recomputes a chunk's logits and writes the
+    gradient d logp / d logits = (onehot(target) - softmax) / temperature
+    directly, so each chunk costs two float32 (chunk, V) buffers and no
+    autograd graph over the vocabulary. When all rows fit in one chunk, that
+    chunk's softmax is kept for backward instead of recomputed. The entropy
+    is a metric without gradient unless `entropy_grad` (an entropy bonus in the loss): then backward adds
+    d H / d z = -p (log p + H) for z = logits / temperature, in the unfused path (a chunk's logits
+    recomputed). With `fused`, each chunk's math is the compiled
+    `_chunk_stats` / `_chunk_grad` instead (for bf16 weights, no float32 copy of a chunk's logits).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False, head=None):
+        n = hidden.shape[0]
+        fused = fused and head is None  # the compiled chunk math knows no head transform
+        logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        kept = None
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            if fused:
+                lse[s:e], logp[s:e], entropy[s:e] = _fused("stats")(F.linear(hidden[s:e], weight), targets[s:e],
+                                                                     1.0 / temperature)
+                continue
+            z = F.linear(hidden[s:e], weight).float()
+            if head is not None:
+                z = head.apply(z)
+            if temperature != 1.0:
+                z.div_(temperature)
+            top = z.amax(-1, keepdim=True)
+            z.sub_(top)  # shifted logits, at most 0
+            prob = z.exp()  # the only exp per logit: log-sum-exp, log-prob and entropy all come from it
+            total = prob.sum(-1, keepdim=True)
+            log_total = total.log()
+            lse[s:e] = (top + log_total)[:, 0]
+            logp[s:e] = (z.gather(-1, targets[s:e, None]) - log_total)[:, 0]
+            prob.div_(total)  # softmax
+            entropy[s:e] = log_total[:, 0] - z.mul_(prob).sum(-1)  # -sum p log p = log total - sum p z
+            if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad and head is None:
+                kept = prob
+        ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, fused, entropy_grad
+        ctx.head = head
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, kept, entropy = ctx.saved_tensors
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # the weight's gradient sums over every chunk: in float32, so that bf16 rounding does not grow with
+        # the number of chunks (each chunk's product is still one bf16 matmul)
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_w else None
+        n, chunk = hidden.shape[0], ctx.chunk
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            h = hidden[s:e]
+            if ctx.fused and not with_entropy:
+                z = _fused("grad")(F.linear(h, weight), targets[s:e], lse[s:e], grad_logp[s:e].float(),
+                                   1.0 / ctx.temperature)
+            else:
+                g = grad_logp[s:e, None].float()
+                if kept is not None:  # the only chunk's softmax, kept from the forward
+                    z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
+                else:
+                    raw = z = F.linear(h, weight).float()
+                    if ctx.head is not None:
+                        z = ctx.head.apply(raw.clone())
+                    if ctx.temperature != 1.0:
+                        z.div_(ctx.temperature)
+                    z.sub_(lse[s:e, None])  # log softmax
+                    if with_entropy:  # the entropy's gradient: -p (log p + H), times its incoming gradient
+                        gh = grad_entropy[s:e, None].float()
+                        extra = z.exp() * (z + entropy[s:e, None]) * -gh
+                    z.exp_().mul_(-g)  # -g * softmax
+                    if with_entropy:
+                        z.add_(extra)
+                z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
+                if ctx.temperature != 1.0:
+                    z.div_(ctx.temperature)
+                if ctx.head is not None:  # the chain rule through the head's transform of the raw logits
+                    z.mul_(ctx.head.derivative(raw))
+                z = z.to(hidden.dtype)
+            if want_h:
+                grad_h[s:e] = z @ weight
+            if want_w:
+                if z.dtype == torch.float32:
+                    grad_w.addmm_(z.t(), h)
+                else:
+                    grad_w += z.t() @ h
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a model does to its logits after the vocabulary projection: logits * scale, then, with a softcap c,
+    c * tanh(logits / c) (Gemma 2/3/4's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's and
+    MiniCPM's `logits_scaling`). The sampler reads the model's own logits, so the training head must apply the
+    same, or the two disagree silently."""
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    def apply(self, z):
+        """z: raw float32 logits, changed in place where that is possible."""
+        if self.scale != 1.0:
+            z.mul_(self.scale)
+        if self.softcap:
+            z = z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
+    def derivative(self, raw):
+        """d apply(raw) / d raw, elementwise."""
+        if not self.softcap:
+            return self.scale
+        return (1 - (raw * (self.scale / self.softcap)).tanh().square()) * self.scale
+
+
+def head_of(model):
+    """The model's logit transform as a Head, or None when its logits are the projection's output as they are."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+    return Head(scale, softcap) if scale != 1.0 or softcap else None
+
+
+def default_chunk_tokens(vocab_size, device):
+    """Rows per chunk of the vocabulary projection: 16M logits on CPU (64 MB in float32), 128M on GPU."""
+    budget = 1 << (27 if torch.device(device).type == "cuda" else 24)
+    return max(1, budget // vocab_size)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
+                        chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
+                        entropy_grad=False, routing=None, images=None):
+    """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
+
+    input_ids (N, S) are left-padded prompts then completions; attention_mask
+    (N, S) marks the real tokens. The transformer runs once; the vocabulary
+    projection runs over chunks of `chunk_tokens` positions and is recomputed
+    chunk by chunk in backward, so no (N, T, V) float32 tensor ever exists.
+    Temperature is applied exactly as in `sample`. Returns (logp, entropy),
+    each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
+    `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
+    `fast_forward` (default: where supported) runs the transformer as
+    `static_decoder.hidden_states` instead of the Hugging Face forward, with
+    its layers compiled when `compile_layers` (the Hugging Face forward is
+    never compiled here).
+
+    Each row's left padding is moved to its right end before the forward, so
+    every row starts at column 0 with position 0 and attention needs no mask:
+    plain causal attention gives each real token exactly the keys it had, and
+    the padding, now after the row's last token, is never attended by a real
+    one. Without a mask SDPA takes its flash kernel, with grouped-query
+    attention and no copies of K/V, where a mask forces the slower
+    memory-efficient kernel and, on CUDA, repeated K/V. A mask with holes
+    other than left padding, or a row with no real prompt token, is passed
+    to the forward as it is (and `width` is then not applied).
+    `width` (with left padding only): the forward runs over the first `width`
+    columns of the moved rows: for the row whose real prompt plus counted
+    completion is longest, all but its last token (`MicroBatch.width`).
+    Completion tokens predicted from past `width` then get finite log-probs
+    that mean nothing, for the caller to mask.
+    `routing` (N, S, layers, k): with routing replay (routing.py), the experts
+    each token goes to in each MoE layer, moved with its row; the forward then
+    routes as the sampler did.
+    `images`: the rows' vision.PromptImages (a vision-language model's prompts with images): the language model
+    runs with their embeddings in place of the prompts' image tokens and their rotary positions (vision.py), as
+    in the sampler's prefill.
+    """
+    t = num_completion_tokens
+    n, s = input_ids.shape
+    targets = input_ids[:, -t:]
+    lead = (attention_mask.cumsum(1) == 0).sum(1)  # (N,) leading padding columns
+    # left padding only, and every row with a real prompt token (an empty prompt's first token would be
+    # predicted from itself once moved): then the move applies
+    movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
+    left_padded_only, padded = torch.stack([movable, lead.any()]).tolist()
+    real = attention_mask.bool()
+    pictures = None  # the prompts' image tokens, moved with their rows
+    if images is not None and any(g.shape[0] for g in images.grid):
+        pictures = vision.image_mask(model, input_ids, s - t, real)
+    if left_padded_only:
+        if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
+            cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s
+            input_ids, real = input_ids.gather(1, cols), real.gather(1, cols)
+            pictures = None if pictures is None else pictures.gather(1, cols)
+            if routing is not None:
+                routing = routing.gather(1, cols[:, :, None, None].expand_as(routing))
+        if width is not None and width < s:
+            input_ids, real = input_ids[:, :width], real[:, :width]
+            pictures = None if pictures is None else pictures[:, :width]
+            routing = None if routing is None else routing[:, :width]
+        mask, positions = None, torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+    else:
+        lead = torch.zeros_like(lead)
+        mask, positions = attention_mask, position_ids_from_mask(attention_mask)
+    if routing is not None:  # kept set after the forward: activation checkpointing recomputes in backward
+        routing_replay.of(model).replay(routing, real)
+    elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
+        routing_replay.attached(model).stop()
+    if fast_forward is None:
+        fast_forward = training_forward_supported(model)
+    if pictures is not None:
+        rope, _ = vision.rope_positions(model, input_ids, pictures, images, real)
+        hidden = vision.hidden_states(model, input_ids, pictures, images, attention_mask=mask, position_ids=rope,
+                                      use_cache=False).last_hidden_state
+    elif fast_forward:
+        hidden = hidden_states(model, input_ids, mask, positions, compiled=compile_layers)
+    else:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                  use_cache=False).last_hidden_state
+    h = hidden.shape[-1]
+    # the position before each completion token predicts it: column s - t - 1 + j, moved left with its row
+    # (clamped: past `width` the last column stands in, for tokens the caller does not count)
+    before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - lead[:, None]).clamp(0, hidden.shape[1] - 1)
+    hidden = hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
+    weight = model.get_output_embeddings().weight
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
+    if fused is None:
+        fused = fused_head_available(weight.device)
+    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
+                                                bool(fused), bool(entropy_grad), head_of(model))
+    return logp.view(n, t), entropy.view(n, t)
+
+
+@dataclass
+class MicroBatch:
+    """The rows of one forward/backward and the columns they need."""
+    rows: torch.Tensor  # (m,) indices into the batch
+    cols: slice         # columns of the (N, P + T) prompt + completion tensors these rows use
+    t: int              # completion positions kept: per-token (N, T) tensors are read as x[rows, :t]
+    width: int          # positions the forward runs once each row's padding is moved to its end: the longest
+                        # real prompt + counted completion of these rows, less its last token (which predicts
+                        # nothing); completion_logprobs(width=...)
+
+    def take(self, *sequences):
+        """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
+        return tuple(x[self.rows, self.cols] for x in sequences)
+
+
+def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0):
+    """Split a batch into micro-batches that spend little compute on padding.
+
+    attention_mask (N, P + T) over left-padded prompts then completions;
+    token_mask (N, T) marks the completion tokens that count (loss, metrics).
+    Rows are ordered by the columns they need (real prompt tokens, then the
+    completion up to its last counted token; none when no token counts, as for
+    masked truncated completions), longest first, so rows of similar length
+    share a micro-batch; each then drops the columns none of its rows needs:
+    leading prompt padding, and completion positions after every row's last
+    counted token. Neither changes a counted token's log-prob: padding is
+    never attended, and in a causal model later positions do not affect earlier ones.
+    `completion_logprobs` then moves each row's padding to its end, so the
+    forward runs `width` positions: the longest real prompt + counted
+    completion of the rows (less its last token, which predicts nothing), not
+    the longest prompt plus the longest completion.
+    A micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as
+    keep rows x width within it (a row longer than that alone): the forward's
+    activations then stay about the same size whether completions are short or long.
+    """
+    t_all = num_completion_tokens
+    p = attention_mask.shape[1] - t_all
+    prompt_len = attention_mask[:, :p].long().sum(1)
+    position = torch.arange(1, t_all + 1, device=token_mask.device)
+    completion_len = ((token_mask > 0) * position).amax(1)  # 1 + the last counted position; 0 if none counts
+    prompt_len = torch.where(completion_len > 0, prompt_len, 0)  # a row with nothing counted needs no column
+    need = (prompt_len + completion_len).tolist()
+    prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
+    order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
+
+    def micro_batch(rows, longest_prompt, longest_completion):
+        t = max(1, longest_completion)
+        # keep at least the last prompt column: it predicts the first completion token
+        start = max(0, min(p - 1, p - longest_prompt))
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, width(rows))
+
+    def width(rows):  # rows[0] is the longest; its last token predicts nothing
+        return max(1, need[rows[0]] - 1)
+
+    out, rows, lp, lc = [], [], 0, 0  # the micro-batch being filled and its longest prompt and completion
+    for i in order:  # longest first: a micro-batch's first row sets its width
+        if rows and (len(rows) >= size if max_tokens <= 0 else (len(rows) + 1) * width(rows) > max_tokens):
+            out.append(micro_batch(rows, lp, lc))
+            rows, lp, lc = [], 0, 0
+        rows.append(i)
+        lp, lc = max(lp, prompt_len[i]), max(lc, completion_len[i])
+    if rows:
+        out.append(micro_batch(rows, lp, lc))
+    return out
+
+
+def split_micro_batches(micro, count):
+    """`micro` split further until there are `count` micro-batches: the one with the most rows is halved.
+
+    Under several processes every rank must run as many forwards and backwards (each is a collective under
+    FSDP); a token budget gives each rank its own number. A half keeps its micro-batch's columns, a superset
+    of what its rows need. Needs count <= the number of rows.
+    """
+    micro = list(micro)
+    while len(micro) < count:
+        i = max(range(len(micro)), key=lambda j: len(micro[j].rows))
+        mb = micro.pop(i)
+        half = len(mb.rows) // 2
+        if half == 0:
+            raise ValueError(f"split_micro_batches: {count} micro-batches asked of fewer rows")
+        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t, mb.width),
+                      MicroBatch(mb.rows[half:], mb.cols, mb.t, mb.width)]
+    return micro
+
+
+def mini_batch_rows(num_rows, first_row, count, device=None):
+    """This rank's rows of each of `count` mini-batches (one optimizer step each): (num_rows / count,) indices each.
+
+    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is
+    every global row i with i % count == j. The split is then the same for any number of processes, every rank
+    holds as many rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G
+    consecutive completions is spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)
+    """
+    rows = torch.arange(num_rows, device=device)
+    return [rows[(rows + first_row) % count == j] for j in range(count)]
