@@ -138,7 +138,9 @@ def test_cpu_time_is_one_budget_for_all_the_programs_processes(groups):
         r = executor.run(code, timeout=60, cpu=1)
     assert r.exceeded == "cpu" and r.exit_code == -9 and not r.timed_out, r
     used = sum(sampler.seen.values())
-    assert 0.7 <= used <= 1.6, used  # the budget, plus what two cores spend in one look's interval and the kill
+    # the budget, plus what two cores spend until the trainer's look (every 50 ms, but later when the 8 spinners
+    # hold both cores, measured up to 1.64 s) and the kill: far from the 8 s the per-process limits alone allow
+    assert 0.7 <= used <= 2.5, used
 
 
 def test_process_budget_is_named(groups):
