@@ -52,7 +52,7 @@ def test_a_config_error_comes_before_torch_is_imported():
 
 
 def test_settings_checked_early_are_those_checked_later():
-    """The choices config.py declares (checked before the imports) are what grpo.py and tasks.py accept."""
+    """The choices config.py declares (checked before the imports) are what grpo.py and tasks/ accept."""
     assert config.LOSS_TYPES == grpo.LOSS_TYPES
     assert config.IMPORTANCE_SAMPLING == grpo.IMPORTANCE_SAMPLING
     assert config.IMPORTANCE_SAMPLING_LEVELS == grpo.IMPORTANCE_SAMPLING_LEVELS
