@@ -125,9 +125,10 @@ def test_memory_is_one_budget_for_all_the_programs_processes(groups):
     assert r.exceeded == "memory" and r.exit_code == -9 and not r.timed_out, r
     assert "finished" not in r.stdout and r.wall_time < 30
     assert sampler.samples > 10
-    # it did fill its budget, and no more: 16 MiB is the sampler's own skew, as one pass reads 13 processes over a
-    # few ms while they grow by up to a GB/s and the kernel kills one (unbounded, they would reach 3.6 GB)
-    assert 600 * MiB < sampler.peak <= budget + 16 * MiB, sampler.peak / MiB
+    # it did fill its budget, and no more: 32 MiB is the sampler's own skew, as one pass reads 13 processes over a
+    # few ms while they grow by up to a GB/s and the kernel kills one (seen: 16.4 MiB under a full test run's load;
+    # unbounded, they would reach 3.6 GB)
+    assert 600 * MiB < sampler.peak <= budget + 32 * MiB, sampler.peak / MiB
 
 
 def test_cpu_time_is_one_budget_for_all_the_programs_processes(groups):
