@@ -6,6 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import executor  # noqa: E402
 import model_loading  # noqa: E402
 
 
@@ -50,3 +51,12 @@ def finished(proc, result):
     on 2 CPU cores) after rank 0 had written `result`, its last act once every collective was done."""
     return proc.returncode == 0 or ("terminate called without an active exception" in proc.stdout + proc.stderr
                                     and os.path.exists(result))
+
+
+@pytest.fixture(scope="module")
+def strict():
+    """The strict sandbox, or the test skipped saying why the kernel refuses it here."""
+    try:
+        executor.check("strict")
+    except executor.ExecutorUnavailable as e:
+        pytest.skip(str(e))

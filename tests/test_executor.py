@@ -32,14 +32,6 @@ SECRETS = {"netrc": "machine api.wandb.ai login u password netrc-secret-7f3a9c",
            "hf_token": "hf_token_secret_91c2d4", "out_dir": "outdir-secret-5d8e11", "env": "env-secret-2b6f70"}
 
 
-@pytest.fixture(scope="module")
-def strict():
-    try:
-        executor.check("strict")
-    except executor.ExecutorUnavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture
 def world(monkeypatch):
     """What a program must not reach, made reachable by uid 65534 through permissions alone (mode 0755 folders,

@@ -21,14 +21,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture(scope="module")
-def strict():
-    try:
-        executor.check("strict")
-    except executor.ExecutorUnavailable as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def groups(strict):
     if executor._groups() is None:
         pytest.skip(f"no control group can be made here: {executor._groups_found}")

@@ -86,14 +86,6 @@ def test_filter_decisions_against_the_kernels_tables(arch):
         assert _run_bpf(program, arch, 0x40000000 | table["read"]) == EPERM  # x32
 
 
-@pytest.fixture(scope="module")
-def strict():
-    try:
-        executor.check("strict")
-    except executor.ExecutorUnavailable as e:
-        pytest.skip(str(e))
-
-
 DOORS = """
 import ctypes, errno, os, socket
 libc = ctypes.CDLL(None, use_errno=True)

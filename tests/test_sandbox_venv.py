@@ -13,17 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import executor  # noqa: E402
 
 SELECTED = "hostile or python_tool or limits_output or forged"  # forged: the code task's judge, code_harness.py
-
-
-@pytest.fixture(scope="module")
-def strict():
-    try:
-        executor.check("strict")
-    except executor.ExecutorUnavailable as e:
-        pytest.skip(str(e))
 
 
 def test_executor_tests_pass_with_python_in_a_venv_under_tmp(strict):
