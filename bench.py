@@ -8,6 +8,7 @@
     python bench.py --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
     python bench.py --only exec           # model-written programs through executor.py's sandbox
     python bench.py --only families       # decode against model.generate for each model family
+    python bench.py --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
 
 Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
@@ -46,7 +47,8 @@ import torch
 import cli
 from bench_sampling import bench_decode, bench_families, bench_multiturn
 from bench_tools import MODELS, build_model_dir, free, medians
-from bench_training import bench_long, bench_memory, bench_step, train_overrides, training_mfu, trl_version
+from bench_training import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
+                            trl_version)
 
 
 def settings_for(args, device):
@@ -75,6 +77,9 @@ def settings_for(args, device):
         # families row: tests/architectures.py's models at this hidden size (its 4 heads of hidden / 4 each);
         # rows, prompt length and new tokens such that the decode steps dominate the prefill
         fam_hidden=256, fam_batch=64 if gpu else 16, fam_prompt_len=16, fam_new_tokens=256 if gpu else 128,
+        # trainfwd row: rows x tokens, the last tf_completion of them scored (fam_shapes, fam_names as above)
+        tf_rows=8 if gpu else 4, tf_len=1024 if gpu else 128, tf_completion=512 if gpu else 64,
+        fam_shapes="tiny",  # or "real": each family at its published shape (bench_sampling.REAL_SHAPES; for a GPU)
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
@@ -289,7 +294,7 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "step", "memory", "long", "multiturn", "exec")
+ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec")
 
 
 @contextlib.contextmanager
@@ -360,6 +365,12 @@ def main(argv):
                            lambda r: ", ".join(f"{k} {v['path']} {v.get('speedup_vs_generate', 0):.2f}x"
                                                for k, v in r["families"].items())):
                 results.update(bench_families(s, device))
+        if "trainfwd" in only:
+            with row_lines("trainfwd", f"training forward + backward per family, {reps} runs each", results,
+                           lambda r: ", ".join(f"{k} " + (f"{v['speedup_written_out']:.2f}x" if "speedup_written_out" in v else
+                                                             "hf only" if "hf_s" in v else "error")
+                                               for k, v in r["training_forward"].items())):
+                results.update(bench_training_forward(s, device))
         if "step" in only:
             with row_lines("step", f"ours vs TRL {trl_version() or '(not installed: skipped)'}, {reps} steps each",
                            results, lambda r: f"ours {fmt(r['step_ours_s'], 's')}, TRL {fmt(r['step_trl_s'], 's')}"):

@@ -90,12 +90,15 @@ def bench_families(s, device):
     if unknown:
         raise SystemExit(f"--set fam_names: unknown families {sorted(unknown)} ({', '.join(architectures.FAMILIES)})")
     for name in architectures.FAMILIES:
-        if chosen and name != "llama" and name not in chosen:
+        if (chosen and name != "llama" and name not in chosen) or (s["fam_shapes"] == "real" and name not in REAL_SHAPES):
             continue
         try:
-            # wider than the tests' 64, where a CPU decode step is nearly all framework overhead: the matmuls count
-            model, tok = architectures.tiny(name, hidden_size=hidden, head_dim=hidden // heads)
-            model.to(device=device, dtype=getattr(torch, s["dtype"]))
+            if s["fam_shapes"] == "real":
+                model, tok = real_shaped(architectures, name, device, getattr(torch, s["dtype"]))
+            else:
+                # wider than the tests' 64, where a CPU decode step is nearly all framework overhead: the matmuls count
+                model, tok = architectures.tiny(name, hidden_size=hidden, head_dim=hidden // heads)
+                model.to(device=device, dtype=getattr(torch, s["dtype"]))
             enc = letter_prompts(tok, n, s["fam_prompt_len"], device)
             path = "fast" if static_decoder.static_decode_supported(model) else "hf"
 
@@ -113,7 +116,8 @@ def bench_families(s, device):
                 return o
 
             med = medians({"ours": ours, "generate": generate}, s, device)
-            out[name] = {"path": path, "ours_tokens_per_s": n * t / med["ours"],
+            out[name] = {"path": path, "params": sum(p.numel() for p in model.parameters()),
+                         "layers": model.config.num_hidden_layers, "ours_tokens_per_s": n * t / med["ours"],
                          "generate_tokens_per_s": n * t / med["generate"],
                          "speedup_vs_generate": med["generate"] / med["ours"]}
             print(f"  {name}: {path}, {out[name]['speedup_vs_generate']:.2f}x model.generate", flush=True)
@@ -128,6 +132,51 @@ def bench_families(s, device):
     fast = [r["ratio_over_llama"] for k, r in out.items() if k != "llama" and r["path"] == "fast" and
             r["ratio_over_llama"] is not None]
     return {"families": out, "families_fast_min_ratio_over_llama": min(fast) if fast else None}
+
+
+# Published shapes (their config.json files), for `--set fam_shapes=real` on a GPU: random weights at the real
+# widths, heads, experts, windows and vocabularies. The MoE models and Qwen3.5 keep 8 of their layers (each layer's
+# shapes are the real ones; all 48 of Qwen3-30B-A3B's would take 61 GB and minutes to build), the dense ones all.
+REAL_SHAPES = {
+    "llama": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,  # Llama-3.2-1B
+                  num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                  attention_bias=False, mlp_bias=False, rope_theta=500000.0),
+    "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,  # Qwen3-0.6B
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3_moe": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,  # Qwen3-30B-A3B
+                      num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),
+    "qwen3_5": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=8, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,  # transformers'
+                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,  # defaults
+                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2),
+    "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=8, num_attention_heads=64,  # gpt-oss-20b
+                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                    sliding_window=128, vocab_size=201088, max_position_embeddings=131072,
+                    layer_types=["sliding_attention", "full_attention"] * 4),
+    "gemma3": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,  # Gemma-3-1B
+                   num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                   query_pre_attn_scalar=256, tie_word_embeddings=True,
+                   layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2),
+}
+
+
+def real_shaped(architectures, name, device, dtype):
+    """(model, tokenizer): family `name` at its published shape (REAL_SHAPES), random weights built on `device`."""
+    from transformers import AutoModelForCausalLM
+    if name not in REAL_SHAPES:
+        raise ValueError(f"no published shape for {name} in REAL_SHAPES")
+    shape = dict(REAL_SHAPES[name])
+    tok = model_loading.build_byte_tokenizer()
+    tok.padding_side = "left"
+    vocab = shape.pop("vocab_size")
+    cfg = architectures.config(name, tok, **shape)
+    cfg.vocab_size = vocab  # the tokenizer's ids are a few hundred; the head and embeddings keep the real size
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,
+                                                 attn_implementation="eager" if name == "gpt_oss" else "sdpa")
+    return model.eval(), tok
 
 
 # ----------------------------------------------------------------------------- multi-turn: answers appended vs re-run

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import os
 import random
+import sys
 import statistics
 import time
 import typing
@@ -311,3 +312,65 @@ def bench_memory(s, device):
     o, nv = statistics.median(peaks["ours"]), statistics.median(peaks["naive"])
     return {"logprob_peak_bytes_ours": o, "logprob_peak_bytes_naive": nv, "logprob_memory_ratio": o / nv,
             "memory_method": MEMORY_METHOD[device.type] + ("" if device.type == "cuda" else " minus resident set before")}
+
+
+# ----------------------------------------------------------------------------- training forward per family
+
+
+def bench_training_forward(s, device):
+    """Per family of tests/architectures.py (tiny on a CPU; with `--set fam_shapes=real`, bench_sampling's published
+    shapes): forward and backward of `logprobs.completion_logprobs` over a batch, the whole model trained, on the
+    Hugging Face forward and, where `static_decoder.training_forward_supported`, on the written-out layers. The
+    ratio says whether writing a family's training forward out pays."""
+    import static_decoder
+    from bench_sampling import REAL_SHAPES, real_shaped
+    from bench_tools import free, medians
+    tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    import architectures
+    n, length, t = s["tf_rows"], s["tf_len"], s["tf_completion"]
+    dtype = getattr(torch, s["dtype"])
+    chosen = [f for f in s["fam_names"].split(",") if f]
+    out = {}
+    for name in architectures.FAMILIES:
+        real = s["fam_shapes"] == "real"
+        if (chosen and name not in chosen) or (real and name not in REAL_SHAPES):
+            continue
+        model = None
+        try:
+            if real:
+                model, _ = real_shaped(architectures, name, device, dtype)
+            else:
+                model, _ = architectures.tiny(name, hidden_size=s["fam_hidden"],
+                                              head_dim=s["fam_hidden"] // architectures.COMMON["num_attention_heads"])
+                model.to(device=device, dtype=dtype)
+            model.train()
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, 250, (n, length), generator=g).to(device)
+            attn = torch.ones_like(ids)
+            attn[: n // 2, : length // 8] = 0  # half the rows left-padded
+
+            def step(fast):
+                model.zero_grad(set_to_none=True)
+                logp, _ = logprobs.completion_logprobs(model, ids, attn, t, fast_forward=fast)
+                logp.sum().backward()
+
+            runs = {"hf": lambda: step(False)}
+            written = static_decoder.training_forward_supported(model)
+            if written:
+                runs["written_out"] = lambda: step(True)
+            med = medians(runs, s, device)
+            r = {"hf_s": med["hf"], "tokens_per_s_hf": n * length / med["hf"], "written_out": written}
+            if written:
+                r.update(written_out_s=med["written_out"], speedup_written_out=med["hf"] / med["written_out"])
+            out[name] = r
+            print(f"  {name}: hf {r['hf_s'] * 1e3:.0f} ms" + (f", written out {r['written_out_s'] * 1e3:.0f} ms "
+                                                              f"({r['speedup_written_out']:.2f}x)" if written else ""),
+                  flush=True)
+        except Exception as e:  # one family that fails is reported, the others still run
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        finally:
+            model = None
+            free(device)
+    return {"training_forward": out}

@@ -620,6 +620,7 @@ class StaticDecoder:
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
         self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
         self.row_index = torch.arange(max_batch, device=self.device)
+        self.trues = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # what graphs write into key_mask
         self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
         # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
         # tokens do not read the whole cache, at the price of one graph per span
@@ -907,7 +908,7 @@ class StaticDecoder:
         if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
             rows = self.row_index[:b]
             cos, sin = [c[rows, slot][:, None] for c in self.cos], [s[rows, slot][:, None] for s in self.sin]
-            self.key_mask[rows, slot] = True
+            self.key_mask[rows, slot] = self.trues[:b]  # a device tensor: a Python True would be copied from the host
             attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
             query_pos = None if self.pos is None else self.pos[rows, slot][:, None]
         else:
@@ -1050,6 +1051,11 @@ class StaticDecoder:
         keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
         self.key_mask[rows] &= keep
 
+    def _graph_body(self, b, span):
+        """The decode step a graph of batch bucket b and cache span `span` captures: its tokens in tok_in[:b],
+        each row's slot in slot_in[:b], read on the device at replay."""
+        return self._decode_body(b, self.slot_in[:b], span)
+
     def _capture(self, b, span):
         # warm-up on a side stream, then capture; running the body computes this very step's values, so the
         # cache slots it writes get the same contents the replay writes. Recurrent states are not slots: each
@@ -1059,11 +1065,11 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_body(b, self.slot_in, span)
+                self._graph_body(b, span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._decode_body(b, self.slot_in, span)
+            out = self._graph_body(b, span)
         for layer, states in zip(self.recurrent.values(), saved):
             layer.restore(states)
         return graph, out

@@ -155,7 +155,10 @@ class _Weight:
 
 
 def _probe_grouped(w):
-    """True when grouped_mm takes this weight (E, in, out) on its device and dtype."""
+    """True when grouped_mm takes this weight (E, in, out) on its device and dtype. On CUDA only bf16: there other
+    dtypes take a path that reads the offsets on the host (torch 2.11), which a CUDA graph cannot capture."""
+    if w.is_cuda and w.dtype != torch.bfloat16:
+        return False
     try:
         x = torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype)
         offs = torch.full((w.shape[0],), 1, device=w.device, dtype=torch.int32)

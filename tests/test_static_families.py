@@ -130,12 +130,13 @@ def test_multi_turn_logprobs_equal_a_forward_of_each_row(case):
 @pytest.mark.parametrize("sdpa", [False, True])
 def test_graph_safe_decode_form_matches_eager(case, sdpa):
     """The decode body CUDA graphs capture (slots as a tensor, attention over a wider masked span, SDPA as on
-    CUDA) against the eager form, on the CPU: with sliding windows the span reaches past them."""
+    CUDA) against the eager form, on the CPU: with sliding windows the span reaches past them. The decoder holds
+    more rows than the batch, as after compaction to a smaller graph bucket."""
     model, tok = build(case)
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     pos = logprobs.position_ids_from_mask(enc.attention_mask)
-    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    dec = static_decoder.StaticDecoder.for_model(model, n + 3, p + 8, cuda_graph=False)
     logits = {}
     for form in ("eager", "graph"):
         dec.sdpa_decode = sdpa and form == "graph"
@@ -147,8 +148,8 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
                 if form == "eager":
                     out.append(dec._decode_body(n, p + t, p + t + 1, tok_t))
                 else:
-                    dec.tok_in[:n] = tok_t
-                    out.append(dec._decode_body(n, torch.full((n,), p + t), dec.max_len))
+                    dec.tok_in[:n], dec.slot_in[:n] = tok_t, p + t
+                    out.append(dec._graph_body(n, dec.max_len))  # what a graph of bucket n captures
         logits[form] = torch.stack(out)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
 
