@@ -79,6 +79,7 @@ def settings_for(args, device):
         fam_hidden=256, fam_batch=64 if gpu else 16, fam_prompt_len=16, fam_new_tokens=256 if gpu else 128,
         # trainfwd row: rows x tokens, the last tf_completion of them scored (fam_shapes, fam_names as above)
         tf_rows=8 if gpu else 4, tf_len=1024 if gpu else 128, tf_completion=512 if gpu else 64,
+        fam_lora=0,  # > 0: LoRA of this rank on each family's default targets ("all") before it is measured
         fam_shapes="tiny",  # or "real": each family at its published shape (bench_sampling.REAL_SHAPES; for a GPU)
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,

@@ -55,6 +55,20 @@ class LoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
 
 
+def linear_like(module):
+    """True for an nn.Linear or a LoRALinear: a layer the fast decoder reads through `applied_weight`."""
+    return type(module) is nn.Linear or type(module) is LoRALinear
+
+
+def applied_weight(module):
+    """The weight a linear layer applies now, detached: its own, plus its adapter's delta where one is on (the
+    merged form x (W + s B A)^T of x W^T + s x A^T B^T; equal up to rounding)."""
+    w = module.weight.detach()
+    if type(module) is LoRALinear and module.enabled:
+        w = w + module.delta(module.lora_A.detach(), module.lora_B.detach()).to(w.dtype)
+    return w
+
+
 class LoRAExperts(nn.Module):
     """A low-rank update of every expert in a fused (E, ., .) expert weight: W_e + (alpha / r) * B_e A_e.
 

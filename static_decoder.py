@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import kernels
+import lora
 import static_moe
 import static_recurrent
 
@@ -174,14 +175,14 @@ def _reproduced(model):
             if not static_moe.supported(m):
                 return None
         elif _activation(getattr(m, "act_fn", None)) is None or \
-                any(type(x) is not torch.nn.Linear for x in (m.gate_proj, m.up_proj, m.down_proj)):
+                not all(lora.linear_like(x) for x in (m.gate_proj, m.up_proj, m.down_proj)):
             return None
         if not _attends(layer):
             if not static_recurrent.supported(getattr(layer, "linear_attn", None)):
                 return None
             continue
         a = layer.self_attn
-        if any(type(x) is not torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+        if not all(lora.linear_like(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
             return None
         if fam.gated_query and (a.q_proj.out_features != 2 * cfg.num_attention_heads * a.head_dim or
                                 a.q_proj.bias is not None):
@@ -361,6 +362,8 @@ def training_forward_supported(model):
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
     fam = _reproduced(model)
+    if fam and any(type(m) is lora.LoRALinear for m in model.model.layers.modules()):
+        return False  # adapters train on the model's own forward (`_layer` reads the base weights)
     if not fam or fam.sinks or fam.gated_query or fam.partial_rotary or \
             any(static_moe.is_moe(layer.mlp) or not _attends(layer) for layer in model.model.layers):
         return False  # MoE blocks, sinks and hybrid layers train on the model's own forward (its experts
@@ -661,6 +664,7 @@ class StaticDecoder:
                 elif not (k == "lm_head" and mine[k] is mine["embed"]):
                     torch.cat([p.detach() for p in parts], out=mine[k])
 
+        W = lora.applied_weight
         first = self.w is None
         if first:
             self.w = ([{} for _ in model.model.layers], {})
@@ -684,19 +688,20 @@ class StaticDecoder:
                 "sinks": None,
             } if a is None else {
                 # q, k, v, and after them the query's gate where the family has one
-                "qkv": _query_parts(a.q_proj.weight, nh, fam, [a.k_proj.weight, a.v_proj.weight]),
+                # each as the layer applies it now: with an adapter, its delta merged in (lora.applied_weight)
+                "qkv": _query_parts(W(a.q_proj), nh, fam, [W(a.k_proj), W(a.v_proj)]),
                 "qkv_b": biases(a.q_proj, a.k_proj, a.v_proj),
                 # q/k norms: one table over the heads of q and k (Qwen3, Gemma), or q's and k's apart (OLMo 2)
                 "qk_norm": norm(a.q_norm, nh) + norm(a.k_norm, nkv) if fam.qk_norm == "head" else None,
                 "q_norm": norm(a.q_norm) if fam.qk_norm == "projection" else None,
                 "k_norm": norm(a.k_norm) if fam.qk_norm == "projection" else None,
-                "o": [a.o_proj.weight], "o_b": biases(a.o_proj),
+                "o": [W(a.o_proj)], "o_b": biases(a.o_proj),
                 "sinks": [a.sinks] if fam.sinks else None,
             })
             put(mine, {
-                "gate_up": None if moe else [m.gate_proj.weight, m.up_proj.weight],
+                "gate_up": None if moe else [W(m.gate_proj), W(m.up_proj)],
                 "gate_up_b": None if moe else biases(m.gate_proj, m.up_proj),
-                "down": None if moe else [m.down_proj.weight], "down_b": None if moe else biases(m.down_proj),
+                "down": None if moe else [W(m.down_proj)], "down_b": None if moe else biases(m.down_proj),
             })
             if gather:
                 l.reshard()

@@ -30,12 +30,14 @@ model's own forward reads it.
 
 Routing replay (routing.py) records the experts chosen here: `MoE.__call__`
 returns them, and the decoder keeps them per cache slot.
-Of the project it imports nothing.
+Of the project it imports lora alone (what an adapted linear layer is).
 """
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
+
+import lora
 
 
 def _qwen_router(router):
@@ -117,7 +119,7 @@ def _plain_shared_expert(mlp):
     """Qwen2-MoE's shared expert: a SiLU MLP of plain linear layers, scaled by sigmoid of a linear gate."""
     shared, gate = mlp.shared_expert, getattr(mlp, "shared_expert_gate", None)
     lins = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + [gate]
-    return (all(type(x) is torch.nn.Linear for x in lins) and
+    return (all(lora.linear_like(x) for x in lins) and
             type(getattr(shared, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"))
 
 
@@ -229,8 +231,7 @@ class MoE:
         out = out * gates.reshape(-1)[order, None]
         routed = torch.zeros_like(h).index_add_(0, token, out.to(h.dtype))
         if self.shared is not None:  # read in place, as the experts: the block is whole (see static_decoder)
-            s = self.shared
-            shared = F.linear(F.silu(F.linear(h, s.gate_proj.weight)) * F.linear(h, s.up_proj.weight),
-                              s.down_proj.weight)
-            routed = routed + torch.sigmoid(F.linear(h, self.shared_gate.weight)) * shared
+            s = self.shared  # its layers' own forward: plain, or with an adapter's low-rank term
+            shared = s.down_proj(F.silu(s.gate_proj(h)) * s.up_proj(h))
+            routed = routed + torch.sigmoid(self.shared_gate(h)) * shared
         return routed, idx

@@ -19,13 +19,16 @@ of its projections, fused into one matmul:
 
 A state cannot forget a token once absorbed: the decoder says so
 (`forgets_exactly`), and the sampler then looks at rows after every token, so
-that none samples past a stop. Of the project it imports nothing.
+that none samples past a stop. Of the project it imports lora alone (an
+adapted projection's merged weight).
 """
 
 import inspect
 
 import torch
 import torch.nn.functional as F
+
+import lora
 
 # the layer classes this file reproduces
 CLASSES = ("Qwen3_5GatedDeltaNet",)
@@ -37,7 +40,7 @@ def supported(module):
         return False
     projections = [getattr(module, n, None) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                        "out_proj")]
-    if any(type(p) is not torch.nn.Linear for p in projections):
+    if not all(lora.linear_like(p) for p in projections):
         return False
     norm = getattr(module, "norm", None)
     return (module.activation == "silu" and getattr(norm, "activation", None) == "silu"
@@ -72,8 +75,9 @@ class DeltaNet:
     def load(self, m):
         """Copy the layer's weights in (the projections fused), into the same tensors after the first load (captured
         graphs hold them); under FSDP2 the decoder calls this while the layer is gathered."""
-        fused = [m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight, m.in_proj_a.weight]
-        own = {"out": m.out_proj.weight, "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
+        W = lora.applied_weight  # an adapted projection's weight with its delta merged in
+        fused = [W(m.in_proj_qkv), W(m.in_proj_z), W(m.in_proj_b), W(m.in_proj_a)]
+        own = {"out": W(m.out_proj), "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
                "dt_bias": m.dt_bias, "norm": m.norm.weight}
         if "in" not in self.w:
             self.w["in"] = torch.cat([p.detach() for p in fused])

@@ -1,6 +1,7 @@
 """LoRA's default targets ("all") on MoE and hybrid families: what gets adapters, and that the adapted model is the
 base model plus exactly the low-rank deltas, experts' fused weights included (LoRAExperts)."""
 
+import contextlib
 import copy
 import os
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import grpo  # noqa: E402
@@ -207,3 +209,32 @@ def test_checkpoint_round_trip_restores_expert_adapters_and_their_optimizer_stat
         assert torch.equal(state["exp_avg"], fresh_state["exp_avg"])
     with torch.no_grad():
         torch.testing.assert_close(fresh.lm(ids).logits, root.lm(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen2_moe"] + FAMILIES)
+def test_adapted_models_sample_on_the_fast_decoder(family):
+    """Adapters on the linear layers (the default targets, experts included) keep the written-out sampler, which
+    reads each adapted weight with its delta merged in: over several turns, its log-probs equal one forward of the
+    adapted model over each row's trajectory; with the adapters off, the base model's. The training forward stays
+    the model's own (the written-out one reads the base weights)."""
+    import static_decoder
+    from test_fast_paths import prompts
+    from test_multiturn import multi_turn
+    from test_static_families import per_row_logprobs
+    model, tok = architectures.tiny(family)
+    lora.add_lora(model, RANK, ALPHA, "all")
+    _random_B(model)
+    assert any(type(m) is lora.LoRALinear for m in model.modules())
+    assert static_decoder.static_decode_supported(model)
+    assert not static_decoder.training_forward_supported(model.train())
+    model.eval()
+    enc = prompts(tok)
+    rollouts = {}
+    for adapted in (True, False):
+        with contextlib.ExitStack() as stack:
+            if not adapted:
+                stack.enter_context(lora.adapters_disabled(model))
+            r = rollouts[adapted] = multi_turn(model, tok, enc)
+            pol = r.policy_mask.bool()
+            torch.testing.assert_close(r.logprobs[pol], per_row_logprobs(model, enc, r)[pol], atol=1e-4, rtol=0)
+    assert not torch.equal(rollouts[True].completion_ids, rollouts[False].completion_ids)  # the deltas tell
