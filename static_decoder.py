@@ -632,6 +632,7 @@ class StaticDecoder:
         self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
         self.attention_kernel = False  # decode attention by kernels.decode_attention (CUDA, Triton) instead
         self.unpadded = False
+        self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
         self.n_rows = None  # rows at the last prefill
@@ -805,10 +806,11 @@ class StaticDecoder:
             x = self._mlp(x, o if gate is None else o * torch.sigmoid(gate), w, eps, i)
         return x
 
-    def _decode_layers(self, x, cos, sin, write, keys, masks, recurrent):
+    def _decode_layers(self, x, cos, sin, write, keys, masks, recurrent, starts=None):
         """Decode: x (B, H), one token per row, through every layer: the arithmetic of `_layers` with no
         sequence axis, which saves a sixth of the operations per token (views and transposes), a
-        difference that shows on small CPU batches."""
+        difference that shows on small CPU batches. starts: window -> the first cache slot its layers read,
+        with no mask (see `_narrowed`)."""
         b = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         for i, w in enumerate(self.w[0]):
@@ -821,6 +823,8 @@ class StaticDecoder:
             write(self.kv_index[i], qk[:, nh:], v)  # (B, nkv, hd) each
             kk, vv = keys(self.kv_index[i])  # (B, nkv, L, hd)
             attn_mask = masks[window]
+            if starts and window in starts:
+                kk, vv, attn_mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
             # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
             # needs no copy of K/V per query head
             qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
@@ -858,11 +862,15 @@ class StaticDecoder:
         head = self.w[1]
         return F.linear(_rms_norm(x, head["norm"], self.final_eps, self.upcast), head["lm_head"])
 
-    def _windowed(self, mask, query_pos, kv_len):
+    def _windowed(self, mask, query_pos, kv_len, skip=()):
         """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [0, kv_len) within the
-        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len)."""
+        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len). The
+        windows in `skip` get none (their layers narrow by slots instead)."""
         masks = {None: mask}
         for w in self.windows:
+            if w in skip:
+                masks[w] = None
+                continue
             if kv_len <= w:  # no two tokens of these slots are a window apart
                 masks[w] = mask
                 continue
@@ -889,6 +897,7 @@ class StaticDecoder:
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
         self.unmarked = None
+        self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
         masks = self._windowed(_padded_causal_mask(attn), positions, p)
 
         def write(i, k, v):
@@ -928,7 +937,8 @@ class StaticDecoder:
                 self.key_mask[:b, slot] = True
                 attn_mask = self.key_mask[:b, None, None, :kv_len]
             query_pos = None if self.pos is None else self.pos[:b, slot, None]
-        masks = self._windowed(attn_mask, query_pos, kv_len) if self.windows else {None: attn_mask}
+        starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
+        masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts) if self.windows else {None: attn_mask}
 
         def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
@@ -948,7 +958,18 @@ class StaticDecoder:
                 self.routes[:b, slot, j] = experts.to(self.routes.dtype)
 
         self.record_at = None if self.routes is None else record
-        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks, lambda layer, h: layer.decode(h)))
+        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks, lambda layer, h: layer.decode(h),
+                                                starts))
+
+    def _narrowed(self, slot, kv_len):
+        """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
+        `slot` for every row: all rows at `slot` (kv_len = slot + 1), and since `narrow_from` every slot a real
+        token of every row, at consecutive positions (prefill fixes each slot's position), so a window over
+        positions is a window over slots. Those layers read just those slots, unmasked: on a CPU, where no graph
+        fixes the span, a short window then costs what it reads."""
+        if self.narrow_from is None or kv_len != slot + 1:
+            return {}
+        return {w: slot - w + 1 for w in self.windows if slot - w + 1 >= self.narrow_from}
 
     def _mark(self):
         """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
@@ -991,6 +1012,7 @@ class StaticDecoder:
         the prefill of an environment's answer in the middle of decoding, with nothing before it recomputed.
         """
         self._mark()
+        self.narrow_from = None  # rows' blocks of different lengths: slots no longer align across rows
         b, k = ids.shape
         rows = self.row_index[:b, None].expand(b, k)
         slots = start[:, None] + torch.arange(k, device=ids.device)  # (b, K)
@@ -1053,6 +1075,7 @@ class StaticDecoder:
         """Forget rows' cache slots from ends[i] on (rows, ends (m,) tensors): what a row sampled past a stop
         is no longer attended, and is overwritten as the row goes on."""
         self._mark()
+        self.narrow_from = None  # forgotten slots are holes until written again
         keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
         self.key_mask[rows] &= keep
 
