@@ -162,3 +162,39 @@ def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
     train.main([*argv, f"--out_dir={tmp_path / 'b'}", "--check_model=false"])
     assert (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_tool_run_with_adapters_keeps_sampler_and_trainer_in_agreement(tmp_path, capsys, monkeypatch):
+    """train.py --model=DIR on the vault task (tool calls, results appended mid-turn) with LoRA's default targets:
+    the banner names the paths and what LoRA adapted, and on every step the sampler's log-probs (written-out
+    layers, adapters merged in) equal the training forward's (the model's own, adapters apart) to float32 noise,
+    on the hybrid family (recurrent states that must not absorb what a row forgot). A turn ends at any of the letters a-h and calls the tool, so that the
+    random model's rows take several turns."""
+    import json
+
+    import environments
+    import model_loading
+    import train
+    from tasks import vault
+
+    agent_init = environments.Agent.__init__
+
+    def pausing(self, *args, **kwargs):
+        agent_init(self, *args, **kwargs)
+        self.stop_sequences = [[t] for t in range(97, 105)]
+    monkeypatch.setattr(environments.Agent, "__init__", pausing)
+    monkeypatch.setattr(environments, "parse_calls", lambda text: [("", {})])
+
+    tok = model_loading.build_byte_tokenizer(vault.TINY_TOOL_TOKENS)
+    tok.chat_template = vault.TINY_TOOL_TEMPLATE
+    architectures.config("qwen3_5", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    train.main([f"--model={tmp_path / 'model'}", "--task=vault", "--lora_rank=4", "--lr=1e-2", "--max_steps=2",
+                "--save_every=0", "--print_completions_every=0", f"--out_dir={out}"])
+    said = capsys.readouterr().out
+    assert "paths: sampler on written-out layers, training on the model's own forward" in said
+    assert "LoRA rank 4 on " in said and "in_proj_qkv x3" in said and "q_proj x1" in said
+    steps = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2] and max(s["turns_max"] for s in steps) > 1
+    assert all(s["sampler_logprob_diff_max"] < 1e-4 for s in steps), [s["sampler_logprob_diff_max"] for s in steps]
