@@ -84,8 +84,9 @@ class Result:
     exit_code: the program's exit status, negative for the signal that killed it, None when it timed out or never ran.
     timed_out: it was killed at the wall-clock timeout. wall_time: seconds from start to the end of its output.
     sandbox_error: why the sandbox could not run it (None when it ran); `sandbox_failed` is that as a flag.
-    exceeded: the budget of its control group it passed: "memory" or "cpu" (it was then killed as a whole),
-    "processes" (a fork or a thread was refused), else None.
+    exceeded: the budget of its control group it passed: "memory" or "cpu" (it was then killed as a whole, and
+    exit_code is -9 even where its first process ended by itself once the kernel had killed another at the memory
+    budget), "processes" (a fork or a thread was refused), else None.
     """
     __slots__ = ("stdout", "stderr", "exit_code", "timed_out", "wall_time", "sandbox_error", "truncated", "exceeded")
 
@@ -466,7 +467,7 @@ def _execute(options, mode):
     spec = dict(mode=mode, python=python, argv=[python, "-I", "-S", PROGRAM_FILE], files=options["files"],
                 limits=options["limits"], timeout=options["timeout"], uid=SANDBOX_UID, read_only=paths,
                 mountpoint=mountpoint, disk=options["disk"], workdir=workdir, seccomp=_seccomp_filter())
-    groups, group, exceeded = _groups(), None, None
+    groups, group, exceeded, kernel, alarm = _groups(), None, None, None, None
     spec["group_counts_processes"] = bool(groups and groups.counts_processes)
     header = marshal.dumps(spec)
     start = time.monotonic()
@@ -491,15 +492,17 @@ def _execute(options, mode):
             # sandbox is left; unsafe: the launcher is the program, and its process group is killed
             stop = (lambda: _write_ignoring(control_w, b"k")) if mode == "strict" else (lambda: _kill_all(proc, group))
             watch = group and (lambda: group.exceeded(options["limits"]["cpu"]))
+            alarm = group.oom_alarm() if group else None
             out, err, status, timed_out, truncated, exceeded = _exchange(
-                proc, data, status_r, start + options["timeout"], options["max_output"], stop, watch)
+                proc, data, status_r, start + options["timeout"], options["max_output"], stop, watch, alarm)
         finally:
             os.close(status_r)
             os.close(control_w)
-            if group:
-                exceeded = exceeded or ("memory" if group.oom_kills() else None) or \
-                    ("processes" if group.processes_refused() else None)
-                if not group.remove():
+            if alarm is not None:
+                os.close(alarm)
+            if group:  # read once the launcher is reaped (the kernel counts a kill before it sends it): final
+                kernel = (group.oom_kills() > 0, group.memory_limit_hit(), group.processes_refused())
+                if not group.remove():  # kills what is left first (unsafe: what left the process group)
                     groups.leftover.append(group)
     finally:
         if workdir:
@@ -517,8 +520,28 @@ def _execute(options, mode):
         exit_code = proc.returncode
     if timed_out:
         exit_code = None
+    if kernel:
+        exceeded, exit_code = _verdict(exceeded, exit_code, timed_out, mode, *kernel)
     return Result(out.decode(errors="replace"), err.decode(errors="replace"), exit_code, timed_out, wall,
                   sandbox_error, truncated, exceeded)
+
+
+def _verdict(watched, exit_code, timed_out, mode, oom_killed, memory_hit, refused):
+    """(exceeded, exit_code) from what the trainer saw while the program ran (`watched`: the budget it named, and
+    the program was then killed) and the group's own counts once nothing of it is left. The kernel kills one
+    process at the memory budget; the program's other processes may see that death and end by themselves (exit 0)
+    before the trainer's next look kills them. Whatever the order, a program the kernel killed at its budget is
+    reported as killed whole: exceeded "memory", exit_code -9 (SIGKILL). In strict mode a SIGKILL of the program
+    (the sandbox's init, which nothing inside can kill) not sent by the trainer is the kernel's, at the budget it
+    hit."""
+    exceeded = watched
+    if exceeded is None and (oom_killed or (mode == "strict" and exit_code == -9 and memory_hit and not timed_out)):
+        exceeded = "memory"
+    if exceeded is None and refused:
+        exceeded = "processes"
+    if exceeded in ("memory", "cpu") and not timed_out:
+        exit_code = -9
+    return exceeded, exit_code
 
 
 _filter = []
@@ -570,12 +593,13 @@ def _write_ignoring(fd, data):
 WATCH_EVERY = 0.05  # seconds between two looks at a program's group (its CPU time; a process killed at its memory)
 
 
-def _exchange(proc, data, status_fd, deadline, cap, stop, watch=None):
+def _exchange(proc, data, status_fd, deadline, cap, stop, watch=None, alarm=None):
     """Write `data` to the launcher's stdin while reading its stdout, stderr and status pipe, until they end and it
     has exited, or the deadline, where stop() is called, and if that has not ended it _AFTER_KILL seconds later,
     its process group is killed. Every WATCH_EVERY seconds, watch() (when given) names a budget the program has
-    passed, or None; stop() is then called as at the deadline. Returns (stdout, stderr, status, timed_out,
-    truncated, the budget watch() named)."""
+    passed, or None; stop() is then called as at the deadline. `alarm`, a descriptor that becomes readable when
+    the kernel is about to kill at the memory budget, names "memory" and calls stop() at once. Returns (stdout,
+    stderr, status, timed_out, truncated, the budget named)."""
     import selectors
     sel = selectors.DefaultSelector()
     stdin, stdout, stderr = proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
@@ -589,6 +613,8 @@ def _exchange(proc, data, status_fd, deadline, cap, stop, watch=None):
         sel.register(pidfd, selectors.EVENT_READ)
     except (AttributeError, OSError):
         pidfd = None
+    if alarm is not None and watch:
+        sel.register(alarm, selectors.EVENT_READ)
     reading, view = set(kept), memoryview(data)
     timed_out, truncated, exited, exceeded = False, False, pidfd is None, None
     next_watch = time.monotonic() + WATCH_EVERY
@@ -612,7 +638,13 @@ def _exchange(proc, data, status_fd, deadline, cap, stop, watch=None):
             wait = min(remaining, next_watch - now) if watch and not exceeded else remaining
             for key, _ in sel.select(max(wait, 0)):
                 fd = key.fd
-                if fd == pidfd:
+                if fd == alarm:  # the group is at its budget with nothing left to reclaim: kill it whole now
+                    sel.unregister(fd)
+                    if not exceeded and not timed_out:
+                        exceeded = "memory"
+                        stop()
+                        deadline = min(deadline, time.monotonic() + _AFTER_KILL)
+                elif fd == pidfd:
                     exited = True
                     sel.unregister(fd)
                     deadline = min(deadline, time.monotonic() + _AFTER_EXIT)

@@ -5,6 +5,7 @@ CPU time and the number of processes, where the kernel's control groups can be m
     group = groups.make(memory=1 << 30, processes=33)
     group.add(pid)                       # or the process writes its pid to group.procs_files(): all it forks counts
     group.exceeded(cpu_seconds)          # "memory" (the kernel killed one of its processes), "cpu", or None
+    group.oom_alarm()                    # v1: an eventfd readable when the kernel is about to kill at the budget
     group.remove()                       # kills what is left, removes the group
 
 Where: the trainer's own group of each hierarchy (cgroup v1's memory, pids and cpuacct controllers, each mounted on
@@ -198,6 +199,39 @@ class Group:
             return _field(_read(f"{self.dirs['']}/memory.events"), "oom_kill")
         except OSError:
             return 0
+
+    def oom_alarm(self):
+        """A descriptor (to close after use) that becomes readable as soon as the kernel finds the group at its
+        memory budget with nothing left to reclaim, about to kill one of its processes (cgroup v1's OOM notice,
+        asked for through cgroup.event_control), so that the caller can kill the rest at once; None where there is
+        none (v2, where memory.oom.group has the kernel kill every process of the group together)."""
+        if self.version != 1 or not hasattr(os, "eventfd"):
+            return None
+        folder, alarm = self.dirs["memory"], None
+        try:
+            alarm = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            control = os.open(f"{folder}/memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+            try:  # the kernel keeps the notice until the eventfd is closed
+                _write(f"{folder}/cgroup.event_control", f"{alarm} {control}")
+            finally:
+                os.close(control)
+        except OSError:  # then the trainer's look every WATCH_EVERY seconds finds the kill, a little later
+            if alarm is not None:
+                os.close(alarm)
+            return None
+        return alarm
+
+    def memory_limit_hit(self):
+        """Whether a charge ever found the group at its memory budget (v1 memory.failcnt or memsw.failcnt, v2
+        memory.events max): the kernel then reclaimed, and when it could not, killed (oom_kills)."""
+        try:
+            if self.version == 1:
+                folder = self.dirs["memory"]
+                return any(int(_read(f"{folder}/{name}")) > 0 for name in ("memory.failcnt", "memory.memsw.failcnt")
+                           if name == "memory.failcnt" or os.path.exists(f"{folder}/{name}"))
+            return _field(_read(f"{self.dirs['']}/memory.events"), "max") > 0
+        except (OSError, ValueError):
+            return False
 
     def processes_refused(self):
         """Whether a fork or a thread was refused at the process budget."""
