@@ -187,7 +187,7 @@ def load_models(cfg, d, load_device):
               f"torchrun + FSDP2 compute in bfloat16", flush=True)
     if cfg.compile_layers and not static_decoder.training_forward_supported(policy.train()) and d.master:  # as it trains
         print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
-              "(LoRA, attention dropout or another architecture), which is not compiled", flush=True)
+              "(attention dropout, or an architecture without written-out training layers), which is not compiled", flush=True)
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
     policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision).train()
     if ref is not None:

@@ -362,8 +362,6 @@ def training_forward_supported(model):
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return False
     fam = _reproduced(model)
-    if fam and any(type(m) is lora.LoRALinear for m in model.model.layers.modules()):
-        return False  # adapters train on the model's own forward (`_layer` reads the base weights)
     if not fam or fam.sinks or fam.gated_query or fam.partial_rotary or \
             any(static_moe.is_moe(layer.mlp) or not _attends(layer) for layer in model.model.layers):
         return False  # MoE blocks, sinks and hybrid layers train on the model's own forward (its experts
@@ -460,13 +458,27 @@ def _layer_params(layer):
         return None if module is None else (module.weight, _eps(module))
     p = {slot: norm(getattr(layer, name) if name else None)
          for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)}
-    p.update({k: (lin.weight, lin.bias) for k, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj),
-                                                        ("o", a.o_proj), ("gate", m.gate_proj), ("up", m.up_proj),
-                                                        ("down", m.down_proj))})
+    p.update({k: _linear_params(lin) for k, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj),
+                                                     ("o", a.o_proj), ("gate", m.gate_proj), ("up", m.up_proj),
+                                                     ("down", m.down_proj))})
     p.update(q_norm=norm(a.q_norm) if fam.qk_norm else None, k_norm=norm(a.k_norm) if fam.qk_norm else None,
              qk_norm=fam.qk_norm, offset=fam.unit_offset, upcast=fam.upcast, act=_activation(m.act_fn),
              head_dim=a.head_dim, scaling=a.scaling)
     return p
+
+
+def _linear_params(lin):
+    """(weight, bias) of a linear layer; for one with a LoRA adapter switched on, (A, B, scaling) after them."""
+    if type(lin) is lora.LoRALinear and lin.enabled:
+        return lin.weight, lin.bias, lin.lora_A, lin.lora_B, lin.scaling
+    return lin.weight, lin.bias
+
+
+def _linear(x, p):
+    """x through a linear layer's `_linear_params`: the low-rank term apart from the weight, as LoRALinear adds it
+    (the frozen weight then needs no gradient of its own)."""
+    y = F.linear(x, p[0], p[1])
+    return y if len(p) == 2 else y + F.linear(F.linear(x, p[2]), p[3]) * p[4]
 
 
 def _norm(x, norm, p):
@@ -483,7 +495,7 @@ def _layer(x, cos, sin, mask, p):
     b, s, _ = x.shape
     hd = p["head_dim"]
     h = _norm(x, p["attn_in"], p)
-    q, k, v = (F.linear(h, *p[n]) for n in ("q", "k", "v"))
+    q, k, v = (_linear(h, p[n]) for n in ("q", "k", "v"))
     if p["qk_norm"] == "projection":
         q, k = _norm(q, p["q_norm"], p), _norm(k, p["k_norm"], p)
     q, k, v = (t.view(b, s, -1, hd) for t in (q, k, v))
@@ -500,9 +512,9 @@ def _layer(x, cos, sin, mask, p):
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=p["scaling"],
                                        enable_gqa=gqa)
-    x = x + _norm(F.linear(o.transpose(1, 2).reshape(b, s, -1), *p["o"]), p["attn_out"], p)
+    x = x + _norm(_linear(o.transpose(1, 2).reshape(b, s, -1), p["o"]), p["attn_out"], p)
     h = _norm(x, p["mlp_in"], p)
-    mlp = F.linear(_ACT[p["act"]](F.linear(h, *p["gate"])) * F.linear(h, *p["up"]), *p["down"])
+    mlp = _linear(_ACT[p["act"]](_linear(h, p["gate"])) * _linear(h, p["up"]), p["down"])
     return x + _norm(mlp, p["mlp_out"], p)
 
 

@@ -165,15 +165,17 @@ def test_train_with_lora_and_kl_builds_no_reference(tmp_path, monkeypatch):
 
 
 def test_compile_layers_warns_where_the_hugging_face_forward_runs(tmp_path, capsys):
-    """LoRA layers train through the Hugging Face forward, which --compile_layers does not reach: it says so."""
+    """Adapted layers train on the written-out layers, which --compile_layers compiles; attention dropout keeps
+    the Hugging Face forward, which it does not reach: it says so."""
     import sharding
     d = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    for lora_rank in (0, 4):
-        cfg = train.Config(device="cpu", out_dir=str(tmp_path / str(lora_rank)), compile_layers=True,
-                           lora_rank=lora_rank)
+    dropping = model_loading.write_tiny_model(str(tmp_path / "dropout"), attention_dropout=0.1)
+    for lora_rank, dropout in ((0, 0.0), (4, 0.0), (0, 0.1)):
+        cfg = train.Config(device="cpu", out_dir=str(tmp_path / f"{lora_rank}-{dropout}"), compile_layers=True,
+                           lora_rank=lora_rank, **({"model": dropping} if dropout else {}))
         run_setup.load_models(cfg, d, "cpu")
         said = capsys.readouterr().out
-        assert ("compile_layers has no effect" in said) == (lora_rank > 0), said
+        assert ("compile_layers has no effect" in said) == (dropout > 0), said
 
 
 def test_fixed_reference_matches_a_separate_copy(tmp_path):

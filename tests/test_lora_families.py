@@ -215,8 +215,8 @@ def test_checkpoint_round_trip_restores_expert_adapters_and_their_optimizer_stat
 def test_adapted_models_sample_on_the_fast_decoder(family):
     """Adapters on the linear layers (the default targets, experts included) keep the written-out sampler, which
     reads each adapted weight with its delta merged in: over several turns, its log-probs equal one forward of the
-    adapted model over each row's trajectory; with the adapters off, the base model's. The training forward stays
-    the model's own (the written-out one reads the base weights)."""
+    adapted model over each row's trajectory; with the adapters off, the base model's. The training forward is the
+    written-out one where the family has it (test_adapted_dense_models_train_on_the_written_out_layers)."""
     import static_decoder
     from test_fast_paths import prompts
     from test_multiturn import multi_turn
@@ -226,7 +226,6 @@ def test_adapted_models_sample_on_the_fast_decoder(family):
     _random_B(model)
     assert any(type(m) is lora.LoRALinear for m in model.modules())
     assert static_decoder.static_decode_supported(model)
-    assert not static_decoder.training_forward_supported(model.train())
     model.eval()
     enc = prompts(tok)
     rollouts = {}
@@ -238,3 +237,30 @@ def test_adapted_models_sample_on_the_fast_decoder(family):
             pol = r.policy_mask.bool()
             torch.testing.assert_close(r.logprobs[pol], per_row_logprobs(model, enc, r)[pol], atol=1e-4, rtol=0)
     assert not torch.equal(rollouts[True].completion_ids, rollouts[False].completion_ids)  # the deltas tell
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_adapted_dense_models_train_on_the_written_out_layers(family):
+    """The written-out training forward with adapters (each adapted projection's low-rank term added apart, as
+    LoRALinear adds it): log-probs and every adapter's gradient equal the model's own forward's; with the adapters
+    off (the reference's forward), the base model's log-probs."""
+    import static_decoder
+    from test_fast_paths import prompts, with_completions
+    from test_training_forward import hf_and_fast_logprobs
+    model, tok = architectures.tiny(family)
+    lora.add_lora(model, RANK, ALPHA, "all")
+    _random_B(model)
+    model.train()
+    assert static_decoder.training_forward_supported(model)
+    ids, attn = with_completions(prompts(tok), 6, seed=3)
+    (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, 6)
+    torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and fast_grads.keys() == hf_grads.keys() == adapters
+    for k, g in hf_grads.items():
+        assert g.abs().max() > 0, k
+        torch.testing.assert_close(fast_grads[k], g, atol=2e-6 * g.abs().max().item(), rtol=1e-4, msg=k)
+    with torch.no_grad(), lora.adapters_disabled(model):
+        off = [logprobs.completion_logprobs(model, ids, attn, 6, fast_forward=fast)[0] for fast in (False, True)]
+    torch.testing.assert_close(off[1], off[0], atol=1e-5, rtol=0)
+    assert (off[0] - hf_logp).abs().max() > 1e-3  # the adapters change the model

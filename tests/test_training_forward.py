@@ -328,7 +328,9 @@ def test_training_forward_falls_back_where_it_does_not_apply():
     assert not static_decoder.training_forward_supported(model.train())
     model, _ = tiny_model()
     lora.add_lora(model, rank=2, alpha=4, target_modules=["q_proj", "v_proj"])
-    assert not static_decoder.training_forward_supported(model)  # adapters replace the projections
+    assert static_decoder.training_forward_supported(model)  # adapted projections are read with their adapters
+    model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
+    assert not static_decoder.training_forward_supported(model)  # a projection it does not know
 
 
 def test_default_dtype_is_float32_on_cpu(tmp_path):
