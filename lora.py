@@ -69,6 +69,26 @@ def applied_weight(module):
     return w
 
 
+def stacked_low_rank(modules):
+    """The adapters of linear layers whose outputs are concatenated, as one low-rank pair: (A (R, in), B (sum of
+    the outputs, R)), each adapter's scaling folded into its block of B, zeros where a layer has no adapter or its
+    adapter is off; None when none is a LoRALinear. x A^T B^T is each layer's low-rank term, side by side."""
+    adapted = [m for m in modules if type(m) is LoRALinear]
+    if not adapted:
+        return None
+    a = torch.cat([m.lora_A.detach() for m in adapted])
+    b = torch.zeros(sum(m.out_features for m in modules), a.shape[0], dtype=a.dtype, device=a.device)
+    row = col = 0
+    for m in modules:
+        if type(m) is LoRALinear:
+            r = m.lora_A.shape[0]
+            if m.enabled:
+                b[row:row + m.out_features, col:col + r] = m.lora_B.detach() * m.scaling
+            col += r
+        row += m.out_features
+    return a, b
+
+
 class LoRAExperts(nn.Module):
     """A low-rank update of every expert in a fused (E, ., .) expert weight: W_e + (alpha / r) * B_e A_e.
 

@@ -20,7 +20,7 @@ of its projections, fused into one matmul:
 A state cannot forget a token once absorbed: the decoder says so
 (`forgets_exactly`), and the sampler then looks at rows after every token, so
 that none samples past a stop. Of the project it imports lora alone (an
-adapted projection's merged weight).
+adapted projection's low-rank term).
 """
 
 import inspect
@@ -45,6 +45,12 @@ def supported(module):
     norm = getattr(module, "norm", None)
     return (module.activation == "silu" and getattr(norm, "activation", None) == "silu"
             and hasattr(norm, "variance_epsilon") and isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d))
+
+
+def _linear(x, weight, low_rank):
+    """x W^T, plus an adapter's low-rank term x A^T B^T where `low_rank` (A, B) is given (lora.stacked_low_rank)."""
+    y = F.linear(x, weight)
+    return y if low_rank is None else y + F.linear(F.linear(x, low_rank[0]), low_rank[1])
 
 
 def _l2norm(x, eps=1e-6):
@@ -75,18 +81,26 @@ class DeltaNet:
     def load(self, m):
         """Copy the layer's weights in (the projections fused), into the same tensors after the first load (captured
         graphs hold them); under FSDP2 the decoder calls this while the layer is gathered."""
-        W = lora.applied_weight  # an adapted projection's weight with its delta merged in
-        fused = [W(m.in_proj_qkv), W(m.in_proj_z), W(m.in_proj_b), W(m.in_proj_a)]
-        own = {"out": W(m.out_proj), "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
+        parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+        fused = [p.weight for p in parts]
+        own = {"out": m.out_proj.weight, "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
                "dt_bias": m.dt_bias, "norm": m.norm.weight}
+        # adapters (LoRA) stay apart from the weights, their low-rank terms added as LoRALinear adds them: merged,
+        # their rounding would move the gates, and the recurrence carries such a change along the whole row
+        low_rank = {"in_lr": lora.stacked_low_rank(parts), "out_lr": lora.stacked_low_rank([m.out_proj])}
         if "in" not in self.w:
             self.w["in"] = torch.cat([p.detach() for p in fused])
             self.w.update({k: None if t is None else t.detach().clone() for k, t in own.items()})
+            self.w.update({k: None if lr is None else tuple(t.clone() for t in lr) for k, lr in low_rank.items()})
         else:
             torch.cat([p.detach() for p in fused], out=self.w["in"])
             for k, t in own.items():
                 if t is not None:
                     self.w[k].copy_(t)
+            for k, lr in low_rank.items():
+                if lr is not None:
+                    for mine, t in zip(self.w[k], lr):
+                        mine.copy_(t)
 
     def snapshot(self):
         return self.conv.clone(), self.rec.clone()
@@ -102,7 +116,7 @@ class DeltaNet:
 
     def _split(self, h):
         """The fused projection of h (..., H): the convolution's input (..., C), z (..., value heads, dv), b, a."""
-        proj = F.linear(h, self.w["in"])
+        proj = _linear(h, self.w["in"], self.w["in_lr"])
         c, v = self.conv_dim, self.value_dim
         z = proj[..., c:c + v].unflatten(-1, (self.nv, self.dv))
         return proj[..., :c], z, proj[..., c + v:c + v + self.nv], proj[..., c + v + self.nv:]
@@ -123,7 +137,7 @@ class DeltaNet:
         x = core.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = (self.w["norm"] * x.to(dtype)) * F.silu(z.float())
-        return F.linear(x.to(dtype).flatten(-2), self.w["out"])
+        return _linear(x.to(dtype).flatten(-2), self.w["out"], self.w["out_lr"])
 
     def prefill(self, h, valid):
         """h (N, P, H) the layer's normed inputs, valid (N, P) the real tokens: the layer's output (N, P, H); rows
