@@ -14,7 +14,10 @@ Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
   families (not run by default) the decode row for a random model of each family in tests/architectures.py
            (Llama, Qwen3, Qwen3-MoE, Qwen3.5, gpt-oss, Gemma and others): tokens/s of each side, the ratio, the
-           ratio over Llama's, and whether the sampler took the fast path or the HF forward
+           ratio over Llama's, and whether the sampler took the fast path or the HF forward; `--set
+           fam_shapes=real`: each family at its published shape (for a GPU), `--set fam_lora=R`: with LoRA adapters
+  trainfwd (not run by default) forward + backward of the training log-probs per family: the written-out layers
+           against the model's own forward (`fam_shapes` and `fam_names` apply)
   step     one GRPO step (sample, score, reference + policy log-probs, loss, backward, optimizer step) vs
            TRL's GRPOTrainer configured the same way (bench-only dependency; the row is skipped without it)
   memory   peak memory of log-probs + loss + backward with a 151,936-token vocabulary vs the naive full-logits version
