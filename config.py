@@ -152,7 +152,7 @@ class Config:
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
         # (kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
-        # GPUs; without LoRA, on the families whose written-out forward runs: docs/architectures.md)
+        # GPUs; on the families whose written-out training forward runs, LoRA or not: docs/architectures.md)
     routing_replay: bool = setting(False, run=True)  # MoE models: the training forwards route each token to the
         # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template

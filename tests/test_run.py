@@ -131,13 +131,14 @@ def test_reward_funcs_from_a_file(tmp_path):
     for r in rows(out):
         assert set(r) >= {"reward/brevity", "reward/knows"} and "reward/next_letter_reward" not in r
         assert r["reward/brevity"] <= 0
+    # bad specs, in this process (the command line's one-line form of such errors: the test below)
     for spec, named in ((f"{tmp_path}/nope.py:f", "nope.py"), (f"{path}:missing", "missing"),
                         (f"{path}:not_callable", "not_callable"), ("no_such_module_xyz:f", "no_such_module_xyz"),
                         (f"{path}", str(path))):
-        p = subprocess.run([sys.executable, "train.py", f"--reward_funcs={spec}", f"--out_dir={tmp_path / 'bad'}",
-                            *QUICK], cwd=ROOT, capture_output=True, text=True)
-        assert p.returncode != 0 and "--reward_funcs" in p.stderr and named in p.stderr, p.stderr
-        assert "Traceback" not in p.stderr
+        with pytest.raises(SystemExit) as e:
+            train.main([f"--reward_funcs={spec}", f"--out_dir={tmp_path / 'bad'}", *QUICK])
+        said = str(e.value)
+        assert "--reward_funcs" in said and named in said and len(said.splitlines()) == 1, said
 
 
 def test_non_finite_loss_skips_the_step_and_a_run_of_them_stops(tmp_path, monkeypatch):
@@ -281,14 +282,15 @@ def test_a_second_run_on_a_busy_out_dir_stops_naming_the_holder(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--model=./no/such/mdoel"], "no/such/mdoel"),
-    (["--task=gsm8k", "--dataset=BAD"], "row 0"),
-    (["--lora_rank=2", "--lora_target_modules=q_proj,v_prj"], "'v_prj'"),
-    (["--out_dir=FILE"], "--out_dir"),
-    (['--model_init_kwargs={"bogus_kw": 1}'], "bogus_kw"),
+@pytest.mark.parametrize("args, named, debug", [
+    (["--model=./no/such/mdoel"], "no/such/mdoel", True),
+    (["--task=gsm8k", "--dataset=BAD"], "row 0", False),
+    (["--lora_rank=2", "--lora_target_modules=q_proj,v_prj"], "'v_prj'", True),
+    (["--out_dir=FILE"], "--out_dir", False),
+    (['--model_init_kwargs={"bogus_kw": 1}'], "bogus_kw", False),
 ])
-def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, args, named):
+def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, args, named, debug):
+    """One line on stderr, no traceback; GRPO_DEBUG=1 adds it (checked on two of the cases: one handler serves all)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": ["two", "strings"], "answer": "#### 1"}) + "\n")
     (tmp_path / "a_file").write_text("")
@@ -297,8 +299,9 @@ def test_bad_input_is_one_line_and_a_debug_setting_adds_the_traceback(tmp_path, 
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and named in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GRPO_DEBUG": "1"})
-    assert "Traceback" in p.stderr and named in p.stderr
+    if debug:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GRPO_DEBUG": "1"})
+        assert "Traceback" in p.stderr and named in p.stderr
 
 
 def test_resume_refuses_another_hold_out_of_the_dataset(tmp_path):
