@@ -100,12 +100,7 @@ def bench_families(s, device):
                 model, tok = architectures.tiny(name, hidden_size=hidden, head_dim=hidden // heads)
                 model.to(device=device, dtype=getattr(torch, s["dtype"]))
             if s["fam_lora"]:  # adapters on every linear layer and expert weight ("all"), B random so they count
-                import lora
-                lora.add_lora(model, s["fam_lora"], 2 * s["fam_lora"], "all")
-                g = torch.Generator().manual_seed(1)
-                with torch.no_grad():
-                    for a in lora.lora_modules(model).values():
-                        a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g).to(a.lora_B) * 0.01)
+                architectures.adapt(model, s["fam_lora"], "all", scale=0.01)
             enc = letter_prompts(tok, n, s["fam_prompt_len"], device)
             path = "fast" if static_decoder.static_decode_supported(model) else "hf"
 

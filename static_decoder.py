@@ -652,7 +652,7 @@ class StaticDecoder:
     @torch.no_grad()
     def load(self, model):
         """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy."""
-        fam, nh, nkv, hd = self.fam, self.n_heads, self.n_kv, self.head_dim
+        fam, nh, nkv = self.fam, self.n_heads, self.n_kv
 
         def biases(*lins):  # the fused projections' bias pieces; None when none of them has a bias
             if all(lin.bias is None for lin in lins):

@@ -59,6 +59,18 @@ def randomise(model, seed=1, scale=0.2):
     return model
 
 
+def adapt(model, rank, targets, scale=0.1, seed=1):
+    """LoRA of `rank` (alpha 2 * rank) on `targets`, each adapter's B drawn at random (`scale`) instead of zero, so
+    that the adapters change the model; returns the model."""
+    import lora
+    lora.add_lora(model, rank, 2 * rank, targets)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a in lora.lora_modules(model).values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g).to(a.lora_B) * scale)
+    return model
+
+
 def tiny(name, attn_implementation=None, **overrides):
     """(model, tokenizer): a randomly initialised 2-4 layer model of family `name`, float32, eval mode."""
     from transformers import AutoModelForCausalLM

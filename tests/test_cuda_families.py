@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
-import lora  # noqa: E402
 import sampling  # noqa: E402
 import static_decoder  # noqa: E402
 import static_moe  # noqa: E402
@@ -97,11 +96,8 @@ def test_cuda_model_forward_multi_turn_equals_each_row_forward(case, monkeypatch
 def test_cuda_grouped_expert_matmuls_equal_the_model_block(case, dtype):
     """static_moe.MoE on CUDA (grouped_mm in bf16), with LoRA on the experts, against the block's own forward."""
     model, _ = build(case)
-    lora.add_lora(model, 8, 16, "experts.gate_up_proj,experts.down_proj")
+    architectures.adapt(model, 8, "experts.gate_up_proj,experts.down_proj")
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for a in lora.lora_modules(model).values():
-            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
     model = model.to("cuda", dtype)
     h = (torch.randn(2, 37, model.config.hidden_size, generator=g) * 2).to("cuda", dtype)
     blocks = [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]

@@ -271,11 +271,7 @@ def test_moe_block_equals_the_model_block(case, grouped, adapters):
     (the low-rank term for the chosen experts against the model's merged weight) and without."""
     model, _ = build(case)
     if adapters:
-        lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for a in lora.lora_modules(model).values():
-                a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+        architectures.adapt(model, 4, "experts.gate_up_proj,experts.down_proj")
     g = torch.Generator().manual_seed(2)
     h = torch.randn(2, 7, model.config.hidden_size, generator=g)
     for mlp in _moe_blocks(model):
@@ -296,11 +292,7 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
     (the adapters' B random, so that they change the model) the sampler's log-probs, over several turns, equal
     one forward of the adapted model over each row's trajectory; with the adapters off, the base model's."""
     model, tok = build("qwen3-moe")
-    lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for a in lora.lora_modules(model).values():
-            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+    architectures.adapt(model, 4, "experts.gate_up_proj,experts.down_proj")
     assert static_decoder.static_decode_supported(model)
     enc = prompts(tok)
     for adapted in (True, False):
@@ -366,11 +358,7 @@ def test_moe_in_bfloat16_with_lora_on_experts(case):
     bf16 rounding of the model's own forward, on average over the tokens (bf16 logits of order 10 round by a
     few hundredths), and the adapters' effect is ten times larger."""
     model, tok = build(case)
-    lora.add_lora(model, 4, 8, "experts.gate_up_proj,experts.down_proj")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for a in lora.lora_modules(model).values():
-            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.3)
+    architectures.adapt(model, 4, "experts.gate_up_proj,experts.down_proj", scale=0.3)
     model = model.to(torch.bfloat16)
     moe = [static_moe.MoE(mlp) for mlp in _moe_blocks(model)]
     assert all(m.grouped and not m.grouped_lora for m in moe)
