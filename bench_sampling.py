@@ -17,25 +17,34 @@ from bench_tools import free, letter_prompts, load, medians, timed
 # ----------------------------------------------------------------------------- decode: our sampler vs generate
 
 
+def decode_pair(model, enc, t, pad_id, knobs):
+    """(ours, generate): our sampler and `model.generate` on the same prompts and sampling settings `knobs`, each
+    row decoding all t new tokens: no EOS on either side (no stop checks in generate, no stop ids in ours).
+    ours(max_new, **kw) takes a shorter length and further `sampling.sample` keywords."""
+    def ours(max_new=t, **kw):
+        r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=[],
+                            pad_id=pad_id, **knobs, **kw)
+        assert bool(r.completion_mask.all()) and r.completion_ids.shape[1] == max_new
+        return r
+
+    def generate():
+        with torch.no_grad():
+            out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
+                                 max_new_tokens=t, eos_token_id=None, pad_token_id=pad_id, **knobs)
+        assert out.shape[1] == enc.input_ids.shape[1] + t
+        return out
+
+    return ours, generate
+
+
+
 def bench_decode(path, s, device):
     tokenizer = model_loading.load_tokenizer(path)
     model = load(path, s, device).eval()
     n, t = s["decode_batch"], s["decode_new_tokens"]
     enc = letter_prompts(tokenizer, n, s["decode_prompt_len"], device)
-    never = [model.config.vocab_size]  # an id no row can sample: every row decodes all t tokens, as generate does below
     knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
-
-    def ours(max_new=t, **kw):
-        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=never,
-                               pad_id=tokenizer.pad_token_id, **knobs, **kw)
-
-    def generate():
-        with torch.no_grad():
-            out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
-                                 max_new_tokens=t, min_new_tokens=t, pad_token_id=tokenizer.pad_token_id, **knobs)
-        assert out.shape[1] == enc.input_ids.shape[1] + t
-        return out
-
+    ours, generate = decode_pair(model, enc, t, tokenizer.pad_token_id, knobs)
     med = medians({"ours": ours, "generate": generate, "ours_hf_forward": lambda: ours(static_cache=False)}, s, device)
     out = {f"decode_{k}_tokens_per_s": n * t / v for k, v in med.items()}
     out["sampler_speedup_vs_generate"] = med["generate"] / med["ours"]
@@ -104,19 +113,7 @@ def bench_families(s, device):
             enc = letter_prompts(tok, n, s["fam_prompt_len"], device)
             path = "fast" if static_decoder.static_decode_supported(model) else "hf"
 
-            def ours():
-                r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
-                                    pad_id=tok.pad_token_id, **knobs)
-                assert bool(r.completion_mask.all()) and r.completion_ids.shape[1] == t
-                return r
-
-            def generate():
-                with torch.no_grad():
-                    o = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
-                                       max_new_tokens=t, eos_token_id=None, pad_token_id=tok.pad_token_id, **knobs)
-                assert o.shape[1] == enc.input_ids.shape[1] + t
-                return o
-
+            ours, generate = decode_pair(model, enc, t, tok.pad_token_id, knobs)
             med = medians({"ours": ours, "generate": generate}, s, device)
             out[name] = {"path": path, "params": sum(p.numel() for p in model.parameters()),
                          "layers": model.config.num_hidden_layers, "ours_tokens_per_s": n * t / med["ours"],
