@@ -23,8 +23,8 @@ cache slots. Families with either, or with sinks, a gated query or partial
 rotary, are written out in the sampler only: `training_forward_supported`
 leaves their training to the model's own forward.
 
-Of the project it imports kernels.py (the optional Triton decode attention), static_moe.py and
-static_recurrent.py.
+Of the project it imports kernels.py (the optional Triton decode attention), lora.py (what an adapted
+projection applies), static_moe.py and static_recurrent.py.
 """
 
 import dataclasses
