@@ -11,9 +11,9 @@ import os
 import typing
 from dataclasses import dataclass
 
-import cli
-import executor  # no heavy imports either: the sandbox's modes are a setting
-from cli import ConfigError, setting
+from runs import cli
+from sandbox import executor  # no heavy imports either: the sandbox's modes are a setting
+from runs.cli import ConfigError, setting
 
 
 def _env(name, default, **kw):  # a Config setting whose default an environment variable may set (wandb's usual ones)
@@ -150,14 +150,14 @@ class Config:
     generation_batch_size: int = setting(0, run=False, at_least=0)  # completions decoded at once on each process; 0 =
         # all of them. Fewer = a smaller KV cache (long completions); same seeds either way
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
-        # (kernels.py) instead of SDPA; tested against it, speed not yet measured
+        # (layers/kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
         # GPUs; on the families whose written-out training forward runs, LoRA or not: docs/architectures.md)
     routing_replay: bool = setting(False, run=True)  # MoE models: the training forwards route each token to the
-        # experts the sampler chose (gates from the live router; R3, routing.py); metric routing_replay_differ
+        # experts the sampler chose (gates from the live router; R3, layers/routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
-    # tools and environments: multi-turn rollouts (environments.py; docs/agents.md)
+    # tools and environments: multi-turn rollouts (environments/__init__.py; docs/agents.md)
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
     max_turns: int = setting(4, run=True, at_least=1)  # the policy's turns per completion when it has tools (calls

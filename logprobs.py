@@ -1,6 +1,6 @@
 """Token log-probs of completions, computed without the full logits, and the micro-batches they are taken in.
 
-`completion_logprobs` runs the training forward (written out where static_decoder.py can, else the model's own)
+`completion_logprobs` runs the training forward (written out where layers/static_decoder.py can, else the model's own)
 and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,
 chunk by chunk over the vocabulary with a hand-written backward, so the (tokens x vocabulary) logits never exist
 whole. The head applies what the model applies to its final logits (Head: a scale, a softcap).
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import routing as routing_replay
-import vision
-from static_decoder import hidden_states, training_forward_supported
+from layers import routing as routing_replay
+from layers import vision
+from layers.static_decoder import hidden_states, training_forward_supported
 
 # ----------------------------------------------------------------------------- positions
 
@@ -246,11 +246,11 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     completion is longest, all but its last token (`MicroBatch.width`).
     Completion tokens predicted from past `width` then get finite log-probs
     that mean nothing, for the caller to mask.
-    `routing` (N, S, layers, k): with routing replay (routing.py), the experts
+    `routing` (N, S, layers, k): with routing replay (layers/routing.py), the experts
     each token goes to in each MoE layer, moved with its row; the forward then
     routes as the sampler did.
     `images`: the rows' vision.PromptImages (a vision-language model's prompts with images): the language model
-    runs with their embeddings in place of the prompts' image tokens and their rotary positions (vision.py), as
+    runs with their embeddings in place of the prompts' image tokens and their rotary positions (layers/vision.py), as
     in the sampler's prefill.
     """
     t = num_completion_tokens

@@ -6,7 +6,7 @@ live: one explicit device per process, never `device_map="auto"`.
 
 Also here: the tiny byte-level model the default run and the tests use, the
 reference model (built from the policy, never re-read from disk), reward
-models, and export of the trained policy to a Hugging Face folder (LoRA adapters: lora.py).
+models, and export of the trained policy to a Hugging Face folder (LoRA adapters: layers/lora.py).
 """
 
 import os
@@ -16,8 +16,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
 
-import disk
-import lora
+from runs import disk
+from layers import lora
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]

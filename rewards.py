@@ -14,7 +14,8 @@ Here: what every task shares. Scoring (score_completions), the general-purpose
 rewards (length, format, DAPO's overlong punishment), the final number of a
 math answer (extract_final_number), reward-model scoring, and loading your own
 functions (--reward_funcs). Each task's own reward functions are in its file in
-tasks/; `rewards.<name>` still finds them.
+tasks/, which imports this module; this module imports no task (a spec written
+as `rewards:NAME` for a task's function is found by tasks.load_reward_funcs).
 """
 
 import importlib.util
@@ -403,9 +404,10 @@ def _load_module(where):
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
             raise ValueError(f"no such file {path}")
-        loaded = _LOADED.get(path) or sys.modules.get(os.path.basename(path)[:-3])
-        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
-            return loaded  # a file already loaded or imported (executor.py): the same module, run once
+        loaded = _LOADED.get(path) or next((m for m in list(sys.modules.values())
+                                            if os.path.abspath(getattr(m, "__file__", None) or "") == path), None)
+        if loaded is not None:
+            return loaded  # a file already loaded or imported (sandbox/executor.py): the same module, run once
         spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -449,18 +451,3 @@ def load_reward_funcs(spec):
     if not funcs:
         raise ValueError(f"{spec!r} names no function")
     return funcs
-
-
-# ----------------------------------------------------------------------------- the tasks' reward functions
-
-
-def __getattr__(name):
-    """A task's own reward function (or constant) by name, from its file in tasks/: `rewards.next_letter_reward`
-    and the spec `rewards:gsm8k_correctness_reward` keep working now that each task holds its own."""
-    if not name.startswith("_"):
-        import tasks
-        for task in tasks.TASKS:
-            found = getattr(tasks.module(task), name, None)
-            if found is not None:
-                return found
-    raise AttributeError(f"module 'rewards' has no attribute {name!r}")

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 import environments
 import logprobs
-import responses
+from environments import responses
 import rewards
-import routing
+from layers import routing
 import sharding
-import hf_decoder
-import vision
-from static_decoder import StaticDecoder, static_decode_supported
+from layers import hf_decoder
+from layers import vision
+from layers.static_decoder import StaticDecoder, static_decode_supported
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
@@ -51,7 +51,7 @@ class Rollout:
     truncated: torch.Tensor        # (N,) True when the length limit cut the trajectory before it ended
     logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied), 0 elsewhere
     turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
-    # with routing replay (routing.py), the experts each token was routed to when it was fed, int16, -1 where
+    # with routing replay (layers/routing.py), the experts each token was routed to when it was fed, int16, -1 where
     # none was recorded: the completion's (N, T, layers, k) and the left-padded prompt's (N, P, layers, k)
     routing: torch.Tensor = field(default=None, metadata={"pad": -1})
     prompt_routing: torch.Tensor = field(default=None, metadata={"pad": -1, "side": "left"})
@@ -247,7 +247,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     The loop's steps and checks happen at the same iterations on every rank
     whatever its rows do; pauses and answers make no collective call.
 
-    static_cache: for the families static_decoder.py writes out, run the steps
+    static_cache: for the families layers/static_decoder.py writes out, run the steps
     on `StaticDecoder` (a preallocated cache, no per-token framework overhead);
     other models, or static_cache=False, on the model's own forward
     (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the
@@ -256,8 +256,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     cache and graphs on the model for the next call (no re-copy or
     re-capture), at the price of that memory between calls. attention_kernel:
     on CUDA, StaticDecoder's decode attention runs as the split-KV Triton
-    kernel of kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's
-    experts in every MoE layer (routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
+    kernel of layers/kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's
+    experts in every MoE layer (layers/routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
     forward, which routes through its routers). images: the rows' vision.PromptImages (a vision-language
     model's image prompts), on the model's own forward: their embeddings and rotary positions enter the prefill.
     """
@@ -374,7 +374,7 @@ class _HFSteps:
 
 def _image_prefill(model, ids, attn, images):
     """What HFDecoder's prefill needs of prompts with images: the language model run with their embeddings, the
-    prompt's rotary positions and each row's delta (vision.py); None when no row has an image."""
+    prompt's rotary positions and each row's delta (layers/vision.py); None when no row has an image."""
     if not any(g.shape[0] for g in images.grid):
         return None
     real = attn.bool()
@@ -708,7 +708,7 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
 
 def path_of(model):
     """Which way the sampler and the training forward run this model, in a few words (the banner's)."""
-    from static_decoder import training_forward_supported
+    from layers.static_decoder import training_forward_supported
 
     sampler = "written-out layers" if static_decode_supported(model) else "the model's own forward"
     trainer = "written-out layers" if training_forward_supported(model) else "the model's own forward"

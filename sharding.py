@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import disk
+from runs import disk
 
 # ----------------------------------------------------------------------------- setup
 

@@ -2,7 +2,7 @@
 
 One concern in one file (past 650 lines on purpose): the algorithm, read top to bottom in the order it
 runs: the step's rollout, scoring, advantages and update, then the loop around it. What a run is built from
-(models, task, tools, optimizer) is run_setup.py.
+(models, task, tools, optimizer) is runs/setup.py.
 
     python train.py                                   # the tiny offline default, on CPU, a few minutes
     python train.py --help                            # every setting, its type, default and meaning
@@ -21,8 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
-import executor  # no heavy imports either: its settings are checked with the others
+from runs import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
+from sandbox import executor  # no heavy imports either: its settings are checked with the others
 from config import OTHER_NAMES, RECIPES, RUN_KEYS, Config, ConfigError, validate  # the settings (config.py)
 
 
@@ -66,15 +66,15 @@ if __name__ == "__main__":
 try:
     import torch
 
-    import disk
+    from runs import disk
     import grpo
     import logprobs
     import model_loading
-    import lora
+    from layers import lora
     import rewards
-    import routing
-    import run_log
-    from run_setup import setup  # the models, task, tools and optimizer of a run
+    from layers import routing
+    from runs import log as run_log
+    from runs.setup import setup  # the models, task, tools and optimizer of a run
     import sampling
     import sharding
 except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer's traceback

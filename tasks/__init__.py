@@ -11,6 +11,9 @@ are held back for evaluation. Prompts for a step are a pure function of (seed, s
 same ones. A task module may also name its default reward model (REWARD_MODEL) and the tiny model it runs on with
 --model=tiny (TINY_MODEL: write_tiny_model's keywords; or a write_tiny_model(path) of its own). What every task
 shares (scoring, answer extraction, the reward model) is in rewards.py. docs/tasks.md shows a task written out.
+
+Imports: a task imports rewards.py, this file and what it needs (sandbox/ for the code task); rewards.py imports
+no task.
 """
 
 import importlib
@@ -37,6 +40,21 @@ TASKS = task_names()
 def module(name):
     """The module of task `name` (imported on first use)."""
     return importlib.import_module(f"tasks.{name}")
+
+
+def load_reward_funcs(spec):
+    """`rewards.load_reward_funcs(spec)`, where `rewards:NAME` also finds a task's own reward function (written
+    before each task held its own, as `tasks.gsm8k:gsm8k_correctness_reward` is now)."""
+    return rewards.load_reward_funcs(",".join(_in_task(item.strip()) for item in spec.split(",")))
+
+
+def _in_task(item):
+    where, _, name = item.rpartition(":")
+    if where == "rewards" and name and not hasattr(rewards, name):
+        for task in TASKS:
+            if hasattr(module(task), name):
+                return f"tasks.{task}:{name}"
+    return item
 
 
 def default_reward_model(name):
@@ -106,7 +124,7 @@ def _required_fields(fn):
         return []
     given = ("prompts", "completions", "messages", "environments",  # these two: with tools or an environment
              "completion_ids", "step", "max_completion_length", "soft_punish_cache",  # from the trainer
-             "completion_messages", "completion_content", "reasoning_content", "tool_calls")  # responses.py
+             "completion_messages", "completion_content", "reasoning_content", "tool_calls")  # environments/responses.py
     return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 

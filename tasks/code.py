@@ -1,4 +1,4 @@
-"""Code: problems with unit tests; a completion's code runs in the sandbox (executor.py), scored by the fraction of
+"""Code: problems with unit tests; a completion's code runs in the sandbox (sandbox/executor.py), scored by the fraction of
 tests it passes.
 
 Rows from tests/data/code_tiny.jsonl (a dozen MBPP-style problems) or --dataset in MBPP's or HumanEval's columns.
@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-import executor
+from sandbox import executor
 from tasks import Task
 
 
@@ -80,12 +80,12 @@ def code_prompt_text(problem, tests):
 
 
 #
-# The completion's code runs in executor.py's sandbox beside code_harness.py, which judges each test from a process
+# The completion's code runs in sandbox/executor.py's sandbox beside sandbox/code_harness.py, which judges each test from a process
 # the program cannot reach and prints its verdicts after a nonce the program never sees (its docstring says how).
 # A program that exits early, prints "passed", rebinds builtins or returns an always-equal object passes nothing.
 
 CODE_TEST_TIMEOUT = 1.0  # seconds for each test, and for loading the program
-CODE_HARNESS = os.path.join(ROOT, "code_harness.py")
+CODE_HARNESS = os.path.join(ROOT, "sandbox/code_harness.py")
 _PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n", re.IGNORECASE)
 
 

@@ -62,7 +62,7 @@ def randomise(model, seed=1, scale=0.2):
 def adapt(model, rank, targets, scale=0.1, seed=1):
     """LoRA of `rank` (alpha 2 * rank) on `targets`, each adapter's B drawn at random (`scale`) instead of zero, so
     that the adapters change the model; returns the model."""
-    import lora
+    from layers import lora
     lora.add_lora(model, rank, 2 * rank, targets)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

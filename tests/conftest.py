@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import executor  # noqa: E402
+from sandbox import executor  # noqa: E402
 import model_loading  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def traced_layers(monkeypatch):
     """static_decoder's compiled layer through torch.compile with a backend that records each graph it is
     given and runs it as traced (no code generation: fast, and exact): a test then sees that the layer
     traces whole (fullgraph), how many graphs it took, and that it computes what the eager layer does."""
-    import static_decoder
+    from layers import static_decoder
     graphs = []
 
     def backend(gm, example_inputs):

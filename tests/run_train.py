@@ -23,7 +23,7 @@ import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 import train  # noqa: E402
 
 LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import architectures  # noqa: E402
 import sampling  # noqa: E402
 import sharding  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 
 d = sharding.setup("cpu")
 for family in sys.argv[1:]:

@@ -19,12 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
-import hf_decoder  # noqa: E402
+from layers import hf_decoder  # noqa: E402
 import sampling  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
-# the families the written-out layers (static_decoder.py) serve in the sampler; the others run the model's own
+# the families the written-out layers (layers/static_decoder.py) serve in the sampler; the others run the model's own
 # forward. MoE and hybrid families train on the model's own forward (its experts and recurrent kernels, routing
 # replay's routers)
 FAST = {"llama", "qwen2", "mistral", "mistral_window", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3", "qwen3_moe",

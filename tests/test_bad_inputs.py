@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model_loading  # noqa: E402
 
-import lora  # noqa: E402
+from layers import lora  # noqa: E402
 import rewards  # noqa: E402
 import tasks  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Conversations as chat models write them: options for the chat template (`--chat_template_kwargs`, e.g.
 Qwen3's enable_thinking), a completion read into its parts (content, reasoning, tool calls) for reward
 functions, and tool calls in each family's own format (Qwen3, Qwen3.5, gpt-oss, Llama 3.x, Gemma 4) read by the
-tokenizer's response template (responses.py), run, and answered as the family's template writes a result.
+tokenizer's response template (environments/responses.py), run, and answered as the family's template writes a result.
 
 Each family's chat template is written out below in the published template's format (compact: only what a
 tool conversation uses), on the byte-level tiny tokenizer with the family's markers as tokens."""
@@ -15,8 +15,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import environments  # noqa: E402
 import model_loading  # noqa: E402
-import responses  # noqa: E402
+from environments import responses  # noqa: E402
 import rewards  # noqa: E402
+import tasks.gsm8k  # noqa: E402
 import sampling  # noqa: E402
 import tasks  # noqa: E402
 from tasks import vault  # noqa: E402
@@ -332,8 +333,8 @@ def test_rewards_see_content_and_reasoning_apart():
                                                 "content": "I am not sure."}]
     completions = [tok.decode(i, skip_special_tokens=True) for i in ids]
     gold = ["42"] * 3
-    assert rewards.gsm8k_correctness_reward(None, completions, gold) == [1.0, 1.0, 1.0]  # the raw text: fooled
-    assert rewards.gsm8k_correctness_reward(None, completions, gold, parts["completion_content"]) == [0.0, 1.0, 1.0]
+    assert tasks.gsm8k.gsm8k_correctness_reward(None, completions, gold) == [1.0, 1.0, 1.0]  # the raw text: fooled
+    assert tasks.gsm8k.gsm8k_correctness_reward(None, completions, gold, parts["completion_content"]) == [0.0, 1.0, 1.0]
     plain = model_loading.build_byte_tokenizer()  # no chat template: no family, the text is the content
     assert responses.set_response_template(plain) is None
     parts = responses.reward_parts(plain, ["q"] * 2, [encode(plain, "<think>a</think>b"), encode(plain, "c")])

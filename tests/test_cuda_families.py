@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import sampling  # noqa: E402
-import static_decoder  # noqa: E402
-import static_moe  # noqa: E402
+from layers import static_decoder  # noqa: E402
+from layers import static_moe  # noqa: E402
 from test_fast_paths import assert_same_rollout, prompts, run  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
 from test_static_families import CASES, build, per_row_logprobs  # noqa: E402

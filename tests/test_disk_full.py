@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-import disk
-import run_log
+from runs import disk
+from runs import log as run_log
 import sharding
 import train
 

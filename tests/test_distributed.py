@@ -333,7 +333,8 @@ sys.path.insert(0, sys.argv[1])
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
-import model_loading, sharding, static_decoder
+import model_loading, sharding
+from layers import static_decoder
 dist.init_process_group("gloo")
 for nested in (False, True):
     lm = AutoModelForCausalLM.from_config(model_loading.tiny_config(model_loading.build_byte_tokenizer()))

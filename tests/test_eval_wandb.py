@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
-import run_log  # noqa: E402
+from runs import log as run_log  # noqa: E402
 import sampling  # noqa: E402
 import tasks  # noqa: E402
 import sharding  # noqa: E402
@@ -128,7 +128,7 @@ def test_wandb_offline_logs_namespaced_metrics_eval_and_completions_table(tmp_pa
                 "--max_prompt_length=48", "--max_steps=2", "--eval_every=2", "--eval_prompts=2",
                 "--completions_table_every=1", "--print_completions_every=0"])
     # wandb suggests another product of theirs (Weave) when a module named like an agent library is loaded: none of
-    # ours is (the tools and environments live in environments.py)
+    # ours is (the tools and environments live in environments/__init__.py)
     said = capfd.readouterr()
     assert "weave" not in (said.out + said.err).lower()
     metrics = [(s, d) for s, d in logged if "completions" not in d]

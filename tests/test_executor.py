@@ -1,5 +1,5 @@
-"""The sandbox for model-written code (executor.py), the unit-test reward and its judge (rewards.py,
-code_harness.py), the code task and the python tool.
+"""The sandbox for model-written code (sandbox/executor.py), the unit-test reward and its judge (rewards.py,
+sandbox/code_harness.py), the code task and the python tool.
 
 Hostile programs run through the real sandbox and each one's containment is checked from outside: this process
 survives, nothing outside the sandbox changes, no secret is printed, the run ends within its timeout + 1 s and no
@@ -21,8 +21,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import executor  # noqa: E402
+from sandbox import executor  # noqa: E402
 import rewards  # noqa: E402
+import tasks.code  # noqa: E402
 import tasks  # noqa: E402
 from tasks import code as code_task  # noqa: E402
 import train  # noqa: E402
@@ -366,7 +367,7 @@ def test_python_tool(strict):
     assert "ZeroDivisionError" in executor.python("1 / 0") and "[exit code 1]" in executor.python("1 / 0")
     long = executor.python("print('a' * 10_000)")
     assert len(long) < executor.TOOL_MAX_CHARS + 100 and "characters cut" in long
-    assert rewards.load_reward_funcs("executor.py:python")[0] is executor.python  # the same module, not a copy
+    assert rewards.load_reward_funcs("sandbox/executor.py:python")[0] is executor.python  # the same module, not a copy
 
 
 # ----------------------------------------------------------------------------- the unit-test reward
@@ -421,7 +422,7 @@ def test_forged_successes_score_zero_honest_code_scores_its_fraction(strict):
     programs = {"honest": "```python\ndef add(a, b):\n    return a + b\n```",
                 "partly right": "Here:\n```python\ndef add(a, b):\n    return a + b if a > 0 else 99\n```",
                 **{name: f"```python\n{code}```" for name, code in FORGERIES.items()}}
-    scores = dict(zip(programs, rewards.code_tests_reward(None, list(programs.values()), [ADD_TESTS] * len(programs))))
+    scores = dict(zip(programs, tasks.code.code_tests_reward(None, list(programs.values()), [ADD_TESTS] * len(programs))))
     assert scores.pop("honest") == 1.0
     assert scores.pop("partly right") == pytest.approx(2 / 3)
     assert scores == {name: 0.0 for name in FORGERIES}
@@ -436,19 +437,19 @@ def test_judge_compares_plain_data_of_its_own():
     cheat = ("class E:\n    def __eq__(self, o):\n        return True\n    __hash__ = object.__hash__\n"
              "def set(*a):\n    return E()\nclass math:\n    isclose = staticmethod(lambda *a, **k: True)\n"
              "def pair(a, b):\n    return [b, a, 0]\ndef half(x):\n    return 7\ndef gen(n):\n    return E()\n")
-    assert rewards.code_tests_reward(None, [honest, cheat], [tests, tests]) == [1.0, 0.0]
+    assert tasks.code.code_tests_reward(None, [honest, cheat], [tests, tests]) == [1.0, 0.0]
 
 
 def test_a_test_that_hangs_costs_only_itself(strict):
     hangs_once = "def add(a, b):\n    while a == 1:\n        pass\n    return a + b\n"
-    assert rewards.code_tests_reward(None, [hangs_once], [ADD_TESTS]) == [pytest.approx(2 / 3)]
+    assert tasks.code.code_tests_reward(None, [hangs_once], [ADD_TESTS]) == [pytest.approx(2 / 3)]
 
 
 def test_stdin_stdout_tests():
     tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10"}]
     programs = ["a, b = map(int, input().split())\nprint(a + b)", "print(3)",
                 "import sys\nprint(3)\nsys.exit(0)", "while True:\n    pass"]
-    assert rewards.code_tests_reward(None, programs, [tests] * 4) == [1.0, 0.5, 0.5, 0.0]
+    assert tasks.code.code_tests_reward(None, programs, [tests] * 4) == [1.0, 0.5, 0.5, 0.0]
 
 
 def test_only_the_judges_line_counts():
@@ -459,10 +460,10 @@ def test_only_the_judges_line_counts():
 
 
 def test_extract_code():
-    assert rewards.extract_code("text\n```python\na = 1\n```\nmore\n```py\nb = 2\n```\nend") == "b = 2\n"
-    assert rewards.extract_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
-    assert rewards.extract_code("def f(): pass") == "def f(): pass"
-    assert rewards.extract_code("```\nplain fence\n```") == "```\nplain fence\n```"
+    assert tasks.code.extract_code("text\n```python\na = 1\n```\nmore\n```py\nb = 2\n```\nend") == "b = 2\n"
+    assert tasks.code.extract_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
+    assert tasks.code.extract_code("def f(): pass") == "def f(): pass"
+    assert tasks.code.extract_code("```\nplain fence\n```") == "```\nplain fence\n```"
 
 
 # ----------------------------------------------------------------------------- the code task
@@ -499,7 +500,7 @@ def test_code_task_end_to_end(strict, tmp_path):
 def test_spare_launcher_ends_with_its_trainer(strict):
     """run() keeps one launcher started ahead for the next program; it ends when the process that started it does."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (f"import sys; sys.path.insert(0, {root!r}); import executor\n"
+    code = (f"import sys; sys.path.insert(0, {root!r}); from sandbox import executor\n"
             "assert executor.run('print(1)').stdout == '1\\n'\nprint(executor._spares[0][0].pid)")
     spare = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     for _ in range(50):
@@ -514,7 +515,7 @@ def test_refuses_a_user_that_is_root_outside_its_namespace():
     """Non-root inside a user namespace that maps it onto the host's root (a container's setup): the kernel would not
     count the program's processes against RLIMIT_NPROC, so strict refuses instead of running without a limit."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (f"import sys; sys.path.insert(0, {root!r}); import executor\n"
+    code = (f"import sys; sys.path.insert(0, {root!r}); from sandbox import executor\n"
             "try:\n    executor.check('strict')\nexcept executor.ExecutorUnavailable as e:\n    print(e)")
     out = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=60).stdout

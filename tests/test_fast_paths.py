@@ -21,7 +21,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -373,7 +373,7 @@ def test_cuda_decode_attention_kernel_samples_like_sdpa(arch):
     """The split-KV Triton kernel in the decoder, eager and in graphs (with compaction), against SDPA; the
     llama model's 4 query heads share one KV head."""
     pytest.importorskip("triton")
-    import kernels
+    from layers import kernels
     model, tok = tiny_model(arch)
     model = model.to("cuda")
     dec_shape = model.config.hidden_size // model.config.num_attention_heads

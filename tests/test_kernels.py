@@ -1,4 +1,4 @@
-"""decode_attention (kernels.py) against the plain math and against SDPA.
+"""decode_attention (layers/kernels.py) against the plain math and against SDPA.
 
 Three ways in: the Triton kernel under the interpreter on CPU tensors (when triton is installed),
 the kernel on CUDA (when there is a GPU), and the PyTorch reference that is the CPU fallback
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from layers import kernels
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # atol = rtol, per input dtype
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

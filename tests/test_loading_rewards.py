@@ -6,6 +6,7 @@ from transformers import PreTrainedTokenizerFast
 
 import model_loading
 import rewards
+import tasks.next_letter
 import tasks
 from tasks import next_letter
 
@@ -139,7 +140,7 @@ def test_builtin_rewards():
     assert rewards.length_reward(None, ["x" * 20, "x" * 10, "x" * 40]) == [0.0, -0.5, -1.0]
     good = "<think>because</think>\n<answer>4</answer>"
     assert rewards.format_reward(None, [good, "4", good + " extra", "<think><answer>4</answer>"]) == [1.0, 0, 0, 0]
-    assert rewards.next_letter_reward(None, ["bbbb", "bxbx", "", "Bbb"], answer=["b", "b", "b", "b"]) == [1, .5, 0, .5]
+    assert tasks.next_letter.next_letter_reward(None, ["bbbb", "bxbx", "", "Bbb"], answer=["b", "b", "b", "b"]) == [1, .5, 0, .5]
     task = tasks.get_task("next_letter")
     rows = task.make_prompts(__import__("random").Random(0), 50)
     for r in rows:  # the answer is the letter after the prompt's letter, so it depends on the prompt

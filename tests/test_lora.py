@@ -15,8 +15,8 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
-import run_setup  # noqa: E402
-import lora  # noqa: E402
+from runs import setup as run_setup  # noqa: E402
+from layers import lora  # noqa: E402
 import train  # noqa: E402
 from conftest import finished  # noqa: E402
 
@@ -195,7 +195,8 @@ def test_fixed_reference_matches_a_separate_copy(tmp_path):
 FSDP_WORKER = r'''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import grpo, logprobs, lora, model_loading
+import grpo, logprobs, model_loading
+from layers import lora
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 dist.init_process_group("gloo")

@@ -16,7 +16,7 @@ import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import model_loading  # noqa: E402
-import lora  # noqa: E402
+from layers import lora  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "gpt_oss", "qwen3_5"]
 # how each family stores a fused expert weight, read off its experts' forward: qwen3_moe F.linear(x, W[e]) on
@@ -217,7 +217,7 @@ def test_adapted_models_sample_on_the_fast_decoder(family):
     reads each adapted weight with its delta merged in: over several turns, its log-probs equal one forward of the
     adapted model over each row's trajectory; with the adapters off, the base model's. The training forward is the
     written-out one where the family has it (test_adapted_dense_models_train_on_the_written_out_layers)."""
-    import static_decoder
+    from layers import static_decoder
     from test_fast_paths import prompts
     from test_multiturn import multi_turn
     from test_static_families import per_row_logprobs
@@ -244,7 +244,7 @@ def test_adapted_dense_models_train_on_the_written_out_layers(family):
     """The written-out training forward with adapters (each adapted projection's low-rank term added apart, as
     LoRALinear adds it): log-probs and every adapter's gradient equal the model's own forward's; with the adapters
     off (the reference's forward), the base model's log-probs."""
-    import static_decoder
+    from layers import static_decoder
     from test_fast_paths import prompts, with_completions
     from test_training_forward import hf_and_fast_logprobs
     model, tok = architectures.tiny(family)

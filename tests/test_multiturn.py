@@ -1,5 +1,5 @@
 """Multi-turn rollouts: rows that pause, take an environment's answer into their KV cache, and resume; the loss
-over the policy's tokens only; tools and environments (environments.py) as TRL defines them."""
+over the policy's tokens only; tools and environments (environments/__init__.py) as TRL defines them."""
 
 import copy
 import json
@@ -17,7 +17,7 @@ import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import sampling  # noqa: E402
 import sharding  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 import tasks  # noqa: E402
 from tasks import vault  # noqa: E402
 import train  # noqa: E402
@@ -348,10 +348,10 @@ def test_answer_text_with_a_chatml_tool_role():
 
 
 def test_python_tool_runs_in_the_sandbox_through_the_agent():
-    """--tools=executor.py:python: the model's code runs in the sandbox and its output comes back as the result;
+    """--tools=sandbox/executor.py:python: the model's code runs in the sandbox and its output comes back as the result;
     code that fails comes back as its error, as text, and the rollout goes on."""
     tok = tool_tokenizer()
-    agent = environments.Agent(tok, [tok.eos_token_id], environments.load_tools("executor.py:python"), max_turns=3)
+    agent = environments.Agent(tok, [tok.eos_token_id], environments.load_tools("sandbox/executor.py:python"), max_turns=3)
     _, eps = agent.start([{"prompt_text": "6*7?"}, {"prompt_text": "1/0?"}])
     enc = lambda code: tok('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}}) +  # noqa
                            '</tool_call>', add_special_tokens=False).input_ids

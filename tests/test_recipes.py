@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cli  # noqa: E402
+from runs import cli  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 

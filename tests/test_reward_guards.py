@@ -9,11 +9,12 @@ import torch
 
 import grpo
 import rewards
+import tasks.gsm8k
 from test_objective import naive_advantages
 
 
 def correctness(gold, completion):
-    return rewards.gsm8k_correctness_reward(None, [completion], answer=[gold])[0]
+    return tasks.gsm8k.gsm8k_correctness_reward(None, [completion], answer=[gold])[0]
 
 
 # ----------------------------------------------------------------------------- answer extraction
@@ -53,7 +54,7 @@ def test_answer_marker_after_characters_that_lowercase_longer(k):
 ])
 def test_unreadable_boxed_answer_does_not_fall_back(completion, gold):
     assert correctness(gold, completion) == 0.0
-    assert rewards.gsm8k_format_reward(None, [completion]) == [0.0]
+    assert tasks.gsm8k.gsm8k_format_reward(None, [completion]) == [0.0]
 
 
 @pytest.mark.parametrize("completion, gold", [
@@ -98,7 +99,7 @@ def test_ordinary_correct_completions_still_score_one():
         ("3/4", r"\boxed{\frac{3}{4}}"),
         ("5", "the ANSWER IS: 5.00"),
     ]
-    assert rewards.gsm8k_correctness_reward(None, [c for _, c in cases], answer=[g for g, _ in cases]) == [1.0] * 10
+    assert tasks.gsm8k.gsm8k_correctness_reward(None, [c for _, c in cases], answer=[g for g, _ in cases]) == [1.0] * 10
 
 
 def test_new_hostile_inputs_stay_bounded():
@@ -108,7 +109,7 @@ def test_new_hostile_inputs_stay_bounded():
     signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("a reward hangs")))
     signal.alarm(60)  # a hang guard: a catastrophic regex would never return
     try:
-        for fn in (rewards.gsm8k_correctness_reward, rewards.gsm8k_format_reward, rewards.format_reward):
+        for fn in (tasks.gsm8k.gsm8k_correctness_reward, tasks.gsm8k.gsm8k_format_reward, rewards.format_reward):
             assert fn(None, hostile, answer=["2"] * len(hostile)) == [0.0] * len(hostile)
     finally:
         signal.alarm(0)

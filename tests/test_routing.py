@@ -1,4 +1,4 @@
-"""Routing replay (routing.py): the training forward sends each token to the experts the sampler chose."""
+"""Routing replay (layers/routing.py): the training forward sends each token to the experts the sampler chose."""
 
 import os
 import sys
@@ -12,9 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
-import routing  # noqa: E402
+from layers import routing  # noqa: E402
 import sampling  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import static_decoder  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
 TEXT = ["a>", "hello world>", "xyz", "b>" * 7]
@@ -96,9 +96,9 @@ def test_training_forward_routes_as_the_sampler_did(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_written_out_sampler_records_what_the_model_forward_records(family):
-    """MoE families sample on the written-out layers (static_decoder.py, static_moe.py): over several turns
+    """MoE families sample on the written-out layers (layers/static_decoder.py, layers/static_moe.py): over several turns
     (pauses, forgotten tokens, answers of different lengths) the sampler records, token by token, the experts the
-    model's own forward (hf_decoder.py, through the routers' top-k) records for the same rollout, and -1 at the
+    model's own forward (layers/hf_decoder.py, through the routers' top-k) records for the same rollout, and -1 at the
     same places."""
     model, tok = architectures.tiny(family)
     assert static_decoder.static_decode_supported(model)

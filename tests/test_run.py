@@ -11,10 +11,10 @@ import typing
 import pytest
 import torch
 
-import cli
+from runs import cli
 import grpo
 import rewards
-import run_log
+from runs import log as run_log
 import sharding
 import train
 

@@ -1,4 +1,4 @@
-"""A program's budget as a whole (executor.py with sandbox_cgroups.py): memory, CPU time and processes for all its
+"""A program's budget as a whole (sandbox/executor.py with sandbox/cgroups.py): memory, CPU time and processes for all its
 processes together, checked from outside by reading /proc while it runs; the pool sized by the memory budget of all
 running programs; the trainer's OOM score left alone and the programs' raised; where no group can be made, per-process
 limits and a one-line notice.
@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import executor  # noqa: E402
-import sandbox_cgroups  # noqa: E402
+from sandbox import executor  # noqa: E402
+from sandbox import cgroups  # noqa: E402
 
 MiB = 1 << 20
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -163,14 +163,14 @@ def test_run_many_of_memory_hungry_programs_leaves_the_caller_alive_in_order(gro
     monkeypatch.setattr(executor, "_execute", counting)
     n, budget = 6, 256 * MiB
     programs = [HUNGRY.format(index=i, children=8, each=300 * 10 ** 6) for i in range(n)]
-    monkeypatch.setattr(sandbox_cgroups, "available_memory", lambda: int(1.5 * budget / executor.MEMORY_SHARE))
+    monkeypatch.setattr(cgroups, "available_memory", lambda: int(1.5 * budget / executor.MEMORY_SHARE))
     results = executor.run_many(programs, timeout=60, total_memory=budget)
     assert peak[0] == 1  # 1.5 budgets of room: one program at a time
     assert [r.stdout.split("\n")[0] for r in results] == [str(i) for i in range(n)]
     # each killed whole at its budget, and said so, whatever the order of the kernel's kill and the program's end
     assert [(r.exit_code, r.exceeded, r.timed_out) for r in results] == [(-9, "memory", False)] * n, results
     peak[0] = 0
-    monkeypatch.setattr(sandbox_cgroups, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(cgroups, "available_memory", lambda: 1 << 40)
     results = executor.run_many(programs[:4], timeout=60, total_memory=budget)
     assert peak[0] == min(4, len(os.sched_getaffinity(0)))
     assert [r.stdout.split("\n")[0] for r in results] == [str(i) for i in range(4)]
@@ -184,7 +184,7 @@ def test_a_program_that_ends_itself_after_the_kernels_kill_is_still_killed_whole
     trainer kill at once, the result is the same, killed whole at its memory budget, long before that next look."""
     monkeypatch.setattr(executor, "WATCH_EVERY", 30.0)
     if not alarm:
-        monkeypatch.setattr(sandbox_cgroups.Group, "oom_alarm", lambda self: None)
+        monkeypatch.setattr(cgroups.Group, "oom_alarm", lambda self: None)
     elif groups.version != 1:
         pytest.skip("the OOM notice is cgroup v1's (v2 kills the whole group itself: memory.oom.group)")
     r = executor.run(HUNGRY.format(index=0, children=8, each=300 * 10 ** 6), timeout=25, total_memory=256 * MiB)
@@ -270,7 +270,7 @@ def test_the_programs_are_the_oom_killers_first_choice(strict):
 
 def test_without_a_group_programs_keep_per_process_limits_and_it_is_said_once(strict, monkeypatch, capsys):
     monkeypatch.setattr(executor, "_groups_found", None)
-    monkeypatch.setattr(sandbox_cgroups, "find", lambda: "no memory controller is mounted (simulated)")
+    monkeypatch.setattr(cgroups, "find", lambda: "no memory controller is mounted (simulated)")
     r = executor.run("print(sum(range(10)))")
     assert r.stdout == "45\n" and r.exceeded is None
     r = executor.run("import os\nif os.fork() == 0:\n    bytearray(1 << 30)\nos.wait()\n", memory=256 * MiB)
@@ -292,9 +292,9 @@ def test_group_discovery_reads_v1_and_v2_layouts(tmp_path, monkeypatch):
         "32 25 0:28 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n")
     cgroup = tmp_path / "cgroup"
     cgroup.write_text("4:memory:/docker/abc/job\n3:cpu,cpuacct:/job\n0::/user.slice/app.scope\n")
-    v1, v2 = sandbox_cgroups._mounts(str(mountinfo))
-    own = sandbox_cgroups._own(str(cgroup))
-    assert sandbox_cgroups._folder(v1["memory"], own["memory"]) == "/sys/fs/cgroup/memory/job"
-    assert sandbox_cgroups._folder(v1["cpuacct"], own["cpuacct"]) == "/sys/fs/cgroup/cpu,cpuacct/job"
-    assert sandbox_cgroups._folder(v2, own[""]) == "/sys/fs/cgroup/unified/user.slice/app.scope"
+    v1, v2 = cgroups._mounts(str(mountinfo))
+    own = cgroups._own(str(cgroup))
+    assert cgroups._folder(v1["memory"], own["memory"]) == "/sys/fs/cgroup/memory/job"
+    assert cgroups._folder(v1["cpuacct"], own["cpuacct"]) == "/sys/fs/cgroup/cpu,cpuacct/job"
+    assert cgroups._folder(v2, own[""]) == "/sys/fs/cgroup/unified/user.slice/app.scope"
     assert "pids" not in v1

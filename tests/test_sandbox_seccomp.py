@@ -1,4 +1,4 @@
-"""The system-call filter (sandbox_seccomp.py): its BPF program run, for both architectures, by a small interpreter
+"""The system-call filter (sandbox/seccomp.py): its BPF program run, for both architectures, by a small interpreter
 written here against the kernel's own syscall tables (the installed headers), and the calls tried from inside the
 sandbox, with the filter and, as the reference that shows the filter is what stops them, without it.
 """
@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import executor  # noqa: E402
-import sandbox_seccomp  # noqa: E402
+from sandbox import executor  # noqa: E402
+from sandbox import seccomp  # noqa: E402
 
 HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": "/usr/include/asm-generic/unistd.h"}
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7, "i386": 0x40000003}
@@ -60,7 +60,7 @@ def _run_bpf(program, arch, nr, args=()):
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
 def test_filter_decisions_against_the_kernels_tables(arch):
     table = _table(arch)
-    program = sandbox_seccomp.build(arch)
+    program = seccomp.build(arch)
     for name in MUST_DENY:
         if name in table:  # a table without a call (kexec_file_load on older headers) cannot be asked about it
             assert _run_bpf(program, arch, table[name]) == EPERM, name

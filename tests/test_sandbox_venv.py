@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-SELECTED = "hostile or python_tool or limits_output or forged"  # forged: the code task's judge, code_harness.py
+SELECTED = "hostile or python_tool or limits_output or forged"  # forged: the code task's judge, sandbox/code_harness.py
 
 
 def test_executor_tests_pass_with_python_in_a_venv_under_tmp(strict):

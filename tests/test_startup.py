@@ -11,10 +11,10 @@ import typing
 import pytest
 import torch
 
-import cli
+from runs import cli
 import config
 import grpo
-import run_log
+from runs import log as run_log
 import tasks
 import train
 

@@ -21,10 +21,10 @@ import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import model_loading  # noqa: E402
-import lora  # noqa: E402
+from layers import lora  # noqa: E402
 import sampling  # noqa: E402
-import static_decoder  # noqa: E402
-import static_moe  # noqa: E402
+from layers import static_decoder  # noqa: E402
+from layers import static_moe  # noqa: E402
 from test_fast_paths import prompts, with_completions  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
 from test_training_forward import (assert_close_in_bfloat16, assert_fast_forward_matches_hf,  # noqa: E402
@@ -41,12 +41,12 @@ CASES = {
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo3", {}),  # OLMo 2's layer, sliding window 6 on one of its two layers, a rotary per layer type
     "gemma3": ("gemma3", {}),  # sliding window 6 on two of its three layers, another rotary base there
-    "qwen3-moe": ("qwen3_moe", {}),  # Qwen3's attention, MoE blocks read in place (static_moe.py)
+    "qwen3-moe": ("qwen3_moe", {}),  # Qwen3's attention, MoE blocks read in place (layers/static_moe.py)
     "qwen3-moe-dense-layer": ("qwen3_moe", dict(mlp_only_layers=[1])),  # a dense MLP beside a MoE block
     "qwen2-moe": ("qwen2_moe", {}),  # Qwen2's attention (biased q/k/v), a shared expert beside the routed ones
     # sliding window 6 on one of two layers, sinks, biased q/k/v/o, yarn rotary, a biased router, clamped SwiGLU
     "gpt-oss": ("gpt_oss", {}),
-    # three Gated DeltaNet layers (static_recurrent.py) and one gated attention layer with partial rotary
+    # three Gated DeltaNet layers (layers/static_recurrent.py) and one gated attention layer with partial rotary
     "qwen3-5": ("qwen3_5", {}),
 }
 WINDOWED = ("mistral-window", "qwen2-window", "olmo3", "gemma3")

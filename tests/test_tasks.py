@@ -10,9 +10,14 @@ from fractions import Fraction
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import model_loading  # noqa: E402
 import rewards  # noqa: E402
+import test_layout  # noqa: E402
+import tasks.countdown  # noqa: E402
+import tasks.gsm8k  # noqa: E402
+import tasks.next_letter  # noqa: E402
 import tasks  # noqa: E402
 from tasks import countdown  # noqa: E402
 import train  # noqa: E402
@@ -55,8 +60,8 @@ def test_extract_final_number(text, expected):
 def test_gsm8k_correctness_and_format_rewards():
     completions = [r"... so \boxed{1000}", "#### 1,000", "it is 999", r"\boxed{one thousand}"]
     gold = ["1000"] * 4
-    assert rewards.gsm8k_correctness_reward(None, completions, answer=gold) == [1.0, 1.0, 0.0, 0.0]
-    assert rewards.gsm8k_format_reward(None, completions) == [1.0, 0.0, 0.0, 0.0]
+    assert tasks.gsm8k.gsm8k_correctness_reward(None, completions, answer=gold) == [1.0, 1.0, 0.0, 0.0]
+    assert tasks.gsm8k.gsm8k_format_reward(None, completions) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_gold_answers_are_parsed_at_load_time(tmp_path):
@@ -101,12 +106,12 @@ def test_gold_answers_are_parsed_at_load_time(tmp_path):
 ])
 def test_countdown_cases(answer, nums, target, ok):
     completion = f"<think>trying</think>\n<answer>{answer}</answer>"
-    assert rewards.countdown_reward(None, [completion], nums=[nums], target=[target]) == [1.0 if ok else 0.0]
+    assert tasks.countdown.countdown_reward(None, [completion], nums=[nums], target=[target]) == [1.0 if ok else 0.0]
 
 
 def test_countdown_uses_the_last_answer_and_needs_tags():
     good = "<answer>1 + 1</answer> no wait <answer>(1 + 2) * 3</answer>"
-    assert rewards.countdown_reward(None, [good, "(1 + 2) * 3"], nums=[[1, 2, 3]] * 2, target=[9, 9]) == [1.0, 0.0]
+    assert tasks.countdown.countdown_reward(None, [good, "(1 + 2) * 3"], nums=[[1, 2, 3]] * 2, target=[9, 9]) == [1.0, 0.0]
 
 
 def test_countdown_problems_are_seeded_and_reachable():
@@ -152,8 +157,8 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("fn", [rewards.gsm8k_correctness_reward, rewards.gsm8k_format_reward,
-                                rewards.countdown_reward, rewards.format_reward, rewards.next_letter_reward,
+@pytest.mark.parametrize("fn", [tasks.gsm8k.gsm8k_correctness_reward, tasks.gsm8k.gsm8k_format_reward,
+                                tasks.countdown.countdown_reward, rewards.format_reward, tasks.next_letter.next_letter_reward,
                                 rewards.length_reward])
 def test_hostile_completions_score_zero_and_run_nothing(fn, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -172,15 +177,15 @@ def test_hostile_completions_score_zero_and_run_nothing(fn, tmp_path, monkeypatc
 
 
 def test_no_eval_or_exec_anywhere():
-    """The trainer evaluates nothing it reads. The one exception is code_harness.py, the unit-test judge of the code
-    task: it runs only inside executor.py's sandbox, as the program there, and nothing of the trainer imports it."""
+    """The trainer evaluates nothing it reads. The one exception is sandbox/code_harness.py, the unit-test judge of the code
+    task: it runs only inside sandbox/executor.py's sandbox, as the program there, and nothing of the trainer imports it."""
     call = re.compile(r"(?<![\w.])(eval|exec|compile)\s*\(|literal_eval")
-    for name in os.listdir(ROOT):
-        if name.endswith(".py"):
-            src = open(os.path.join(ROOT, name)).read()
-            assert not re.search(r"^\s*(import|from)\s+code_harness\b", src, re.M), f"{name} imports code_harness"
-            if name != "code_harness.py":
-                assert not call.search(src), f"{name}: {call.search(src).group()}"
+    for name in test_layout.project_files():
+        src = open(os.path.join(ROOT, name)).read()
+        assert not re.search(r"^\s*(import|from)\s+(sandbox\.)?code_harness\b", src, re.M), f"{name} imports it"
+        assert not re.search(r"^\s*from\s+sandbox\s+import\s+.*\bcode_harness\b", src, re.M), f"{name} imports it"
+        if name != "sandbox/code_harness.py":
+            assert not call.search(src), f"{name}: {call.search(src).group()}"
 
 
 def test_dataset_prompts_are_a_pure_function_of_seed_and_step():
@@ -218,7 +223,7 @@ def test_chat_template_formats_prompts(tmp_path):
     path = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=model_loading.TINY_CHAT_TEMPLATE)
     tok = model_loading.load_tokenizer(path)
     row = tasks.get_task("gsm8k", tokenizer=tok, dataset=GSM8K).prompts_for_step(0, 1, 1)[0]
-    assert row["prompt"].startswith("<|im_start|>system\n" + rewards.GSM8K_SYSTEM_PROMPT)
+    assert row["prompt"].startswith("<|im_start|>system\n" + tasks.gsm8k.GSM8K_SYSTEM_PROMPT)
     assert row["prompt"].endswith(row["prompt_text"] + "<|im_end|>\n<|im_start|>assistant\n")
     plain = tasks.get_task("gsm8k", tokenizer=model_loading.build_byte_tokenizer(), dataset=GSM8K)
     assert "<|im_start|>" not in plain.prompts_for_step(0, 1, 1)[0]["prompt"]

@@ -18,7 +18,7 @@ import model_loading
 import rewards
 import tasks
 from tasks import next_letter
-import run_setup
+from runs import setup as run_setup
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

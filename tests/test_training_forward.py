@@ -17,8 +17,8 @@ import grpo  # noqa: E402
 
 import logprobs  # noqa: E402
 import model_loading  # noqa: E402
-import lora  # noqa: E402
-import static_decoder  # noqa: E402
+from layers import lora  # noqa: E402
+from layers import static_decoder  # noqa: E402
 from test_fast_paths import cuda, prompts, tiny_model, with_completions  # noqa: E402
 
 

@@ -14,9 +14,9 @@ import torch
 
 import logprobs
 import model_loading
-import lora
+from layers import lora
 import sampling
-import vision
+from layers import vision
 
 pytest.importorskip("PIL")  # the image processors' backend without torchvision
 

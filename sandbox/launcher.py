@@ -1,8 +1,8 @@
-"""The launcher: the sandbox's side of executor.py. A fresh `python -I -S` per program runs launch(STATUS, CONTROL),
+"""The launcher: the sandbox's side of sandbox/executor.py. A fresh `python -I -S` per program runs launch(STATUS, CONTROL),
 reads its spec on stdin, builds the sandbox (strict: namespaces, a root of read-only paths, a tmpfs /tmp; unsafe: a
-folder), sets the limits, installs the system-call filter (sandbox_seccomp) and execs the program's Python.
+folder), sets the limits, installs the system-call filter (seccomp) and execs the program's Python.
 
-It imports only os at the top, and ctypes, marshal, resource, select and sandbox_seccomp in launch(), before
+It imports only os at the top, and ctypes, marshal, resource, select and seccomp in launch(), before
 it gives up root: once uid 65534, the standard library may be out of reach (a pyenv under /root).
 """
 
@@ -42,7 +42,7 @@ def launch(status_fd, control_fd, group=()):
         import marshal
         import resource  # noqa: F401 - for _set_limits
         import select
-        import sandbox_seccomp
+        from sandbox import seccomp
         spec = marshal.loads(_read_exactly(0, int.from_bytes(_read_exactly(0, 8), "little")))
         libc = ctypes.CDLL(None, use_errno=True)
         if spec["mode"] == "strict":
@@ -61,7 +61,7 @@ def launch(status_fd, control_fd, group=()):
             raise _SetupError(f"seccomp: no system call table for {os.uname().machine} (x86_64 and aarch64 known)")
         try:  # last: building the sandbox needed the calls this denies
             if spec["seccomp"] is not None:
-                sandbox_seccomp.install(spec["seccomp"], libc)
+                seccomp.install(spec["seccomp"], libc)
         except OSError as e:
             raise _SetupError(e.strerror) from None
         os.execve(spec["python"], spec["argv"], {})

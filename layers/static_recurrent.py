@@ -28,7 +28,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-import lora
+from layers import lora
 
 # the layer classes this file reproduces
 CLASSES = ("Qwen3_5GatedDeltaNet",)

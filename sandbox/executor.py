@@ -1,8 +1,8 @@
 """Run Python that the policy wrote: each program in a fresh process, sandboxed, with limits.
 
 One concern in one file (at the 650-line mark): the trainer's side of the sandbox, running programs,
-their limits, the pool and their results; the sandbox's own side is sandbox_launcher.py, the kernel's
-control groups and system-call filter sandbox_cgroups.py and sandbox_seccomp.py.
+their limits, the pool and their results; the sandbox's own side is sandbox/launcher.py, the kernel's
+control groups and system-call filter sandbox/cgroups.py and sandbox/seccomp.py.
 
     result = executor.run("print(1 + 1)")     # Result: stdout, stderr, exit_code, timed_out, wall_time, sandbox_error
     results = executor.run_many(["print(1)", {"code": "print(input())", "stdin": "hi"}])  # a pool, one per CPU
@@ -16,7 +16,7 @@ Modes (the `sandbox` argument, else the environment variable GRPO_SANDBOX, which
           ignores the signals it sends itself without a handler); a mount namespace whose
           root holds only /usr, Python's installation and a few devices, read-only, and a private tmpfs for /tmp, the
           working folder (no home, no out_dir, no /etc/shadow, no /proc); ipc and uts namespaces; a system-call
-          filter (sandbox_seccomp.py: no new namespaces, mount, ptrace, bpf, keys, perf, userfaultfd, io_uring,
+          filter (sandbox/seccomp.py: no new namespaces, mount, ptrace, bpf, keys, perf, userfaultfd, io_uring,
           modules, reboot, raw or netlink sockets; EPERM). And all of unsafe.
   auto    strict. Where the kernel refuses a namespace, every run refuses with one line naming what is missing; it
           never falls back to unsafe by itself.
@@ -26,7 +26,7 @@ Modes (the `sandbox` argument, else the environment variable GRPO_SANDBOX, which
 
 Every program gets a wall-clock timeout, and limits on CPU time, address space (RLIMIT_AS), file size, processes and
 open files; its stdout and stderr are cut at `max_output` bytes each. Where a control group can be made
-(sandbox_cgroups.py), each program has one: memory (resident and swap), CPU time and processes are budgets for all
+(sandbox/cgroups.py), each program has one: memory (resident and swap), CPU time and processes are budgets for all
 its processes together, and passing the memory or CPU budget kills it whole (Result.exceeded names which); where
 none can be made, the first strict check says so once on stderr and the limits stay per process. Either way every
 process of a program has oom_score_adj 1000 (the OOM killer's first choice; the trainer's score is not touched),
@@ -35,7 +35,7 @@ has available) holds it, which also sizes run_many's pool. It runs as `python -I
 `site`, so only the standard library, and a faster start than a plain `python file.py` (docs/sandbox.md, for
 the measured overhead).
 
-How: run() starts `python -I -S` running sandbox_launcher.launch(STATUS, CONTROL) (the launcher), puts it in the
+How: run() starts `python -I -S` running sandbox.launcher.launch(STATUS, CONTROL) (the launcher), puts it in the
 program's control group, sends it a spec on stdin (then the program's stdin), and reads the program's stdout and
 stderr. The launcher builds the sandbox, forks
 the program's init and waits for it; it reports on STATUS, a pipe the program never holds, a failure while building
@@ -50,7 +50,7 @@ import sys
 import time
 import _thread
 
-# The launcher (a fresh interpreter per program) imports sandbox_launcher, not this module; here the trainer's side
+# The launcher (a fresh interpreter per program) imports sandbox/launcher.py, not this module; here the trainer's side
 # imports subprocess, selectors, threading and the thread pool inside the functions that use them, so that a trainer
 # that never runs a program pays nothing for them.
 
@@ -148,7 +148,7 @@ def check(sandbox=None):
 
 
 _groups_lock = _thread.allocate_lock()
-_groups_found = None  # None: not looked yet; a sandbox_cgroups.Groups; or a str: why no group can be made here
+_groups_found = None  # None: not looked yet; a cgroups.Groups; or a str: why no group can be made here
 
 
 def _groups():
@@ -157,8 +157,8 @@ def _groups():
     global _groups_found
     with _groups_lock:
         if _groups_found is None:
-            import sandbox_cgroups
-            _groups_found = sandbox_cgroups.find()
+            from sandbox import cgroups
+            _groups_found = cgroups.find()
             if isinstance(_groups_found, str) and os.environ.get("RANK", "0") == "0":
                 print(NO_GROUPS_BANNER.format(_groups_found), file=sys.stderr, flush=True)
     return None if isinstance(_groups_found, str) else _groups_found
@@ -261,8 +261,8 @@ def _memory_budget():
     condition, state = _admission_state()
     with condition:
         if state[0] == 0:
-            import sandbox_cgroups
-            state[1] = int(sandbox_cgroups.available_memory() * MEMORY_SHARE)
+            from sandbox import cgroups
+            state[1] = int(cgroups.available_memory() * MEMORY_SHARE)
         return state[1]
 
 
@@ -287,8 +287,8 @@ class _admitted:
         with condition:
             condition.wait_for(lambda: state[0] == 0 or state[0] + self.size <= state[1])
             if state[0] == 0:
-                import sandbox_cgroups
-                state[1] = int(sandbox_cgroups.available_memory() * MEMORY_SHARE)
+                from sandbox import cgroups
+                state[1] = int(cgroups.available_memory() * MEMORY_SHARE)
             state[0] += self.size
 
     def __exit__(self, *exc):
@@ -403,7 +403,7 @@ def _take_launcher():
 
 # The launcher is imported as a module, from its cached bytecode (running a file as a script would compile it every
 # time, 7 ms); its folder is appended to sys.path, so that nothing beside it can stand in for a standard module.
-_LAUNCH = "import sys; sys.path.append({!r}); import sandbox_launcher; sandbox_launcher.launch({}, {}, {!r})"
+_LAUNCH = "import sys; sys.path.append({!r}); from sandbox import launcher; launcher.launch({}, {}, {!r})"
 
 
 def _start_launcher():
@@ -417,7 +417,7 @@ def _start_launcher():
     control_r, control_w = os.pipe()  # strict: a byte, or end-of-file, and the launcher kills the sandbox's init
     try:
         proc = subprocess.Popen([_python(), "-I", "-S", "-c", _LAUNCH.format(
-            os.path.dirname(os.path.abspath(__file__)), status_w, control_r, group.procs_files() if group else [])],
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), status_w, control_r, group.procs_files() if group else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w, control_r),
             env={}, cwd="/", start_new_session=True)
     except OSError:
@@ -548,12 +548,12 @@ _filter = []
 
 
 def _seccomp_filter():
-    """The system-call filter's program for this machine (sandbox_seccomp), built once; None where its system call
+    """The system-call filter's program for this machine (seccomp), built once; None where its system call
     numbers are not known (strict then refuses, naming the architecture)."""
     if not _filter:
-        import sandbox_seccomp
+        from sandbox import seccomp
         machine = os.uname().machine
-        _filter.append(sandbox_seccomp.build(machine) if machine in sandbox_seccomp.AUDIT_ARCH else None)
+        _filter.append(seccomp.build(machine) if machine in seccomp.AUDIT_ARCH else None)
     return _filter[0]
 
 

@@ -1,7 +1,7 @@
 """One control group per sandboxed program: a budget for all its processes together, memory (resident and swap),
 CPU time and the number of processes, where the kernel's control groups can be made here.
 
-    groups = sandbox_cgroups.find()     # Groups, or a str saying why no group can be made here
+    groups = cgroups.find()     # Groups, or a str saying why no group can be made here
     group = groups.make(memory=1 << 30, processes=33)
     group.add(pid)                       # or the process writes its pid to group.procs_files(): all it forks counts
     group.exceeded(cpu_seconds)          # "memory" (the kernel killed one of its processes), "cpu", or None

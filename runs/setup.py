@@ -14,17 +14,17 @@ import torch
 import transformers
 
 import environments
-import executor
-import lora
+from sandbox import executor
+from layers import lora
 import model_loading
-import responses
+from environments import responses
 import rewards
-import routing
+from layers import routing
 import sampling
 import sharding
-import static_decoder
+from layers import static_decoder
 import tasks
-import vision
+from layers import vision
 from config import Config, ConfigError
 
 
@@ -67,7 +67,7 @@ def setup(cfg, d):
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.enable_progress_bars()
     try:  # first: a spec that does not resolve stops the run before any model loads
-        own_rewards = rewards.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
+        own_rewards = tasks.load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else None
     except ValueError as e:
         raise ConfigError("reward_funcs", e) from e
     check_sandbox(cfg, d)
@@ -84,7 +84,7 @@ def setup(cfg, d):
 
 
 def load_images(cfg, model, tokenizer, task):
-    """The encoder of prompts' images (vision.py) for a vision-language policy, else None; a task whose prompts
+    """The encoder of prompts' images (layers/vision.py) for a vision-language policy, else None; a task whose prompts
     hold images and a policy that cannot see them, or a setting that does not carry images, stop the run."""
     path = os.path.join(cfg.out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
     try:
@@ -129,7 +129,7 @@ def load_agent(cfg, tokenizer, eos_ids, task, weights):
 
 
 def check_sandbox(cfg, d):
-    """The mode of executor.py for what runs model-written code; a task that runs code (and strict, always) checks at
+    """The mode of sandbox/executor.py for what runs model-written code; a task that runs code (and strict, always) checks at
     start-up that this machine can give it, and stops naming what is missing. Unsafe says so in the banner."""
     os.environ["GRPO_SANDBOX"] = cfg.sandbox  # the executor's default: the code task's reward and the python tool
     if cfg.task == "code" or cfg.sandbox == "strict":

@@ -2,7 +2,7 @@
 
 One concern in one file (past 650 lines on purpose): the family table and the three places a layer is
 written out (the training forward, prefill, decode) must change together; the MoE blocks and the recurrent
-layers, which stand alone, are static_moe.py and static_recurrent.py.
+layers, which stand alone, are layers/static_moe.py and layers/static_recurrent.py.
 
 `sampling.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
@@ -17,14 +17,14 @@ saying where its layer departs from Llama's (which norms sit where, q/k
 norms, how a norm scales, what the embedding and the rotary look like), not
 a copy of the layer. Sliding-window layers attend to the keys whose token
 position lies less than the window before the query's. MoE blocks
-(static_moe.py) read the model's experts in place instead of copying them;
-Gated DeltaNet layers (static_recurrent.py) keep states per row instead of
+(layers/static_moe.py) read the model's experts in place instead of copying them;
+Gated DeltaNet layers (layers/static_recurrent.py) keep states per row instead of
 cache slots. Families with either, or with sinks, a gated query or partial
 rotary, are written out in the sampler only: `training_forward_supported`
 leaves their training to the model's own forward.
 
-Of the project it imports kernels.py (the optional Triton decode attention), lora.py (what an adapted
-projection applies), static_moe.py and static_recurrent.py.
+Of the project it imports layers/kernels.py (the optional Triton decode attention), layers/lora.py (what an adapted
+projection applies), layers/static_moe.py and layers/static_recurrent.py.
 """
 
 import dataclasses
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import kernels
-import lora
-import static_moe
-import static_recurrent
+from layers import kernels
+from layers import lora
+from layers import static_moe
+from layers import static_recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +78,15 @@ FAMILIES = {
     "LlamaDecoderLayer": _LLAMA,
     "Qwen2DecoderLayer": _LLAMA,
     "Qwen3DecoderLayer": Family(qk_norm="head"),
-    "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from static_moe.py
-    "Qwen2MoeDecoderLayer": _LLAMA,  # Qwen2's attention; MoE blocks with a shared expert from static_moe.py
+    "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from layers/static_moe.py
+    "Qwen2MoeDecoderLayer": _LLAMA,  # Qwen2's attention; MoE blocks with a shared expert from layers/static_moe.py
     "MistralDecoderLayer": Family(window_from_config=True),
     "SmolLM3DecoderLayer": Family(rope_flag="use_rope"),
     "Olmo2DecoderLayer": _OLMO2,
     "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
-    # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from static_moe.py
+    # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from layers/static_moe.py
     "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
-    # gated attention with partial rotary beside Gated DeltaNet layers (static_recurrent.py)
+    # gated attention with partial rotary beside Gated DeltaNet layers (layers/static_recurrent.py)
     "Qwen3_5DecoderLayer": Family(qk_norm="head", unit_offset=True, upcast=True, partial_rotary=True,
                                   gated_query=True),
     "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
@@ -240,7 +240,7 @@ def static_decode_supported(model):
     forward. Sharded decoder layers are fine when they can gather themselves
     (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
     norm and head must be whole, as they are inside a sharded root's forward.
-    MoE blocks are read in place at every step (static_moe.py), never copied:
+    MoE blocks are read in place at every step (layers/static_moe.py), never copied:
     sharded ones would need a gather per step, which the model's own forward
     already does, so a model with sharded experts takes that forward.
     """
@@ -612,11 +612,11 @@ class StaticDecoder:
         self.windows = sorted(set(windows) - {None})
         kw = dict(device=self.device, dtype=self.dtype)
         # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
-        # their states per row instead (static_recurrent.py)
+        # their states per row instead (layers/static_recurrent.py)
         self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if _attends(l))}
         self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype)
                           for i, l in enumerate(layers) if not _attends(l)}
-        self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see static_recurrent.py)
+        self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
@@ -687,13 +687,13 @@ class StaticDecoder:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
             a, m = getattr(l, "self_attn", None), l.mlp
             mine["linear"] = self.recurrent.get(i)
-            if a is None:  # a recurrent layer: its own copies (static_recurrent.py)
+            if a is None:  # a recurrent layer: its own copies (layers/static_recurrent.py)
                 mine["linear"].load(l.linear_attn)
             moe = static_moe.is_moe(m)
             if not moe:
                 mine["moe"] = None
             elif mine.get("moe") is None or mine["moe"].block is not m:  # kept: captured graphs read its tensors
-                mine["moe"] = static_moe.MoE(m)  # the experts stay where they are (static_moe.py)
+                mine["moe"] = static_moe.MoE(m)  # the experts stay where they are (layers/static_moe.py)
             put(mine, {slot: norm(getattr(l, name) if name else None)
                        for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
             put(mine, {

@@ -28,7 +28,7 @@ scaling * (x A_e^T) B_e^T, instead of merging all E experts at every step.
 Any other parametrization is read through the attribute (merged), as the
 model's own forward reads it.
 
-Routing replay (routing.py) records the experts chosen here: `MoE.__call__`
+Routing replay (layers/routing.py) records the experts chosen here: `MoE.__call__`
 returns them, and the decoder keeps them per cache slot.
 Of the project it imports lora alone (what an adapted linear layer is).
 """
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-import lora
+from layers import lora
 
 
 def _qwen_router(router):

@@ -6,7 +6,7 @@
 A rollout is a conversation: the policy writes a turn, which ends at its EOS
 token (the chat template's end of turn) or right after a call. The turn is
 read by the tokenizer's response template where its family has one (Qwen3,
-Qwen3.5, gpt-oss, Llama 3.x, Gemma 4: responses.py), into its content,
+Qwen3.5, gpt-oss, Llama 3.x, Gemma 4: environments/responses.py), into its content,
 reasoning and tool calls typed by the tools' schemas; otherwise (a template
 that writes no call in a known format) its text is searched for tool calls in
 the Hermes format, as Qwen2.5 and many open models write them:
@@ -22,6 +22,10 @@ a call that is malformed, names no tool, raises, returns
 something that is not text, returns too much, or runs past the timeout is
 answered with a one-line error as its result and counted (`tool_errors`).
 docs/agents.md has the whole contract.
+
+This folder: this file (tools, environments, the Agent that runs their turns) and responses.py (a turn read as
+the model's family writes it, through the tokenizer's response template). Imports: rewards.py (to load a
+tool's or an environment's file) and transformers; nothing above them.
 """
 
 import inspect
@@ -31,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import responses
+from environments import responses
 import rewards
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -209,7 +213,7 @@ class Agent:
                 return [e.get_reward() for e in environments]
             environment_reward.__name__ = name  # logged as reward/<class name>, as TRL does
             self.reward_funcs.append(environment_reward)
-        # turns are read by the tokenizer's response template where its family has one (responses.py), else
+        # turns are read by the tokenizer's response template where its family has one (environments/responses.py), else
         # by the Hermes parser below; a turn also ends right after a call, where the format closes one, so that
         # its result comes back before the policy writes on
         self.family = responses.set_response_template(tokenizer, self.chat_template_kwargs)

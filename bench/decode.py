@@ -1,4 +1,4 @@
-"""bench.py's sampler rows: decode against model.generate (one model, and each family of tests/architectures.py),
+"""the bench's sampler rows: decode against model.generate (one model, and each family of tests/architectures.py),
 multi-turn rollouts with appended answers against re-running the sampler, and decode's share of the copy
 bandwidth."""
 
@@ -11,7 +11,7 @@ import torch
 
 import model_loading
 import sampling
-from bench_tools import free, letter_prompts, load, medians, timed
+from bench.common import free, letter_prompts, load, medians, timed
 
 
 # ----------------------------------------------------------------------------- decode: our sampler vs generate
@@ -85,11 +85,11 @@ def bench_families(s, device):
     fast path should not fall below 0.85 of it), and the path the sampler took, asked of static_decoder at run
     time, since which families it decodes changes as families are added."""
     # the family table (configs, randomised norms and biases) is the tests' own: one table for both to grow
-    tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+    tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
     import architectures
-    import static_decoder
+    from layers import static_decoder
     n, t, hidden = s["fam_batch"], s["fam_new_tokens"], s["fam_hidden"]
     heads = architectures.COMMON["num_attention_heads"]
     knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])

@@ -1,4 +1,4 @@
-"""bench.py's measuring tools: the model shapes it builds, timing that waits for the device, medians of
+"""The bench's measuring tools: the model shapes it builds, timing that waits for the device, medians of
 alternated runs, a model folder with random weights, and the prompts its rows decode."""
 
 import gc

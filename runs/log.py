@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import torch
 
-import disk
+from runs import disk
 import sharding
 
 
@@ -229,7 +229,7 @@ def banner(run, resumed):
                  f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
-    import lora  # here, not at the top: the rest of this file has no use for torch
+    from layers import lora  # here, not at the top: the rest of this file has no use for torch
     import sampling
     adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family
     lines = [

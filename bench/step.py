@@ -1,4 +1,4 @@
-"""bench.py's training rows: one GRPO step against TRL's GRPOTrainer, one step with long completions, the peak
+"""The bench's training rows: one GRPO step against TRL's GRPOTrainer, one step with long completions, the peak
 memory of chunked against naive log-probs, and the training phase's MFU."""
 
 import dataclasses
@@ -12,21 +12,21 @@ import typing
 
 import torch
 
-import cli
+from runs import cli
 import grpo
 import logprobs
 import model_loading
 import sharding
 import tasks
 import train
-from bench_sampling import copy_bandwidth, decode_bytes_per_step
-from bench_tools import sync, timed
+from bench.decode import copy_bandwidth, decode_bytes_per_step
+from bench.common import sync, timed
 
 
 # ----------------------------------------------------------------------------- one GRPO step: ours vs TRL
 
 
-# train.Config fields that bench.py sets itself (a row's shapes, what TRL's side mirrors): --train refuses them
+# train.Config fields that the bench sets itself (a row's shapes, what TRL's side mirrors): --train refuses them
 BENCH_OWNED = {"model": "set by --model", "device": "set by --device", "out_dir": "a temporary folder",
                "task": "next_letter, as on TRL's side", "preset": "train.setup applies none: give its settings one by one",
                "model_init_kwargs": "its dtype is --set dtype", "lr": "set by --set lr", "beta": "set by --set beta",
@@ -39,7 +39,7 @@ BENCH_OWNED = {"model": "set by --model", "device": "set by --device", "out_dir"
 
 def train_overrides(items, error):
     """--train KEY=VALUE items -> {field: value} for train.Config, cast by train.py's own parser (cli.cast);
-    `error(message)` (argparse's) names the key that is no Config field, is bench.py's own, or has a bad value."""
+    `error(message)` (argparse's) names the key that is no Config field, is the bench's own, or has a bad value."""
     hints = typing.get_type_hints(train.Config)
     out = {}
     for item in items:
@@ -318,14 +318,14 @@ def bench_memory(s, device):
 
 
 def bench_training_forward(s, device):
-    """Per family of tests/architectures.py (tiny on a CPU; with `--set fam_shapes=real`, bench_sampling's published
+    """Per family of tests/architectures.py (tiny on a CPU; with `--set fam_shapes=real`, bench/decode.py's published
     shapes): forward and backward of `logprobs.completion_logprobs` over a batch, the whole model trained, on the
     Hugging Face forward and, where `static_decoder.training_forward_supported`, on the written-out layers. The
     ratio says whether writing a family's training forward out pays."""
-    import static_decoder
-    from bench_sampling import REAL_SHAPES, real_shaped
-    from bench_tools import free, medians
-    tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+    from layers import static_decoder
+    from bench.decode import REAL_SHAPES, real_shaped
+    from bench.common import free, medians
+    tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
     import architectures

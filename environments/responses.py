@@ -12,7 +12,7 @@ with each argument typed by the tool's JSON schema. Few checkpoints ship one yet
 family's format. Which family is not guessed from the template's text: a probe conversation (a user turn, an
 assistant turn calling a probe tool) is rendered by the template, and the family whose response template reads
 that very call back out of the rendering is the one (`find_response_template`). A tokenizer with no such family
-keeps the Hermes parser of environments.py.
+keeps the Hermes parser of environments/__init__.py.
 
 The formats (the published templates' tool-call syntax, as TRL 1.16's chat_template_utils.py describes them):
   qwen3     Qwen2.5 / Qwen3 / Qwen3-VL:  <think>...</think>, <tool_call>{"name": ..., "arguments": {...}}</tool_call>

@@ -1,14 +1,14 @@
 """Speed and memory against the baselines people use, measured side by side in one run.
 
-    python bench.py                       # the tiny default model, on CUDA when there is one, else CPU
-    python bench.py --json results.json   # also write every figure, the machine, versions and settings
-    python bench.py --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU); also qwen2.5-1.5b
-    python bench.py --model=tiny-qwen3 --only step   # the tiny default with Qwen3's layers, against TRL
-    python bench.py --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
-    python bench.py --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
-    python bench.py --only exec           # model-written programs through executor.py's sandbox
-    python bench.py --only families       # decode against model.generate for each model family
-    python bench.py --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
+    python -m bench                       # the tiny default model, on CUDA when there is one, else CPU
+    python -m bench --json results.json   # also write every figure, the machine, versions and settings
+    python -m bench --model=qwen2.5-0.5b  # a Qwen2.5-0.5B-shaped model with random weights (for a GPU); also qwen2.5-1.5b
+    python -m bench --model=tiny-qwen3 --only step   # the tiny default with Qwen3's layers, against TRL
+    python -m bench --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
+    python -m bench --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
+    python -m bench --only exec           # model-written programs through sandbox/executor.py's sandbox
+    python -m bench --only families       # decode against model.generate for each model family
+    python -m bench --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
 
 Rows:
   decode   our sampler vs `model.generate`: generated tokens/s, same model, batch, lengths, sampling settings
@@ -26,7 +26,7 @@ Rows:
   multiturn rollouts of several turns with an environment's answer after each: our sampler, which appends each
            answer to the paused rows' KV cache, vs the sampler run again from the prompt for every turn (what TRL
            does without vLLM): time and prefilled tokens
-  exec     programs per second through executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
+  exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)
 Each pair is measured alternately after a warm-up; figures are medians over the repetitions. Each row prints a
@@ -47,11 +47,11 @@ import time
 
 import torch
 
-import cli
-from bench_sampling import bench_decode, bench_families, bench_multiturn
-from bench_tools import MODELS, build_model_dir, free, medians
-from bench_training import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
-                            trl_version)
+from runs import cli
+from bench.decode import bench_decode, bench_families, bench_multiturn
+from bench.common import MODELS, build_model_dir, free, medians
+from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
+                         trl_version)
 
 
 def settings_for(args, device):
@@ -83,7 +83,7 @@ def settings_for(args, device):
         # trainfwd row: rows x tokens, the last tf_completion of them scored (fam_shapes, fam_names as above)
         tf_rows=8 if gpu else 4, tf_len=1024 if gpu else 128, tf_completion=512 if gpu else 64,
         fam_lora=0,  # > 0: LoRA of this rank on each family's default targets ("all") before it is measured
-        fam_shapes="tiny",  # or "real": each family at its published shape (bench_sampling.REAL_SHAPES; for a GPU)
+        fam_shapes="tiny",  # or "real": each family at its published shape (bench.decode.REAL_SHAPES; for a GPU)
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
@@ -98,15 +98,16 @@ EXEC_TESTS = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(-1,
 
 
 def bench_exec(s):
-    """Programs per second through executor.py (its mode as GRPO_SANDBOX says, strict by default) against a plain
+    """Programs per second through sandbox/executor.py (its mode as GRPO_SANDBOX says, strict by default) against a plain
     `subprocess.run([sys.executable, file])`: no sandbox and the interpreter's usual start, `site` included. Also
     `python -I -S file`, the interpreter's start alone, to tell the sandbox's own cost (`exec_overhead_ms` per
     program) from the flags'. The pool rows run `exec_pool_programs` at once on one worker per CPU (run_many vs a
     thread pool of subprocess.run). The reward row judges a 3-test solution per completion (code_tests_reward: the
     judge and the program's side, two processes in one sandbox) vs the solution and its asserts in one plain process."""
     from concurrent.futures import ThreadPoolExecutor
-    import executor
+    from sandbox import executor
     import rewards
+    import tasks.code
     mode = executor.check()
     n, pool_n, workers = s["exec_programs"], s["exec_pool_programs"], len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as d:
@@ -131,7 +132,7 @@ def bench_exec(s):
 
         def rewards_pool():
             completions = [f"```python\n{EXEC_SOLUTION}```"] * pool_n
-            assert rewards.code_tests_reward(None, completions, [EXEC_TESTS] * pool_n) == [1.0] * pool_n
+            assert tasks.code.code_tests_reward(None, completions, [EXEC_TESTS] * pool_n) == [1.0] * pool_n
 
         runs = {"ours": lambda: [ours() for _ in range(n)], "plain": lambda: [plain() for _ in range(n)],
                 "isolated": lambda: [plain(flags=("-I", "-S")) for _ in range(n)], "ours_pool": ours_pool,
@@ -409,7 +410,7 @@ def main(argv):
                            lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):
                 results.update(bench_exec(s))
     report = {"date": started, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": shlex.join(["python", "bench.py", *argv]), "argv": sys.argv, "machine": machine(device),
+              "command": shlex.join(["python", "the bench", *argv]), "argv": sys.argv, "machine": machine(device),
               "git": git_state(), "settings": s, "train_overrides": overrides, **results}
     print(table(results, s))
     if results.get("long_error"):

@@ -1,4 +1,4 @@
-"""Unit tests of a model-written program, judged inside the sandbox; rewards.py sends this file through executor.py
+"""Unit tests of a model-written program, judged inside the sandbox; rewards.py sends this file through sandbox/executor.py
 as the program to run, with the completion's code beside it as solution.py. The trainer never imports it.
 
     python -I -S main.py            the judge: reads {"nonce", "tests", "timeout"} on stdin and prints one line,

@@ -1,0 +1,10 @@
+"""What a run is built from and what it leaves behind, around the step in train.py.
+
+    setup.py  what a run is built from: models, task, tools, optimizer, the start-up checks
+    log.py    what a run writes for people to read: the step's line, metrics.jsonl, wandb
+    cli.py    the command line and recipe files read into the Config dataclass, and --help
+    disk.py   what a failed write's cause was (a full disk, a quota), said in one line
+
+Imports: cli.py and disk.py import nothing of the project (config.py, sharding.py and model_loading.py use them);
+setup.py and log.py import the top-level modules, and only train.py imports them.
+"""
