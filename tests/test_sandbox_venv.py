@@ -31,7 +31,7 @@ def test_executor_tests_pass_with_python_in_a_venv_under_tmp(strict):
         os.makedirs(found, exist_ok=True)
         with open(os.path.join(found, "outside.pth"), "w") as f:
             f.write("\n".join(site.getsitepackages()) + "\n")
-        where = subprocess.run([python, "-c", "import sys, executor; print(executor._python())"], cwd=ROOT,
+        where = subprocess.run([python, "-c", "from sandbox import executor; print(executor._python())"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
         assert where.startswith(folder + "/"), where  # the interpreter the sandbox runs lies under /tmp
         out = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECTED,
