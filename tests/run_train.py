@@ -1,6 +1,10 @@
 """Run train.py's main with a recorder around it, for the multi-process tests.
 
     torchrun --standalone --nproc_per_node 2 tests/run_train.py --out_dir=... [train.py flags]
+    torchrun --standalone --nproc_per_node 2 tests/run_train.py --runs=RUNS.json   # [[flags], [flags], ...]
+
+With --runs, the runs go one after another in the same processes and process group (starting a launch costs
+more than a tiny run); rank 0 prints `=== run OUT_DIR` before each, so that a test can split the output.
 
 Records, in out_dir:
   tokens_rank<r>.jsonl   every rollout's sampled token ids on rank r, one line per step
@@ -80,9 +84,10 @@ def uneven_sampling(root, d, pad_id):
 
 def pause_often():
     """Every turn calls the environment's only tool (as the empty call does), and a turn ends at any of the
-    letters a-h: rows of a random tiny model then take several turns, at different steps on each rank."""
+    letters a-h: rows of a random tiny model then take several turns, at different steps on each rank.
+    Returns what undoes it."""
     import environments
-    original_init = environments.Agent.__init__
+    original_init, original_parse = environments.Agent.__init__, environments.parse_calls
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
@@ -90,11 +95,23 @@ def pause_often():
     environments.Agent.__init__ = init
     environments.parse_calls = lambda text: [("", {})]
 
+    def undo():
+        environments.Agent.__init__, environments.parse_calls = original_init, original_parse
+    return undo
+
 
 def main(argv):
+    undo = lambda: None  # noqa: E731
     if "--pause_often" in argv:
         argv = [a for a in argv if a != "--pause_often"]
-        pause_often()
+        undo = pause_often()
+    try:
+        run(argv)
+    finally:
+        undo()
+
+
+def run(argv):
     out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
     rank = int(os.environ.get("RANK", 0))
     seen = {}
@@ -133,9 +150,12 @@ def main(argv):
     d = sharding.setup("cpu")  # train.main sets up the same process group again: a no-op then
     # train.main tears the process group down at its end: keep it for the checks
     teardown, sharding.teardown = sharding.teardown, lambda: None
-    train.main(argv)
-    sampling.sample, sampling.check_exact, sharding.check_same_placement = original_sample, original_check_exact, \
-        original_check
+    try:
+        train.main(argv)
+    finally:
+        sampling.sample, sampling.check_exact, sharding.check_same_placement = original_sample, \
+            original_check_exact, original_check
+        static_decoder._layer_on, sharding.teardown = original_layer, teardown
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode
@@ -170,8 +190,16 @@ def main(argv):
         with open(os.path.join(out_dir, f"sample_rank{rank}.json"), "w") as f:
             json.dump(uneven_sampling(policy, d, model_loading.build_byte_tokenizer().pad_token_id), f)
     open(os.path.join(out_dir, f"finished_rank{rank}"), "w").close()  # all this rank's work is done
-    teardown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1].startswith("--runs="):
+        with open(sys.argv[1].split("=", 1)[1]) as f:
+            runs = json.load(f)
+    else:
+        runs = [sys.argv[1:]]
+    for argv in runs:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("=== run " + next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")), flush=True)
+        main(argv)
+    sharding.teardown()

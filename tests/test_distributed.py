@@ -47,7 +47,26 @@ def launch(script, args, nproc, timeout=240):
     return out
 
 
+def launch_runs(runs, nproc, folder, name, timeout=600):
+    """Several runs of run_train.py, one after another in one launch ({out_dir: its output}): a tiny run takes
+    less than starting the processes and their group. Each run leaves what a launch of its own would."""
+    path = os.path.join(folder, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(runs, f)
+    out = launch(RUN_TRAIN, [f"--runs={path}"], nproc, timeout)
+    said = {}
+    for part in out.split("=== run ")[1:]:
+        where, _, text = part.partition("\n")
+        said[where] = text
+    assert list(said) == [out_dir_of(r) for r in runs], out[-6000:]
+    return said
+
+
 def out_dir_of(args):
+    for a in args:
+        if a.startswith("--runs="):  # several runs: the last one's, whose end is the launch's
+            with open(a.split("=", 1)[1]) as f:
+                return out_dir_of(json.load(f)[-1])
     return next((a.split("=", 1)[1] for a in args if a.startswith("--out_dir=")), None)
 
 
@@ -64,41 +83,93 @@ def exited_after_finishing(out, args, nproc):
             and all(os.path.exists(os.path.join(out_dir, f"finished_rank{r}")) for r in range(nproc)))
 
 
-def train(out_dir, nproc, max_steps, save_every=2):
-    return launch(RUN_TRAIN, [f"--out_dir={out_dir}", f"--max_steps={max_steps}", f"--save_every={save_every}",
-                              *FLAGS], nproc)
+def train_flags(out_dir, max_steps, save_every=2):
+    return [f"--out_dir={out_dir}", f"--max_steps={max_steps}", f"--save_every={save_every}", *FLAGS]
+
+
+# The runs of the module's checks, in two launches of each world size: first the fresh runs, then the resumed
+# ones (a resumed run starts in a process of its own, as a user's would). Each check below names its runs.
+UNEVEN_DATA = [{"prompt": "x" * (1 if i % 2 else 60) + f" {chr(97 + i % 26)}>", "answer": chr(98 + i % 25)}
+               for i in range(64)]
+UNEVEN_REWARD = ("def uneven(prompts, completions, seed, **_):\n"
+                 "    return [1.0 if s % 2 else float(len(c) % 3) for s, c in zip(seed, completions)]\n")
+LOPSIDED_REWARD = ("import torch.distributed as dist\n"
+                   "def lopsided(prompts, completions, **_):\n"
+                   "    return [1.0 if dist.get_rank() == 0 else float(len(c) % 3) for c in completions]\n")
+
+
+def checks(t):
+    """{name: train.py flags} of the checks that compare 1 and 2 processes on fresh runs (run by both)."""
+    return {
+        # prompts of 2 and 61 characters: a token budget would run different numbers of micro-batches per rank
+        "budget": ["--max_steps=2", "--save_every=0", f"--dataset={t / 'uneven.jsonl'}", "--micro_batch_tokens=200",
+                   "--gradient_checkpointing=true"],
+        "objectives": ["--max_steps=2", "--save_every=0", "--loss_type=luspo", "--importance_sampling_level=sequence",
+                       "--top_entropy_quantile=0.3", "--entropy_coef=0.01", "--use_adaptive_entropy=true",
+                       "--entropy_target=10", "--multi_objective_aggregation=normalize_then_sum",
+                       "--num_iterations=2",
+                       "--reward_funcs=rewards:next_letter_reward,rewards:soft_overlong_punishment",
+                       "--soft_punish_cache=2", "--reward_weights=1,0.5"],
+        # the tiny reward model (sharded too) scores every row differently, so a missing gather or trim shows
+        "eval": ["--max_steps=1", "--eval_every=1", "--eval_prompts=3", "--prompts_per_step=4", "--num_generations=2",
+                 "--max_completion_length=8", "--save_every=0", "--reward_model=tiny"],
+        "turns": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=48",
+                  "--pause_often"],
+        "dynamic": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=24",
+                    "--pause_often", "--prompts_per_step=4", "--dynamic_sampling", "--max_generation_rounds=3",
+                    f"--reward_funcs={t / 'uneven.py'}:uneven"],
+    }
+
+
+MINI_FLAGS = ["--save_every=2", "--steps_per_generation=2", "--num_iterations=2", "--micro_batch_tokens=60",
+              "--top_entropy_quantile=0.5", "--sync_ref_model=true", "--ref_model_sync_steps=3"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     t = tmp_path_factory.mktemp("dist")
-    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D")}
+    with open(t / "uneven.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in UNEVEN_DATA)
+    (t / "uneven.py").write_text(UNEVEN_REWARD)
+    (t / "lopsided.py").write_text(LOPSIDED_REWARD)
+    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided")}
+    for name in checks(t):
+        p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
+    first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
+                 train_flags(p["B1"], 2, save_every=1),    # 2 steps, checkpoints at 1 and 2 (2 is damaged below)
+                 [f"--out_dir={p['mini1']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]],
+             2: [train_flags(p["A2"], 4), train_flags(p["B2"], 2),
+                 [f"--out_dir={p['mini2']}", "--max_steps=2", *MINI_FLAGS, *FLAGS],  # stopped, resumed below
+                 [f"--out_dir={p['lopsided']}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
+                  "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={t / 'lopsided.py'}:lopsided",
+                  *FLAGS]]}
+    for name, flags in checks(t).items():
+        for w in (1, 2):
+            first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
     out = {}
 
-    def chain_two_processes():
-        out["A2"] = train(p["A2"], 2, 4)  # straight to step 4
-        train(p["B2"], 2, 2)              # 2 steps, stop, the same command to step 4
-        shutil.copytree(p["B2"], p["C"])
-        out["B2"] = train(p["B2"], 2, 4)
-        out["C"] = train(p["C"], 1, 3)    # saved by 2 processes, resumed by 1
+    def both(runs_of, phase):  # a one-process launch leaves a core idle: the two side by side
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            jobs = [pool.submit(launch_runs, runs_of[w], w, str(t), f"{phase}{w}") for w in (1, 2)]
+            for job in jobs:
+                out.update(job.result())
 
-    def chain_one_process():
-        out["A1"] = train(p["A1"], 1, 4)
-        # checkpoints at steps 1 and 2; then the step-2 one is damaged (its model shard loses its tail) and
-        # the same command must fall back to step 1 and still reproduce the straight run
-        train(p["B1"], 1, 2, save_every=1)
-        shutil.copytree(p["B1"], p["D"])
-        shard_file = os.path.join(p["B1"], "checkpoints", "step_00000002", "__0_0.distcp")
-        with open(shard_file, "r+b") as f:
-            f.truncate(os.path.getsize(shard_file) // 2)
-        out["B1"] = train(p["B1"], 1, 4)
-        out["D"] = train(p["D"], 2, 3)    # saved by 1 process, resumed by 2
-
-    # two independent chains side by side: a one-process launch leaves a core idle
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for job in [pool.submit(chain_two_processes), pool.submit(chain_one_process)]:
-            job.result()
-    return p, out
+    both(first, "first")
+    shutil.copytree(p["B2"], p["C"])
+    shutil.copytree(p["B1"], p["D"])
+    # the newest checkpoint of B1 (step 2) is damaged (its model shard loses its tail): the same command must
+    # fall back to step 1 and still reproduce the straight run
+    shard_file = os.path.join(p["B1"], "checkpoints", "step_00000002", "__0_0.distcp")
+    with open(shard_file, "r+b") as f:
+        f.truncate(os.path.getsize(shard_file) // 2)
+    then = {1: [train_flags(p["B1"], 4),
+                train_flags(p["C"], 3)],    # saved by 2 processes, resumed by 1
+            2: [train_flags(p["B2"], 4),    # the same command to step 4
+                train_flags(p["D"], 3),     # saved by 1 process, resumed by 2
+                [f"--out_dir={p['mini2']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]]}
+    both(then, "then")  # a folder run in both launches keeps the output of its second, its resumed part
+    names = {v: k for k, v in p.items()}
+    return p, {names[k]: v for k, v in out.items()}
 
 
 def metrics(out_dir):
@@ -251,45 +322,28 @@ def test_ranks_finishing_at_different_lengths_do_not_hang(runs):
         assert r["all_gathers_per_forward"] > 5 * r["fsdp_groups"]
 
 
-def test_token_budget_micro_batches_agree_across_ranks(tmp_path):
+def test_token_budget_micro_batches_agree_across_ranks(runs):
     """Prompts of 2 and 61 characters: with a token budget the ranks would run different numbers of
     micro-batches (8 against 10 at step 1 with this data), each a collective under FSDP; split to the same
     count, 2 processes finish and train as 1 does. With activation checkpointing, which recomputes each
     sharded layer (gathered again by FSDP) in backward."""
-    data = tmp_path / "uneven.jsonl"
-    with open(data, "w") as f:
-        for i in range(64):
-            f.write(json.dumps({"prompt": "x" * (1 if i % 2 else 60) + f" {chr(97 + i % 26)}>",
-                                "answer": chr(98 + i % 25)}) + "\n")
-    runs = {}
-    for nproc in (1, 2):
-        out_dir = str(tmp_path / f"p{nproc}")
-        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", f"--dataset={data}",
-                           "--micro_batch_tokens=200", "--gradient_checkpointing=true", *FLAGS], nproc)
-        runs[nproc] = metrics(out_dir)
-    assert [m["step"] for m in runs[2]] == [1, 2]
-    for a, b in zip(runs[1], runs[2]):
+    p, _ = runs
+    one, two = metrics(p["budget1"]), metrics(p["budget2"])
+    assert [m["step"] for m in two] == [1, 2]
+    for a, b in zip(one, two):
         assert a["reward"] == b["reward"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-def test_other_objectives_agree_across_ranks(tmp_path):
+def test_other_objectives_agree_across_ranks(runs):
     """GSPO's sequence ratio with luspo's aggregation, the step's entropy quantile (gathered over ranks), the
     entropy bonus under adaptive control and GDPO's per-function normalisation, over two passes: 2 processes
     train as 1 does."""
-    runs = {}
-    for nproc in (1, 2):
-        out_dir = str(tmp_path / f"p{nproc}")
-        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--loss_type=luspo",
-                           "--importance_sampling_level=sequence", "--top_entropy_quantile=0.3", "--entropy_coef=0.01",
-                           "--use_adaptive_entropy=true", "--entropy_target=10",
-                           "--multi_objective_aggregation=normalize_then_sum", "--num_iterations=2",
-                           "--reward_funcs=rewards:next_letter_reward,rewards:soft_overlong_punishment",
-                           "--soft_punish_cache=2", "--reward_weights=1,0.5", *FLAGS], nproc)
-        runs[nproc] = metrics(out_dir)
-    assert [m["step"] for m in runs[2]] == [1, 2]
-    for a, b in zip(runs[1], runs[2]):
+    p, _ = runs
+    one, two = metrics(p["objectives1"]), metrics(p["objectives2"])
+    assert [m["step"] for m in two] == [1, 2]
+    for a, b in zip(one, two):
         assert a["reward"] == b["reward"] and a["kept_frac"] == b["kept_frac"]
         assert 0 < a["kept_frac"] < 1
         assert a["entropy_coef"] == b["entropy_coef"]  # the controller reads every rank's tokens
@@ -297,30 +351,22 @@ def test_other_objectives_agree_across_ranks(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-def test_mini_batches_and_a_synced_reference_agree_across_ranks(tmp_path):
+def test_mini_batches_and_a_synced_reference_agree_across_ranks(runs):
     """steps_per_generation=2 with num_iterations=2 (4 optimizer steps a step), token-budget micro-batches in each
     mini-batch, each mini-batch's entropy quantile gathered over ranks, and the reference synced every 3 optimizer
     steps on each rank's shards: 2 processes, stopped after step 2 and resumed (the checkpoint holds the synced
     reference, which step 3's KL reads), train as 1 process does straight, and end with the same reference."""
-    flags = ["--save_every=2", "--steps_per_generation=2", "--num_iterations=2", "--micro_batch_tokens=60",
-             "--top_entropy_quantile=0.5", "--sync_ref_model=true", "--ref_model_sync_steps=3", *FLAGS]
-    dirs = {w: str(tmp_path / f"p{w}") for w in (1, 2)}
-
-    def two_processes_resumed():
-        launch(RUN_TRAIN, [f"--out_dir={dirs[2]}", "--max_steps=2", *flags], 2)
-        return launch(RUN_TRAIN, [f"--out_dir={dirs[2]}", "--max_steps=3", *flags], 2)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        resumed = pool.submit(two_processes_resumed)
-        pool.submit(launch, RUN_TRAIN, [f"--out_dir={dirs[1]}", "--max_steps=3", *flags], 1).result()
-        assert "step_00000002" in resumed.result().split("resuming from")[1].splitlines()[0]
-    runs = {w: metrics(dirs[w]) for w in (1, 2)}
-    assert [m["step"] for m in runs[2]] == [1, 2, 3] and [m["ref_syncs"] for m in runs[2]] == [1, 2, 4]
-    for a, b in zip(runs[1], runs[2]):
+    p, out = runs
+    dirs = {1: p["mini1"], 2: p["mini2"]}
+    assert "step_00000002" in out["mini2"].split("resuming from")[1].splitlines()[0]
+    one, two = metrics(dirs[1]), metrics(dirs[2])
+    assert [m["step"] for m in two] == [1, 2, 3] and [m["ref_syncs"] for m in two] == [1, 2, 4]
+    for a, b in zip(one, two):
         assert a["reward"] == b["reward"] and a["kept_frac"] == b["kept_frac"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-9)
-    assert runs[2][2]["kl"] > 0
+    assert two[2]["kl"] > 0
     refs = {w: torch.load(os.path.join(dirs[w], "ref.pt")) for w in (1, 2)}
     for k in refs[1]:
         torch.testing.assert_close(refs[2][k], refs[1][k], rtol=0, atol=1e-5, msg=k)
@@ -380,19 +426,14 @@ def test_written_out_forward_layouts_and_forward_only_records(tmp_path):
     assert records == [0, 0, 0], records
 
 
-def test_evaluation_splits_rows_over_processes(tmp_path):
+def test_evaluation_splits_rows_over_processes(runs):
     """Each of 2 ranks samples half the held-out rows (the odd one padded); the gathered scores equal 1 process's.
 
     One training step, then an evaluation of 3 prompts: greedy (3 rows: 2 per rank, one a padding copy)
     and sampled (3 x 2 rows: 3 per rank).
     """
-    # the tiny reward model (sharded too) scores every row differently, so a missing gather or trim shows
-    flags = ["--max_steps=1", "--eval_every=1", "--eval_prompts=3", "--prompts_per_step=4", "--num_generations=2",
-             "--max_completion_length=8", "--save_every=0", "--reward_model=tiny", *FLAGS]
-    dirs = {w: str(tmp_path / f"eval{w}") for w in (1, 2)}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for job in [pool.submit(launch, RUN_TRAIN, [f"--out_dir={dirs[w]}", *flags], w) for w in (1, 2)]:
-            job.result()
+    p, _ = runs
+    dirs = {w: p[f"eval{w}"] for w in (1, 2)}
     # recorded sample calls per rank: the training step, the greedy evaluation, the sampled one
     per_rank = []
     for r in (0, 1):
@@ -409,9 +450,6 @@ def test_evaluation_splits_rows_over_processes(tmp_path):
     assert m1["eval/reward"] != 0 and m1["eval/reward_greedy"] != 0
     for k in evals:
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
-
-
-# ----------------------------------------------------------------------------- checkpoint files (one process)
 
 
 def _small():
@@ -472,60 +510,41 @@ def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path, capsys):
     assert sharding.load_latest_checkpoint(str(tmp_path / "fresh"), untouched, untouched_opt, d) is None
 
 
-def test_multi_turn_rollouts_agree_across_ranks(tmp_path):
+def test_multi_turn_rollouts_agree_across_ranks(runs):
     """The vault task's tool turns (every turn a call, see run_train.pause_often): 2 processes sample the
     same trajectories, rewards and gradient as 1, while rows take different numbers of turns on each rank."""
-    runs = {}
-    for nproc in (1, 2):
-        out_dir = str(tmp_path / f"p{nproc}")
-        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--task=vault",
-                           "--max_turns=3", "--max_completion_length=48", "--pause_often", *FLAGS], nproc)
-        runs[nproc] = out_dir
-    assert tokens(runs[1]) == tokens(runs[2])
-    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+    p, _ = runs
+    one, two = p["turns1"], p["turns2"]
+    assert tokens(one) == tokens(two)
+    for a, b in zip(metrics(one), metrics(two)):
         for k in ("reward", "reward/vault_reward", "turns", "turns_max", "tool_calls", "completion_length",
                   "completion_policy_length"):
             assert a[k] == b[k], k
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)  # a sum of terms near 0, in another order
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # rows finished after different numbers of turns (within a rank and across the two)
-    assert all(1 < x["turns"] < x["turns_max"] and x["tool_calls"] > 0.5 for x in metrics(runs[2]))
+    assert all(1 < x["turns"] < x["turns_max"] and x["tool_calls"] > 0.5 for x in metrics(two))
 
 
-def test_dynamic_sampling_agrees_across_ranks(tmp_path):
+def test_dynamic_sampling_agrees_across_ranks(runs):
     """Dynamic sampling on the vault task (tool turns, each rank padding its own prompts): the groups kept lie on
-    both ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does."""
-    uneven = tmp_path / "uneven.py"  # constant on about half the prompts: their groups carry no signal
-    uneven.write_text("def uneven(prompts, completions, seed, **_):\n"
-                      "    return [1.0 if s % 2 else float(len(c) % 3) for s, c in zip(seed, completions)]\n")
-    runs = {}
-    for nproc in (1, 2):
-        out_dir = str(tmp_path / f"p{nproc}")
-        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--task=vault",
-                           "--max_turns=3", "--max_completion_length=24", "--pause_often", "--prompts_per_step=4",
-                           "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={uneven}:uneven",
-                           *FLAGS], nproc)
-        runs[nproc] = out_dir
-    assert tokens(runs[1]) == tokens(runs[2])
-    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+    both ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does.
+    The reward (UNEVEN_REWARD) is constant on about half the prompts: their groups carry no signal."""
+    p, _ = runs
+    one, two = p["dynamic1"], p["dynamic2"]
+    assert tokens(one) == tokens(two)
+    for a, b in zip(metrics(one), metrics(two)):
         for k in ("reward", "dynamic/rounds", "dynamic/groups_kept", "dynamic/groups_drawn", "dynamic/reward_drawn",
                   "frac_reward_zero_std", "turns", "tool_calls", "completion_length"):
             assert a[k] == b[k], k
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert any(m["dynamic/rounds"] > 1 for m in metrics(runs[2]))
+    assert any(m["dynamic/rounds"] > 1 for m in metrics(two))
 
 
-def test_dynamic_sampling_when_one_rank_holds_no_kept_group(tmp_path):
-    """Rank 0's groups never have a signal (its reward is constant there), so every kept row comes from rank 1
-    and rank 0 sends nothing: both still train on groups with a signal, and finish."""
-    lopsided = tmp_path / "lopsided.py"
-    lopsided.write_text("import torch.distributed as dist\n"
-                        "def lopsided(prompts, completions, **_):\n"
-                        "    return [1.0 if dist.get_rank() == 0 else float(len(c) % 3) for c in completions]\n")
-    out_dir = str(tmp_path / "run")
-    launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
-                       "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={lopsided}:lopsided",
-                       *FLAGS], 2)
-    for m in metrics(out_dir):
+def test_dynamic_sampling_when_one_rank_holds_no_kept_group(runs):
+    """Rank 0's groups never have a signal (LOPSIDED_REWARD is constant there), so every kept row comes from
+    rank 1 and rank 0 sends nothing: both still train on groups with a signal, and finish."""
+    p, _ = runs
+    for m in metrics(p["lopsided"]):
         assert m["dynamic/groups_kept"] == 4 and m["dynamic/rounds"] >= 2 and m["frac_reward_zero_std"] == 0

@@ -200,32 +200,50 @@ def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_th
     assert vision.is_vision_model(model_loading.load_model(export, {"dtype": "float32"}))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_one_and_two_processes_sample_and_train_image_prompts_alike(tmp_path, family):
-    """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
-    Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
+SHARDED_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """The shapes task on each family, with 1 process and with 2 (torchrun, FSDP2 over gloo): each world size one
+    launch that runs the families one after another (tests/run_train.py --runs), the two launches side by side.
+    {(family, world size): out_dir}."""
+    import concurrent.futures
     from tasks import shapes
-    from test_distributed import RUN_TRAIN, launch, metrics, tokens
+    from test_distributed import launch_runs
+    t = tmp_path_factory.mktemp("vl")
     # a reward that differs between completions from the first step (a random model rarely names a colour), so
     # that the gradients compared are not zero; it also reads the pictures it is given
-    reward = tmp_path / "spread.py"
+    reward = t / "spread.py"
     reward.write_text("def spread(prompts, completions, images, **_):\n"
                       "    return [(ord(c[:1] or ' ') % 5) / 4 + float(im[0].mean()) / 1000 "
                       "for c, im in zip(completions, images)]\n")
-    runs = {}
-    for nproc in (1, 2):
-        out_dir = str(tmp_path / f"p{nproc}")
-        model = [f"--reward_funcs={reward}:spread"]
-        if family != "qwen2_5_vl":  # where tests/run_train.py reads the initial model from
-            path = os.path.join(out_dir, "tiny_model_init")
-            for part in tiny_vl_parts(family, extra_tokens=list(shapes.COLOURS)):
-                part.save_pretrained(path)
-            model.append(f"--model={path}")
-        launch(RUN_TRAIN, [f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
-                           "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4", *model], nproc)
-        runs[nproc] = out_dir
-    assert tokens(runs[1]) == tokens(runs[2]) and len(tokens(runs[1])) == 2
-    for a, b in zip(metrics(runs[1]), metrics(runs[2])):
+    dirs, runs = {}, {1: [], 2: []}
+    for family in SHARDED_FAMILIES:
+        for nproc in (1, 2):
+            out_dir = dirs[family, nproc] = str(t / f"{family}-{nproc}")
+            model = [f"--reward_funcs={reward}:spread"]
+            if family != "qwen2_5_vl":  # the task's own tiny model otherwise; where run_train.py reads it from
+                path = os.path.join(out_dir, "tiny_model_init")
+                for part in tiny_vl_parts(family, extra_tokens=list(shapes.COLOURS)):
+                    part.save_pretrained(path)
+                model.append(f"--model={path}")
+            runs[nproc].append([f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
+                                "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4", *model])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for job in [pool.submit(launch_runs, runs[w], w, str(t), f"vl{w}") for w in (1, 2)]:
+            job.result()
+    return dirs
+
+
+@pytest.mark.parametrize("family", SHARDED_FAMILIES)
+def test_one_and_two_processes_sample_and_train_image_prompts_alike(sharded_runs, family):
+    """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
+    Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
+    from test_distributed import metrics, tokens
+    one, two = sharded_runs[family, 1], sharded_runs[family, 2]
+    assert tokens(one) == tokens(two) and len(tokens(one)) == 2
+    for a, b in zip(metrics(one), metrics(two)):
         assert a["reward"] == b["reward"] and a["grad_norm"] > 0
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
