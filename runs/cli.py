@@ -26,9 +26,19 @@ import typing
 
 
 class ConfigError(SystemExit):
-    """One line naming the setting (and, for a recipe file, the file and line) and what is wrong with it."""
+    """One line naming the setting (and, for a recipe file, the file and line) and what is wrong with it; or, made
+    from several (`ConfigError.of(errors)`), one such line each."""
     def __init__(self, key, message, where=None):
         super().__init__(f"config error: {where + ': ' if where else ''}--{key}: {message}")
+
+    @classmethod
+    def of(cls, errors):
+        """One error that says each of `errors` on a line of its own (a recipe's bad lines, all at once)."""
+        if len(errors) == 1:
+            return errors[0]
+        joined = cls.__new__(cls)
+        SystemExit.__init__(joined, "\n".join(str(e.code) for e in errors))
+        return joined
 
 
 def unknown_key(key, known, other_names=None):
@@ -157,7 +167,8 @@ def from_file(key, value, typ, where):
 
 def read_recipe(cls, path, other_names=None):
     """[(key, value, "path:line")] from a recipe file: flat TOML, `key = value` per line, the keys `cls`'s
-    fields. Each problem names the file and line."""
+    fields. Each problem names the file and line, and every bad line is named at once (a ConfigError of several
+    lines), not only the first."""
     hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
     try:
         with open(path, "rb") as f:
@@ -174,20 +185,29 @@ def read_recipe(cls, path, other_names=None):
         pattern = re.compile(rf"""^\s*(["']?){re.escape(key)}\1\s*=""")
         return next((f"{path}:{i + 1}" for i, l in enumerate(lines) if pattern.match(l)), path)
 
-    out = []
+    out, errors = [], []
     for key, value in table.items():
-        where = line_of(key)
-        if isinstance(value, dict) and hints.get(key) is not dict:
-            where = next((f"{path}:{i + 1}" for i, l in enumerate(lines) if l.strip() == f"[{key}]"), where)
-            raise ConfigError(key, "a recipe is flat: `key = value` lines, no [tables]", where)
-        if key not in hints:
-            raise ConfigError(key, unknown_key(key, hints, other_names), where)
-        if key in ("config", "preset"):
-            raise ConfigError(key, "a recipe cannot name another recipe", where)
-        value = from_file(key, value, hints[key], where)
-        check_value(fields[key], value, where)  # out of range: named here, with its line, not later without it
-        out.append((key, value, where))
+        try:
+            out.append(_recipe_line(key, value, line_of(key), hints, fields, lines, path, other_names))
+        except ConfigError as e:
+            errors.append(e)
+    if errors:
+        raise ConfigError.of(errors)
     return out
+
+
+def _recipe_line(key, value, where, hints, fields, lines, path, other_names):
+    """(key, value, where) for one line of a recipe; ConfigError naming the line where it is bad."""
+    if isinstance(value, dict) and hints.get(key) is not dict:
+        where = next((f"{path}:{i + 1}" for i, l in enumerate(lines) if l.strip() == f"[{key}]"), where)
+        raise ConfigError(key, "a recipe is flat: `key = value` lines, no [tables]", where)
+    if key not in hints:
+        raise ConfigError(key, unknown_key(key, hints, other_names), where)
+    if key in ("config", "preset"):
+        raise ConfigError(key, "a recipe cannot name another recipe", where)
+    value = from_file(key, value, hints[key], where)
+    check_value(fields[key], value, where)  # out of range: named here, with its line, not later without it
+    return key, value, where
 
 
 def _type_name(typ):

@@ -102,6 +102,20 @@ def test_a_file_that_is_not_toml_or_not_there_is_named(tmp_path):
         train.parse_config([f"--config={tmp_path / 'nope.toml'}"])
 
 
+def test_every_bad_line_of_a_recipe_is_named_at_once(tmp_path):
+    path = tmp_path / "two.toml"
+    path.write_text('# a recipe with two mistakes\nmax_steps = 3\nlearning_rate = 1e-6\nbeta = 0.0\nlr = -1\n'
+                    'num_generations = "many"\n')
+    with pytest.raises(SystemExit) as e:
+        train.parse_config([f"--config={path}"])
+    said = str(e.value.code).splitlines()
+    assert [line.split(": --")[0] for line in said] == [f"config error: {path}:{n}" for n in (3, 5, 6)], said
+    assert "use --lr" in said[0] and "must be > 0, got -1" in said[1] and "'many'" in said[2]
+    path.write_text("max_steps = 3\nlr = -1\n")  # one bad line: the one line, as before
+    with pytest.raises(SystemExit, match=rf"^config error: {path}:2: --lr: must be > 0, got -1(\.0)?$"):
+        train.parse_config([f"--config={path}"])
+
+
 def test_typed_values_and_strings_read_as_on_the_command_line(tmp_path):
     path = tmp_path / "r.toml"
     path.write_text('lr = 1\nepsilon_high = "none"\nreward_weights = [1, 0.5]\n'
