@@ -12,6 +12,7 @@ runs: the step's rollout, scoring, advantages and update, then the loop around i
 Every setting (config.py: the Config dataclass) can be given as --key=value or --key value.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -321,10 +322,17 @@ def reference_logprobs(run, ids, mask, micro, route=None):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
     model = run.ref if run.ref is not None else policy
-    with torch.no_grad(), lora.adapters_disabled(policy):  # LoRA: the reference is the policy minus adapters
+    # routing replay: the reference replays the sampled experts too; its disagreement is counted as its own
+    # (a separate reference model has a Replay of its own; with LoRA, the policy's counts it apart)
+    replay = routing.attached(policy.lm) if model is policy and route is not None else None
+    with torch.no_grad(), lora.adapters_disabled(policy), \
+            (replay.apart() if replay else contextlib.nullcontext([])) as counted:
         logp = [model(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
                       compile_layers=run.cfg.compile_layers, routing=routes(route, mb),
                       images=images_of(run, mb))[0] for mb in micro]
+    if route is not None:  # summed over the step's mini-batches; logged and reset with the step's metrics
+        counted = counted if replay else routing.of(model.lm).counts()
+        run.ref_routing = [a + b for a, b in zip(run.ref_routing, counted)]
     if model is run.ref:
         sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
     return logp
@@ -554,6 +562,10 @@ def train_step(run, step):
     if cfg.routing_replay:  # of the policy's replayed (token, layer) routing decisions, the share it would change
         differ, decisions = sharding.all_reduce_sum(list(routing.of(run.policy.lm).counts()), d)
         metrics["routing_replay_differ"] = differ / max(1.0, decisions)
+        if cfg.beta > 0:  # the reference's own: how far its routers are from the experts the policy sampled
+            differ, decisions = sharding.all_reduce_sum(run.ref_routing, d)
+            metrics["routing_replay_differ_ref"] = differ / max(1.0, decisions)
+            run.ref_routing = [0.0, 0.0]
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 

@@ -21,6 +21,8 @@ them next (renormalise, softmax over the chosen) is its own code.
 Of the project it imports nothing.
 """
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -121,6 +123,20 @@ class Replay:
         out = (float(self.differ), float(self.decisions))
         self.differ = self.decisions = 0
         return out
+
+    @contextlib.contextmanager
+    def apart(self):
+        """Counts made inside the block are not this model's own: they go to the list it yields, as
+        (differ, decisions), and the model's tally goes on as if the block had not run. (With LoRA the reference
+        is the same model with its adapters off: its forward replays the sampled experts through these routers,
+        and its disagreement is the reference's, not the policy's.)"""
+        kept, said = (self.differ, self.decisions), []
+        self.differ = self.decisions = 0
+        try:
+            yield said
+        finally:
+            said.extend(self.counts())
+            self.differ, self.decisions = kept
 
 
 def of(model):

@@ -7,7 +7,7 @@ run's device; the tiny models are written to out_dir by rank 0 and read by every
 
 import os
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import huggingface_hub
 import torch
@@ -58,6 +58,7 @@ class Run:
     last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
     images: typing.Optional[object] = None  # vision.ImageEncoder of a vision-language policy's prompts, or None
     step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
+    ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
 
 
 def setup(cfg, d):

@@ -176,6 +176,28 @@ def test_a_run_with_routing_replay_logs_how_often_routing_differs(tmp_path):
             assert 0 <= m["routing_replay_differ"] < 0.05 and m["sampler_logprob_diff_max"] < 1e-4
 
 
+def test_with_lora_the_reference_routing_is_counted_apart(tmp_path):
+    """With LoRA the reference is the policy with its adapters off, replaying the sampled experts through the same
+    routers: as the adapters grow, it would route otherwise (routing_replay_differ_ref > 0), and none of that is
+    the policy's disagreement, which stays 0 while sampler and trainer route alike."""
+    import json
+
+    import model_loading
+    import train
+
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("qwen3_moe", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    train.main([f"--model={tmp_path / 'model'}", "--routing_replay", "--lora_rank=4", "--max_steps=4",
+                f"--out_dir={out}", "--save_every=0"])
+    steps = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert all(m["sampler_logprob_diff_max"] < 1e-4 for m in steps)
+    assert [m["routing_replay_differ"] for m in steps] == [0.0] * 4
+    assert steps[0]["routing_replay_differ_ref"] == 0.0  # the adapters start at zero: the same model
+    assert max(m["routing_replay_differ_ref"] for m in steps) > 0.05
+
+
 def test_routing_replay_needs_experts(tmp_path):
     import model_loading
     import train
