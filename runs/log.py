@@ -230,13 +230,12 @@ def banner(run, resumed):
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
     from layers import lora  # here, not at the top: the rest of this file has no use for torch
-    import sampling
     adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family
     lines = [
         f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model} ({type(lm).__name__}): {count(total)} parameters, {count(trainable)} trainable | "
         f"reference: {reference}",
-        f"paths: {sampling.path_of(lm)}{' | routing replay' if cfg.routing_replay else ''}",
+        f"paths: {run.paths}{' | routing replay' if cfg.routing_replay else ''}",
         *([adapted] if adapted else []),
         f"task {cfg.task}: {data} | rewards: {funcs}",
         f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step{minis}, micro-batches of "

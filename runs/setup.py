@@ -59,6 +59,7 @@ class Run:
     images: typing.Optional[object] = None  # vision.ImageEncoder of a vision-language policy's prompts, or None
     step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
     ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
+    paths: str = ""                     # which way the sampler and the training forward run the policy (the banner's)
 
 
 def setup(cfg, d):
@@ -80,8 +81,12 @@ def setup(cfg, d):
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
+    # asked inside the root's forward, where the sampler and the training forward ask it: a sharded policy's
+    # embeddings and head are whole only there (every rank takes part: the root's weights are gathered)
+    paths = policy(sampling.path_of)
+    sharding.free_gathered(policy)
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
-               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task))
+               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths)
 
 
 def load_images(cfg, model, tokenizer, task):

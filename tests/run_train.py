@@ -145,6 +145,12 @@ def run(argv):
         layer_calls[0] += 1
         return original_layer(*args)
     static_decoder._layer_on = counting_layer
+    original_prefill, prefills = static_decoder.StaticDecoder.prefill, [0]
+
+    def counting_prefill(self, *args, **kwargs):  # the sampler on the written-out decoder
+        prefills[0] += 1
+        return original_prefill(self, *args, **kwargs)
+    static_decoder.StaticDecoder.prefill = counting_prefill
     if not any(a.startswith("--out_dir") for a in argv):
         raise SystemExit("run_train.py needs --out_dir")
     d = sharding.setup("cpu")  # train.main sets up the same process group again: a no-op then
@@ -156,6 +162,7 @@ def run(argv):
         sampling.sample, sampling.check_exact, sharding.check_same_placement = original_sample, \
             original_check_exact, original_check
         static_decoder._layer_on, sharding.teardown = original_layer, teardown
+        static_decoder.StaticDecoder.prefill = original_prefill
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode
@@ -178,6 +185,7 @@ def run(argv):
         "policy_devices": sorted({str(p.device) for p in policy.parameters()}),
         "sharded": d.world_size > 1 and all(hasattr(p, "device_mesh") for p in policy.parameters()),
         "written_out_layer_calls": layer_calls[0],
+        "written_out_prefills": prefills[0],
     })
     with open(os.path.join(out_dir, f"after_rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -273,7 +273,7 @@ def test_checkpoint_resumes_in_another_world_size(runs):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reference_model_frozen_on_policy_device(runs, world):
-    p, _ = runs
+    p, out = runs
     reports = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(p[f"A{world}"], "after_rank*.json")))]
     assert len(reports) == world
     assert reports[0]["ref_unchanged"] and reports[0]["policy_changed"]
@@ -282,6 +282,10 @@ def test_reference_model_frozen_on_policy_device(runs, world):
         assert r["ref_devices"] == r["policy_devices"]
         assert r["sharded"] == (world > 1)
         assert r["written_out_layer_calls"] > 0  # the training forward ran written out, also sharded
+        assert r["written_out_prefills"] > 0  # and the sampler on the written-out decoder
+    # as the banner says, with one process and with two
+    said = [line for line in out[f"A{world}"].splitlines() if line.startswith("paths: ")]
+    assert said == ["paths: sampler on written-out layers, training on written-out layers"], said
 
 
 def test_export_loads_and_reproduces_logits(runs):
