@@ -15,6 +15,7 @@ import shutil
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from runs import disk
 from layers import lora
@@ -283,6 +284,22 @@ def causal_lm_class(config):
     return AutoModelForCausalLM
 
 
+def not_causal(config):
+    """Why a policy of `config` is not a causal language model, in a few words; None when its config says nothing
+    against it. The sampler and the loss read each token given the tokens before it alone."""
+    kind = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (config.is_encoder_decoder is true) reads its input through an encoder"
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        # BERT's family loads as a causal LM too, but attends both ways unless its config says is_decoder
+        return "an encoder's tokens attend to the tokens after them too (config.is_decoder is false)"
+    # the auto class's table holds the classes registered by a fork too; a hub model's own code says so in auto_map
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in AutoModelForCausalLM._model_mapping and not remote:
+        return "AutoModelForCausalLM has no class for it"
+    return None
+
+
 def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
     kwargs = _init_kwargs(model_init_kwargs, device)
     name_or_path = resolve_model_path(name_or_path)
@@ -290,6 +307,10 @@ def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
     config = _from_pretrained(AutoConfig.from_pretrained, name_or_path, **located)
     if auto_class is AutoModelForCausalLM:
         auto_class = causal_lm_class(config)
+        why = not_causal(config) if auto_class is AutoModelForCausalLM else None  # a vision-language one: its own class
+        if why:
+            name = (config.architectures or [type(config).__name__.removesuffix("Config")])[0]
+            raise ValueError(f"'{name_or_path}': {name} is not a causal language model: {why}")
     _choose_attention(kwargs, auto_class, config)
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
         if kwargs.get("dtype") == "auto":  # "the checkpoint's dtype": there is no checkpoint, use the config's

@@ -61,12 +61,26 @@ def unsupported(model):
     if impl not in ("eager", "sdpa"):
         return (f"attn_implementation={impl} (the sampler writes its own attention masks, which need eager or "
                 f"sdpa; set model_init_kwargs.attn_implementation)")
-    for kind in dict.fromkeys(layer_types(model)):
-        if kind not in _FULL + _WINDOWED + _RECURRENT:
-            return f"layers of type {kind!r}"
+    kind = _without_rule(model)
+    if kind is not None:
+        return f"layers of type {kind!r}"
     if any(k in _WINDOWED for k in layer_types(model)) and not getattr(cfg, "sliding_window", None):
         return "sliding-window layers without a sliding_window size"
     return None
+
+
+def _without_rule(model):
+    """The first of the model's layer types that has no mask rule here, or None."""
+    return next((k for k in layer_types(model) if k not in _FULL + _WINDOWED + _RECURRENT), None)
+
+
+def check_layer_types(model):
+    """Raise ValueError naming the architecture and a layer type without a mask rule here: the model's forward
+    would look up a mask for its own layer kinds and find none (a KeyError deep inside it), so such a model
+    cannot run here at all, checked or not."""
+    kind = _without_rule(model)
+    if kind is not None:
+        raise ValueError(f"{type(model).__name__}: the sampler cannot reproduce layers of type {kind!r}")
 
 
 def _dtype_min(dtype):
@@ -85,6 +99,7 @@ class HFDecoder:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicSlidingWindowLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
+        check_layer_types(model)
         self.model = model
         cfg = _text_config(model)
         self.kinds = layer_types(model)

@@ -15,6 +15,7 @@ import transformers
 
 import environments
 from sandbox import executor
+from layers import hf_decoder
 from layers import lora
 import model_loading
 from environments import responses
@@ -206,6 +207,10 @@ def check_model(cfg, d, policy):
     """Stop, naming the architecture and what is wrong, where the sampler's or the training forward's log-probs
     would not be the model's own (sampling.check_exact: a few tokens through both, on rank 0)."""
     if not cfg.check_model:
+        try:  # what the sampler cannot run at all still stops here, rather than inside the model's forward at step 1
+            hf_decoder.check_layer_types(policy)
+        except ValueError as e:
+            raise SystemExit(f"model: {e}; --check_model=false cannot skip this") from e
         return
     problem = None
     if d.master:

@@ -270,6 +270,9 @@ def get_task(name, *, tokenizer=None, dataset="", seed=0, eval_prompts=0, reward
     # a local file is checked before the hold-out split, so row numbers are the file's
     _check_rows(task, rows, f"dataset {source}", "row")
     _check_rows(task, eval_rows, f"dataset {source}", "held-out row")
+    folder = os.path.dirname(os.path.abspath(dataset)) if dataset and os.path.isfile(dataset) else None
+    _open_images(rows, folder, f"dataset {source}", "row")
+    _open_images(eval_rows, folder, f"dataset {source}", "held-out row")
     if dataset:
         task.rows, eval_rows = _holdout(rows, eval_prompts, seed, dataset)
     task.eval_rows = [task._format(r) for r in eval_rows]
@@ -302,6 +305,42 @@ def _row_images(row):
     """A row's images (its `images` column, or `image` as one), [] without."""
     images = row.get("images") if row.get("images") is not None else row.get("image")
     return [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _open_images(rows, folder, source, kind):
+    """Image paths in the rows' `image`/`images` columns made absolute against `folder` (the dataset file's, so
+    that a dataset and its pictures move together; None: as given), and every image opened before any training
+    starts, so that one that does not open stops the run naming its row and path, not the image processor at step
+    1. A URL is left for the image processor to download; base64 text is decoded."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    for i, row in enumerate(rows):
+        for column in ("image", "images"):
+            value = row.get(column)
+            many = isinstance(value, (list, tuple))
+            items = list(value) if many else [value]
+            if not any(isinstance(x, str) for x in items):
+                continue
+            for j, given in enumerate(items):
+                if not isinstance(given, str) or given.startswith(("http://", "https://")):
+                    continue
+                path = os.path.join(folder, os.path.expanduser(given)) if folder else given
+                if os.path.isfile(path):
+                    try:
+                        with Image.open(path):  # reads the header alone: quick for a large dataset
+                            items[j] = path
+                        continue
+                    except Exception as e:  # noqa: BLE001 (not an image, or one PIL cannot read)
+                        reason = next(iter(str(e).splitlines()), type(e).__name__)[:200]
+                else:
+                    try:  # what the image processor also reads: base64 text, or a data: URI
+                        load_image(given)
+                        continue
+                    except Exception:  # noqa: BLE001
+                        reason = f"no such file {path}"
+                raise ValueError(f"{source}, {kind} {i}: image {given!r:.200} does not open ({reason})")
+            row[column] = items if many else items[0]
 
 
 def _text_of(content):

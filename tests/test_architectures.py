@@ -164,6 +164,65 @@ def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
     assert (tmp_path / "b" / "metrics.jsonl").exists()
 
 
+def _saved(tmp_path, name, cfg_class, **settings):
+    """A folder with a tiny config of `cfg_class` (no weights) and the byte tokenizer, as --model takes it."""
+    import transformers
+
+    import model_loading
+    tok = model_loading.build_byte_tokenizer()
+    path = tmp_path / name
+    cfg = getattr(transformers, cfg_class)(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **settings)
+    cfg.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _one_line_exit(argv):
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+    return e.value.code
+
+
+def test_an_encoder_is_refused_at_load_as_not_a_causal_language_model(tmp_path):
+    """BERT loads with AutoModelForCausalLM but attends both ways unless its config says is_decoder: refused when
+    it loads, with the start-up check or without, not by a log-prob difference. An encoder-decoder too."""
+    import model_loading
+
+    bert = _saved(tmp_path, "bert", "BertConfig", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, max_position_embeddings=64)
+    for check in ("true", "false"):
+        said = _one_line_exit([f"--model={bert}", f"--out_dir={tmp_path / check}", "--max_steps=1",
+                               f"--check_model={check}"])
+        assert said == (f"model: '{bert}': Bert is not a causal language model: an encoder's tokens attend to the "
+                        f"tokens after them too (config.is_decoder is false)")
+    t5 = _saved(tmp_path, "t5", "T5Config", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    with pytest.raises(ValueError, match=r"T5 is not a causal language model: an encoder-decoder model"):
+        model_loading.load_model(t5)
+
+
+def test_layers_without_a_mask_rule_stop_the_run_also_with_the_check_off(tmp_path):
+    """Falcon-H1's 'hybrid' layers (attention and Mamba side by side) have no mask rule in layers/hf_decoder.py:
+    with --check_model=false the run still stops at start in one line, and the sampler itself raises the same
+    reason rather than the model's forward failing to find its mask."""
+    import model_loading
+
+    falcon = _saved(tmp_path, "falcon", "FalconH1Config", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_d_ssm=32, mamba_n_heads=4,
+                    mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
+                    max_position_embeddings=64)
+    said = _one_line_exit([f"--model={falcon}", f"--out_dir={tmp_path / 'out'}", "--max_steps=1",
+                           "--check_model=false"])
+    assert said.startswith("model: FalconH1ForCausalLM: the sampler cannot reproduce layers of type 'hybrid'")
+    model = model_loading.load_model(falcon).eval()
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^FalconH1ForCausalLM: the sampler cannot reproduce layers of type "
+                                         r"'hybrid'$"):
+        sampling.sample(model, ids, mask, max_new_tokens=2, eos_ids=[0], pad_id=0)
+
+
 def test_tool_run_with_adapters_keeps_sampler_and_trainer_in_agreement(tmp_path, capsys, monkeypatch):
     """train.py --model=DIR on the vault task (tool calls, results appended mid-turn) with LoRA's default targets:
     the banner names the paths and what LoRA adapted, and on every step the sampler's log-probs (written-out

@@ -281,3 +281,54 @@ def test_image_prompts_on_a_model_without_a_vision_tower_stop_at_start(tmp_path,
     with pytest.raises(SystemExit, match="its prompts hold images, and Qwen2ForCausalLM cannot see them: it has no "
                                          "vision tower"):
         train.main([f"--out_dir={tmp_path / 'out'}", "--task=shapes", f"--model={tiny_dir}", "--max_steps=1"])
+
+
+def _picture_dataset(folder, n=4):
+    """A .jsonl of the shapes task's rows in `folder` whose pictures are PNG files in imgs/ beside it, named by
+    relative paths; (the file's path, the pictures)."""
+    import json
+    import random
+
+    from PIL import Image
+
+    from tasks import shapes
+    rows = shapes.prompts(random.Random(0), n)
+    (folder / "imgs").mkdir(parents=True)
+    with open(folder / "own.jsonl", "w") as f:
+        for i, row in enumerate(rows):
+            Image.fromarray(row["images"][0]).save(folder / "imgs" / f"{i:03d}.png")
+            f.write(json.dumps({"prompt": row["prompt"], "image": f"imgs/{i:03d}.png", "answer": row["answer"]}) + "\n")
+    return str(folder / "own.jsonl"), [row["images"][0] for row in rows]
+
+
+def test_relative_image_paths_are_read_from_the_dataset_files_folder(tmp_path, monkeypatch):
+    """What the image processor makes of a dataset's rows (relative paths, run from another folder) equals what it
+    makes of the pictures written."""
+    import tasks
+    path, pictures = _picture_dataset(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)  # not the dataset's folder: imgs/000.png is not found from here
+    task = tasks.get_task("shapes", dataset=path)
+    cfg, tok, processor = tiny_vl_parts("qwen2_5_vl")
+    encoder = vision.ImageEncoder(processor, tok, cfg.image_token_id)
+    prompts = [r["prompt"] for r in task.rows]  # the file's rows in its order (none held out)
+    _, loaded = encoder(task.rows, prompts)
+    _, written = encoder([{"images": [p]} for p in pictures], prompts)
+    assert len(loaded.pixel_values) == len(pictures)
+    for a, b in zip(loaded.pixel_values, written.pixel_values):
+        assert torch.equal(a, b)
+
+
+def test_an_image_that_does_not_open_stops_the_run_at_start_naming_the_row_and_the_path(tmp_path):
+    import tasks
+    import train
+    path, _ = _picture_dataset(tmp_path)
+    os.remove(tmp_path / "imgs" / "002.png")
+    with pytest.raises(SystemExit) as e:
+        train.main([f"--out_dir={tmp_path / 'out'}", "--task=shapes", f"--dataset={path}", "--max_steps=1"])
+    assert e.value.code == (f"task shapes: dataset {path}, row 2: image 'imgs/002.png' does not open (no such file "
+                            f"{tmp_path / 'imgs' / '002.png'})")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    (tmp_path / "imgs" / "002.png").write_text("not a picture")
+    with pytest.raises(ValueError, match=r"^dataset .*own\.jsonl, row 2: image 'imgs/002\.png' does not open "
+                                         r"\(cannot identify image file"):
+        tasks.get_task("shapes", dataset=path)
