@@ -168,6 +168,27 @@ def stop_strings(tokenizer, chat_template_kwargs=None):
     return [closed.group(0).strip()] if closed and closed.group(0).strip() else []
 
 
+def call_opening(tokenizer, chat_template_kwargs=None):
+    """The text a tool call opens with in this tokenizer's format, up to the tool's name, as its chat template
+    renders a call and its response template reads it (Qwen `<tool_call>`, gpt-oss `to=functions.`, Llama 3
+    `{"name": "`), without the special tokens a decoded completion leaves out; None where the family is not
+    known (Hermes's `<tool_call>` then) or its template renders no call."""
+    template = getattr(tokenizer, "response_template", None)
+    probe = _probe(tokenizer, template, chat_template_kwargs) if template is not None else None
+    if probe is None:
+        return None
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+    field = load_response_template(template).fields.get("tool_calls")
+    opened = field.open_re.search(probe[1]) if field is not None and field.open_re is not None else None
+    if opened is None:
+        return None
+    end = opened.start("name") if "name" in opened.re.groupindex else opened.end()
+    text = probe[1][opened.start():end]
+    for special in {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}:
+        text = text.replace(special, "")
+    return text.strip() or None
+
+
 def read(tokenizer, text, prefix, tools=None):
     """The message `text` (a turn as written, special tokens included) is, after `prefix` (everything before
     it), through the tokenizer's response template. ValueError, in one line, when the turn cannot be read

@@ -214,6 +214,9 @@ def count(n):
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
+CPU_PARAMETERS = 100_000_000  # past this a model trains too slowly on a CPU to be worth it (the banner says so)
+
+
 def banner(run, resumed):
     """A few lines on what is about to run (a train.Run), where, and where its output goes."""
     cfg, d, lm = run.cfg, run.d, run.policy.lm
@@ -251,9 +254,9 @@ def banner(run, resumed):
     busy = busy_cpu(threads)
     if d.device.type == "cpu" and busy:  # threads that wait for a busy core: docs/runs.md "A machine others use too"
         lines.append(f"warning: {busy}: {threads} threads wait for each other; --threads=1 may be much faster")
-    if d.device.type == "cpu" and (cfg.preset or cfg.config) and cfg.model != "tiny":  # the tiny recipes are for CPUs
-        lines.append(f"warning: recipe {cfg.preset or cfg.config} is sized for a GPU ({cfg.model}); on the CPU it "
-                     f"will be very slow")
+    if d.device.type == "cpu" and total > CPU_PARAMETERS:  # what a recipe names does not matter: the model's size
+        lines.append(f"warning: {cfg.model} has {count(total)} parameters: on the CPU each step will be very slow "
+                     f"(a GPU: torchrun --nproc_per_node 1 train.py ...)")
     return "\n".join(lines)
 
 

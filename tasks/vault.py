@@ -5,8 +5,10 @@ policy learns to call the tool and copy what it returns. Small enough for the ti
 tokens of its own chat format (<tool_call></tool_call>, the only tool, no arguments), the code one digit.
 """
 
+import functools
 import random
 
+from environments import responses
 from tasks import Task
 
 
@@ -60,18 +62,23 @@ def vault_reward(completions, messages, environments, **_):
     return scores
 
 
-def tool_format_reward(completions, messages, **_):
-    """The vault task's format, step by step: 1 for a call and then an answer that is one digit, 0.75 for a
-    call, 0.5 for opening one with the first token, else 0. Like format_reward, it rewards the form and not
-    the content: it lets a model that starts from random weights find the call and the kind of answer, after
-    which vault_reward teaches it to answer with what the tool returned."""
+def tool_format_reward(completions, messages, call_opening=None, **_):
+    """The vault task's format, step by step: 1 for a call that ran and then an answer that is one digit, 0.75 for
+    a call that ran, 0.5 for a call opened in the policy's own format (also one the tool could not run), else 0.
+    `call_opening`: the text a call opens with in the policy's family's format, found anywhere in the completion
+    (make() reads it from the chat template: environments/responses.call_opening); without one, Hermes's
+    `<tool_call>` as the first token. Like format_reward, it rewards the form and not the content: it lets a model that starts from
+    random weights find the call and the kind of answer, after which vault_reward teaches it to answer with
+    what the tool returned."""
     scores = []
     for c, conversation in zip(completions, messages):
-        if any(m["role"] == "tool" for m in conversation):
+        results = [m["content"] for m in conversation if m["role"] == "tool"]
+        if any(not r.startswith("error: ") for r in results):  # a call that ran (a failed one is answered so)
             last = conversation[-1]["content"] if conversation[-1]["role"] == "assistant" else ""
             scores.append(1.0 if last[:1].isdigit() else 0.75)
         else:
-            scores.append(0.5 if c.startswith("<tool_call>") else 0.0)
+            opened = call_opening in c if call_opening is not None else c.startswith("<tool_call>")
+            scores.append(0.5 if opened or results else 0.0)
     return scores
 
 
@@ -80,5 +87,9 @@ def make(ctx):
 
     def to_row(row):  # the prompt is rendered with the tools by environments.Agent; here without, for the record
         return {**row, "prompt": chat(row["prompt_text"])}
-    return Task(prompts, [vault_reward, tool_format_reward], weights=[1.0, 0.2], to_row=to_row,
+    # a call opened as the policy's family writes one (Hermes without a known family)
+    opening = responses.call_opening(ctx.tokenizer, ctx.chat_template_kwargs)
+    own_format = functools.partial(tool_format_reward, call_opening=opening)
+    own_format.__name__ = tool_format_reward.__name__  # logged and named as the function itself
+    return Task(prompts, [vault_reward, own_format], weights=[1.0, 0.2], to_row=to_row,
                 accuracy_reward="vault_reward", environment=Vault)

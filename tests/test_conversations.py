@@ -397,6 +397,46 @@ def test_a_malformed_call_is_answered_with_a_short_error(family):
     assert "subtract" in eps[1].messages[-1]["content"]
 
 
+# the vault task's call (read_code, no arguments) and a final answer, as each family's models write them
+VAULT_TURNS = {
+    "qwen3": ('<tool_call>\n{"name": "read_code", "arguments": {}}\n</tool_call>', "{code}<|im_end|>"),
+    "gpt-oss": ("<|channel|>analysis<|message|>I look.<|end|><|start|>assistant<|channel|>commentary "
+                "to=functions.read_code <|constrain|>json<|message|>{}<|call|>",
+                "<|channel|>final<|message|>{code}<|return|>"),
+}
+
+
+@pytest.mark.parametrize("family", list(VAULT_TURNS))
+def test_the_vault_tasks_format_reward_reads_calls_as_the_family_writes_them(family):
+    """The tool task's rewards on a well-formed call in the family's own format, run, then the code: full credit
+    from both; a call opened in that format that the tool cannot run: the format's half credit."""
+    call, final = VAULT_TURNS[family]
+    tok = family_tokenizer(family)
+    assert responses.set_response_template(tok) == family
+    task = tasks.get_task("vault", tokenizer=tok)
+    agent = environments.Agent(tok, [tok.convert_tokens_to_ids(FAMILIES[family][2])], [], task.environment,
+                               max_turns=3)
+    _, eps = agent.start([{"prompt_text": "code?", "seed": 3}, {"prompt_text": "code?", "seed": 4}])
+    respond = agent.responder(eps)
+    broken = call.replace("read_code", "read_cod")  # opened as the format writes a call; no such tool
+    first = [encode(tok, call), encode(tok, broken)]
+    answers = respond([sampling.Turn(i, ids, 0) for i, ids in enumerate(first)])
+    assert eps[0].tool_errors == 0 and eps[1].tool_errors == 1 and all(answers)
+    finals = [final.format(code=eps[0].env.code), final.format(code="none")]
+    whole = [ids + a + encode(tok, f) for ids, a, f in zip(first, answers, finals)]
+    assert respond([sampling.Turn(i, ids, len(f) + len(a)) for i, (ids, f, a) in enumerate(zip(whole, first, answers))]) \
+        == [None, None]
+    completions = tok.batch_decode(whole, skip_special_tokens=True)  # as the run decodes them
+    fields = environments.episode_fields(eps)
+    scores = {rewards.reward_name(f): f(completions=completions, **fields) for f in task.reward_funcs}
+    assert scores == {"vault_reward": [1.0, 0.0], "tool_format_reward": [1.0, 0.5]}
+    # a turn cut off inside a call (nothing ran): the half credit where it opens a call, nothing where it does not
+    cut = tok.decode(encode(tok, call)[:-4], skip_special_tokens=True)
+    own = next(f for f in task.reward_funcs if rewards.reward_name(f) == "tool_format_reward")
+    assert own(completions=[cut, "I do not know."], messages=[[{"role": "assistant", "content": "x"}]] * 2) \
+        == [0.5, 0.0]
+
+
 def test_hermes_calls_without_a_family_keep_the_built_in_parser():
     """A template that writes no tool calls of a known family (the vault task's tiny one) keeps the Hermes parser
     and stop, as before."""

@@ -14,6 +14,7 @@ import torch
 
 from runs import cli
 import grpo
+import model_loading
 import rewards
 from runs import log as run_log
 import sharding
@@ -379,3 +380,17 @@ def test_a_slow_reward_function_shows_in_reward_time_and_the_eta(tmp_path, capsy
     # one function: only the total
     train.main([f"--out_dir={tmp_path / 'one'}", *QUICK, f"--reward_funcs={path}:quick"])
     assert [k for k in rows(str(tmp_path / "one"))[0] if k.startswith("reward_time")] == ["reward_time"]
+
+
+def test_the_banner_warns_of_the_cpu_only_for_a_model_too_large_for_it(tmp_path, capsys, monkeypatch):
+    """The vault recipe is the CPU's tool task: no warning on a small checkpoint of one's own. A model past the
+    size the banner allows on a CPU (lowered here, so that the tiny one is past it) gets one, recipe or not."""
+    from tasks import vault
+    own = model_loading.write_tiny_model(str(tmp_path / "own"), **vault.TINY_MODEL)
+    train.main([f"--out_dir={tmp_path / 'vault'}", "--task=vault", f"--model={own}", "--max_steps=1",
+                "--print_completions_every=0"])
+    assert "very slow" not in capsys.readouterr().out
+    monkeypatch.setattr(run_log, "CPU_PARAMETERS", 1000)
+    train.main([f"--out_dir={tmp_path / 'big'}", *QUICK[1:], "--max_steps=1"])
+    warned = [line for line in capsys.readouterr().out.splitlines() if "very slow" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: tiny has ") and "parameters" in warned[0], warned
