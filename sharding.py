@@ -324,6 +324,11 @@ class OutDirBusy(RuntimeError):
     """out_dir is in use by another run, or by processes left over from one."""
 
 
+class EveryRank(SystemExit):
+    """A refusal every rank meets alike: it follows from the command line and out_dir alone, or was told to every
+    rank. Under torchrun rank 0 says it and the others leave quietly (train.py), so that it is said once."""
+
+
 class OutDirLock:
     """The open lock files; the OS drops the locks when they close or the process dies (SIGKILL included)."""
 
@@ -621,7 +626,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d, ref=None):
     optimizer.state.clear()  # get_optimizer_state_dict initialised AdamW's state: a fresh start has none
     if skipped:
         # starting over would overwrite this run's checkpoints and metrics: stop and say why instead
-        raise SystemExit(f"out_dir {out_dir} holds checkpoints but none fits this model (saved from another "
+        raise EveryRank(f"out_dir {out_dir} holds checkpoints but none fits this model (saved from another "
                          "model or config, or damaged):\n  " + "\n  ".join(skipped) +
                          "\nUse another --out_dir to start a new run, or remove these folders.")
     return None

@@ -597,8 +597,8 @@ def main(argv):
     validate(cfg, d.world_size)
     try:
         lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
-    except sharding.OutDirBusy as e:
-        raise SystemExit(str(e)) from e
+    except sharding.OutDirBusy as e:  # on every rank: the lock is taken together
+        raise sharding.EveryRank(str(e)) from e
     except OSError as e:  # a file where the folder should be, no permission, ...
         raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
     with lock:
@@ -633,8 +633,8 @@ def set_threads(threads):
 def loop(cfg, d):
     """Setup, the loop, the export; out_dir is locked for this run."""
     problem = run_log.start_problem(cfg, d, RUN_KEYS)
-    if problem:
-        raise SystemExit(problem)
+    if problem:  # told to every rank
+        raise sharding.EveryRank(problem)
     t_start = time.time()
     run = setup(cfg, d)
     resumed = resume(run) or {"step": 0, "path": None, "wandb_id": None}
@@ -755,6 +755,12 @@ if __name__ == "__main__":
         if os.environ.get("GRPO_DEBUG", "0") not in ("", "0") and e.__cause__ is not None:
             import traceback
             traceback.print_exception(e.__cause__)
+        if isinstance(e, (ConfigError, sharding.EveryRank)) and "RANK" in os.environ:
+            # every rank meets it (a setting, out_dir): said once, by rank 0, as a bad setting is above; the group
+            # is taken down together first, so that no rank aborts while another still talks to it
+            sharding.teardown()
+            if int(os.environ["RANK"]) != 0:
+                raise SystemExit(0) from None
         if isinstance(e.code, str):
             tell_torchrun(e.code)
         raise

@@ -126,6 +126,23 @@ def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     assert "rank      : 1" not in out or "SIGTERM" in out, out  # rank 1 exited quietly (unless torchrun was faster)
 
 
+def test_an_out_dir_refusal_under_torchrun_is_said_once(tmp_path):
+    """out_dir holds a run with other settings: every rank is told, rank 0 says it, the others leave quietly."""
+    train.main([f"--out_dir={tmp_path}", "--max_steps=1", "--num_generations=2", "--prompts_per_step=2"])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", "--max_steps=1", "--num_generations=2", "--prompts_per_step=2", "--seed=5",
+                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "OMP_NUM_THREADS": "1"}, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    said = [line for line in out.splitlines() if line.startswith(f"out_dir {tmp_path} holds a run")]
+    assert said == [f"out_dir {tmp_path} holds a run with other settings:"], out
+    assert f"traceback : out_dir {tmp_path} holds a run" in out, out  # torchrun's summary quotes rank 0's
+    assert "rank      : 1" not in out or "SIGTERM" in out, out  # rank 1 left quietly (unless torchrun was faster)
+
+
 @pytest.fixture
 def threads():
     before = torch.get_num_threads()
