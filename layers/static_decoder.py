@@ -301,7 +301,7 @@ def _spec(model, fam=None):
     return Spec(fam, settings, getattr(inner.embed_tokens, "embed_scale", None), head_of(model))
 
 
-def _decode_refusal(model):
+def decode_refusal(model):
     """Why StaticDecoder does not decode `model`, None when it does (see `static_decode_supported`)."""
     why = refusal(model)
     if why:
@@ -323,14 +323,14 @@ def static_decode_supported(model):
 
     Anything else (other architectures, settings a family's row refuses, adapters
     that replace the projections, shards it cannot gather) takes the Hugging Face
-    forward (`_decode_refusal` says why). Sharded decoder layers are fine when they can gather themselves
+    forward (`decode_refusal` says why). Sharded decoder layers are fine when they can gather themselves
     (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
     norm and head must be whole, as they are inside a sharded root's forward.
     MoE blocks are read in place at every step (layers/static_moe.py), never copied:
     sharded ones would need a gather per step, which the model's own forward
     already does, so a model with sharded experts takes that forward.
     """
-    return _decode_refusal(model) is None
+    return decode_refusal(model) is None
 
 
 def _fixed_rotary(rotary_emb):
@@ -555,7 +555,7 @@ def _embed(ids, weight, scale, padding_idx=None):
 # ----------------------------------------------------------------------------- the training forward
 
 
-def _training_refusal(model):
+def training_refusal(model):
     """Why `hidden_states` does not stand in for the Hugging Face forward in training, None when it does (see
     `training_forward_supported`)."""
     if model.training and getattr(model.config, "attention_dropout", 0.0):
@@ -565,12 +565,12 @@ def _training_refusal(model):
         return why
     layers = model.model.layers
     name = _layer_class(layers[0])
-    if _layer_family(layers[0]).gated_query:
-        return f"{name}: a gated query (its projection interleaves each head's query and gate)"
     if any(static_moe.is_moe(layer.mlp) for layer in layers):
-        return "MoE blocks (trained on the model's own expert kernels, and its routers for routing replay)"
+        return "MoE blocks, which train on the model's own expert kernels and routers (routing replay)"
     if any(not _attends(layer) for layer in layers):
-        return "recurrent layers (trained on the model's own chunked kernels)"
+        return "recurrent layers, which train on the model's own chunked kernels"
+    if _layer_family(layers[0]).gated_query:
+        return f"{name}: a gated query, whose projection interleaves each head's query and gate"
     if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
         return "sharded decoder layers that are not one FSDP group each"
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -589,10 +589,10 @@ def training_forward_supported(model):
     everything else (embeddings, final norm, head) already gathered, as inside
     the root's forward. A model in training mode with attention dropout keeps
     the Hugging Face forward; so do MoE blocks and recurrent layers, which train
-    on the model's own kernels (`_training_refusal` says why). Forward hooks
+    on the model's own kernels (`training_refusal` says why). Forward hooks
     registered on the layers, projections or norms do not run here.
     """
-    return _training_refusal(model) is None
+    return training_refusal(model) is None
 
 
 def _one_fsdp_group(layer):
