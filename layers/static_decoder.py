@@ -95,17 +95,25 @@ FAMILIES = {
     "SmolLM3DecoderLayer": Family(rotary_on=lambda a: a.use_rope),
     "Olmo2DecoderLayer": _OLMO2,
     "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
+    # OLMo 2's post-norms with Qwen3's head norms; every attention module carries `sliding_window`, which only the
+    # sliding layers apply, and with windows configured the full layers take no rotary
+    "Exaone4DecoderLayer": Family(norms=_POST_NORMS, qk_norm="head",
+                                  window=lambda a, cfg: a.sliding_window if a.is_sliding else None,
+                                  rotary_on=lambda a: a.sliding_window is None or a.is_sliding),
     # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from layers/static_moe.py
     "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
     # gated attention with partial rotary beside Gated DeltaNet layers (layers/static_recurrent.py)
     "Qwen3_5DecoderLayer": Family(qk_norm="head", unit_offset=True, upcast=True, partial_rotary=True,
                                   gated_query=True),
+    # alternating windows, softcapped attention scores (and final logits: layers/head.py), scaled embeddings
+    "Gemma2DecoderLayer": Family(norms=_GEMMA_NORMS, unit_offset=True, upcast=True,
+                                 embedding="Gemma2TextScaledWordEmbedding", softcap="attn_logit_softcapping",
+                                 refuse=("use_bidirectional_attention",)),
     # Gemma 2's layer with head norms and a rotary per layer type; a config setting the score softcap, which
     # Gemma 3's attention keeps but does not apply, is left to the model's own forward
     "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
                                  embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
-                                 refuse=("final_logit_softcapping", "attn_logit_softcapping",
-                                         "use_bidirectional_attention")),
+                                 refuse=("attn_logit_softcapping", "use_bidirectional_attention")),
 }
 SLOTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # where `Family.norms` sit, as `layer` names them
 

@@ -155,14 +155,26 @@ FAMILIES = {
                                            layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
                   features=(_SCALE, "window", "qk norm", "norm offset", "post norms", "embedding scale",
                             "rotary per type"), lora=True),
-    "gemma2": Row("Gemma2Config", dict(sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=0.5,
-                                       attn_logit_softcapping=5.0), written_out=False, attention="eager"),
+    # Gemma 3's layer without head norms, alternating windows, and softcaps on the attention scores and the final
+    # logits small enough to bite (eager: sdpa has no softcap)
+    "gemma2": Row("Gemma2Config", dict(sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
+                                       attn_logit_softcapping=2.0),
+                  features=(_SCALE, "attention softcap", "final softcap", "window", "norm offset", "post norms",
+                            "embedding scale"), attention="eager", lora=True),
     "olmo2": Row("Olmo2Config", dict(), features=(_SCALE, "qk norm", "post norms")),
     # OLMo 2's layer, sliding window 6 on one of its two layers, a rotary per layer type (two bases, so that it shows)
     "olmo3": Row("Olmo3Config", dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                                      rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
                                                       "full_attention": dict(rope_type="default", rope_theta=5e5)}),
                  features=(_SCALE, "qk norm", "post norms", "window", "rotary per type")),
+    # OLMo 2's post-norms and Qwen3's head norms; with windows configured, every attention module carries one but
+    # only the sliding layers apply it, and only they take rotary
+    "exaone4": Row("Exaone4Config", dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+                   features=(_SCALE, "qk norm", "post norms", "window", "full layers unwindowed",
+                             "layers without rotary"), lora=True),
+    # without windows (EXAONE 4.0 1.2B): rotary on every layer
+    "exaone4_full": Row("Exaone4Config", dict(sliding_window=None, layer_types=["full_attention"] * 2),
+                        features=(_SCALE, "qk norm", "post norms")),
     "smollm3": Row("SmolLM3Config", dict(no_rope_layers=[1, 0]), features=(_SCALE, "layers without rotary")),
 }
 assert all(f in KNOCKOUTS for row in FAMILIES.values() for f in row.features)

@@ -152,6 +152,7 @@ def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
     tok = model_loading.build_byte_tokenizer()
     architectures.config("gemma2", tok).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, which refuses
     monkeypatch.setattr(hf_decoder, "unsupported", lambda model: "layers of type 'made_up'")
     argv = [f"--model={tmp_path / 'model'}", "--max_steps=1", "--save_every=0", "--model_init_kwargs",
             '{"attn_implementation": "eager"}']

@@ -75,14 +75,9 @@ def test_cuda_graph_spans_and_compaction_equal_eager(case):
 
 @pytest.mark.parametrize("case", ["gemma2", "qwen3_5", "gpt_oss"])
 def test_cuda_model_forward_multi_turn_equals_each_row_forward(case, monkeypatch):
-    """Our loop on the model's own forward (Gemma 2's path; the others forced onto it), several turns."""
-    if case == "gemma2":
-        model, tok = architectures.tiny("gemma2")
-        model = model.to("cuda")
-        assert not static_decoder.static_decode_supported(model)
-    else:
-        model, tok = on_cuda(case)
-        monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)
+    """Our loop on the model's own forward (forced onto it), several turns."""
+    model, tok = on_cuda(case)
+    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)
     enc = prompts(tok, "cuda")
     r = multi_turn(model, tok, enc, seeds=torch.arange(6, device="cuda") * 7 + 3)
     assert (r.turns > 1).any()

@@ -175,10 +175,11 @@ def test_training_forward_matches_hf_forward_in_bfloat16(case):
     assert_close_in_bfloat16(fast, hf)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3", "gemma2", "exaone4"])
 def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     """compile_layers: the layer traces whole for every family: one graph per kind of layer (with and without
-    a window mask, with and without rotary), with the eager forward's log-probs and gradients."""
+    a window mask, with and without rotary), with the eager forward's log-probs and gradients; Gemma 2's
+    softcapped attention included."""
     model, tok = build(case)
     model.train()
     ids, attn = with_completions(prompts(tok), 6, seed=3, last=9)
@@ -194,15 +195,19 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     assert 1 <= len(traced_layers) <= 2
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("gemma2", {}),  # softcapped attention logits
-    ("gemma3", dict(final_logit_softcapping=30.0)),
-    ("gemma3", dict(use_bidirectional_attention=True)),
+@pytest.mark.parametrize("name, overrides, why", [
+    ("gemma3", dict(attn_logit_softcapping=5.0), "Gemma3DecoderLayer: attn_logit_softcapping set"),
+    ("gemma3", dict(use_bidirectional_attention=True), "Gemma3DecoderLayer: use_bidirectional_attention set"),
+    ("qwen3", dict(hidden_act="gelu"), "Qwen3DecoderLayer 0: MLP activation GELUActivation"),
+    ("exaone4", dict(layer_types=["chunked_attention", "full_attention"]),
+     "Exaone4DecoderLayer: layers of type 'chunked_attention'"),
 ])
-def test_what_the_decoder_does_not_reproduce_falls_back(name, overrides):
+def test_what_the_decoder_does_not_reproduce_falls_back_saying_why(name, overrides, why):
+    """Refused with the layer class and the feature, on both paths."""
     model, _ = architectures.tiny(name, **overrides)
     assert not static_decoder.static_decode_supported(model)
     assert not static_decoder.training_forward_supported(model)
+    assert static_decoder.decode_refusal(model).startswith(why), static_decoder.decode_refusal(model)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3"])
