@@ -1,5 +1,9 @@
 """Decoder layers written out: the fast decoder behind `sampling.sample`, and the training forward.
 
+One concern in one file (past 650 lines on purpose): the family table, what it reads from a model (`_spec`), the
+one layer function, and its callers, which read the same layer's tensors in two forms (the training forward's live
+parameters, the decoder's fused copies) that must change together.
+
 A layer is written once: `layer` computes one decoder layer (norms, q/k/v projections with their head norms and
 rotary, attention, the MLP or MoE block, residuals) and `attention` its attention, with the family's options
 (a sink per head, a softcap on the scores, a sliding window, the scale). Three callers run them and differ only in

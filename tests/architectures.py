@@ -27,13 +27,15 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One family in the tests: its tiny model's config, the paths it takes, the features it declares."""
     config: str                 # the config class in transformers
     settings: dict              # over COMMON
     layers: str = "dense"       # "dense", "moe" (MoE blocks) or "hybrid" (recurrent layers beside attention): the
                                 # written-out sampler reads all three; MoE and hybrid layers train on the model's own
                                 # forward (its expert and recurrent kernels)
     written_out: bool = True    # the sampler (and, dense, the training forward) on layers/static_decoder.py's layers
-    features: tuple = ()        # the Family's declared differences, keys of KNOCKOUTS (test_each_feature_matters)
+    features: tuple = ()        # the Family's declared differences, keys of KNOCKOUTS
+                                # (test_static_families.py's test_each_declared_feature_matters)
     attention: str = "sdpa"     # attn_implementation of the model's own forward (eager where sdpa lacks a feature)
     lora: bool = False          # tested with LoRA adapters on every linear layer (tests/test_lora_families.py)
     adapted: tuple = ()         # the family's particular modules of layer 0 LoRA's default targets must reach
