@@ -3,7 +3,8 @@
 `completion_logprobs` runs the training forward (written out where layers/static_decoder.py can, else the model's own)
 and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,
 chunk by chunk over the vocabulary with a hand-written backward, so the (tokens x vocabulary) logits never exist
-whole. The head applies what the model applies to its final logits (Head: a scale, a softcap).
+whole. The head applies what the model applies to its final logits (layers/head.py: a scale, a softcap),
+as the sampler does.
 `micro_batches` packs a step's rows into forwards of equal cost (sorted by length, trimmed to the longest row).
 
 Shapes: N completions, T completion length, V vocabulary.
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from layers import routing as routing_replay
+from layers.head import head_of
 from layers import vision
 from layers.static_decoder import hidden_states, training_forward_supported
 
@@ -173,40 +175,6 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 else:
                     grad_w += z.t() @ h
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
-
-
-@dataclass(frozen=True)
-class Head:
-    """What a model does to its logits after the vocabulary projection: logits * scale, then, with a softcap c,
-    c * tanh(logits / c) (Gemma 2/3/4's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's and
-    MiniCPM's `logits_scaling`). The sampler reads the model's own logits, so the training head must apply the
-    same, or the two disagree silently."""
-    scale: float = 1.0
-    softcap: float = 0.0
-
-    def apply(self, z):
-        """z: raw float32 logits, changed in place where that is possible."""
-        if self.scale != 1.0:
-            z.mul_(self.scale)
-        if self.softcap:
-            z = z.div_(self.softcap).tanh_().mul_(self.softcap)
-        return z
-
-    def derivative(self, raw):
-        """d apply(raw) / d raw, elementwise."""
-        if not self.softcap:
-            return self.scale
-        return (1 - (raw * (self.scale / self.softcap)).tanh().square()) * self.scale
-
-
-def head_of(model):
-    """The model's logit transform as a Head, or None when its logits are the projection's output as they are."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
-    if getattr(cfg, "logits_scaling", None):
-        scale /= float(cfg.logits_scaling)
-    softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
-    return Head(scale, softcap) if scale != 1.0 or softcap else None
 
 
 def default_chunk_tokens(vocab_size, device):

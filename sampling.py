@@ -707,12 +707,13 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
 
 
 def path_of(model):
-    """Which way the sampler and the training forward run this model, in a few words (the banner's)."""
-    from layers.static_decoder import training_forward_supported
+    """Which way the sampler and the training forward run this model, in a few words (the banner's), with why a
+    path is not the written-out layers."""
+    from layers.static_decoder import decode_refusal, training_refusal
 
-    sampler = "written-out layers" if static_decode_supported(model) else "the model's own forward"
-    trainer = "written-out layers" if training_forward_supported(model) else "the model's own forward"
-    return f"sampler on {sampler}, training on {trainer}"
+    def path(refused):
+        return "written-out layers" if refused is None else f"the model's own forward ({refused})"
+    return f"sampler on {path(decode_refusal(model))}, training on {path(training_refusal(model))}"
 
 
 def _plain_logprobs(model, prompt_ids, prompt_mask, rollout):

@@ -1,7 +1,8 @@
 """The model's layers as the sampler and the training forward run them.
 
-    static_decoder.py    decoder layers written out per family (the `FAMILIES` table), the fast decoder behind
-                         sampling.sample and the written-out training forward
+    static_decoder.py    decoder layers written out per family (the `FAMILIES` table): one layer function that the
+                         written-out training forward and the fast decoder behind sampling.sample both call
+    head.py              the final-logit transform (a scale, a softcap), for the sampler and the training head alike
     static_moe.py        Mixture-of-Experts blocks, their experts read in place
     static_recurrent.py  Gated DeltaNet layers (Qwen3.5) with their states per row
     hf_decoder.py        the general path: the model's own forward over a cache whose masks are ours

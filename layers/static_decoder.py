@@ -1,8 +1,17 @@
 """Decoder layers written out: the fast decoder behind `sampling.sample`, and the training forward.
 
-One concern in one file (past 650 lines on purpose): the family table and the three places a layer is
-written out (the training forward, prefill, decode) must change together; the MoE blocks and the recurrent
-layers, which stand alone, are layers/static_moe.py and layers/static_recurrent.py.
+One concern in one file (past 650 lines on purpose): the family table, what it reads from a model (`_spec`), the
+one layer function, and its callers, which read the same layer's tensors in two forms (the training forward's live
+parameters, the decoder's fused copies) that must change together.
+
+A layer is written once: `layer` computes one decoder layer (norms, q/k/v projections with their head norms and
+rotary, attention, the MLP or MoE block, residuals) and `attention` its attention, with the family's options
+(a sink per head, a softcap on the scores, a sliding window, the scale). Three callers run them and differ only in
+what they pass: the training forward (`hidden_states`: the model's own parameters with autograd, this call's keys,
+no cache, compiled whole with `--compile_layers`), and `StaticDecoder`'s prefill and decode (its fused copy of the
+weights, a KV cache to write and read, one token per row without a sequence axis in decode, CUDA graphs on GPU).
+The MoE blocks and the recurrent layers, which stand alone, are layers/static_moe.py and layers/static_recurrent.py;
+the final-logit transform is layers/head.py's, which the training head (logprobs.py) applies too.
 
 `sampling.sample` asks `static_decode_supported(model)` and, when it holds,
 decodes with `StaticDecoder`: its own fused copy of the weights, a cache
@@ -10,21 +19,23 @@ allocated once, CUDA graphs on GPU. `logprobs.completion_logprobs` asks
 `training_forward_supported(model)` and, when it holds, runs
 `hidden_states`: the same layers on the model's own parameters, with
 autograd. Both compute what the Hugging Face forward computes (the tests
-compare them); other models take that forward.
+compare them); other models take that forward, and `refusal` says why.
 
 One decoder serves every family in `FAMILIES`: a family is a `Family` row
 saying where its layer departs from Llama's (which norms sit where, q/k
-norms, how a norm scales, what the embedding and the rotary look like), not
-a copy of the layer. Sliding-window layers attend to the keys whose token
-position lies less than the window before the query's. MoE blocks
-(layers/static_moe.py) read the model's experts in place instead of copying them;
-Gated DeltaNet layers (layers/static_recurrent.py) keep states per row instead of
-cache slots. Families with either, or with sinks, a gated query or partial
-rotary, are written out in the sampler only: `training_forward_supported`
-leaves their training to the model's own forward.
+norms, how a norm scales, what the embedding and the rotary look like, which
+layers are windowed, a softcap, sinks), not a copy of the layer. `_spec` reads
+a model's row and modules once into the settings both paths pass to `layer`.
+Sliding-window layers attend to the keys whose token position lies less than
+the window before the query's. MoE blocks (layers/static_moe.py) read the
+model's experts in place instead of copying them; Gated DeltaNet layers
+(layers/static_recurrent.py) keep states per row instead of cache slots.
+Families with either, or with a gated query, are written out in the sampler
+only: `training_forward_supported` leaves their training to the model's own forward.
 
-Of the project it imports layers/kernels.py (the optional Triton decode attention), layers/lora.py (what an adapted
-projection applies), layers/static_moe.py and layers/static_recurrent.py.
+Of the project it imports layers/head.py (the final-logit transform), layers/kernels.py (the optional Triton
+decode attention), layers/lora.py (what an adapted projection applies), layers/static_moe.py and
+layers/static_recurrent.py.
 """
 
 import dataclasses
@@ -39,14 +50,15 @@ from layers import kernels
 from layers import lora
 from layers import static_moe
 from layers import static_recurrent
+from layers.head import head_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """How a family's decoder layer departs from Llama's (the defaults).
+    """How a family's decoder layer departs from Llama's (the defaults). `_spec` reads each field, in one place.
 
     norms: the layer's RMSNorm attributes around attention (its input, its output) and around the MLP (its
-    input, its output); None where the family has none. Llama normalises inputs, OLMo 2 outputs, Gemma 3 both.
+    input, its output); None where the family has none. Llama normalises inputs, OLMo 2 outputs, Gemma 2/3 both.
     """
     norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
     qk_norm: str = None            # "head": an RMSNorm over each head of q and of k (Qwen3, Gemma 3);
@@ -55,9 +67,12 @@ class Family:
     upcast: bool = False           # the norms multiply by their weight in float32 and round once (OLMo 2, Gemma)
     embedding: str = "Embedding"   # the embedding module's class: Gemma's scales by its `embed_scale`
     rotary_per_type: bool = False  # one rotary table per layer type (Gemma 3: another base for sliding layers)
-    rope_flag: str = None          # the attention attribute that is false on layers without rotary (SmolLM3)
-    window_from_config: bool = False  # every layer windowed by config.sliding_window (Mistral); otherwise the
-                                      # attention module's `sliding_window`, where it has one
+    rotary_on: object = None       # f(attention module) -> False on a layer without rotary (SmolLM3's `use_rope`);
+                                   # None: rotary on every attention layer
+    window: object = None          # f(attention module, config) -> the layer's sliding window, None for full
+                                   # attention; None: the attention module's `sliding_window`, where it has one
+    softcap: str = None            # the config field whose value c caps each attention score, c tanh(s / c),
+                                   # before the softmax (Gemma 2's `attn_logit_softcapping`)
     sinks: bool = False            # a learned logit per head in each softmax's denominator (gpt-oss's `sinks`)
     half_tables: bool = False      # the rotary module gives cos/sin over half a head, which rotates the halves
                                    # (x1 cos - x2 sin, x2 cos + x1 sin): the tables duplicated (gpt-oss)
@@ -69,8 +84,8 @@ class Family:
 
 
 _LLAMA = Family()
-_OLMO2 = Family(norms=(None, "post_attention_layernorm", None, "post_feedforward_layernorm"), qk_norm="projection",
-                upcast=True)
+_POST_NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo 2's: outputs only
+_OLMO2 = Family(norms=_POST_NORMS, qk_norm="projection", upcast=True)
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
 # the decoder layer's class name -> its family
@@ -80,20 +95,31 @@ FAMILIES = {
     "Qwen3DecoderLayer": Family(qk_norm="head"),
     "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from layers/static_moe.py
     "Qwen2MoeDecoderLayer": _LLAMA,  # Qwen2's attention; MoE blocks with a shared expert from layers/static_moe.py
-    "MistralDecoderLayer": Family(window_from_config=True),
-    "SmolLM3DecoderLayer": Family(rope_flag="use_rope"),
+    "MistralDecoderLayer": Family(window=lambda a, cfg: cfg.sliding_window),  # every layer, or none
+    "SmolLM3DecoderLayer": Family(rotary_on=lambda a: a.use_rope),
     "Olmo2DecoderLayer": _OLMO2,
     "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
+    # OLMo 2's post-norms with Qwen3's head norms; every attention module carries `sliding_window`, which only the
+    # sliding layers apply, and with windows configured the full layers take no rotary
+    "Exaone4DecoderLayer": Family(norms=_POST_NORMS, qk_norm="head",
+                                  window=lambda a, cfg: a.sliding_window if a.is_sliding else None,
+                                  rotary_on=lambda a: a.sliding_window is None or a.is_sliding),
     # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from layers/static_moe.py
     "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
     # gated attention with partial rotary beside Gated DeltaNet layers (layers/static_recurrent.py)
     "Qwen3_5DecoderLayer": Family(qk_norm="head", unit_offset=True, upcast=True, partial_rotary=True,
                                   gated_query=True),
+    # alternating windows, softcapped attention scores (and final logits: layers/head.py), scaled embeddings
+    "Gemma2DecoderLayer": Family(norms=_GEMMA_NORMS, unit_offset=True, upcast=True,
+                                 embedding="Gemma2TextScaledWordEmbedding", softcap="attn_logit_softcapping",
+                                 refuse=("use_bidirectional_attention",)),
+    # Gemma 2's layer with head norms and a rotary per layer type; a config setting the score softcap, which
+    # Gemma 3's attention keeps but does not apply, is left to the model's own forward
     "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
                                  embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
-                                 refuse=("final_logit_softcapping", "attn_logit_softcapping",
-                                         "use_bidirectional_attention")),
+                                 refuse=("attn_logit_softcapping", "use_bidirectional_attention")),
 }
+SLOTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # where `Family.norms` sit, as `layer` names them
 
 
 def _gelu_tanh(x):
@@ -113,9 +139,13 @@ def _activation(act_fn):
     return None
 
 
+def _layer_class(layer):
+    """The layer's class name as `FAMILIES` knows it (FSDP2 subclasses the layer class: look through it)."""
+    return next((c.__name__ for c in type(layer).__mro__ if c.__name__ in FAMILIES), type(layer).__name__)
+
+
 def _layer_family(layer):
-    # FSDP2 subclasses the layer class: look through it
-    return next((FAMILIES[c.__name__] for c in type(layer).__mro__ if c.__name__ in FAMILIES), None)
+    return FAMILIES.get(_layer_class(layer))
 
 
 def _eps(norm):
@@ -140,58 +170,71 @@ def _gathers_itself(module):
     return callable(getattr(module, "unshard", None)) and callable(getattr(module, "reshard", None))
 
 
-def _reproduced(model):
-    """The `Family` of a causal LM whose layers this file reproduces exactly (sharded or not), else None."""
+def refusal(model):
+    """Why the written-out layers do not reproduce the causal LM `model` exactly (sharded or not), in a few words
+    that name the layer class and the feature; None when they do."""
     inner, cfg = getattr(model, "model", None), model.config
     layers = getattr(inner, "layers", None)
     if not layers or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
-        return None
-    fam = _layer_family(layers[0])
+        return f"{type(model).__name__}: no model.layers, model.rotary_emb and model.norm as a decoder keeps them"
+    name = _layer_class(layers[0])
+    fam = FAMILIES.get(name)
+    if fam is None:
+        return f"{name}: a layer class not in the family table"
     head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
-    if fam is None or type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return f"{name}: an output layer other than a Linear without bias ({type(head).__name__})"
     if not isinstance(embed, torch.nn.Embedding) or type(embed).__name__ != fam.embedding:
-        return None
-    if any(getattr(cfg, k, None) for k in fam.refuse):
-        return None
+        return f"{name}: embedding {type(embed).__name__}, where the family's is {fam.embedding}"
+    for k in fam.refuse:
+        if getattr(cfg, k, None):
+            return f"{name}: {k} set, which the written-out layers do not compute"
     attention = [layer.self_attn for layer in layers if _attends(layer)]
     if not attention:
-        return None
+        return f"{name}: no attention layer"
     head_dim = attention[0].head_dim
-    for name, b in inner.rotary_emb.named_buffers():
-        if name.endswith("inv_freq") and (2 * b.numel() > head_dim or
-                                          (2 * b.numel() != head_dim and not fam.partial_rotary)):
-            return None  # rotary over part of each head, where the family does not say so
+    for key, b in inner.rotary_emb.named_buffers():
+        if key.endswith("inv_freq") and (2 * b.numel() > head_dim or
+                                         (2 * b.numel() != head_dim and not fam.partial_rotary)):
+            return f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not declare"
     types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
-    if any(t not in ("full_attention", "sliding_attention", "linear_attention") for t in types_):
-        return None
-    for layer, kind, window in zip(layers, types_, _windows(model, fam)):
+    for t in types_:
+        if t not in ("full_attention", "sliding_attention", "linear_attention"):
+            return f"{name}: layers of type {t!r}"
+    for i, (layer, kind, window) in enumerate(zip(layers, types_, _windows(model, fam))):
+        where = f"{name} {i}"
         if _layer_family(layer) is not fam:
-            return None
+            return f"{where}: a {_layer_class(layer)} among the {name}s"
         m = layer.mlp
         if (kind == "linear_attention") != (not _attends(layer)):
-            return None
+            return f"{where}: layer type {kind!r} on a layer {'with' if _attends(layer) else 'without'} attention"
         if static_moe.is_moe(m):
             if not static_moe.supported(m):
-                return None
-        elif _activation(getattr(m, "act_fn", None)) is None or \
-                not all(lora.linear_like(x) for x in (m.gate_proj, m.up_proj, m.down_proj)):
-            return None
+                return f"{where}: MoE block {type(m).__name__} (not in static_moe.BLOCKS, or settings it does not read)"
+        elif _activation(getattr(m, "act_fn", None)) is None:
+            return f"{where}: MLP activation {type(getattr(m, 'act_fn', None)).__name__}"
+        elif not all(lora.linear_like(x) for x in (m.gate_proj, m.up_proj, m.down_proj)):
+            return f"{where}: MLP projections other than Linear or LoRALinear"
         if not _attends(layer):
             if not static_recurrent.supported(getattr(layer, "linear_attn", None)):
-                return None
+                return f"{where}: recurrent layer {type(getattr(layer, 'linear_attn', None)).__name__}"
             continue
         a = layer.self_attn
         if not all(lora.linear_like(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
-            return None
+            return f"{where}: attention projections other than Linear or LoRALinear"
         if fam.gated_query and (a.q_proj.out_features != 2 * cfg.num_attention_heads * a.head_dim or
                                 a.q_proj.bias is not None):
-            return None
+            return f"{where}: a gated query whose q_proj is not each head's query then its gate, without bias"
         if (kind == "sliding_attention" and window is None) or (window is not None and window < 1):
-            return None  # a sliding layer whose window this file cannot tell
+            return f"{where}: a sliding window of {window} tokens"
         if fam.qk_norm and _eps(a.q_norm) != _eps(a.k_norm):  # one epsilon serves both
-            return None
-    return fam
+            return f"{where}: q and k norms with different epsilons"
+    return None
+
+
+def _reproduced(model):
+    """The `Family` of a causal LM whose layers this file reproduces exactly (sharded or not), else None."""
+    return None if refusal(model) else _layer_family(model.model.layers[0])
 
 
 def _query_parts(q_weight, heads, fam, kv):
@@ -210,9 +253,8 @@ def _attends(layer):
 
 def _windows(model, fam):
     """Each layer's sliding window in tokens, None for full attention (and for recurrent layers)."""
-    if fam.window_from_config:
-        return [model.config.sliding_window] * len(model.model.layers)
-    return [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in model.model.layers]
+    rule = fam.window or (lambda a, cfg: getattr(a, "sliding_window", None))
+    return [rule(layer.self_attn, model.config) if _attends(layer) else None for layer in model.model.layers]
 
 
 def _rotary_keys(model, fam):
@@ -220,7 +262,7 @@ def _rotary_keys(model, fam):
     for a layer without rotary."""
     cfg = model.config
     kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
-    return [None if not _attends(layer) or (fam.rope_flag and not getattr(layer.self_attn, fam.rope_flag)) else
+    return [None if not _attends(layer) or (fam.rotary_on and not fam.rotary_on(layer.self_attn)) else
             kind if fam.rotary_per_type else "all" for layer, kind in zip(model.model.layers, kinds)]
 
 
@@ -232,26 +274,75 @@ def _rotary(rotary_emb, fam, x, positions, key):
     return cos, sin
 
 
+@dataclasses.dataclass
+class Spec:
+    """What the written-out forward computes for one model besides its weights, read by `_spec` from the model's
+    `Family` row, modules and config, once for training, prefill and decode alike.
+
+    layers: per layer, the settings `layer` and `attention` read (copied into each layer's `p`): "upcast",
+      "eps" (norm slot -> epsilon; "qk": the q/k norms'), "act" (the MLP's activation), and for an attention
+      layer "heads", "kv_heads", "head_dim", "qk_norm", "gated", "scaling", "softcap"; and for its caller "rope"
+      (its rotary table's key, None: no rotary) and "window" (its sliding window, None: full attention).
+    embed_scale: what the embedding is multiplied by (Gemma's `embed_scale`), None for nothing.
+    head: the final logits' transform (layers/head.py), None for none.
+    """
+    fam: Family
+    layers: list
+    embed_scale: object
+    head: object
+
+
+def _spec(model, fam=None):
+    """`model`'s Spec; fam: the family to read it as (its own row by default)."""
+    inner, cfg = model.model, model.config
+    fam = fam or _layer_family(inner.layers[0])
+    softcap = (getattr(cfg, fam.softcap, None) or None) if fam.softcap else None
+    settings = []
+    for layer, rope, window in zip(inner.layers, _rotary_keys(model, fam), _windows(model, fam)):
+        s = dict(rope=rope, window=window, upcast=fam.upcast,
+                 eps={slot: _eps(getattr(layer, name)) for slot, name in zip(SLOTS, fam.norms) if name})
+        if not static_moe.is_moe(layer.mlp):
+            s["act"] = _ACT[_activation(layer.mlp.act_fn)]
+        if _attends(layer):
+            a = layer.self_attn
+            s.update(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=a.head_dim,
+                     qk_norm=fam.qk_norm, gated=fam.gated_query, scaling=a.scaling, softcap=softcap)
+            if fam.qk_norm:
+                s["eps"]["qk"] = _eps(a.q_norm)
+        settings.append(s)
+    return Spec(fam, settings, getattr(inner.embed_tokens, "embed_scale", None), head_of(model))
+
+
+def decode_refusal(model):
+    """Why StaticDecoder does not decode `model`, None when it does (see `static_decode_supported`)."""
+    why = refusal(model)
+    if why:
+        return why
+    inner = model.model
+    if not _fixed_rotary(inner.rotary_emb):
+        return f"{_layer_class(inner.layers[0])}: rotary tables that depend on the longest position of each call"
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
+        return "sharded decoder layers that cannot gather themselves"
+    if any(static_moe.is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
+        return "sharded MoE experts (read in place, they would need a gather per step)"
+    if any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb)):
+        return "a sharded embedding, final norm, head or rotary module"
+    return None
+
+
 def static_decode_supported(model):
     """True for a causal LM of a family in `FAMILIES` whose layers StaticDecoder reproduces exactly.
 
     Anything else (other architectures, settings a family's row refuses, adapters
     that replace the projections, shards it cannot gather) takes the Hugging Face
-    forward. Sharded decoder layers are fine when they can gather themselves
+    forward (`decode_refusal` says why). Sharded decoder layers are fine when they can gather themselves
     (FSDP2 blocks): the decoder copies them one at a time. The embeddings, final
     norm and head must be whole, as they are inside a sharded root's forward.
     MoE blocks are read in place at every step (layers/static_moe.py), never copied:
     sharded ones would need a gather per step, which the model's own forward
     already does, so a model with sharded experts takes that forward.
     """
-    if not _reproduced(model) or not _fixed_rotary(model.model.rotary_emb):
-        return False
-    inner = model.model
-    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
-        return False
-    if any(static_moe.is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
-        return False
-    return not any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb))
+    return decode_refusal(model) is None
 
 
 def _fixed_rotary(rotary_emb):
@@ -260,6 +351,9 @@ def _fixed_rotary(rotary_emb):
     kinds = getattr(rotary_emb, "rope_type", "default")
     kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
     return not any("dynamic" in k or k == "longrope" for k in kinds)
+
+
+# ----------------------------------------------------------------------------- the layer, written once
 
 
 def _rms_norm(x, weight, eps, upcast=False):
@@ -290,6 +384,11 @@ def _norm_weight(weight, fam):
     return weight.float() if fam.upcast else weight
 
 
+def _norm(x, norm, upcast):
+    """x through a layer's norm (weight as `_norm_weight` gives it, epsilon), or x itself where there is none."""
+    return x if norm is None else _rms_norm(x, norm[0], norm[1], upcast)
+
+
 def _rotate(x, cos, signed_sin):
     """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
 
@@ -298,6 +397,17 @@ def _rotate(x, cos, signed_sin):
     bf16 (OLMo's rotary keeps them so) rotate in float32: the caller rounds the result once, as OLMo does.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _rotary_heads(x, cos, sin):
+    """`_rotate` over the first dims of each head of x (..., heads, head_dim), as many as the tables are wide (all
+    of them but with partial rotary), the rest passed through; rounded once to x's dtype."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        out = _rotate(x, cos, sin)
+    else:
+        out = torch.cat([_rotate(x[..., :rd], cos, sin).to(x.dtype), x[..., rd:]], -1)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _repeat_kv(t, rep):
@@ -311,20 +421,124 @@ def _signed_sin(sin):
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
-def _sink_attention(q, k, v, mask, scale, sinks):
-    """Attention whose softmax has one more logit per head, the learned sink, in its denominator only (gpt-oss).
+def _linear(x, p):
+    """x through a linear layer's params: (weight, bias), and for one with a LoRA adapter switched on (A, B,
+    scaling) after them, its low-rank term added apart from the weight as LoRALinear adds it (the frozen weight
+    then needs no gradient of its own)."""
+    y = F.linear(x, p[0], p[1])
+    return y if len(p) == 2 else y + F.linear(F.linear(x, p[2]), p[3]) * p[4]
 
-    q (..., Q, hd), k and v (..., L, hd), mask broadcasting to (..., Q, L) (True: attend; None: all), sinks
-    broadcasting to (..., 1, 1) (the heads' axis where q has it). As the model's eager attention computes it:
-    the sink joins the logits as a last column, the row's maximum is subtracted, the softmax taken and the
-    sink's column dropped.
+
+def _linears(x, parts):
+    """x through a group of projections whose outputs are concatenated: one fused matmul (the decoder's copy) or
+    one per projection (the training forward, on the model's own)."""
+    if len(parts) == 1:
+        return _linear(x, parts[0])
+    return torch.cat([_linear(x, part) for part in parts], -1)
+
+
+def _qkv(h, p):
+    """The attention's inputs from the normed h (*lead, H): q and k together (*lead, heads + kv_heads, head_dim),
+    normed as the family does, v (*lead, kv_heads, head_dim), and the query's gate (*lead, heads * head_dim) or None."""
+    nh, nkv, hd = p["heads"], p["kv_heads"], p["head_dim"]
+    qkv = _linears(h, p["qkv"])
+    gate = None
+    if p["gated"]:  # the gates come after q, k and v (see _query_parts)
+        qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
+    if p["qk_norm"] == "projection":  # over all of q and all of k, before the split into heads
+        eps = p["eps"]["qk"]
+        q = _rms_norm(qkv[..., :nh * hd], p["q_norm"], eps, p["upcast"])
+        k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p["k_norm"], eps, p["upcast"])
+        return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
+            qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd)), gate
+    heads = qkv.unflatten(-1, (-1, hd))
+    qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:nh + 2 * nkv, :]
+    if p["qk_norm"] == "head":  # each head of q and k, in one pass
+        qk = _head_norm(qk, p["qk_table"], p["eps"]["qk"], p["upcast"])
+    return qk, v, gate
+
+
+def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):
+    """softmax(q k^T * scale) v per head, with the options of the layer's settings p: "scaling", "softcap" (each
+    score s becomes c tanh(s / c), Gemma 2) and "sinks" (a learned logit per head in the softmax's denominator
+    only, gpt-oss; None: none).
+
+    q (B, heads, Q, hd); k, v (B, kv heads, L, hd), kv heads dividing heads (grouped-query attention: each K/V
+    head serves heads / kv heads query heads; decode passes them grouped, the queries sharing a K/V head as its
+    Q axis). mask broadcasting to (B, heads, Q, L), True: attend; None: every key, or with `causal` the keys
+    up to the query's own column. gqa: SDPA may serve grouped heads itself, with no copy of K/V (else they are
+    repeated). kernel(q, k, v, mask, scale): the attention without options, instead of SDPA (decode on a CPU,
+    or the Triton kernel). With an option the scores are computed as the model's eager attention does.
     """
+    scale, cap, sinks = p["scaling"], p["softcap"], p["sinks"]
+    plain = cap is None and sinks is None
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not (plain and gqa):
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    if plain:
+        if kernel is not None:
+            return kernel(q, k, v, mask, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=rep > 1 and gqa)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], -1)
-    logits = logits - logits.max(-1, keepdim=True).values
-    return torch.matmul(torch.softmax(logits, -1)[..., :-1].to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype), v)
+    # the sink joins the scores as a last column (sinks (heads,) viewed over q's head axes), the row's maximum is
+    # subtracted, the softmax taken and the sink's column dropped
+    scores = torch.cat([scores, sinks.to(scores.dtype).view(q.shape[1], -1, 1).expand(*scores.shape[:-1], 1)], -1)
+    scores = scores - scores.max(-1, keepdim=True).values
+    return torch.matmul(torch.softmax(scores, -1)[..., :-1].to(v.dtype), v)
+
+
+def layer(x, p, rope, attend, recurrent=None, record=None):
+    """One decoder layer, x (*lead, H) -> (*lead, H): the only place its arithmetic is written.
+
+    The training forward (`_layer`), prefill and decode (`StaticDecoder._layers`) call it and differ only in
+    what they pass. lead is (B, S) in training and prefill, (B,) in decode (one token per row and no sequence
+    axis: fewer views per token, which shows on small CPU batches).
+    p: the layer's settings (`Spec.layers`) and tensors: norms as (weight as applied, eps) or None; "qkv",
+      "gate_up": lists of linear params whose outputs are concatenated, "o", "down": linear params (`_linear`);
+      "qk_table" (head norms: q's and k's weights over their heads), "q_norm", "k_norm" (norms over the
+      projections); "sinks"; "moe" (a static_moe.MoE) and "recurrent" (a static_recurrent.DeltaNet), None but
+      in the decoder. The training forward reads the model's own parameters (`_layer_params`), the decoder
+      its fused copies (`StaticDecoder.load`).
+    rope: (cos, sin) of the layer's rotary table, broadcasting over q's and k's heads; None: no rotary.
+    attend(q (*lead, heads, hd), k, v (*lead, kv heads, hd)) -> (*lead, heads, hd): `attention` over the
+      caller's keys: this call's own (training), or a KV cache the new k and v are written to first.
+    recurrent(state, h): a recurrent layer's output for its normed input; record(experts): routing replay's
+      record of a MoE block's choice (decoder only).
+    """
+    upcast = p["upcast"]
+    h = _norm(x, p["attn_in"], upcast)
+    if p["recurrent"] is not None:
+        a = recurrent(p["recurrent"], h)  # output projection included
+    else:
+        qk, v, gate = _qkv(h, p)
+        if rope is not None:
+            qk = _rotary_heads(qk, *rope)  # queries and keys in one pass
+        nh = p["heads"]
+        o = attend(qk[..., :nh, :], qk[..., nh:, :], v).flatten(-2)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        a = _linear(o, p["o"])
+    x = x + _norm(a, p["attn_out"], upcast)
+    h = _norm(x, p["mlp_in"], upcast)
+    if p["moe"] is not None:
+        m, experts = p["moe"](h.reshape(-1, h.shape[-1]))  # tokens (T, H)
+        m = m.view(h.shape)
+        if record is not None:
+            record(experts)
+    else:
+        parts = p["gate_up"]
+        gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
+        m = _linear(p["act"](gate) * up, p["down"])
+    return x + _norm(m, p["mlp_out"], upcast)
 
 
 def _padded_causal_mask(attn):
@@ -344,7 +558,37 @@ def _in_window(query_pos, key_pos, window):
     return (query_pos[:, :, None] - key_pos[:, None, :]) < window
 
 
+def _embed(ids, weight, scale, padding_idx=None):
+    """The embedding of ids, times the family's scale (None: none) in the weight's dtype, as Gemma's rounds it."""
+    x = F.embedding(ids, weight, padding_idx)
+    return x if scale is None else x * scale.to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- the training forward
+
+
+def training_refusal(model):
+    """Why `hidden_states` does not stand in for the Hugging Face forward in training, None when it does (see
+    `training_forward_supported`)."""
+    if model.training and getattr(model.config, "attention_dropout", 0.0):
+        return "attention dropout in training mode"
+    why = refusal(model)
+    if why:
+        return why
+    layers = model.model.layers
+    name = _layer_class(layers[0])
+    if any(static_moe.is_moe(layer.mlp) for layer in layers):
+        return "MoE blocks, which train on the model's own expert kernels and routers (routing replay)"
+    if any(not _attends(layer) for layer in layers):
+        return "recurrent layers, which train on the model's own chunked kernels"
+    if _layer_family(layers[0]).gated_query:
+        return f"{name}: a gated query, whose projection interleaves each head's query and gate"
+    if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
+        return "sharded decoder layers that are not one FSDP group each"
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    if _any_dtensor(p for p in model.parameters() if id(p) not in in_layers):
+        return "a sharded embedding, final norm or head"
+    return None
 
 
 def training_forward_supported(model):
@@ -356,21 +600,11 @@ def training_forward_supported(model):
     layer's weights are gathered around it, as around its own forward), and
     everything else (embeddings, final norm, head) already gathered, as inside
     the root's forward. A model in training mode with attention dropout keeps
-    the Hugging Face forward. Forward hooks registered on the layers,
-    projections or norms do not run here.
+    the Hugging Face forward; so do MoE blocks and recurrent layers, which train
+    on the model's own kernels (`training_refusal` says why). Forward hooks
+    registered on the layers, projections or norms do not run here.
     """
-    if model.training and getattr(model.config, "attention_dropout", 0.0):
-        return False
-    fam = _reproduced(model)
-    if not fam or fam.sinks or fam.gated_query or fam.partial_rotary or \
-            any(static_moe.is_moe(layer.mlp) or not _attends(layer) for layer in model.model.layers):
-        return False  # MoE blocks, sinks and hybrid layers train on the model's own forward (its experts
-        # kernels and routers for routing replay, its chunked recurrent kernels)
-    layers = model.model.layers
-    if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
-        return False
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    return not _any_dtensor(p for p in model.parameters() if id(p) not in in_layers)
+    return training_refusal(model) is None
 
 
 def _one_fsdp_group(layer):
@@ -396,16 +630,16 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     by the layers of one kind.
     """
     inner = model.model
-    fam = _layer_family(inner.layers[0])
-    x = inner.embed_tokens(input_ids)  # the module: its padding_idx row gets no gradient, as in the HF forward
-    rotary_keys, windows = _rotary_keys(model, fam), _windows(model, fam)
+    spec = _spec(model)
+    embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in the HF forward
+    x = _embed(input_ids, embed.weight, spec.embed_scale, embed.padding_idx)
     tables = {None: (None, None)}
-    for key in set(rotary_keys) - {None}:
-        cos, sin = _rotary(inner.rotary_emb, fam, x, position_ids, key)  # (N, S, head_dim)
+    for key in {s["rope"] for s in spec.layers} - {None}:
+        cos, sin = _rotary(inner.rotary_emb, spec.fam, x, position_ids, key)  # (N, S, head_dim)
         tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
     s = input_ids.shape[1]
-    for w in set(windows) - {None}:
+    for w in {st["window"] for st in spec.layers} - {None}:
         if s <= w:  # no two positions of a row are a window apart
             masks[w] = masks[None]
         else:
@@ -413,25 +647,25 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
                 torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
     math = compiled_layer() if compiled else _layer
-    for layer, key, window in zip(inner.layers, rotary_keys, windows):
+    for layer, settings in zip(inner.layers, spec.layers):
         call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
-        cos, sin = tables[key]
-        mask = masks[window]
+        cos, sin = tables[settings["rope"]]
+        mask = masks[settings["window"]]
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
-            x = checkpoint(call, math, x, cos, sin, mask)
+            x = checkpoint(call, math, x, cos, sin, mask, settings, spec.fam)
         else:
-            x = call(math, x, cos, sin, mask)
-    return _rms_norm(x, _norm_weight(inner.norm.weight, fam), _eps(inner.norm), fam.upcast)
+            x = call(math, x, cos, sin, mask, settings, spec.fam)
+    return _rms_norm(x, _norm_weight(inner.norm.weight, spec.fam), _eps(inner.norm), spec.fam.upcast)
 
 
-def _layer_on(layer, math, x, cos, sin, mask):
+def _layer_on(layer, math, x, cos, sin, mask, settings, fam):
     """`math` (`_layer` or its compiled form) on this layer's parameters, as they are at the call: gathered,
     under FSDP, by the hooks around `_fsdp_layer_method`."""
     if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
         _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
-    return math(x, cos, sin, mask, _layer_params(layer))
+    return math(x, cos, sin, mask, _layer_params(layer, settings, fam))
 
 
 def _fsdp_layer_method(layer):
@@ -449,21 +683,22 @@ def _default_checkpoint(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
-def _layer_params(layer):
-    """A decoder layer's tensors (None for a missing bias or norm) and constants, as `_layer` reads them."""
-    fam = _layer_family(layer)
+def _layer_params(layer, settings, fam):
+    """A decoder layer's `p` for `layer`, on the model's own parameters (the decoder's copies hold the same, fused):
+    its settings (`Spec.layers`), each projection with its low-rank term apart (`_linear_params`), each norm's
+    weight as the family applies it (differentiable)."""
     a, m = layer.self_attn, layer.mlp
-
-    def norm(module):
-        return None if module is None else (module.weight, _eps(module))
-    p = {slot: norm(getattr(layer, name) if name else None)
-         for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)}
-    p.update({k: _linear_params(lin) for k, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj),
-                                                     ("o", a.o_proj), ("gate", m.gate_proj), ("up", m.up_proj),
-                                                     ("down", m.down_proj))})
-    p.update(q_norm=norm(a.q_norm) if fam.qk_norm else None, k_norm=norm(a.k_norm) if fam.qk_norm else None,
-             qk_norm=fam.qk_norm, offset=fam.unit_offset, upcast=fam.upcast, act=_activation(m.act_fn),
-             head_dim=a.head_dim, scaling=a.scaling)
+    p = dict(settings, moe=None, recurrent=None)
+    p.update({slot: None if name is None else (_norm_weight(getattr(layer, name).weight, fam), settings["eps"][slot])
+              for slot, name in zip(SLOTS, fam.norms)})
+    p.update(qkv=[_linear_params(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)], o=_linear_params(a.o_proj),
+             gate_up=[_linear_params(m.gate_proj), _linear_params(m.up_proj)], down=_linear_params(m.down_proj),
+             sinks=a.sinks if fam.sinks else None, qk_table=None, q_norm=None, k_norm=None)
+    if fam.qk_norm == "head":
+        p["qk_table"] = torch.cat([_norm_weight(a.q_norm.weight, fam).expand(settings["heads"], -1),
+                                   _norm_weight(a.k_norm.weight, fam).expand(settings["kv_heads"], -1)])
+    elif fam.qk_norm == "projection":
+        p["q_norm"], p["k_norm"] = _norm_weight(a.q_norm.weight, fam), _norm_weight(a.k_norm.weight, fam)
     return p
 
 
@@ -474,48 +709,19 @@ def _linear_params(lin):
     return lin.weight, lin.bias
 
 
-def _linear(x, p):
-    """x through a linear layer's `_linear_params`: the low-rank term apart from the weight, as LoRALinear adds it
-    (the frozen weight then needs no gradient of its own)."""
-    y = F.linear(x, p[0], p[1])
-    return y if len(p) == 2 else y + F.linear(F.linear(x, p[2]), p[3]) * p[4]
-
-
-def _norm(x, norm, p):
-    """The layer's norm `norm` ((weight, eps), or None for none: x itself) as its family applies it."""
-    if norm is None:
-        return x
-    weight, eps = norm
-    return _rms_norm(x, weight.float() + 1.0 if p["offset"] else weight, eps, p["upcast"])
-
-
 def _layer(x, cos, sin, mask, p):
-    """One decoder layer as a function of tensors, the weights among them (`_layer_params`), so that one
-    compiled graph serves every layer. cos None: a layer without rotary."""
-    b, s, _ = x.shape
-    hd = p["head_dim"]
-    h = _norm(x, p["attn_in"], p)
-    q, k, v = (_linear(h, p[n]) for n in ("q", "k", "v"))
-    if p["qk_norm"] == "projection":
-        q, k = _norm(q, p["q_norm"], p), _norm(k, p["k_norm"], p)
-    q, k, v = (t.view(b, s, -1, hd) for t in (q, k, v))
-    if p["qk_norm"] == "head":
-        q, k = _norm(q, p["q_norm"], p), _norm(k, p["k_norm"], p)
-    if cos is not None:
-        q, k = _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    # grouped-query attention (each K/V head serves `rep` query heads): SDPA's enable_gqa needs no copies of
-    # K/V, but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy
-    rep = q.shape[1] // k.shape[1]
-    gqa = rep > 1 and (mask is None or not q.is_cuda)
-    if rep > 1 and not gqa:
-        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=p["scaling"],
-                                       enable_gqa=gqa)
-    x = x + _norm(_linear(o.transpose(1, 2).reshape(b, s, -1), p["o"]), p["attn_out"], p)
-    h = _norm(x, p["mlp_in"], p)
-    mlp = _linear(_ACT[p["act"]](_linear(h, p["gate"])) * _linear(h, p["up"]), p["down"])
-    return x + _norm(mlp, p["mlp_out"], p)
+    """The training layer: `layer` over this call's own keys (no cache), a function of tensors, the weights among
+    them (`_layer_params`), so that one compiled graph serves every layer. cos None: a layer without rotary."""
+    return layer(x, p, None if cos is None else (cos, sin), lambda q, k, v: _self_attention(q, k, v, mask, p))
+
+
+def _self_attention(q, k, v, mask, p):
+    """`attention` of a training layer's q (B, S, heads, hd), k, v (B, S, kv heads, hd) over the same positions,
+    mask None: causal (no padding). Grouped-query attention by SDPA's enable_gqa, which needs no copies of K/V,
+    but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy."""
+    o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p, causal=mask is None,
+                  gqa=mask is None or not q.is_cuda)
+    return o.transpose(1, 2)
 
 
 _COMPILED = {}
@@ -583,14 +789,12 @@ class StaticDecoder:
     def __init__(self, model, max_batch, max_len):
         cfg, layers = model.config, model.model.layers
         a0 = next(l.self_attn for l in layers if _attends(l))
-        self.fam = fam = _layer_family(layers[0])
-        self.qk_norm, self.upcast = fam.qk_norm, fam.upcast  # read in every layer of every step
+        self.spec = spec = _spec(model)  # what every layer computes besides its weights (read by `load`)
+        self.fam = fam = spec.fam
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
-        self.scale = a0.scaling
-        dense = [l.mlp for l in layers if not static_moe.is_moe(l.mlp)]
-        self.act = _ACT[_activation(dense[0].act_fn)] if dense else None
+        self.head = spec.head  # the final logits' transform (layers/head.py), as the training head applies it
         # MoE layers: their place among the MoE layers (routing replay records per MoE layer), experts' top-k
         self.moe_index = {}
         for i, l in enumerate(layers):
@@ -598,18 +802,11 @@ class StaticDecoder:
                 self.moe_index[i] = len(self.moe_index)
         self.routes = None  # (rows, slots, MoE layers, k) int16 experts per token, while recording (`record`)
         self.record_at = None  # where the step being run records its experts: (MoE layer, experts (T, k)) -> None
-        embed_scale = getattr(model.model.embed_tokens, "embed_scale", None)
-        self.embed_scale = None if embed_scale is None else embed_scale.to(self.device, self.dtype)  # as HF rounds it
-        slots = ("attn_in", "attn_out", "mlp_in", "mlp_out")
-        self.eps = [{**{slot: _eps(getattr(l, name)) for slot, name in zip(slots, fam.norms) if name},
-                     **({"qk": _eps(l.self_attn.q_norm)} if fam.qk_norm and _attends(l) else {})} for l in layers]
+        self.embed_scale = None if spec.embed_scale is None else spec.embed_scale.to(self.device, self.dtype)
         self.final_eps = _eps(model.model.norm)
-        # per layer: which rotary table (None: no rotary) and which sliding window (None: full attention)
-        rotary_keys, windows = _rotary_keys(model, fam), _windows(model, fam)
-        self.rotary_keys = sorted(set(rotary_keys) - {None})
-        self.plan = [(None if key is None else self.rotary_keys.index(key), window)
-                     for key, window in zip(rotary_keys, windows)]
-        self.windows = sorted(set(windows) - {None})
+        # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
+        self.rotary_keys = sorted({s["rope"] for s in spec.layers} - {None})
+        self.windows = sorted({s["window"] for s in spec.layers} - {None})
         kw = dict(device=self.device, dtype=self.dtype)
         # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
         # their states per row instead (layers/static_recurrent.py)
@@ -625,13 +822,13 @@ class StaticDecoder:
         self.rotary = model.model.rotary_emb
         probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
         tables = [_rotary(self.rotary, fam, *probe, key)[0] for key in self.rotary_keys]
-        self.rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
-        self.cos = [torch.zeros(max_batch, max_len, self.rot_dim, device=self.device, dtype=t.dtype) for t in tables]
+        rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
+        self.cos = [torch.zeros(max_batch, max_len, rot_dim, device=self.device, dtype=t.dtype) for t in tables]
         self.sin = [torch.zeros_like(c) for c in self.cos]
-        self.rotary_cast = any(c.dtype != self.dtype for c in self.cos)
         # each slot's token position, for sliding windows
         self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=self.device) if self.windows else None
         self.w = None  # weight copies, allocated by the first load
+        self.p = None  # per layer, what `layer` reads: its settings and its copies, built by `load`
         self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
         self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
         self.row_index = torch.arange(max_batch, device=self.device)
@@ -651,7 +848,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def load(self, model):
-        """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy."""
+        """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy.
+        Each layer's `p` then holds its settings (`Spec`) and these copies, in the form `layer` reads."""
         fam, nh, nkv = self.fam, self.n_heads, self.n_kv
 
         def biases(*lins):  # the fused projections' bias pieces; None when none of them has a bias
@@ -694,8 +892,7 @@ class StaticDecoder:
                 mine["moe"] = None
             elif mine.get("moe") is None or mine["moe"].block is not m:  # kept: captured graphs read its tensors
                 mine["moe"] = static_moe.MoE(m)  # the experts stay where they are (layers/static_moe.py)
-            put(mine, {slot: norm(getattr(l, name) if name else None)
-                       for slot, name in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), fam.norms)})
+            put(mine, {slot: norm(getattr(l, name) if name else None) for slot, name in zip(SLOTS, fam.norms)})
             put(mine, {
                 "qkv": None, "qkv_b": None, "qk_norm": None, "q_norm": None, "k_norm": None, "o": None, "o_b": None,
                 "sinks": None,
@@ -718,6 +915,7 @@ class StaticDecoder:
             })
             if gather:
                 l.reshard()
+        self.p = [self._layer_p(settings, mine) for settings, mine in zip(self.spec.layers, self.w[0])]
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         if first and head.data_ptr() == embed.data_ptr():  # tied: one copy serves both
             put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm)})
@@ -725,6 +923,16 @@ class StaticDecoder:
         else:
             put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm), "lm_head": [head]})
         self.rotary = model.model.rotary_emb
+
+    @staticmethod
+    def _layer_p(settings, w):
+        """A layer's `p` for `layer`: its settings, and its copies w as (weight, bias) pairs and (weight, eps) norms."""
+        eps = settings["eps"]
+        p = dict(settings, moe=w["moe"], recurrent=w["linear"], sinks=w["sinks"], qk_table=w["qk_norm"],
+                 q_norm=w["q_norm"], k_norm=w["k_norm"], qkv=[(w["qkv"], w["qkv_b"])], o=(w["o"], w["o_b"]),
+                 gate_up=[(w["gate_up"], w["gate_up_b"])], down=(w["down"], w["down_b"]))
+        p.update({slot: None if w[slot] is None else (w[slot], eps[slot]) for slot in SLOTS})
+        return p
 
     def batch_for(self, n):
         """The decode batch that serves n live rows: n itself, or on graphs the next power of two."""
@@ -756,123 +964,55 @@ class StaticDecoder:
             layer.compact(keep)
 
     def _embed(self, ids):
-        x = F.embedding(ids, self.w[1]["embed"])
-        return x if self.embed_scale is None else x * self.embed_scale
+        return _embed(ids, self.w[1]["embed"], self.embed_scale)
 
-    def _project(self, x, lead, w, eps, rope, cos, sin):
-        """A layer's attention inputs from x (*lead, H): q and k (*lead, nh + nkv, hd), normed and rotated by
-        the rotary table `rope` of cos, sin (None: no rotary) as the family does, v (*lead, nkv, hd), and the
-        query's gate (*lead, nh * hd), None where the family has none."""
+    def _layers(self, x, rope, attend, recurrent):
+        """x through every layer (`layer`). rope: rotary key -> (cos, sin) of these tokens; attend(i, p, q, k, v):
+        layer i's attention, its new K/V written to the cache first (`_block_attention`, `_decode_attention`);
+        recurrent(state, h): a recurrent layer's output."""
+        for i, p in enumerate(self.p):
+            record = None if self.record_at is None or i not in self.moe_index else \
+                functools.partial(self.record_at, self.moe_index[i])
+            x = layer(x, p, None if p["rope"] is None else rope[p["rope"]], functools.partial(attend, i, p),
+                      recurrent, record)
+        return x
+
+    def _block_attention(self, write, keys, masks):
+        """Prefill and extend: each layer's attention over a block of tokens per row, q (B, S, heads, hd), k, v
+        (B, S, kv heads, hd); write(cache row, k, v) stores the new K/V, keys(cache row) gives the cached K, V
+        (B, kv heads, L, hd); masks: window (None: full attention) -> attention mask (B, 1, S, L)."""
+        def attend(i, p, q, k, v):
+            c = self.kv_index[i]
+            write(c, k.transpose(1, 2), v.transpose(1, 2))
+            kk, vv = keys(c)
+            return attention(q.transpose(1, 2), kk, vv, masks[p["window"]], p).transpose(1, 2)
+        return attend
+
+    def _decode_attention(self, write, keys, masks, starts):
+        """Decode: each layer's attention for one token per row, q (B, heads, hd), k, v (B, kv heads, hd). The query
+        heads that share a KV head are grouped as the query axis, so grouped-query attention needs no copy of K/V
+        per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`)."""
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        h = x if w["attn_in"] is None else _rms_norm(x, w["attn_in"], eps["attn_in"], self.upcast)
-        qkv = F.linear(h, w["qkv"], w["qkv_b"])
-        gate = None
-        if self.fam.gated_query:  # the gates come after q, k and v (see _query_parts)
-            qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
-        if self.qk_norm == "projection":  # over all of q and all of k, before the split into heads
-            q = _rms_norm(qkv[..., :nh * hd], w["q_norm"], eps["qk"], self.upcast)
-            k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], w["k_norm"], eps["qk"], self.upcast)
-            qk = torch.cat([q, k], -1).view(*lead, nh + nkv, hd)
-            v = qkv[..., (nh + nkv) * hd:].view(*lead, nkv, hd)
-        else:
-            heads = qkv.unflatten(-1, (nh + 2 * nkv, hd))
-            qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:, :]
-            if self.qk_norm == "head":  # each head of q and k, in one pass
-                qk = _head_norm(qk, w["qk_norm"], eps["qk"], self.upcast)
-        if rope is not None:
-            rd = self.rot_dim
-            if rd == hd:
-                qk = _rotate(qk, cos[rope], sin[rope])  # rotary on queries and keys in one pass
-            else:  # partial rotary: the first rd dims of each head rotate, the rest pass
-                qk = torch.cat([_rotate(qk[..., :rd], cos[rope], sin[rope]).to(qk.dtype), qk[..., rd:]], -1)
-            if self.rotary_cast:
-                qk = qk.to(self.dtype)
-        return qk, v, gate
+        # SDPA on CUDA; else the split-KV Triton kernel (CUDA), or on a CPU its plain version, two batched matmuls,
+        # which beat SDPA's setup cost at small CPU shapes
+        kernel = None if self.sdpa_decode and not self.attention_kernel else _decode_kernel
 
-    def _mixer_in(self, x, w, eps):
-        return x if w["attn_in"] is None else _rms_norm(x, w["attn_in"], eps["attn_in"], self.upcast)
-
-    def _layers(self, x, cos, sin, write, keys, masks, recurrent):
-        """Prefill: x (B, S, H) through every layer; write(cache row, k, v) stores the new K/V; keys(cache row) ->
-        cached K, V. cos, sin: (B, S, 1, hd) per rotary table; masks: window (None: full attention) -> attention
-        mask; recurrent(layer, h): a recurrent layer's output for its normed inputs h (B, S, H)."""
-        b, s, _ = x.shape
-        nh, nkv = self.n_heads, self.n_kv
-        for i, w in enumerate(self.w[0]):
-            rope, window = self.plan[i]
-            eps = self.eps[i]
-            if w["linear"] is not None:
-                x = self._mlp(x, recurrent(w["linear"], self._mixer_in(x, w, eps)), w, eps, i, projected=True)
-                continue
-            qk, v, gate = self._project(x, (b, s), w, eps, rope, cos, sin)
-            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
-            write(self.kv_index[i], k, v.transpose(1, 2))
-            kk, vv = keys(self.kv_index[i])
-            if w["sinks"] is not None:
-                o = _sink_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv), masks[window],
-                                    self.scale, w["sinks"].view(nh, 1, 1))
-            else:
-                o = F.scaled_dot_product_attention(q, _repeat_kv(kk, nh // nkv), _repeat_kv(vv, nh // nkv),
-                                                   attn_mask=masks[window], scale=self.scale)
-            o = o.transpose(1, 2).reshape(b, s, nh * self.head_dim)
-            x = self._mlp(x, o if gate is None else o * torch.sigmoid(gate), w, eps, i)
-        return x
-
-    def _decode_layers(self, x, cos, sin, write, keys, masks, recurrent, starts=None):
-        """Decode: x (B, H), one token per row, through every layer: the arithmetic of `_layers` with no
-        sequence axis, which saves a sixth of the operations per token (views and transposes), a
-        difference that shows on small CPU batches. starts: window -> the first cache slot its layers read,
-        with no mask (see `_narrowed`)."""
-        b = x.shape[0]
-        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
-        for i, w in enumerate(self.w[0]):
-            rope, window = self.plan[i]
-            eps = self.eps[i]
-            if w["linear"] is not None:
-                x = self._mlp(x, recurrent(w["linear"], self._mixer_in(x, w, eps)), w, eps, i, projected=True)
-                continue
-            qk, v, gate = self._project(x, (b,), w, eps, rope, cos, sin)
-            write(self.kv_index[i], qk[:, nh:], v)  # (B, nkv, hd) each
-            kk, vv = keys(self.kv_index[i])  # (B, nkv, L, hd)
-            attn_mask = masks[window]
+        def attend(i, p, q, k, v):
+            c = self.kv_index[i]
+            write(c, k, v)  # (B, nkv, hd) each
+            kk, vv = keys(c)  # (B, nkv, L, hd)
+            window = p["window"]
+            mask = masks[window]
             if starts and window in starts:
-                kk, vv, attn_mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
-            # group the query heads that share a KV head as the "sequence" axis, so grouped-query attention
-            # needs no copy of K/V per query head
-            qg = qk[:, :nh].view(b, nkv, nh // nkv, hd)
-            if w["sinks"] is not None:
-                o = _sink_attention(qg, kk, vv, attn_mask, self.scale, w["sinks"].view(nkv, nh // nkv, 1))
-            elif self.sdpa_decode and not self.attention_kernel:
-                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=attn_mask, scale=self.scale)
-            else:  # the split-KV Triton kernel (CUDA), or on CPU its plain version: two batched matmuls, which
-                # beat SDPA's setup cost at small CPU shapes
-                o = kernels.decode_attention(qg, kk, vv, None if attn_mask is None else attn_mask[:, 0, 0],
-                                             self.scale)
-            o = o.reshape(b, nh * hd)
-            x = self._mlp(x, o if gate is None else o * torch.sigmoid(gate), w, eps, i)
-        return x
-
-    def _mlp(self, x, o, w, eps, i, projected=False):
-        """The rest of layer i after attention: output projection (unless `projected`: a recurrent layer's output)
-        and residual, then the MLP and its residual."""
-        a = o if projected else F.linear(o, w["o"], w["o_b"])
-        if w["attn_out"] is not None:
-            a = _rms_norm(a, w["attn_out"], eps["attn_out"], self.upcast)
-        x = x + a
-        h = x if w["mlp_in"] is None else _rms_norm(x, w["mlp_in"], eps["mlp_in"], self.upcast)
-        if w["moe"] is not None:
-            m, experts = w["moe"](h.reshape(-1, h.shape[-1]))  # tokens (T, H)
-            m = m.view(h.shape)
-            if self.record_at is not None:
-                self.record_at(self.moe_index[i], experts)
-        else:
-            gate, up = F.linear(h, w["gate_up"], w["gate_up_b"]).chunk(2, dim=-1)
-            m = F.linear(self.act(gate).mul_(up), w["down"], w["down_b"])
-        return x + (m if w["mlp_out"] is None else _rms_norm(m, w["mlp_out"], eps["mlp_out"], self.upcast))
+                kk, vv, mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
+            b = q.shape[0]
+            return attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel).reshape(b, nh, hd)
+        return attend
 
     def _logits(self, x):
         head = self.w[1]
-        return F.linear(_rms_norm(x, head["norm"], self.final_eps, self.upcast), head["lm_head"])
+        z = F.linear(_rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
+        return z if self.head is None else self.head.apply(z)
 
     def _windowed(self, mask, query_pos, kv_len, skip=()):
         """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [0, kv_len) within the
@@ -922,8 +1062,8 @@ class StaticDecoder:
         self.record_at = None if self.routes is None else \
             (lambda j, experts: self.routes[:n, :p, j].copy_(experts.view(n, p, -1)))
         real = attn.bool()
-        x = self._layers(x, [c[:n, :p, None] for c in self.cos], [s[:n, :p, None] for s in self.sin], write, keys,
-                         masks, lambda layer, h: layer.prefill(h, real))
+        rope = {key: (c[:n, :p, None], s[:n, :p, None]) for key, c, s in zip(self.rotary_keys, self.cos, self.sin)}
+        x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
         return self._logits(x[:, -1])
 
     def _decode_body(self, b, slot, kv_len, tok=None):
@@ -970,8 +1110,9 @@ class StaticDecoder:
                 self.routes[:b, slot, j] = experts.to(self.routes.dtype)
 
         self.record_at = None if self.routes is None else record
-        return self._logits(self._decode_layers(x, cos, sin, write, keys, masks, lambda layer, h: layer.decode(h),
-                                                starts))
+        rope = dict(zip(self.rotary_keys, zip(cos, sin)))
+        return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts),
+                                         lambda layer, h: layer.decode(h)))
 
     def _narrowed(self, slot, kv_len):
         """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
@@ -1050,7 +1191,8 @@ class StaticDecoder:
         self.record_at = None if self.routes is None else \
             (lambda j, experts: self.routes.__setitem__(
                 (real_rows, real_slots, j), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
-        x = self._layers(self._embed(ids), cos, sin, write, keys, masks,
+        rope = dict(zip(self.rotary_keys, zip(cos, sin)))
+        x = self._layers(self._embed(ids), rope, self._block_attention(write, keys, masks),
                          lambda layer, h: layer.extend(h, valid))  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
@@ -1113,3 +1255,9 @@ class StaticDecoder:
         for layer, states in zip(self.recurrent.values(), saved):
             layer.restore(states)
         return graph, out
+
+
+def _decode_kernel(q, k, v, mask, scale):
+    """`attention`'s kernel in decode where SDPA is not used: kernels.decode_attention, mask (B, 1, 1, L) as its
+    key mask (B, L)."""
+    return kernels.decode_attention(q, k, v, None if mask is None else mask[:, 0, 0], scale)

@@ -26,10 +26,9 @@ from test_multiturn import answering  # noqa: E402
 
 # the families the written-out layers (layers/static_decoder.py) serve in the sampler; the others run the model's own
 # forward. MoE and hybrid families train on the model's own forward (its experts and recurrent kernels, routing
-# replay's routers)
-FAST = {"llama", "qwen2", "mistral", "mistral_window", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3", "qwen3_moe",
-        "gpt_oss", "qwen3_5", "qwen2_moe"}
-FAST_TRAINING = FAST - {"qwen3_moe", "gpt_oss", "qwen3_5", "qwen2_moe"}
+# replay's routers). Read off tests/architectures.py's table
+FAST = set(architectures.WRITTEN_OUT)
+FAST_TRAINING = set(architectures.TRAINED_WRITTEN_OUT)
 STOPS = list(range(97, 105))  # a..h: rows pause at scattered positions
 TEXT = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"]
 
@@ -153,6 +152,7 @@ def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
     tok = model_loading.build_byte_tokenizer()
     architectures.config("gemma2", tok).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, which refuses
     monkeypatch.setattr(hf_decoder, "unsupported", lambda model: "layers of type 'made_up'")
     argv = [f"--model={tmp_path / 'model'}", "--max_steps=1", "--save_every=0", "--model_init_kwargs",
             '{"attn_implementation": "eager"}']

@@ -1,8 +1,8 @@
 """Every family static_decoder.FAMILIES declares takes the fast paths and computes what the model does.
 
-One tiny random model per family (tests/architectures.py: norms, biases and the
-other one-dimensional parameters moved off their initial values), and variants
-whose sliding windows are short enough for these sequences to cross them. The
+One tiny random model per row of tests/architectures.py's table (norms, biases and
+the other one-dimensional parameters moved off their initial values, sliding
+windows short enough for these sequences to cross them). The
 references are the slow obvious ones: `model.generate` for greedy tokens, a
 plain forward of each row's real tokens alone for the sampler's log-probs, and
 the Hugging Face forward for the training forward's values and gradients.
@@ -30,34 +30,17 @@ from test_multiturn import multi_turn  # noqa: E402
 from test_training_forward import (assert_close_in_bfloat16, assert_fast_forward_matches_hf,  # noqa: E402
                                   hf_and_fast_logprobs, with_hole)
 
-# id -> (family in tests/architectures.py, config overrides). Llama and Qwen2 have their own tests
-# (test_fast_paths.py, test_training_forward.py); here with sliding windows.
-CASES = {
-    "qwen3": ("qwen3", {}),
-    "mistral": ("mistral", {}),
-    "mistral-window": ("mistral", dict(sliding_window=5)),
-    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "smollm3": ("smollm3", {}),
-    "olmo2": ("olmo2", {}),
-    "olmo3": ("olmo3", {}),  # OLMo 2's layer, sliding window 6 on one of its two layers, a rotary per layer type
-    "gemma3": ("gemma3", {}),  # sliding window 6 on two of its three layers, another rotary base there
-    "qwen3-moe": ("qwen3_moe", {}),  # Qwen3's attention, MoE blocks read in place (layers/static_moe.py)
-    "qwen3-moe-dense-layer": ("qwen3_moe", dict(mlp_only_layers=[1])),  # a dense MLP beside a MoE block
-    "qwen2-moe": ("qwen2_moe", {}),  # Qwen2's attention (biased q/k/v), a shared expert beside the routed ones
-    # sliding window 6 on one of two layers, sinks, biased q/k/v/o, yarn rotary, a biased router, clamped SwiGLU
-    "gpt-oss": ("gpt_oss", {}),
-    # three Gated DeltaNet layers (layers/static_recurrent.py) and one gated attention layer with partial rotary
-    "qwen3-5": ("qwen3_5", {}),
-}
-WINDOWED = ("mistral-window", "qwen2-window", "olmo3", "gemma3")
-MOE = ("qwen3-moe", "qwen3-moe-dense-layer", "qwen2-moe", "gpt-oss")
-SAMPLER_ONLY = MOE + ("qwen3-5",)  # written out in the sampler only: they train on the model's own forward
-DENSE = [c for c in CASES if c not in SAMPLER_ONLY]
+# the families whose layers static_decoder writes out, and which of them train on the model's own forward: read off
+# tests/architectures.py's table
+CASES = architectures.WRITTEN_OUT
+WINDOWED = architectures.WINDOWED
+MOE = architectures.MOE
+SAMPLER_ONLY = architectures.SAMPLER_ONLY  # written out in the sampler only: they train on the model's own forward
+DENSE = architectures.TRAINED_WRITTEN_OUT
 
 
 def build(case, **kw):
-    name, overrides = CASES[case]
-    return architectures.tiny(name, **overrides, **kw)
+    return architectures.tiny(case, **kw)
 
 
 def per_row_logprobs(model, enc, rollout, temperature=1.0):
@@ -192,10 +175,11 @@ def test_training_forward_matches_hf_forward_in_bfloat16(case):
     assert_close_in_bfloat16(fast, hf)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3", "gemma2", "exaone4"])
 def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     """compile_layers: the layer traces whole for every family: one graph per kind of layer (with and without
-    a window mask, with and without rotary), with the eager forward's log-probs and gradients."""
+    a window mask, with and without rotary), with the eager forward's log-probs and gradients; Gemma 2's
+    softcapped attention included."""
     model, tok = build(case)
     model.train()
     ids, attn = with_completions(prompts(tok), 6, seed=3, last=9)
@@ -211,15 +195,19 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
     assert 1 <= len(traced_layers) <= 2
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("gemma2", {}),  # softcapped attention logits
-    ("gemma3", dict(final_logit_softcapping=30.0)),
-    ("gemma3", dict(use_bidirectional_attention=True)),
+@pytest.mark.parametrize("name, overrides, why", [
+    ("gemma3", dict(attn_logit_softcapping=5.0), "Gemma3DecoderLayer: attn_logit_softcapping set"),
+    ("gemma3", dict(use_bidirectional_attention=True), "Gemma3DecoderLayer: use_bidirectional_attention set"),
+    ("qwen3", dict(hidden_act="gelu"), "Qwen3DecoderLayer 0: MLP activation GELUActivation"),
+    ("exaone4", dict(layer_types=["chunked_attention", "full_attention"]),
+     "Exaone4DecoderLayer: layers of type 'chunked_attention'"),
 ])
-def test_what_the_decoder_does_not_reproduce_falls_back(name, overrides):
+def test_what_the_decoder_does_not_reproduce_falls_back_saying_why(name, overrides, why):
+    """Refused with the layer class and the feature, on both paths."""
     model, _ = architectures.tiny(name, **overrides)
     assert not static_decoder.static_decode_supported(model)
     assert not static_decoder.training_forward_supported(model)
+    assert static_decoder.decode_refusal(model).startswith(why), static_decoder.decode_refusal(model)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3"])
@@ -262,7 +250,7 @@ def _moe_blocks(model):
     return [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe", "qwen2-moe", "gpt-oss"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("adapters", [False, True])
 def test_moe_block_equals_the_model_block(case, grouped, adapters):
@@ -291,7 +279,7 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
     """The decoder's own tensors hold no expert weight (it reads them in place), and with LoRA on the experts
     (the adapters' B random, so that they change the model) the sampler's log-probs, over several turns, equal
     one forward of the adapted model over each row's trajectory; with the adapters off, the base model's."""
-    model, tok = build("qwen3-moe")
+    model, tok = build("qwen3_moe")
     architectures.adapt(model, 4, "experts.gate_up_proj,experts.down_proj")
     assert static_decoder.static_decode_supported(model)
     enc = prompts(tok)
@@ -311,7 +299,7 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
 def test_sharded_experts_take_the_model_forward(monkeypatch):
     """Experts are read in place: a model whose MoE blocks are sharded (FSDP2 outside a gather) samples on its
     own forward, which gathers them."""
-    model, _ = build("qwen3-moe")
+    model, _ = build("qwen3_moe")
     blocks = _moe_blocks(model)
     monkeypatch.setattr(static_decoder, "_is_sharded", lambda m: m is blocks[0])
     assert not static_decoder.static_decode_supported(model)
@@ -320,7 +308,7 @@ def test_sharded_experts_take_the_model_forward(monkeypatch):
 def test_kept_moe_decoder_reads_the_experts_as_they_are_now():
     """With the decoder kept between calls (keep_decoder), the experts changed in place (as an optimizer step
     changes them) decode as they are at the next call: the decoder holds no stale copy."""
-    model, tok = build("qwen3-moe")
+    model, tok = build("qwen3_moe")
     enc = prompts(tok)
     kw = dict(max_new_tokens=10, eos_ids=[], pad_id=tok.pad_token_id, seeds=torch.arange(6), keep_decoder=True)
     sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
@@ -351,7 +339,7 @@ def test_sharded_hybrid_and_moe_families_sample_as_the_whole_model():
                      for fam, path in (("qwen3_5", "fast"), ("qwen3_moe", "hf"), ("gpt_oss", "hf"))}
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_moe_in_bfloat16_with_lora_on_experts(case):
     """bf16 weights with rank-4 adapters on the experts: grouped_mm takes the base weights but not the adapters'
     narrow factors (rows under 16 bytes), which then run as batched matmuls; the sampler's log-probs stay within
@@ -376,7 +364,7 @@ def test_recurrent_states_put_back_around_a_repeated_step():
     """CUDA graph capture runs the decode body twice before the replay runs it: KV slots are written again with
     the same values, but a recurrent state would take the token again (it does: the logits move), so capture
     puts the states back (`snapshot` / `restore`) and the replay gives the step's first result."""
-    model, tok = build("qwen3-5")
+    model, tok = build("qwen3_5")
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
@@ -404,7 +392,7 @@ def test_recurrent_states_put_back_around_a_repeated_step():
 def test_recurrent_states_follow_their_rows_through_compaction():
     """Rows stopping at scattered lengths are dropped from the batch as they finish: the recurrent states move
     with their rows, and each row's log-probs still equal a forward of the row alone."""
-    model, tok = build("qwen3-5")
+    model, tok = build("qwen3_5")
     enc = prompts(tok)
     r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
                         pad_id=tok.pad_token_id, temperature=0.8, seeds=torch.arange(6) * 3, check_every=4,
@@ -412,3 +400,38 @@ def test_recurrent_states_follow_their_rows_through_compaction():
     assert model._static_decoder.compactions > 0
     want = per_row_logprobs(model, enc, r, temperature=0.8)
     torch.testing.assert_close(r.logprobs, want * r.completion_mask, atol=1e-4, rtol=0)
+
+
+def ours_against_the_model(model, tok, enc, new_tokens=6):
+    """How far our paths' log-probs lie from the model's own forward over the same trajectory: the largest
+    difference over a few sampled tokens per row, for the sampler and (where written out) the training forward."""
+    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens, eos_ids=[],
+                        pad_id=tok.pad_token_id, seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3)
+    want = per_row_logprobs(model, enc, r)
+    out = {"sampler": (r.logprobs - want).abs().max().item()}
+    if static_decoder.training_forward_supported(model):
+        ids = torch.cat([enc.input_ids, r.completion_ids], 1)
+        mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
+        with torch.no_grad():
+            train, _ = logprobs.completion_logprobs(model, ids, mask, new_tokens)
+        out["training"] = (train - want).abs().max().item()
+    return out
+
+
+def test_each_declared_feature_matters(monkeypatch):
+    """A wrong layer is caught: for every written-out family, each difference from Llama its row declares
+    (tests/architectures.py's `features`), switched off in turn (`KNOCKOUTS`), moves some log-prob of every path the
+    family takes (sampler, training forward) by far more than the 1e-4 the exactness tests allow: at least 0.05
+    (weights large enough for sharp attention, caps small enough to bite, windows the rows cross)."""
+    change = {}
+    for name in CASES:
+        model, tok = build(name)
+        enc = prompts(tok)
+        assert max(ours_against_the_model(model, tok, enc).values()) < 1e-4, name  # exact with the feature on
+        for feature in architectures.FAMILIES[name].features:
+            with monkeypatch.context() as m:
+                architectures.KNOCKOUTS[feature](m)
+                change[name, feature] = min(ours_against_the_model(model, tok, enc).values())
+    smallest = min(change, key=change.get)
+    print(f"\nsmallest log-prob change with one declared feature switched off: {change[smallest]:.3g} {smallest}")
+    assert change[smallest] >= 0.05, "\n".join(f"{v:.3g} {k}" for k, v in sorted(change.items(), key=lambda kv: kv[1]))
