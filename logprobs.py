@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from layers import vision
 from layers import routing as routing_replay
 from layers.head import head_of
-from layers import vision
 from layers.static_decoder import hidden_states, training_forward_supported
 
 # ----------------------------------------------------------------------------- positions

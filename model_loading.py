@@ -17,8 +17,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           PreTrainedTokenizerFast)
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from runs import disk
 from layers import lora
+from runs import disk
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]

@@ -25,12 +25,10 @@ import torch.nn.functional as F
 
 import environments
 import logprobs
-from environments import responses
 import rewards
-from layers import routing
 import sharding
-from layers import hf_decoder
-from layers import vision
+from environments import responses
+from layers import hf_decoder, routing, vision
 from layers.static_decoder import StaticDecoder, static_decode_supported
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)

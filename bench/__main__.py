@@ -48,8 +48,8 @@ import time
 import torch
 
 from runs import cli
-from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.common import MODELS, build_model_dir, free, medians
+from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
                          trl_version)
 

@@ -12,15 +12,15 @@ import typing
 
 import torch
 
-from runs import cli
 import grpo
 import logprobs
 import model_loading
 import sharding
 import tasks
 import train
-from bench.decode import copy_bandwidth, decode_bytes_per_step
+from runs import cli
 from bench.common import sync, timed
+from bench.decode import copy_bandwidth, decode_bytes_per_step
 
 
 # ----------------------------------------------------------------------------- one GRPO step: ours vs TRL

@@ -35,8 +35,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from environments import responses
 import rewards
+from environments import responses
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _MARK = "\x00turn\x00"  # stands for an assistant turn's text where the template is rendered around one

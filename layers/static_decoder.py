@@ -46,10 +46,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from layers import kernels
-from layers import lora
-from layers import static_moe
-from layers import static_recurrent
+from layers import kernels, lora, static_moe, static_recurrent
 from layers.head import head_of
 
 

@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from runs import disk
 import sharding
+from runs import disk
 
 
 def write_atomic(path, text):

@@ -14,18 +14,14 @@ import torch
 import transformers
 
 import environments
-from sandbox import executor
-from layers import hf_decoder
-from layers import lora
 import model_loading
-from environments import responses
 import rewards
-from layers import routing
 import sampling
 import sharding
-from layers import static_decoder
 import tasks
-from layers import vision
+from environments import responses
+from layers import hf_decoder, lora, routing, static_decoder, vision
+from sandbox import executor
 from config import Config, ConfigError
 
 
