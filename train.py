@@ -756,9 +756,11 @@ if __name__ == "__main__":
             import traceback
             traceback.print_exception(e.__cause__)
         if isinstance(e, (ConfigError, sharding.EveryRank)) and "RANK" in os.environ:
-            # every rank meets it (a setting, out_dir): said once, by rank 0, as a bad setting is above; the group
-            # is taken down together first, so that no rank aborts while another still talks to it
-            sharding.teardown()
+            # every rank meets it (a setting, out_dir): said once, by rank 0, as a bad setting is above. The group
+            # goes down without a barrier: were a rank not to meet it after all (another node's machine), it
+            # would wait in one for ever, where now it fails at its next collective
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
             if int(os.environ["RANK"]) != 0:
                 raise SystemExit(0) from None
         if isinstance(e.code, str):
