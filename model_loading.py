@@ -442,7 +442,9 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
     files = weight_files(path)
     if not files:
         return None, "no safetensors weights in a local folder"
-    config = _from_pretrained(AutoConfig.from_pretrained, path)
+    located = {k: kwargs.pop(k) for k in _CONFIG_LOCATION if k in kwargs and k != "trust_remote_code"}
+    config = _from_pretrained(AutoConfig.from_pretrained, path, trust_remote_code=kwargs.get("trust_remote_code"),
+                              **located)
     auto_class = causal_lm_class(config)
     if auto_class is not AutoModelForCausalLM:
         return None, "a vision-language model loads whole (its files name its parts as transformers converts them)"
