@@ -477,7 +477,8 @@ model_loading.fill_shards = recording_fill
 report = {}
 for name in sys.argv[3:]:
     path = f"{sys.argv[2]}/{name}"
-    whole = AutoModelForCausalLM.from_pretrained(path).state_dict()  # the one-process load, to compare with
+    whole_model = AutoModelForCausalLM.from_pretrained(path)  # the one-process load, to compare with
+    whole = whole_model.state_dict()
     runs = {}
     for bf16 in (False, True):
         cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", f"--ref_bf16={bf16}"])
@@ -495,6 +496,8 @@ for name in sys.argv[3:]:
             exact &= torch.equal(mine, want)
             local += mine.numel() * mine.element_size()
             total += p.numel() * p.element_size()
+        buffers = dict(whole_model.named_buffers())  # rotary inv_freq: computed in __init__, never saved
+        exact &= all(torch.equal(b, buffers[n]) for n, b in root.lm.named_buffers()) and len(buffers) > 0
         r[label] = {"exact": exact, "fraction": local / total,
                     "dtypes": sorted({str(p.to_local().dtype) for p in root.parameters()})}
         full = sharding.full_state_dict(root)  # gathered on rank 0
@@ -529,9 +532,9 @@ def save_weights(path, **config_overrides):
 def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
     """Two processes load a folder with safetensors weights (tied embeddings, and untied): the policy and the
     reference, each built from the files on the meta device, hold on each rank exactly its chunk of every
-    weight as one process loads it (and gathered, the whole model), about half of the model's bytes, and no
-    rank had the model's parameters before its shards were read. With ref_bf16 the reference's shards are
-    bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding."""
+    weight as one process loads it (and gathered, the whole model) and the same buffers, about half of the
+    model's bytes, and no rank had the model's parameters before its shards were read. With ref_bf16 the
+    reference's shards are bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding."""
     save_weights(tmp_path / "tied")
     save_weights(tmp_path / "untied", tie_word_embeddings=False)
     script = tmp_path / "load.py"
