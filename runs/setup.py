@@ -218,7 +218,8 @@ def _load_whole(cfg, d, policy):
         except ValueError as e:
             raise ConfigError("routing_replay", e) from e
     warn_low_precision(cfg, d, policy)
-    if cfg.compile_layers and not static_decoder.training_forward_supported(policy.train()) and d.master:  # as it trains
+    supported = not cfg.compile_layers or static_decoder.training_forward_supported(policy.train())  # as it trains
+    if not supported and d.master:
         warn_not_compiled()
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
     policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision, cfg.cpu_offload).train()
@@ -290,7 +291,8 @@ def check_model(cfg, d, policy, sharded=False):
         try:
             problem = run_check(sampling.check_exact)
         except Exception as e:  # noqa: BLE001 (said in one line on every rank, not a traceback on one)
-            problem = f"{type(policy.lm if sharded else policy).__name__}: the check itself failed: {type(e).__name__}: {e}"
+            name = type(policy.lm if sharded else policy).__name__
+            problem = f"{name}: the check itself failed: {type(e).__name__}: {e}"
     problem = sharding.first_problem(problem, d) if sharded else sharding.broadcast_object(problem, d)
     if problem:
         raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here "
