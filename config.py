@@ -182,6 +182,10 @@ class Config:
     # several processes and checkpoints (sharding.py)
     mixed_precision: str = setting("auto", run=False, choices=("auto", "bf16", "fp32"))  # auto (bf16 compute, fp32
         # gradient reduction on GPU; fp32 on CPU), bf16, fp32
+    cpu_offload: bool = setting(False, run=False)  # keep the policy's (and reference's) shards, gradients and AdamW
+        # states in host memory, copied to the GPU group by group as they are gathered (FSDP2's CPUOffloadPolicy)
+    ref_bf16: bool = setting(False, run=True)  # keep the reference's weights in bfloat16 (it never trains): half its
+        # memory, its log-probs (and so the KL) rounded as bfloat16 weights give them
     save_every: int = setting(100, run=False, at_least=0)  # checkpoint every N steps and at the last step; 0 = never
     keep_checkpoints: int = setting(2, run=False, at_least=1)  # newest K checkpoints kept in out_dir/checkpoints
     # workloads: data, reward model, evaluation, LoRA, dashboards
@@ -271,6 +275,10 @@ def validate(cfg, world_size=1):
          "needs beta > 0 (beta 0 builds no reference model)")
     need(not cfg.sync_ref_model or cfg.lora_rank == 0, "sync_ref_model",
          "needs lora_rank=0 (with LoRA the reference is the policy without its adapters, nothing to sync)")
+    need(not cfg.ref_bf16 or (cfg.beta > 0 and cfg.lora_rank == 0), "ref_bf16",
+         "needs beta > 0 and lora_rank=0 (otherwise no reference model is built)")
+    need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
+         "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

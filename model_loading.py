@@ -5,10 +5,15 @@ forwarded to `from_pretrained` here, and this module decides where the weights
 live: one explicit device per process, never `device_map="auto"`.
 
 Also here: the tiny byte-level model the default run and the tests use, the
-reference model (built from the policy, never re-read from disk), reward
+reference model (one process, or a model without weight files: a copy of the policy), reward
 models, and export of the trained policy to a Hugging Face folder (LoRA adapters: layers/lora.py).
+
+Several processes and a folder of safetensors weights: each process builds the model with its
+parameters on the meta device (`empty_model`), the trainer shards it, and `fill_shards` reads only
+this process's slices of each weight from the files (docs/memory.md, "Loading").
 """
 
+import contextlib
 import os
 import shutil
 
@@ -370,6 +375,114 @@ def load_reward_model(name_or_path, model_init_kwargs=None, device="cpu", seed=0
                          f"got num_labels={model.config.num_labels}")
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- sharded loading
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter registered inside is moved to the meta device (a shape and a dtype, no storage); buffers
+    stay real, so those computed in __init__ and never saved (rotary `inv_freq`) are right. As accelerate's
+    `init_empty_weights(include_buffers=False)`: a layer's own __init__ still asks for its weight with
+    torch.empty (memory never written, so never resident) and initialises it after it is on meta (no work)."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            param = module._parameters[name]
+            module._parameters[name] = type(param)(param.to("meta"), **{**param.__dict__,
+                                                                         "requires_grad": param.requires_grad})
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def weight_files(path):
+    """{name: (shape, dtype)} of every tensor in a local folder's safetensors files; {} when it has none."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        return {}
+    found = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as st:
+                for k in st.keys():
+                    t = st.get_slice(k)
+                    found[k] = (tuple(t.get_shape()), t.get_dtype())
+    return found
+
+
+def _stored_names(model, files):
+    """{name in the files: parameter} for every parameter of `model`, or why the files cannot fill it.
+    A tied parameter (lm_head sharing the embeddings) is one tensor under one of its names."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    out = {}
+    for p, aliases in names.values():
+        stored = next((n for n in aliases if n in files), None)
+        if stored is None:
+            return f"{aliases[0]} is not in the files (transformers renames or converts this family's weights)"
+        if files[stored][0] != tuple(p.shape):
+            return f"{stored} is {list(files[stored][0])} in the files, {list(p.shape)} in the model"
+        out[stored] = p
+    return out
+
+
+def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False):
+    """(model with its parameters on meta and its buffers real, None), or (None, why not) where this folder's
+    weights cannot be read shard by shard: no safetensors files, or names and shapes the model does not have.
+    `dtype` overrides model_init_kwargs' (the reference in bfloat16); "auto" is the files' own."""
+    kwargs = _init_kwargs(model_init_kwargs, "cpu")
+    path = resolve_model_path(name_or_path)
+    files = weight_files(path)
+    if not files:
+        return None, "no safetensors weights in a local folder"
+    located = {k: kwargs.pop(k) for k in _CONFIG_LOCATION if k in kwargs and k != "trust_remote_code"}
+    config = _from_pretrained(AutoConfig.from_pretrained, path, trust_remote_code=kwargs.get("trust_remote_code"),
+                              **located)
+    auto_class = causal_lm_class(config)
+    if auto_class is not AutoModelForCausalLM:
+        return None, "a vision-language model loads whole (its files name its parts as transformers converts them)"
+    why = not_causal(config)
+    if why:
+        return None, why  # load_model says it in full
+    _choose_attention(kwargs, auto_class, config)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if kwargs.get("dtype") == "auto":  # as from_pretrained: the config's, else the files' first floating tensor's
+        from safetensors.torch import _getdtype
+        saved = getattr(config, "dtype", None) or next(
+            (_getdtype(t) for _, t in files.values() if _getdtype(t).is_floating_point), torch.float32)
+        kwargs["dtype"] = resolve_dtype(str(saved).replace("torch.", ""))
+    with parameters_on_meta():
+        model = auto_class.from_config(config, **kwargs)
+    problem = _stored_names(model, files)
+    if isinstance(problem, str):
+        return None, problem
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    return model, None
+
+
+def fill_shards(root, path, device):
+    """Give a sharded root (parameters on meta, buffers real) this process's shards on `device`, read from the
+    folder's safetensors files: each process reads only its own slice of each weight (safetensors' sliced reads,
+    through torch.distributed.checkpoint's Hugging Face reader); the files' dtype is cast to the parameters'."""
+    import torch.distributed.checkpoint as dcp
+
+    buffers = {n: b.detach().clone() for n, b in root.named_buffers()}  # to_empty would leave them uninitialised
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in root.named_buffers():
+            b.copy_(buffers[n])
+        state = _stored_names(root.lm, weight_files(path))
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+    return root
 
 
 def build_reference_model(policy, beta):

@@ -121,23 +121,27 @@ def mixed_precision_dtypes(setting, device):
     raise ValueError(f"mixed_precision: unknown value {setting!r} (auto, bf16 or fp32)")
 
 
-def shard(root, d, mixed_precision="auto"):
+def shard(root, d, mixed_precision="auto", cpu_offload=False):
     """fully_shard each transformer block, then the root (torchtitan's layout); identity with one process.
 
     Each block is gathered just before its forward and freed after it, so a
     GPU holds its 1/W share of all parameters, gradients and optimizer state
     plus one block's full weights at a time. The root group holds what is
     outside the blocks: embeddings, final norm, lm_head (one tensor when tied).
+    cpu_offload: the shards (and so the gradients and AdamW's states, made where the shards are) stay in host
+    memory; FSDP2 copies each group's shards to the device just before its all-gather (CPUOffloadPolicy), and
+    the optimizer steps on the CPU. On a CPU-only machine the shards are on the CPU anyway: nothing moves.
     """
     if d.mesh is None:
         return root
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = mixed_precision_dtypes(mixed_precision, d.device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if cpu_offload else OffloadPolicy()
     for block in transformer_blocks(root.lm):
-        fully_shard(block, mesh=d.mesh, mp_policy=mp)
-    fully_shard(root, mesh=d.mesh, mp_policy=mp)
+        fully_shard(block, mesh=d.mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(root, mesh=d.mesh, mp_policy=mp, offload_policy=offload)
     # completion_logprobs returns views (reshapes of a cat); nothing modifies them in place, which is
     # what FSDP warns about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

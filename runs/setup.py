@@ -6,6 +6,7 @@ run's device; the tiny models are written to out_dir by rank 0 and read by every
 """
 
 import os
+import time
 import typing
 from dataclasses import dataclass, field
 
@@ -154,22 +155,49 @@ def _local_tiny(cfg, d, name, write):
 
 
 def load_models(cfg, d, load_device):
-    """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded."""
+    """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded.
+
+    Several processes and a local folder of safetensors weights: each process builds the model with its
+    parameters on the meta device, shards it, and reads only its own shards from the files, the reference too
+    (`_load_sharded`); about P/W bytes per process where the whole model would be P. Otherwise (one process, the
+    tiny model and other folders without weights, hub ids, LoRA, routing replay, vision-language models) the
+    whole model is built in each process, the reference copied from it, and both sharded after."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
+    start = time.perf_counter()
+    # LoRA adds its adapters before sharding, routing replay wraps the routers before sharding: both load whole
+    sharded = d.world_size > 1 and cfg.model != model_loading.TINY and not cfg.lora_rank and not cfg.routing_replay
     try:
         tokenizer = model_loading.load_tokenizer(path)
-        policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
-                                          gradient_checkpointing=cfg.gradient_checkpointing)
+        empty, why = model_loading.empty_model(path, cfg.model_init_kwargs, gradient_checkpointing=
+                                               cfg.gradient_checkpointing) if sharded else (None, None)
+        if empty is None:
+            policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
+                                              gradient_checkpointing=cfg.gradient_checkpointing)
     except model_loading.InitKwargsError as e:  # an attention implementation the model does not have, ...
         raise ConfigError("model_init_kwargs", str(e).removeprefix("model_init_kwargs: ")) from e
     except (OSError, ValueError) as e:  # a missing folder, damaged weights: one line (GRPO_DEBUG=1: the traceback)
         raise SystemExit(f"model: {e}") from e
     except TypeError as e:  # from_pretrained given a keyword the model does not take
         raise ConfigError("model_init_kwargs", e) from e
+    if cfg.cpu_offload and d.mesh is None:
+        raise ConfigError("cpu_offload", "needs torchrun (FSDP2 shards what it offloads); one plain process has none")
+    if empty is not None:
+        policy, ref = _load_sharded(cfg, d, path, empty)
+        how = "each process read its own shards"
+    else:
+        policy, ref = _load_whole(cfg, d, policy)
+        how = "the whole model in each process" + (f" ({why})" if why else "")
+    if d.master:
+        print(f"loaded in {time.perf_counter() - start:.1f} s: {how}", flush=True)
+    return tokenizer, policy, ref
+
+
+def _load_whole(cfg, d, policy):
+    """The policy (loaded whole) with its adapters, checked, its reference copied from it, both sharded."""
     if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
         try:
             lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
@@ -177,47 +205,97 @@ def load_models(cfg, d, load_device):
             raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
     check_model(cfg, d, policy)  # with the adapters (zero at start): the paths the run takes
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
+    if ref is not None and cfg.ref_bf16:
+        ref.to(torch.bfloat16)
     if cfg.routing_replay:  # after the reference is copied: each model's routers record and replay for it alone
         try:
             for model in (policy, ref) if ref is not None else (policy,):
                 routing.of(model)
         except ValueError as e:
             raise ConfigError("routing_replay", e) from e
+    warn_low_precision(cfg, d, policy)
+    supported = not cfg.compile_layers or static_decoder.training_forward_supported(policy.train())  # as it trains
+    if not supported and d.master:
+        warn_not_compiled()
+    # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
+    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision, cfg.cpu_offload).train()
+    if ref is not None:
+        ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision, cfg.cpu_offload).eval()
+        sharding.check_same_placement(policy, ref)
+    return policy, ref
+
+
+def _load_sharded(cfg, d, path, empty):
+    """The policy and the reference, each built on the meta device, sharded as sharding.shard does, then filled
+    with this process's shards from the folder's files; the start-up check runs on the sharded policy."""
+    policy = sharding.shard(sharding.Root(empty), d, cfg.mixed_precision, cfg.cpu_offload)
+    model_loading.fill_shards(policy, path, d.device).train()
+    check_model(cfg, d, policy, sharded=True)
+    warn_low_precision(cfg, d, policy)
+    if cfg.compile_layers and not policy(lambda lm: static_decoder.training_forward_supported(lm.train())):
+        if d.master:
+            warn_not_compiled()
+    sharding.free_gathered(policy)
+    ref = None
+    if cfg.beta > 0:  # from the same files, not copied from the policy: no process ever holds either whole
+        lm, _ = model_loading.empty_model(path, cfg.model_init_kwargs, dtype=torch.bfloat16 if cfg.ref_bf16 else None)
+        lm.requires_grad_(False)
+        ref = sharding.shard(sharding.Root(lm), d, cfg.mixed_precision, cfg.cpu_offload)
+        model_loading.fill_shards(ref, path, d.device).eval()
+        sharding.check_same_placement(policy, ref)
+    return policy, ref
+
+
+def warn_low_precision(cfg, d, policy):
     low = {p.dtype for p in policy.parameters() if p.requires_grad} & {torch.bfloat16, torch.float16}
     if low and cfg.lr < 1e-4 and d.master:
         print(f"warning: training {low.pop()} weights at lr={cfg.lr:g}: most AdamW updates are smaller than the "
               f"weights' rounding step and are lost; load float32 weights (no dtype in model_init_kwargs) and let "
               f"torchrun + FSDP2 compute in bfloat16", flush=True)
-    if cfg.compile_layers and not static_decoder.training_forward_supported(policy.train()) and d.master:  # as it trains
-        print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
-              "(attention dropout, or an architecture without written-out training layers), which is not compiled", flush=True)
-    # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
-    policy = sharding.shard(sharding.Root(policy), d, cfg.mixed_precision).train()
-    if ref is not None:
-        ref = sharding.shard(sharding.Root(ref), d, cfg.mixed_precision).eval()
-        sharding.check_same_placement(policy, ref)
-    return tokenizer, policy, ref
 
 
-def check_model(cfg, d, policy):
+def warn_not_compiled():
+    print("warning: compile_layers has no effect here: this model trains through the Hugging Face forward "
+          "(attention dropout, or an architecture without written-out training layers), which is not compiled",
+          flush=True)
+
+
+def check_model(cfg, d, policy, sharded=False):
     """Stop, naming the architecture and what is wrong, where the sampler's or the training forward's log-probs
-    would not be the model's own (sampling.check_exact: a few tokens through both, on rank 0)."""
+    would not be the model's own (sampling.check_exact: a few tokens through both).
+
+    A model loaded whole is checked on rank 0 before sharding. A sharded policy (each process read its own
+    shards) is checked on every rank inside the root's forward, as the sampler runs it under FSDP2: no rank
+    holds the whole model to check it, and each gathers one block at a time. Its weights are then as the run
+    computes with them: in bfloat16 under --mixed_precision bf16 (a GPU's default), where check_exact compares
+    nothing (rounding would hide what it looks for), which a line says."""
+    def run_check(fn):  # fn(lm) on the model as it is here: whole, or inside the sharded root's forward
+        if not sharded:
+            return fn(policy)
+        try:
+            return policy(fn)
+        finally:
+            sharding.free_gathered(policy)
     if not cfg.check_model:
         try:  # what the sampler cannot run at all still stops here, rather than inside the model's forward at step 1
-            hf_decoder.check_layer_types(policy)
+            run_check(hf_decoder.check_layer_types)
         except ValueError as e:
             raise SystemExit(f"model: {e}; --check_model=false cannot skip this") from e
         return
     problem = None
-    if d.master:
+    if d.master or sharded:
         try:
-            problem = sampling.check_exact(policy)
+            problem = run_check(sampling.check_exact)
         except Exception as e:  # noqa: BLE001 (said in one line on every rank, not a traceback on one)
-            problem = f"{type(policy).__name__}: the check itself failed: {type(e).__name__}: {e}"
-    problem = sharding.broadcast_object(problem, d)
+            name = type(policy.lm if sharded else policy).__name__
+            problem = f"{name}: the check itself failed: {type(e).__name__}: {e}"
+    problem = sharding.first_problem(problem, d) if sharded else sharding.broadcast_object(problem, d)
     if problem:
         raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here "
                          f"(docs/architectures.md); --check_model=false skips this check at your own risk")
+    if sharded and d.master and sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] is not None:
+        print("note: check_model compared no log-probs: the sharded policy computes in bfloat16 here "
+              "(--mixed_precision=fp32 checks them in float32)", flush=True)
 
 
 def load_task(cfg, d, tokenizer, own_rewards, load_device):

@@ -167,8 +167,8 @@ def run(argv):
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode
     cfg = train.parse_config(argv)
-    initial = model_loading.load_model(os.path.join(out_dir, "tiny_model_init"), cfg.model_init_kwargs, "cpu",
-                                       seed=cfg.seed).state_dict()
+    initial_dir = os.path.join(out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
+    initial = model_loading.load_model(initial_dir, cfg.model_init_kwargs, "cpu", seed=cfg.seed).state_dict()
     ref_full = sharding.full_state_dict(ref)
     policy_full = sharding.full_state_dict(policy)
     report = {"full_state_dict_keys": sorted(policy_full)}  # full tensors land on rank 0 only

@@ -118,6 +118,8 @@ def checks(t):
         "dynamic": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=24",
                     "--pause_often", "--prompts_per_step=4", "--dynamic_sampling", "--max_generation_rounds=3",
                     f"--reward_funcs={t / 'uneven.py'}:uneven"],
+        # a folder with safetensors weights: 2 processes each read their own shards (1 loads it whole)
+        "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
     }
 
 
@@ -132,7 +134,8 @@ def runs(tmp_path_factory):
         f.writelines(json.dumps(row) + "\n" for row in UNEVEN_DATA)
     (t / "uneven.py").write_text(UNEVEN_REWARD)
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
-    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided")}
+    save_weights(t / "saved")
+    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload")}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
@@ -142,7 +145,8 @@ def runs(tmp_path_factory):
                  [f"--out_dir={p['mini2']}", "--max_steps=2", *MINI_FLAGS, *FLAGS],  # stopped, resumed below
                  [f"--out_dir={p['lopsided']}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
                   "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={t / 'lopsided.py'}:lopsided",
-                  *FLAGS]]}
+                  *FLAGS],
+                 [f"--out_dir={p['offload']}", *checks(t)["weights"], "--cpu_offload", *FLAGS]]}
     for name, flags in checks(t).items():
         for w in (1, 2):
             first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
@@ -454,6 +458,125 @@ def test_evaluation_splits_rows_over_processes(runs):
     assert m1["eval/reward"] != 0 and m1["eval/reward_greedy"] != 0
     for k in evals:
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
+
+
+SHARDED_LOAD_WORKER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from transformers import AutoModelForCausalLM
+import logprobs, model_loading, sharding, train
+from runs import setup as run_setup
+d = sharding.setup("cpu")
+filled = []  # what each model held when fill_shards was given it: were all its parameters still on meta?
+original_fill = model_loading.fill_shards
+def recording_fill(root, path, device):
+    filled.append(all(p.device.type == "meta" for p in root.parameters()))
+    return original_fill(root, path, device)
+model_loading.fill_shards = recording_fill
+report = {}
+for name in sys.argv[3:]:
+    path = f"{sys.argv[2]}/{name}"
+    whole_model = AutoModelForCausalLM.from_pretrained(path)  # the one-process load, to compare with
+    whole = whole_model.state_dict()
+    runs = {}
+    for bf16 in (False, True):
+        cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", f"--ref_bf16={bf16}"])
+        _, policy, ref = run_setup.load_models(cfg, d, "cpu")
+        runs[bf16] = (policy, ref)
+    r = {"meta_before_fill": filled[:], "tied": policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight}
+    filled.clear()
+    policy, ref = runs[False]
+    # each rank's own shard of each weight is exactly its chunk (dim 0) of the weight in the files
+    for label, root in (("policy", policy), ("ref", ref), ("ref_bf16", runs[True][1])):
+        exact, local, total = True, 0, 0
+        for n, p in root.lm.named_parameters():
+            mine = p.to_local()
+            want = torch.chunk(whole[n], d.world_size, dim=0)[d.rank].to(mine.dtype)
+            exact &= torch.equal(mine, want)
+            local += mine.numel() * mine.element_size()
+            total += p.numel() * p.element_size()
+        buffers = dict(whole_model.named_buffers())  # rotary inv_freq: computed in __init__, never saved
+        exact &= all(torch.equal(b, buffers[n]) for n, b in root.lm.named_buffers()) and len(buffers) > 0
+        r[label] = {"exact": exact, "fraction": local / total,
+                    "dtypes": sorted({str(p.to_local().dtype) for p in root.parameters()})}
+        full = sharding.full_state_dict(root)  # gathered on rank 0
+        if d.master:
+            r[label]["full_exact"] = sorted(full) == sorted(whole) and all(
+                torch.equal(full[k], whole[k].to(full[k].dtype)) for k in whole)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lp32 = ref(logprobs.completion_logprobs, ids, torch.ones_like(ids), 6)[0]
+        lp16 = runs[True][1](logprobs.completion_logprobs, ids, torch.ones_like(ids), 6)[0]
+    r["ref_bf16_logprob_diff"] = float((lp32 - lp16).abs().max())
+    report[name] = r
+with open(f"{sys.argv[2]}/report_rank{d.rank}.json", "w") as f:
+    json.dump(report, f)
+open(f"{sys.argv[2]}/finished_rank{d.rank}", "w").close()
+sharding.teardown()
+"""
+
+
+def save_weights(path, **config_overrides):
+    """A tiny model folder with its weights written out (safetensors), as a real model's is."""
+    from transformers import AutoModelForCausalLM
+    import model_loading
+    torch.manual_seed(0)
+    tokenizer = model_loading.build_byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(model_loading.tiny_config(tokenizer, **config_overrides))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
+    """Two processes load a folder with safetensors weights (tied embeddings, and untied): the policy and the
+    reference, each built from the files on the meta device, hold on each rank exactly its chunk of every
+    weight as one process loads it (and gathered, the whole model) and the same buffers, about half of the
+    model's bytes, and no rank had the model's parameters before its shards were read. With ref_bf16 the
+    reference's shards are bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding."""
+    save_weights(tmp_path / "tied")
+    save_weights(tmp_path / "untied", tie_word_embeddings=False)
+    script = tmp_path / "load.py"
+    script.write_text(SHARDED_LOAD_WORKER)
+    out = launch(str(script), [ROOT, str(tmp_path), "tied", "untied"], 2, timeout=180)
+    assert out.count("loaded in ") == 4 and "each process read its own shards" in out, out[-3000:]
+    reports = [json.load(open(tmp_path / f"report_rank{r}.json")) for r in (0, 1)]
+    for rank, report in enumerate(reports):
+        for name, r in report.items():
+            assert r["tied"] == (name == "tied")
+            assert r["meta_before_fill"] == [True] * 4, name  # policy and reference, twice
+            for label in ("policy", "ref", "ref_bf16"):
+                assert r[label]["exact"], (name, label, rank)
+                assert r[label]["fraction"] == pytest.approx(0.5, abs=0.02), (name, label)
+                if rank == 0:
+                    assert r[label]["full_exact"], (name, label)
+            assert r["policy"]["dtypes"] == r["ref"]["dtypes"] == ["torch.float32"]
+            assert r["ref_bf16"]["dtypes"] == ["torch.bfloat16"]
+            assert 0 < r["ref_bf16_logprob_diff"] < 1e-2, r  # bfloat16 keeps 8 bits: ~4e-3 of log-probs near 5
+
+
+def test_sharded_loading_trains_as_one_process(runs):
+    """A folder with safetensors weights: 2 processes, each reading only its own shards of the policy and of the
+    reference, train as 1 process that loads it whole; with cpu_offload (on a CPU-only machine the shards are
+    host memory already, so nothing moves) as without it."""
+    p, out = runs
+    assert "loaded in " in out["weights2"] and "each process read its own shards" in out["weights2"]
+    assert "the whole model in each process" in out["weights1"]
+    assert "each process read its own shards" in out["offload"]
+    one, two, offload = metrics(p["weights1"]), metrics(p["weights2"]), metrics(p["offload"])
+    assert [m["step"] for m in two] == [m["step"] for m in offload] == [1, 2]
+    assert tokens(p["weights1"]) == tokens(p["weights2"]) == tokens(p["offload"])
+    for a, b, c in zip(one, two, offload):
+        assert a["reward"] == b["reward"] == c["reward"]
+        for x in (b, c):
+            assert x["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+            assert x["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert x["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+    assert two[1]["kl"] > 0
+    reports = [json.load(open(os.path.join(p["weights2"], f"after_rank{r}.json"))) for r in (0, 1)]
+    assert reports[0]["ref_unchanged"] and reports[0]["policy_changed"]  # the reference: the files' weights
+    assert all(r["sharded"] and r["same_placement"] for r in reports)
 
 
 def _small():

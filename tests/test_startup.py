@@ -177,3 +177,15 @@ def test_a_busy_cpu_is_named(monkeypatch):
     assert run_log.busy_cpu(1) is None  # one thread waits for no other
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))  # this run alone
     assert run_log.busy_cpu(cores) is None
+
+
+def test_memory_settings_refuse_what_cannot_work():
+    """ref_bf16 needs a reference model; cpu_offload needs FSDP2's shards (torchrun): each refused in one line
+    naming its key, before anything loads."""
+    for argv, key in ((["--ref_bf16", "--beta=0"], "ref_bf16"), (["--ref_bf16", "--lora_rank=4"], "ref_bf16"),
+                      (["--cpu_offload", "--device=cpu"], "cpu_offload")):
+        with pytest.raises(cli.ConfigError) as e:
+            train.parse_config(argv)
+        assert e.value.code.startswith(f"config error: --{key}: needs "), e.value.code
+    train.parse_config(["--ref_bf16", "--cpu_offload"])  # a reference, and (as far as the settings tell) torchrun
+    config.validate(dataclasses.replace(config.Config(), cpu_offload=True, device="cpu"), world_size=2)
