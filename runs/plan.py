@@ -112,6 +112,7 @@ class Plan:
     host_bytes: int      # what one node's host memory holds
     notes: list
     advice: list = dataclasses.field(default_factory=list)
+    fix: tuple = None    # (settings changed, world size) that make the plan fit, from `advise`; None if none do
 
     def phase(self, name):
         return next(p for p in self.phases if p.name == name)
@@ -146,8 +147,9 @@ def _attention_dims(config):
     return text, heads, kv, hd
 
 
-def activation_bytes(config, tokens, dtype_bytes, checkpointing, model=None):
-    """Activations autograd keeps for one micro-batch of `tokens` positions (rows x width), estimated.
+def activation_bytes(config, tokens, dtype_bytes, checkpointing):
+    """Activations autograd keeps for one micro-batch of `tokens` positions (rows x width), estimated: (kept
+    through the forward, the extra of one layer recomputed in backward: 0 without checkpointing).
 
     Per token and layer, in the compute dtype (b bytes) plus float32 where the norms upcast:
       attention layer   b (3h + 2q + 2kv [+ 2q with a gated query]) + 4h      (norm in/out, q/k/v, attention out,
@@ -157,8 +159,8 @@ def activation_bytes(config, tokens, dtype_bytes, checkpointing, model=None):
       Gated DeltaNet    b (3h + 2c + 4 n_v d_v) + 4 (2c + 2 n_v d_v + 64 n_v)  (projections, convolution, gated norm;
                                                                               the chunked rule's float32 copies)
     with h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate, E experts, k of them per token,
-    i_e an expert's intermediate, c the convolution's channels. Plus b h + 4 h per token for the embedding and
-    final norm. With gradient checkpointing only each layer's input (b h per token and layer) is kept, plus one
+    i_e an expert's intermediate, c the convolution's channels. Plus 2 b h + 4 h + 8 head_dim per token for the
+    final norm (its input, float32 and output) and the float32 rotary tables. With gradient checkpointing only each layer's input (b h per token and layer) is kept, plus one
     layer's full activations while it is recomputed in backward.
     """
     text, heads, kv, hd = _attention_dims(config)
@@ -183,22 +185,23 @@ def activation_bytes(config, tokens, dtype_bytes, checkpointing, model=None):
         else:
             ffn = b * (2 * h + 4 * text.intermediate_size) + 4 * h
         layers.append(mix + ffn)
-    ends = b * h + 4 * h
-    if checkpointing:
-        per_token = len(layers) * b * h + max(layers) + ends
-    else:
-        per_token = sum(layers) + ends
-    return tokens * per_token
+    ends = 2 * b * h + 4 * h + 8 * hd  # the last layer's output, the final norm's float32 and output; rotary tables
+    if checkpointing:  # (kept through the forward, one layer's recomputed in backward)
+        return tokens * (len(layers) * b * h + ends), tokens * max(layers)
+    return tokens * (sum(layers) + ends), 0
 
 
 def logprob_bytes(config, completion_tokens, dtype_bytes, device):
-    """The chunked head's buffers for one micro-batch: the completion positions' hidden states and their gradient,
-    and a chunk of (rows, V) logits: two float32 buffers and the compute-dtype logits (logprobs.py)."""
+    """The chunked head's buffers for one micro-batch (logprobs.py), estimated: (kept for backward: the completion
+    positions' hidden states, and a chunk's float32 softmax when one chunk holds them all; transient: the hidden
+    states' gradient and a chunk of (rows, V) logits with its two float32 buffers)."""
     text = getattr(config, "text_config", None) or config
     vocab = text.vocab_size
     chunk = max(1, (1 << (27 if device == "cuda" else 24)) // vocab)  # logprobs.default_chunk_tokens
     rows = min(completion_tokens, chunk)
-    return 2 * completion_tokens * text.hidden_size * dtype_bytes + rows * vocab * (8 + dtype_bytes)
+    hidden = completion_tokens * text.hidden_size * dtype_bytes
+    kept = hidden + (completion_tokens * vocab * 4 if completion_tokens <= chunk else 0)
+    return kept, hidden + rows * vocab * (8 + dtype_bytes)
 
 
 def _tensors_in(values):
@@ -234,6 +237,9 @@ def _decoder_on_meta(model, rows, length):
         return None
     dec = StaticDecoder(model, rows, -(-length // 64) * 64)  # as StaticDecoder.for_model rounds it
     dec.load(model)
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    if head is not embed and dec.w[1]["lm_head"] is dec.w[1]["embed"]:  # meta tensors share data_ptr 0: untie
+        dec.w[1]["lm_head"] = torch.empty_like(head, dtype=dec.dtype)
     return dec
 
 
@@ -279,7 +285,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     rows_total = cfg.prompts_per_step * cfg.num_generations // world
     rows = min(cfg.generation_batch_size or rows_total, rows_total)
     length = cfg.max_prompt_length + cfg.max_completion_length + 1
-    moe_hf = sharded and world > 1 and _has_moe(model)  # sharded experts: the sampler takes the model's forward
+    # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
+    moe_hf = (sharded and world > 1 and _has_moe(model)) or getattr(config, "vision_config", None) is not None
     dec = None if moe_hf else _decoder_on_meta(meta_model(config, compute, cfg.lora_rank, cfg.lora_alpha,
                                                           cfg.lora_target_modules) if compute != param_dtype
                                                else model, rows, length)
@@ -295,8 +302,9 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         gen.append(("blocks gathered (model's own forward)", tensor_bytes([p for b in blocks for p in b.parameters()],
                                                                           dtype=compute)))
         gen.append(("KV cache", 2 * attn_layers * rows * length * kv * hd * cb))
-        notes.append("generation: the MoE experts are sharded, so the sampler runs the model's own forward on whole "
-                     "gathered blocks; its KV cache is estimated as every attention layer's full length")
+        notes.append("generation: the sampler runs the model's own forward (sharded MoE experts, or a vision-language "
+                     "model) on whole gathered blocks; its KV cache is estimated as every attention layer's full "
+                     "length, its recurrent states are not counted")
     text = getattr(config, "text_config", None) or config
     gen.append(("logits and sampling buffers", rows * text.vocab_size * (cb + 3 * 4) + rows * length * 13))
     generation = Phase("generation", gen)
@@ -312,10 +320,14 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         block = tensor_bytes(list(biggest.parameters()), dtype=compute)
         tr.append(("two blocks gathered, one's gradient", 2 * block + tensor_bytes(
             [p for p in biggest.parameters() if p.requires_grad], dtype=compute)))
+    kept, recomputed = activation_bytes(config, mb_rows * width, cb, cfg.gradient_checkpointing)
     tr.append((f"activations ({mb_rows} rows x {width} positions"
-               f"{', checkpointed' if cfg.gradient_checkpointing else ''})",
-               activation_bytes(config, mb_rows * width, cb, cfg.gradient_checkpointing)))
-    tr.append(("log-prob head buffers", logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)))
+               f"{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))
+    if recomputed:
+        tr.append(("one layer recomputed in backward", recomputed))
+    head_kept, head_transient = logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)
+    tr.append(("log-prob head: kept for backward", head_kept))
+    tr.append(("log-prob head: a chunk's buffers, the gradient", head_transient))
     training = Phase("training", tr)
 
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained),
@@ -363,9 +375,10 @@ def advise(cfg, config, p, **limits):
     for label, change, w in _candidates(cfg, p.world):
         q = plan(dataclasses.replace(cfg, **change), config, w, p.device, **limits)
         tried.append((label, change, w, q))
-    alone = [label for label, _, _, q in tried if not q.over()]
+    alone = [(label, change, w) for label, change, w, q in tried if not q.over()]
     if alone:
-        p.advice = [f"fits with any one of: {', '.join(_first_of_each(alone))}"]
+        p.advice = [f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}"]
+        p.fix = alone[0][1:]
         return p
     # greedily: the change that lowers the largest excess most, until it fits
     chosen, cur, world = [], cfg, p.world
@@ -385,6 +398,8 @@ def advise(cfg, config, p, **limits):
         cur = dataclasses.replace(cur, **change)
         if not q.over():
             p.advice = [f"fits with all of: {' '.join(chosen)}"]
+            p.fix = ({f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
+                      if getattr(cur, f.name) != getattr(cfg, f.name)}, world)
             return p
     p.advice = [f"does not fit with the settings there are ({' '.join(chosen)} still leaves "
                 f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in q.over())}); it would take what is "
@@ -410,12 +425,12 @@ def _first_of_each(labels):
 def report(p):
     """The plan as text: each phase's parts and total, what does not fit, the advice."""
     where = "GPU" if p.device == "cuda" else "process"
-    lines = [f"memory plan: {p.params / 1e9:.3f} B parameters ({p.trained / 1e9:.4f} B trained), {p.world} "
-             f"process{'es' if p.world > 1 else ''}; per {where}: {p.gpu_bytes / GiB:.0f} GiB, host per node "
+    lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
+             f"process{'es' if p.world > 1 else ''}; per {where}: {p.gpu_bytes / GiB:g} GiB, host per node "
              f"({min(p.world, GPUS_PER_NODE)} processes): {p.host_bytes / GiB:.0f} GiB"]
     for ph in p.phases:
         on = "per host process" if ph.where == "host" else f"per {where}"
-        lines.append(f"  {ph.name} ({on}): {ph.total / GiB:.2f} GiB")
+        lines.append(f"  {ph.name} ({on}): {_size(ph.total).strip()}")
         lines += [f"    {label:52s} {_size(b)}" for label, b in ph.parts]
     lines += [f"  note: {n}" for n in p.notes]
     for ph, b in p.over():
