@@ -290,7 +290,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     dec = None if moe_hf else _decoder_on_meta(meta_model(config, compute, cfg.lora_rank, cfg.lora_alpha,
                                                           cfg.lora_target_modules) if compute != param_dtype
                                                else model, rows, length)
-    gen = list(state)
+    gen = [part for part in state if part[0] != "gradients"]  # freed after each optimizer step (set_to_none)
     if sharded:
         gen.append(("root group gathered", tensor_bytes(root, dtype=compute)))
     if dec is not None:
@@ -337,7 +337,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
 # ----------------------------------------------------------------------------- what would make it fit
 
 
-def _candidates(cfg, world):
+def _candidates(cfg, world, more_gpus=True):
     """(what to type, the changed settings, the changed world size) worth trying, cheapest to the run first."""
     rows = cfg.prompts_per_step * cfg.num_generations // world
     out = []
@@ -358,7 +358,7 @@ def _candidates(cfg, world):
     if "dtype" not in cfg.model_init_kwargs:
         out.append(("--model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
                     dict(model_init_kwargs={**cfg.model_init_kwargs, "dtype": "bfloat16"}), world))
-    w = world
+    w = world if more_gpus else 64
     while w < 64:
         w *= 2
         if cfg.prompts_per_step * cfg.num_generations % w == 0:
@@ -366,13 +366,13 @@ def _candidates(cfg, world):
     return out
 
 
-def advise(cfg, config, p, **limits):
+def advise(cfg, config, p, more_gpus=True, **limits):
     """Fill p.advice: for each phase that does not fit, the settings that alone make the whole plan fit; else the
     fewest, chosen greedily, that do; else what is missing (not built yet)."""
     if not p.over():
         return p
     tried = []
-    for label, change, w in _candidates(cfg, p.world):
+    for label, change, w in _candidates(cfg, p.world, more_gpus):
         q = plan(dataclasses.replace(cfg, **change), config, w, p.device, **limits)
         tried.append((label, change, w, q))
     alone = [(label, change, w) for label, change, w, q in tried if not q.over()]
@@ -385,7 +385,7 @@ def advise(cfg, config, p, **limits):
     for _ in range(6):
         best = None
         for label, change, w, _ in tried:
-            if label in chosen:
+            if label.split("=")[0] in {c.split("=")[0] for c in chosen}:  # one value of each setting
                 continue
             q = plan(dataclasses.replace(cur, **change), config, max(w, world), p.device, **limits)
             worst = max((b for _, b in q.over()), default=0)
@@ -397,6 +397,17 @@ def advise(cfg, config, p, **limits):
         chosen.append(label)
         cur = dataclasses.replace(cur, **change)
         if not q.over():
+            # the mildest value of each halved setting that still fits beside the others (tried lists them mildest first)
+            for i, picked in enumerate(chosen):
+                key = picked.split("=")[0]
+                for label2, change2, w2, _ in tried:
+                    if label2 == picked:  # only milder values than the one picked
+                        break
+                    if label2.split("=")[0] != key or w2 != world or not change2:
+                        continue
+                    if not plan(dataclasses.replace(cur, **change2), config, world, p.device, **limits).over():
+                        chosen[i], cur = label2, dataclasses.replace(cur, **change2)
+                        break
             p.advice = [f"fits with all of: {' '.join(chosen)}"]
             p.fix = ({f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
                       if getattr(cur, f.name) != getattr(cfg, f.name)}, world)
@@ -515,7 +526,7 @@ def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048
                          model_init_kwargs={"dtype": "bfloat16"} if name == "gpt-oss-120b" else {},
                          lora_rank=16 if name == "gpt-oss-120b" else 0)
             limits = dict(gpu_gib=gpu_gib, host_gib=host_gib)
-            p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), **limits)
+            p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), more_gpus=False, **limits)
             setting = "LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master"
             g = {ph.name: ph.total / GiB for ph in p.phases}
             verdict = "yes" if not p.over() else "no: " + "; ".join(p.advice)
