@@ -466,6 +466,8 @@ def machine_host_gib():
 def run(cfg):
     """`train.py --plan`: the plan of the run `cfg` as text, from the model's config alone."""
     world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    from config import validate
+    validate(cfg, world)  # the rows must split over the processes planned for, as they must in the run
     device = "cpu" if cfg.device == "cpu" else "cuda"
     host = cfg.plan_host_memory or machine_host_gib()
     try:
