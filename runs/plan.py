@@ -362,7 +362,7 @@ def _candidates(cfg, world, more_gpus=True):
     while w < 64:
         w *= 2
         if cfg.prompts_per_step * cfg.num_generations % w == 0:
-            out.append((f"--plan_world_size={w} ({w} GPUs)", {}, w))
+            out.append((f"--plan_world_size={w} ({w} {'GPUs' if cfg.device != 'cpu' else 'processes'})", {}, w))
     return out
 
 
@@ -437,8 +437,8 @@ def report(p):
     """The plan as text: each phase's parts and total, what does not fit, the advice."""
     where = "GPU" if p.device == "cuda" else "process"
     lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
-             f"process{'es' if p.world > 1 else ''}; per {where}: {p.gpu_bytes / GiB:g} GiB, host per node "
-             f"({min(p.world, GPUS_PER_NODE)} processes): {p.host_bytes / GiB:.0f} GiB"]
+             f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}, host per node "
+             f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"]
     for ph in p.phases:
         on = "per host process" if ph.where == "host" else f"per {where}"
         lines.append(f"  {ph.name} ({on}): {_size(ph.total).strip()}")
