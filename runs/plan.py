@@ -514,13 +514,13 @@ def shape_config(name):
     return getattr(transformers, cls)(**fields)
 
 
-def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048.0):
+def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048.0, names=tuple(SHAPES)):
     """docs/memory.md's table: each model of SHAPES on `world` GPUs at each completion length, with the settings
     the table states (LoRA rank 16 for gpt-oss-120b), as markdown rows."""
     from config import Config
     rows = ["| model | completion | setting | params | loading, host per process | generation per GPU | "
             "training per GPU | fits today? |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in SHAPES:
+    for name in names:
         config = shape_config(name)
         for t in completion_lengths:
             cfg = Config(max_completion_length=t, max_prompt_length=512, prompts_per_step=32, num_generations=8,
