@@ -209,6 +209,13 @@ class Config:
         # weights; or comma-separated names (q_proj, self_attn.q_proj, experts.gate_up_proj; all may be one of them)
     completions_table_every: int = setting(0, run=False, at_least=0)  # wandb table of sampled completions every N
         # steps; 0 = never
+    # the memory plan (runs/plan.py)
+    plan: bool = setting(False, run=False)  # print what each GPU and host process will hold in loading, generation and
+        # training for these settings, from the model's config alone (no weights read), and exit
+    plan_world_size: int = setting(0, run=False, at_least=0)  # --plan: the processes (GPUs) to plan for; 0 = WORLD_SIZE
+    plan_gpu_memory: float = setting(80.0, run=False, above=0)  # --plan: GiB of memory of each GPU
+    plan_host_memory: float = setting(0.0, run=False, at_least=0)  # --plan: GiB of host memory per node (8 GPUs);
+        # 0 = this machine's
 
 
 

@@ -592,6 +592,11 @@ def resume(run):
 
 def main(argv):
     cfg = parse_config(argv)
+    if cfg.plan:  # the memory plan from the model's config alone: no process group, no weights, no out_dir
+        if int(os.environ.get("RANK", "0")) == 0:
+            from runs import plan
+            print(plan.run(cfg), flush=True)
+        return
     set_threads(cfg.threads)
     d = sharding.setup(cfg.device)
     validate(cfg, d.world_size)

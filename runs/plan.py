@@ -1,0 +1,563 @@
+"""The memory plan: what each process and each GPU will hold in each phase of a run, before any weight is read.
+
+`python train.py --plan` (with the run's other settings) builds the model from its config on the meta device (no
+weights: a folder with config.json, a hub id whose config is cached or reachable, or a config object in a test),
+counts its tensors, and prints per GPU (or per process on a CPU run) and per host process the bytes of each phase
+for W processes (`--plan_world_size`, else WORLD_SIZE): loading, generation and training. What is counted and what
+is estimated:
+
+- counted from the meta model: parameters, the FSDP2 shards of every tensor (dim 0 padded to a multiple of W, as
+  fully_shard pads it), gradients and AdamW's two moments and step of the trained tensors (all of them, or the
+  adapters with --lora_rank), the reference's shards, the groups gathered in training (the root, two blocks);
+- counted from a `StaticDecoder` built on the meta device for this process's generation rows: its weight copies,
+  KV cache, recurrent states and per-row tables (the sampler's own allocation, so windowed layers, Gated DeltaNet
+  states and the 64-slot rounding are as the decoder makes them);
+- estimated: activations per micro-batch (`activation_bytes`' formula), the log-prob head's buffers, the sampler's
+  logits buffers, and the model's own forward where the sampler takes it (MoE blocks under FSDP2).
+
+`SHAPES` holds the published shapes of the models in docs/memory.md's table; `python -m runs.plan` prints it.
+Imports: torch, transformers, model_loading, layers/ (the decoder and LoRA); nothing imports it but train.py and tests.
+"""
+
+import dataclasses
+import math
+import os
+
+import torch
+
+GiB = 1 << 30
+GPUS_PER_NODE = 8
+
+
+# ----------------------------------------------------------------------------- the model on the meta device
+
+
+def model_config(cfg):
+    """The model's config: the tiny default's, or `cfg.model`'s config.json (a folder, or a hub id: config only)."""
+    import model_loading
+    if cfg.model == model_loading.TINY:
+        return model_loading.tiny_config(model_loading.build_byte_tokenizer())
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_loading.resolve_model_path(cfg.model))
+
+
+_MODELS = {}  # (config, dtype, adapters) -> the last meta model built for them: advice re-plans many times
+
+
+def meta_model(config, dtype=torch.float32, lora_rank=0, lora_alpha=32.0, lora_targets="all"):
+    """The causal LM of `config` on the meta device in `dtype`, with adapters when lora_rank > 0: shapes, no memory."""
+    import model_loading
+    from layers import lora
+    key = (id(config), dtype, lora_rank, lora_alpha, lora_targets)
+    if key in _MODELS and _MODELS[key][0] is config:
+        return _MODELS[key][1]
+    with torch.device("meta"):
+        model = model_loading.causal_lm_class(config).from_config(config, dtype=dtype)
+        if lora_rank:
+            lora.add_lora(model, lora_rank, lora_alpha, lora_targets)
+    if len(_MODELS) > 8:
+        _MODELS.clear()
+    _MODELS[key] = (config, model)
+    return model
+
+
+def _unique(tensors):
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def shard_numel(t, world):
+    """Elements of one rank's FSDP2 shard of `t`: dim 0 split in W chunks of ceil(dim0 / W) rows (padded)."""
+    if world == 1 or t.dim() == 0:
+        return t.numel()
+    return -(-t.shape[0] // world) * (t.numel() // max(1, t.shape[0]))
+
+
+def tensor_bytes(tensors, world=1, dtype=None):
+    """Bytes of `tensors` (unique) on one of `world` ranks, each in its own dtype or in `dtype`."""
+    return sum(shard_numel(t, world) * (dtype or t.dtype).itemsize for t in _unique(tensors))
+
+
+def _blocks(model):
+    import sharding
+    return sharding.transformer_blocks(model)
+
+
+# ----------------------------------------------------------------------------- the phases
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    parts: list          # (label, bytes) of this process's (GPU's) memory in this phase
+    where: str = "gpu"   # "gpu" (the process's device) or "host"
+
+    @property
+    def total(self):
+        return sum(b for _, b in self.parts)
+
+
+@dataclasses.dataclass
+class Plan:
+    world: int
+    device: str          # "cuda" or "cpu"
+    params: int          # parameters of the model (tied counted once)
+    trained: int         # parameters trained (the adapters with LoRA)
+    phases: list
+    gpu_bytes: int       # what one GPU holds (per-process limit on a CPU run: the host's share)
+    host_bytes: int      # what one node's host memory holds
+    notes: list
+    advice: list = dataclasses.field(default_factory=list)
+    fix: tuple = None    # (settings changed, world size) that make the plan fit, from `advise`; None if none do
+
+    def phase(self, name):
+        return next(p for p in self.phases if p.name == name)
+
+    def over(self):
+        """The phases that do not fit: [(phase, bytes over)]."""
+        out = []
+        for p in self.phases:
+            limit = self.host_bytes / min(self.world, GPUS_PER_NODE) if p.where == "host" else self.gpu_bytes
+            if p.total > limit:
+                out.append((p, p.total - limit))
+        return out
+
+
+def _dtypes(cfg, device, world):
+    """(parameter dtype, compute dtype, sharded) as the run would have them: FSDP2 under torchrun on a GPU or with
+    several processes; bf16 compute there unless --mixed_precision=fp32."""
+    import model_loading
+    param = model_loading.resolve_dtype(cfg.model_init_kwargs.get("dtype", "float32"))
+    if not isinstance(param, torch.dtype):
+        param = torch.float32
+    sharded = world > 1 or device == "cuda"
+    mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    compute = torch.bfloat16 if sharded and mp == "bf16" else param
+    return param, compute, sharded
+
+
+def _attention_dims(config):
+    text = getattr(config, "text_config", None) or config
+    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    hd = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text, heads, kv, hd
+
+
+def activation_bytes(config, tokens, dtype_bytes, checkpointing):
+    """Activations autograd keeps for one micro-batch of `tokens` positions (rows x width), estimated: (kept
+    through the forward, the extra of one layer recomputed in backward: 0 without checkpointing).
+
+    Per token and layer, in the compute dtype (b bytes) plus float32 where the norms upcast:
+      attention layer   b (3h + 2q + 2kv [+ 2q with a gated query]) + 4h      (norm in/out, q/k/v, attention out,
+                                                                              o_proj out; the norm's float32 input)
+      dense MLP         b (2h + 4i) + 4h                                       (norm in/out, gate, up, act, act*up)
+      MoE block         b (2h + k (2h + 4 i_e)) + 8 E                          (each token's k experts; router logits)
+      Gated DeltaNet    b (3h + 2c + 4 n_v d_v) + 4 (2c + 2 n_v d_v + 64 n_v)  (projections, convolution, gated norm;
+                                                                              the chunked rule's float32 copies)
+    with h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate, E experts, k of them per token,
+    i_e an expert's intermediate, c the convolution's channels. Plus 2 b h + 4 h + 8 head_dim per token for the
+    final norm (its input, float32 and output) and the float32 rotary tables. With gradient checkpointing only each layer's input (b h per token and layer) is kept, plus one
+    layer's full activations while it is recomputed in backward.
+    """
+    text, heads, kv, hd = _attention_dims(config)
+    h, b = text.hidden_size, dtype_bytes
+    q, kvd = heads * hd, kv * hd
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    layers = []
+    for i, kind in enumerate(kinds):
+        if kind == "linear_attention":
+            nv, dv = text.linear_num_value_heads, text.linear_value_head_dim
+            c = 2 * text.linear_num_key_heads * text.linear_key_head_dim + nv * dv
+            mix = b * (3 * h + 2 * c + 4 * nv * dv) + 4 * (2 * c + 2 * nv * dv + 64 * nv)
+        else:
+            gated = 2 * q if getattr(text, "model_type", "").startswith("qwen3_5") else 0
+            mix = b * (3 * h + 2 * q + 2 * kvd + gated) + 4 * h
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+        mlp_only = set(getattr(text, "mlp_only_layers", None) or [])
+        if experts and i not in mlp_only:
+            k = text.num_experts_per_tok
+            ie = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+            ffn = b * (2 * h + k * (2 * h + 4 * ie)) + 8 * experts
+        else:
+            ffn = b * (2 * h + 4 * text.intermediate_size) + 4 * h
+        layers.append(mix + ffn)
+    ends = 2 * b * h + 4 * h + 8 * hd  # the last layer's output, the final norm's float32 and output; rotary tables
+    if checkpointing:  # (kept through the forward, one layer's recomputed in backward)
+        return tokens * (len(layers) * b * h + ends), tokens * max(layers)
+    return tokens * (sum(layers) + ends), 0
+
+
+def logprob_bytes(config, completion_tokens, dtype_bytes, device):
+    """The chunked head's buffers for one micro-batch (logprobs.py), estimated: (kept for backward: the completion
+    positions' hidden states, and a chunk's float32 softmax when one chunk holds them all; transient: the hidden
+    states' gradient and a chunk of (rows, V) logits with its two float32 buffers)."""
+    text = getattr(config, "text_config", None) or config
+    vocab = text.vocab_size
+    chunk = max(1, (1 << (27 if device == "cuda" else 24)) // vocab)  # logprobs.default_chunk_tokens
+    rows = min(completion_tokens, chunk)
+    hidden = completion_tokens * text.hidden_size * dtype_bytes
+    kept = hidden + (completion_tokens * vocab * 4 if completion_tokens <= chunk else 0)
+    return kept, hidden + rows * vocab * (8 + dtype_bytes)
+
+
+def _tensors_in(values):
+    """The tensors among `values`, and in the lists and tuples among them."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += _tensors_in(v)
+    return out
+
+
+def decoder_bytes(dec):
+    """{part: bytes} of a static_decoder.StaticDecoder's own tensors (it may be built on the meta device): its weight
+    copies (the fused per-layer copies, embedding, final norm and head, tied ones once; a recurrent layer's own
+    copies), KV cache, recurrent states and per-row tables. MoE experts are read in place: no copy."""
+    rec = list(dec.recurrent.values())
+    copies = _tensors_in([v for layer in dec.w[0] for v in layer.values()] + list(dec.w[1].values()) +
+                         [v for r in rec for v in r.w.values()])
+    tables = [dec.key_mask, *dec.cos, *dec.sin, dec.tok_in, dec.slot_in, dec.row_index, dec.trues]
+    tables += [] if dec.pos is None else [dec.pos]
+    return {"weight copies": tensor_bytes(copies), "KV cache": tensor_bytes([dec.k_cache, dec.v_cache]),
+            "recurrent states": tensor_bytes([t for r in rec for t in (r.conv, r.rec)]),
+            "per-row tables": tensor_bytes(tables)}
+
+
+def _decoder_on_meta(model, rows, length):
+    """A StaticDecoder for `rows` rows of `length` tokens built on the meta device, or None where the model's
+    layers are not written out."""
+    from layers.static_decoder import StaticDecoder, static_decode_supported
+    if not static_decode_supported(model):
+        return None
+    dec = StaticDecoder(model, rows, -(-length // 64) * 64)  # as StaticDecoder.for_model rounds it
+    dec.load(model)
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    if head is not embed and dec.w[1]["lm_head"] is dec.w[1]["embed"]:  # meta tensors share data_ptr 0: untie
+        dec.w[1]["lm_head"] = torch.empty_like(head, dtype=dec.dtype)
+    return dec
+
+
+def _has_moe(model):
+    from layers import static_moe
+    return any(static_moe.is_moe(getattr(b, "mlp", None)) for b in _blocks(model))
+
+
+def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
+    """The Plan of the run `cfg` (a config.Config) for the model of `config` on `world` processes, each on a GPU of
+    `gpu_gib` GiB (device "cuda") or on the CPU (device "cpu"; per process, the host's share), nodes of
+    GPUS_PER_NODE processes with `host_gib` GiB of host memory each."""
+    param_dtype, compute, sharded = _dtypes(cfg, device, world)
+    cb = compute.itemsize
+    model = meta_model(config, param_dtype, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    params = _unique(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    blocks = _blocks(model)
+    block_params = [set(map(id, b.parameters())) for b in blocks]
+    in_blocks = set().union(*block_params)
+    root = [p for p in params if id(p) not in in_blocks]
+    biggest = max(blocks, key=lambda b: tensor_bytes(list(b.parameters())))
+    notes = []
+    reference = cfg.beta > 0 and cfg.lora_rank == 0
+
+    # loading: with several processes, each reads its own shards of the policy and the reference from a local folder
+    # of safetensors weights (runs/setup.py); else the whole model on the host (or on its GPU when alone), then the
+    # reference as a copy
+    whole = tensor_bytes(params)
+    ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
+    vision = getattr(config, "vision_config", None) is not None
+    # (MoE families' expert weights are renamed by transformers at load: they load whole too)
+    if world > 1 and not cfg.lora_rank and not cfg.routing_replay and not vision and not _has_moe(model):
+        load_parts = [("policy shards", tensor_bytes(params, world))] + (
+            [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
+        notes.append(f"loading: each process reads its own shards from a local folder of safetensors weights; a hub "
+                     f"id or .bin weights build the whole model in each "
+                     f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
+    else:
+        load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
+        notes.append("loading: every process builds the whole model in host memory, then the reference as a copy of "
+                     "it, then shards (LoRA, routing replay, MoE and vision models load so)" if world > 1 else
+                     "loading: the one process builds the model on its device, then the reference as a copy")
+    loading = Phase("loading", load_parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu")
+
+    # what stays through the run: the policy's shards, gradients and AdamW's moments and steps, the reference
+    state = [("policy parameters", tensor_bytes(params, world)),
+             ("gradients", tensor_bytes(trained, world)),
+             ("AdamW moments", 2 * tensor_bytes(trained, world)),
+             ("AdamW steps", 4 * len(trained))]
+    if reference:
+        state.append(("reference parameters", tensor_bytes(params, world, ref_dtype)))
+    host = []
+    if cfg.cpu_offload and sharded:  # FSDP2's CPUOffloadPolicy: the shards, gradients and AdamW's moments in host memory
+        host, state = state, []
+        notes.append("training state: on the host (--cpu_offload); each group's shards are copied to the GPU for "
+                     "its all-gather")
+
+    # generation: this process's rows of prompt + completion
+    rows_total = cfg.prompts_per_step * cfg.num_generations // world
+    rows = min(cfg.generation_batch_size or rows_total, rows_total)
+    length = cfg.max_prompt_length + cfg.max_completion_length + 1
+    # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
+    moe_hf = (sharded and world > 1 and _has_moe(model)) or getattr(config, "vision_config", None) is not None
+    dec = None if moe_hf else _decoder_on_meta(meta_model(config, compute, cfg.lora_rank, cfg.lora_alpha,
+                                                          cfg.lora_target_modules) if compute != param_dtype
+                                               else model, rows, length)
+    gen = [part for part in state if part[0] != "gradients"]  # freed after each optimizer step (set_to_none)
+    if sharded:
+        gen.append(("root group gathered", tensor_bytes(root, dtype=compute)))
+    if dec is not None:
+        gen += list(decoder_bytes(dec).items())
+    else:
+        text, heads, kv, hd = _attention_dims(config)
+        kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        attn_layers = sum(k != "linear_attention" for k in kinds)
+        gen.append(("blocks gathered (model's own forward)", tensor_bytes([p for b in blocks for p in b.parameters()],
+                                                                          dtype=compute)))
+        gen.append(("KV cache", 2 * attn_layers * rows * length * kv * hd * cb))
+        notes.append("generation: the sampler runs the model's own forward (sharded MoE experts, or a vision-language "
+                     "model) on whole gathered blocks; its KV cache is estimated as every attention layer's full "
+                     "length, its recurrent states are not counted")
+    text = getattr(config, "text_config", None) or config
+    gen.append(("logits and sampling buffers", rows * text.vocab_size * (cb + 3 * 4) + rows * length * 13))
+    generation = Phase("generation", gen)
+
+    # training: one micro-batch's forward and backward on top of the state
+    rows_step = max(1, rows_total // cfg.steps_per_generation)
+    width = cfg.max_prompt_length + cfg.max_completion_length
+    mb_rows = max(1, cfg.micro_batch_tokens // width) if cfg.micro_batch_tokens else cfg.micro_batch_size
+    mb_rows = min(mb_rows, rows_step)
+    tr = list(state)
+    if sharded:
+        tr.append(("root group gathered", tensor_bytes(root, dtype=compute)))
+        block = tensor_bytes(list(biggest.parameters()), dtype=compute)
+        tr.append(("two blocks gathered, one's gradient", 2 * block + tensor_bytes(
+            [p for p in biggest.parameters() if p.requires_grad], dtype=compute)))
+    kept, recomputed = activation_bytes(config, mb_rows * width, cb, cfg.gradient_checkpointing)
+    tr.append((f"activations ({mb_rows} rows x {width} positions"
+               f"{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))
+    if recomputed:
+        tr.append(("one layer recomputed in backward", recomputed))
+    head_kept, head_transient = logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)
+    tr.append(("log-prob head: kept for backward", head_kept))
+    tr.append(("log-prob head: a chunk's buffers, the gradient", head_transient))
+    training = Phase("training", tr)
+
+    phases = [loading, generation, training] + ([Phase("training state on the host", host, where="host")]
+                                                  if host else [])
+    return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
+                int(gpu_gib * GiB), int(host_gib * GiB), notes)
+
+
+# ----------------------------------------------------------------------------- what would make it fit
+
+
+def _candidates(cfg, world, more_gpus=True):
+    """(what to type, the changed settings, the changed world size) worth trying, cheapest to the run first."""
+    rows = cfg.prompts_per_step * cfg.num_generations // world
+    out = []
+    if not cfg.gradient_checkpointing:
+        out.append(("--gradient_checkpointing=true", dict(gradient_checkpointing=True), world))
+    mb = cfg.micro_batch_size
+    while mb > 1 and not cfg.micro_batch_tokens:
+        mb //= 2
+        out.append((f"--micro_batch_size={mb}", dict(micro_batch_size=mb), world))
+    g = cfg.generation_batch_size or rows
+    while g > 1:
+        g //= 2
+        out.append((f"--generation_batch_size={g}", dict(generation_batch_size=g), world))
+    if cfg.lora_rank == 0:
+        out.append(("--lora_rank=16", dict(lora_rank=16), world))
+    if cfg.beta > 0 and cfg.lora_rank == 0:
+        out.append(("--beta=0 (no reference model)", dict(beta=0.0), world))
+    if world > 1 and not cfg.cpu_offload:
+        out.append(("--cpu_offload", dict(cpu_offload=True), world))
+    if cfg.beta > 0 and cfg.lora_rank == 0 and not cfg.ref_bf16:
+        out.append(("--ref_bf16", dict(ref_bf16=True), world))
+    if "dtype" not in cfg.model_init_kwargs:
+        out.append(("--model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
+                    dict(model_init_kwargs={**cfg.model_init_kwargs, "dtype": "bfloat16"}), world))
+    w = world if more_gpus else 64
+    while w < 64:
+        w *= 2
+        if cfg.prompts_per_step * cfg.num_generations % w == 0:
+            out.append((f"--plan_world_size={w} ({w} {'GPUs' if cfg.device != 'cpu' else 'processes'})", {}, w))
+    return out
+
+
+def advise(cfg, config, p, more_gpus=True, **limits):
+    """Fill p.advice: for each phase that does not fit, the settings that alone make the whole plan fit; else the
+    fewest, chosen greedily, that do; else what is missing (not built yet)."""
+    if not p.over():
+        return p
+    tried = []
+    for label, change, w in _candidates(cfg, p.world, more_gpus):
+        q = plan(dataclasses.replace(cfg, **change), config, w, p.device, **limits)
+        tried.append((label, change, w, q))
+    alone = [(label, change, w) for label, change, w, q in tried if not q.over()]
+    if alone:
+        p.advice = [f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}"]
+        p.fix = alone[0][1:]
+        return p
+    # greedily: the change that lowers the largest excess most, until it fits
+    chosen, cur, world = [], cfg, p.world
+    for _ in range(6):
+        best = None
+        for label, change, w, _ in tried:
+            if label.split("=")[0] in {c.split("=")[0] for c in chosen}:  # one value of each setting
+                continue
+            q = plan(dataclasses.replace(cur, **change), config, max(w, world), p.device, **limits)
+            worst = max((b for _, b in q.over()), default=0)
+            if best is None or worst < best[0]:
+                best = (worst, label, change, max(w, world), q)
+        if best is None:
+            break
+        _, label, change, world, q = best
+        chosen.append(label)
+        cur = dataclasses.replace(cur, **change)
+        if not q.over():
+            # the mildest value of each halved setting that still fits beside the others (tried lists them mildest first)
+            for i, picked in enumerate(chosen):
+                key = picked.split("=")[0]
+                for label2, change2, w2, _ in tried:
+                    if label2 == picked:  # only milder values than the one picked
+                        break
+                    if label2.split("=")[0] != key or w2 != world or not change2:
+                        continue
+                    if not plan(dataclasses.replace(cur, **change2), config, world, p.device, **limits).over():
+                        chosen[i], cur = label2, dataclasses.replace(cur, **change2)
+                        break
+            p.advice = [f"fits with all of: {' '.join(chosen)}"]
+            p.fix = ({f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
+                      if getattr(cur, f.name) != getattr(cfg, f.name)}, world)
+            return p
+    p.advice = [f"does not fit with the settings there are ({' '.join(chosen)} still leaves "
+                f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in q.over())}); it would take what is "
+                f"not built yet: tensor-parallel decode (the sampler's whole-model copy)"]
+    return p
+
+
+def _first_of_each(labels):
+    """The mildest of each kind of change (the first --micro_batch_size that fits, not every smaller one)."""
+    seen, out = set(), []
+    for label in labels:
+        key = label.split("=")[0]
+        if key not in seen:
+            seen.add(key)
+            out.append(label)
+    return out
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def report(p):
+    """The plan as text: each phase's parts and total, what does not fit, the advice."""
+    where = "GPU" if p.device == "cuda" else "process"
+    lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
+             f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}, host per node "
+             f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"]
+    for ph in p.phases:
+        on = "per host process" if ph.where == "host" else f"per {where}"
+        lines.append(f"  {ph.name} ({on}): {_size(ph.total).strip()}")
+        lines += [f"    {label:52s} {_size(b)}" for label, b in ph.parts]
+    lines += [f"  note: {n}" for n in p.notes]
+    for ph, b in p.over():
+        lines.append(f"  does not fit: {ph.name}, {b / GiB:.1f} GiB over")
+    lines += [f"  {a}" for a in p.advice] or (["  fits"] if not p.over() else [])
+    return "\n".join(lines)
+
+
+def _size(b):
+    return f"{b / GiB:9.2f} GiB" if b >= GiB / 10 else f"{b / (1 << 20):9.2f} MiB"
+
+
+def machine_host_gib():
+    """This machine's memory in GiB (/proc/meminfo), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / (1 << 20)
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+
+
+def run(cfg):
+    """`train.py --plan`: the plan of the run `cfg` as text, from the model's config alone."""
+    world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    from config import validate
+    validate(cfg, world)  # the rows must split over the processes planned for, as they must in the run
+    device = "cpu" if cfg.device == "cpu" else "cuda"
+    host = cfg.plan_host_memory or machine_host_gib()
+    try:
+        config = model_config(cfg)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"model: {e} (the plan needs the model's config.json alone, never its weights)") from e
+    limits = dict(gpu_gib=cfg.plan_gpu_memory if device == "cuda" else host / min(world, GPUS_PER_NODE),
+                  host_gib=host)
+    p = plan(cfg, config, world, device, **limits)
+    return report(advise(cfg, config, p, **limits))
+
+
+# ----------------------------------------------------------------------------- the table of docs/memory.md
+
+# Published configs, the fields that set memory (the rest are transformers' defaults). Qwen3.8-27B: the Qwen3.5
+# hybrid architecture, dense; its shapes are Qwen3.5-27B's (3 Gated DeltaNet layers to 1 gated attention layer).
+SHAPES = {
+    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     vocab_size=151936, tie_word_embeddings=False)),
+    "Qwen3.8-27B": ("Qwen3_5TextConfig", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                                              num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                                              linear_num_key_heads=16, linear_num_value_heads=48,
+                                              linear_key_head_dim=128, linear_value_head_dim=128,
+                                              linear_conv_kernel_dim=4, vocab_size=248320,
+                                              tie_word_embeddings=False,
+                                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)),
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                             head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                             norm_topk_prob=True, decoder_sparse_step=1, vocab_size=151936,
+                                             tie_word_embeddings=False)),
+    "gpt-oss-120b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                                          num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                          num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                                          layer_types=["sliding_attention", "full_attention"] * 18,
+                                          vocab_size=201088, tie_word_embeddings=False)),
+}
+
+
+def shape_config(name):
+    import transformers
+    cls, fields = SHAPES[name]
+    return getattr(transformers, cls)(**fields)
+
+
+def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048.0, names=tuple(SHAPES)):
+    """docs/memory.md's table: each model of SHAPES on `world` GPUs at each completion length, with the settings
+    the table states (LoRA rank 16 for gpt-oss-120b), as markdown rows."""
+    from config import Config
+    rows = ["| model | completion | setting | params | loading, host per process | generation per GPU | "
+            "training per GPU | fits today? |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        config = shape_config(name)
+        for t in completion_lengths:
+            cfg = Config(max_completion_length=t, max_prompt_length=512, prompts_per_step=32, num_generations=8,
+                         micro_batch_size=1, gradient_checkpointing=True,
+                         model_init_kwargs={"dtype": "bfloat16"} if name == "gpt-oss-120b" else {},
+                         lora_rank=16 if name == "gpt-oss-120b" else 0)
+            limits = dict(gpu_gib=gpu_gib, host_gib=host_gib)
+            p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), more_gpus=False, **limits)
+            setting = "LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master"
+            g = {ph.name: ph.total / GiB for ph in p.phases}
+            verdict = "yes" if not p.over() else "no: " + "; ".join(p.advice)
+            rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | {g['loading']:.0f} GiB | "
+                        f"{g['generation']:.0f} GiB | {g['training']:.0f} GiB | {verdict} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,197 @@
+"""The memory plan (runs/plan.py, `train.py --plan`) against the real objects at small scale, on CPU.
+
+What can be counted is exact: the policy's parameters, gradients and AdamW states after a real optimizer step, the
+reference's parameters, the sampler's KV cache, recurrent states and weight copies against a real StaticDecoder.
+What is estimated (activations, the log-prob head's buffers) is within 15% of what autograd keeps for a real
+micro-batch, measured as the bytes of the tensors saved for backward. The advice names a setting that, applied,
+makes the plan fit, and the plan reads a model's config alone: never its weights, never a download.
+
+The table of docs/memory.md: `python -m runs.plan` (runs.plan.SHAPES holds the models' published shapes).
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from config import Config
+from runs import plan
+from layers.static_decoder import StaticDecoder
+import logprobs
+import model_loading
+from runs.setup import make_optimizer
+import architectures
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _real(config, lora_rank=0):
+    torch.manual_seed(0)
+    model = model_loading.causal_lm_class(config).from_config(config, dtype=torch.float32)
+    if lora_rank:
+        from layers import lora
+        lora.add_lora(model, lora_rank, 32.0, "all")
+    return model
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+@pytest.mark.parametrize("family,lora_rank", [("qwen2", 0), ("qwen3", 4), ("qwen3_moe", 0)])
+def test_state_bytes_equal_the_tensors_after_one_optimizer_step(family, lora_rank):
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config(family, tok)
+    cfg = Config(lora_rank=lora_rank, beta=0.04, device="cpu")
+    model = _real(config, lora_rank)
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+    model(input_ids=torch.randint(0, 200, (2, 9))).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    ref = model_loading.build_reference_model(model, 0 if lora_rank else cfg.beta)
+    p = plan.plan(cfg, config, world=1, device="cpu", gpu_gib=8, host_gib=8)
+    parts = dict(p.phase("training").parts)
+    trained = [q for q in model.parameters() if q.requires_grad]
+    states = [s for q in trained for s in optimizer.state[q].values()]
+    assert parts["policy parameters"] == _bytes(model.parameters())
+    assert parts["gradients"] == _bytes([q.grad for q in trained])
+    assert parts["AdamW moments"] + parts["AdamW steps"] == _bytes(states)
+    assert parts.get("reference parameters", 0) == (_bytes(ref.parameters()) if ref is not None else 0)
+    assert p.params == sum(q.numel() for q in {id(q): q for q in model.parameters()}.values())
+
+
+def test_shards_are_what_fully_shard_holds_per_rank():
+    """dim 0 split over W ranks in chunks of ceil(dim0 / W) rows: a rank's padded shard, as FSDP2 allocates it."""
+    t = torch.empty(10, 3, device="meta")
+    assert plan.shard_numel(t, 4) == 3 * 3 and plan.shard_numel(t, 1) == 30 and plan.shard_numel(t, 10) == 3
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5", "gpt_oss", "gemma3"])
+def test_kv_cache_and_weight_copies_equal_a_real_static_decoder(family):
+    """The generation phase's decoder parts against StaticDecoder built for the same rows and length, on real
+    weights; the KV cache also against its formula (every attention layer, windowed ones too, holds all slots)."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config(family, tok)
+    cfg = Config(prompts_per_step=3, num_generations=2, max_prompt_length=20, max_completion_length=50,
+                 device="cpu")
+    p = plan.plan(cfg, config, world=1, device="cpu", gpu_gib=8, host_gib=8)
+    parts = dict(p.phase("generation").parts)
+    model = _real(config)
+    rows, length = 6, 20 + 50 + 1
+    dec = StaticDecoder.for_model(model, rows, length, cuda_graph=False)
+    real = plan.decoder_bytes(dec)
+    for part in ("weight copies", "KV cache", "recurrent states", "per-row tables"):
+        assert parts[part] == real[part], part
+    attention = sum(t != "linear_attention" for t in (getattr(config, "layer_types", None) or
+                                                       ["full_attention"] * config.num_hidden_layers))
+    slots = 128  # 71 tokens, rounded up to 64-slot steps
+    assert parts["KV cache"] == 2 * attention * rows * config.num_key_value_heads * slots * config.head_dim * 4
+    if family == "qwen2":  # no norm tables: the fused copies are the model's parameters once each
+        assert parts["weight copies"] == _bytes(model.parameters())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing):
+    """One process, float32 on CPU, a micro-batch of 8 rows of 64 + 192 positions: the plan's training total (the
+    policy's state, the reference, activations, the log-prob head) against the real state's bytes plus the bytes
+    autograd keeps for backward over the micro-batch's forward and head (completion_logprobs)."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3", tok, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+                                  head_dim=32)
+    cfg = Config(prompts_per_step=4, num_generations=2, micro_batch_size=8, max_prompt_length=64,
+                 max_completion_length=192, gradient_checkpointing=checkpointing, beta=0.04, device="cpu")
+    p = plan.plan(cfg, config, world=1, device="cpu", gpu_gib=8, host_gib=8)
+    model = _real(config)
+    if checkpointing:
+        model_loading.enable_checkpointing(model)
+    model.train()
+    ref = model_loading.build_reference_model(model, cfg.beta)
+    optimizer = make_optimizer(model.parameters(), cfg)
+    ids = torch.randint(3, 250, (8, 64 + 192))
+    mask = torch.ones_like(ids)
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+
+    def forward():
+        return logprobs.completion_logprobs(model, ids, mask, 192)[0]
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = forward()
+    saved = sum(seen.values())
+    logp.mean().backward()
+    optimizer.step()
+    state = (_bytes(model.parameters()) + _bytes([q.grad for q in model.parameters()]) + _bytes(
+        [s for q in model.parameters() for s in optimizer.state[q].values()]) + _bytes(ref.parameters()))
+    measured = state + saved
+    parts = p.phase("training").parts
+    # what lives only while backward runs (a recomputed layer, the head's chunk buffers) is not in `saved`
+    transient = sum(b for label, b in parts if label.startswith(("one layer recomputed", "log-prob head: a chunk")))
+    planned = p.phase("training").total - (transient if checkpointing else 0)
+    assert abs(planned - measured) / measured < 0.15, (planned, measured, saved)
+    estimated = sum(b for label, b in parts if label.startswith(("activations", "log-prob head: kept")))
+    assert abs(estimated - saved) / saved < 0.15, (estimated, saved)
+
+
+def test_the_advice_names_a_setting_that_makes_it_fit():
+    """Qwen3-8B's shape, 8 GPUs, 16k completions for 512 rows: the KV cache alone does not fit; the advice's setting,
+    applied, makes the plan fit."""
+    config = plan.shape_config("Qwen3-8B")
+    cfg = Config(prompts_per_step=64, num_generations=8, max_completion_length=16384, micro_batch_size=1,
+                 gradient_checkpointing=True)
+    limits = dict(gpu_gib=80, host_gib=2048)
+    p = plan.advise(cfg, config, plan.plan(cfg, config, 8, "cuda", **limits), **limits)
+    assert [ph.name for ph, _ in p.over()] == ["generation"]
+    assert "--generation_batch_size=" in p.advice[0]
+    change, world = p.fix
+    fixed = plan.plan(dataclasses.replace(cfg, **change), config, world, "cuda", **limits)
+    assert not fixed.over()
+
+
+def _train_plan(args, env=None):
+    run = subprocess.run([sys.executable, "train.py", "--plan", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **(env or {})})
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_plan_reads_the_config_alone_never_the_weights(tmp_path):
+    """A folder whose weights file is garbage plans fine (it is never opened), and so does a hub id of which only
+    config.json is in the cache, offline; the printed advice, typed back in, makes the plan fit."""
+    tok = model_loading.build_byte_tokenizer()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    architectures.config("qwen3", tok).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"not a weights file")
+    # a hub cache holding one snapshot of config.json alone
+    snapshot = tmp_path / "hub" / "models--someone--never-fetched" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((folder / "config.json").read_text())
+    (tmp_path / "hub" / "models--someone--never-fetched" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--never-fetched" / "refs" / "main").write_text("0" * 40)
+    offline = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), TRANSFORMERS_OFFLINE="1")
+    small = ["--plan_world_size=2", "--plan_gpu_memory=0.004", "--prompts_per_step=4", "--num_generations=4",
+             "--max_completion_length=256", "--max_prompt_length=64"]
+    code, out = _train_plan([f"--model={folder}", *small], offline)
+    assert code == 0 and "memory plan" in out and "does not fit: " in out, out
+    advice = next(line for line in out.splitlines() if "fits with" in line)
+    fix = advice.split(": ", 1)[1].split(", ")[0].split(" ")[0]  # the first setting named
+    code, out = _train_plan([f"--model={folder}", *small, fix], offline)
+    assert code == 0 and "does not fit" not in out and out.rstrip().endswith("fits"), (fix, out)
+    code, out = _train_plan(["--model=someone/never-fetched", *small], offline)
+    assert code == 0 and "memory plan" in out, out
+    code, out = _train_plan(["--model=someone/not-in-the-cache", *small], offline)
+    assert code != 0 and "config.json" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3.8-27B"])
+def test_docs_table_is_the_plans(name):
+    """docs/memory.md's plan table is `python -m runs.plan`'s output (two of its models: the others take longer)."""
+    doc = open(os.path.join(ROOT, "docs", "memory.md")).read()
+    for line in plan.table(names=(name,)).splitlines()[2:]:
+        assert line in doc, line
