@@ -1,4 +1,6 @@
-"""Several processes (torchrun, gloo on CPU), FSDP2 sharding, checkpoints and exact resume.
+"""Several processes (torchrun, gloo on CPU): FSDP2 sharding, sharded loading, exact resume, and one and two
+processes training alike. (Checkpoint files on their own, in one process: test_out_dir.py; launching and reading
+runs: launches.py.)
 
 The runs are launched once per module (each launch costs seconds) and the
 tests read what they left: metrics.jsonl, the sampled tokens recorded by
@@ -9,78 +11,20 @@ import concurrent.futures
 import glob
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import sharding  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launches import RUN_TRAIN, launch, launch_runs, metrics, tokens  # noqa: E402
 
-RUN_TRAIN = os.path.join(ROOT, "tests", "run_train.py")
 FLAGS = ["--log_every=1", "--keep_checkpoints=2", "--print_completions_every=0"]
 # the only metrics allowed to differ between runs (reward_time/<function> too)
 TIMING = {"step_time", "generation_time", "update_time", "reward_time", "tokens_per_s"}
-
-
-def launch(script, args, nproc, timeout=240):
-    """Run a script with 1 process (plain python) or `nproc` (torchrun); return its output, fail with it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU also on a GPU machine (two ranks cannot share one GPU under NCCL)
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               script, *args]
-    for marker in glob.glob(os.path.join(out_dir_of(args) or "/nonexistent", "finished_rank*")):
-        os.remove(marker)  # left by an earlier launch into the same folder
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 or exited_after_finishing(out, args, nproc), f"{' '.join(cmd)} failed:\n{out[-6000:]}"
-    return out
-
-
-def launch_runs(runs, nproc, folder, name, timeout=600):
-    """Several runs of run_train.py, one after another in one launch ({out_dir: its output}): a tiny run takes
-    less than starting the processes and their group. Each run leaves what a launch of its own would."""
-    path = os.path.join(folder, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(runs, f)
-    out = launch(RUN_TRAIN, [f"--runs={path}"], nproc, timeout)
-    said = {}
-    for part in out.split("=== run ")[1:]:
-        where, _, text = part.partition("\n")
-        said[where] = text
-    assert list(said) == [out_dir_of(r) for r in runs], out[-6000:]
-    return said
-
-
-def out_dir_of(args):
-    for a in args:
-        if a.startswith("--runs="):  # several runs: the last one's, whose end is the launch's
-            with open(a.split("=", 1)[1]) as f:
-                return out_dir_of(json.load(f)[-1])
-    return next((a.split("=", 1)[1] for a in args if a.startswith("--out_dir=")), None)
-
-
-def exited_after_finishing(out, args, nproc):
-    """A gloo worker that aborts while the process group is torn down or the interpreter exits.
-
-    Seen in about one 2-process launch in fifty on 2 CPU cores, with the loop of before and after the step
-    functions alike: a C++ thread still joinable at the end ("terminate called without an active
-    exception"). When every rank had finished its work (each writes finished_rank<r> just before the
-    teardown), the run's results stand; an abort anywhere earlier still fails the test.
-    """
-    out_dir = out_dir_of(args)
-    return (nproc > 1 and out_dir is not None and "terminate called without an active exception" in out
-            and all(os.path.exists(os.path.join(out_dir, f"finished_rank{r}")) for r in range(nproc)))
 
 
 def train_flags(out_dir, max_steps, save_every=2):
@@ -174,20 +118,6 @@ def runs(tmp_path_factory):
     both(then, "then")  # a folder run in both launches keeps the output of its second, its resumed part
     names = {v: k for k, v in p.items()}
     return p, {names[k]: v for k, v in out.items()}
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def tokens(out_dir):
-    """The sampled completion ids of every step, all ranks' rows concatenated in rank order."""
-    per_rank = []
-    for path in sorted(glob.glob(os.path.join(out_dir, "tokens_rank*.jsonl"))):
-        with open(path) as f:
-            per_rank.append([json.loads(line) for line in f])
-    return [sum(step_rows, []) for step_rows in zip(*per_rank)]
 
 
 def assert_same_metrics(a, b, steps=None):
@@ -577,64 +507,6 @@ def test_sharded_loading_trains_as_one_process(runs):
     reports = [json.load(open(os.path.join(p["weights2"], f"after_rank{r}.json"))) for r in (0, 1)]
     assert reports[0]["ref_unchanged"] and reports[0]["policy_changed"]  # the reference: the files' weights
     assert all(r["sharded"] and r["same_placement"] for r in reports)
-
-
-def _small():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
-
-
-def _train_step(model, optimizer):
-    model(torch.randn(5, 4)).pow(2).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path, capsys):
-    d = sharding.Dist(0, 0, 1, torch.device("cpu"))
-    model, optimizer = _small()
-    saved = {}
-    warnings.simplefilter("ignore")  # torch.distributed.checkpoint warns that it runs without a process group
-    for step in (1, 2, 3):
-        _train_step(model, optimizer)
-        sharding.save_checkpoint(str(tmp_path), step, model, optimizer, {"note": step}, d, keep=2)
-        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
-    dirs = sorted(os.listdir(tmp_path / "checkpoints"))
-    assert dirs == ["step_00000002", "step_00000003"]  # the newest 2 kept
-
-    # a half-written folder left by a killed save is never a candidate
-    os.makedirs(tmp_path / "checkpoints" / ".tmp_step_00000009")
-    # step 3 damaged without changing any size: its metadata no longer unpickles
-    meta = tmp_path / "checkpoints" / "step_00000003" / ".metadata"
-    meta.write_bytes(b"\0" * meta.stat().st_size)
-    fresh, fresh_opt = _small()
-    capsys.readouterr()
-    state = sharding.load_latest_checkpoint(str(tmp_path), fresh, fresh_opt, d)
-    # one line of the trainer's own, not Python's `file.py:line: UserWarning:` format
-    said = capsys.readouterr().out.splitlines()
-    assert [line for line in said if "step_00000003" in line] == [line for line in said if "skipping" in line]
-    assert len(said) == 1 and said[0].startswith("warning: skipping checkpoint ") and "UserWarning" not in said[0]
-    assert state["step"] == 2 and state["note"] == 2
-    assert all(torch.equal(fresh.state_dict()[k], saved[2][k]) for k in saved[2])
-    assert fresh_opt.state_dict()["state"], "optimizer state restored"
-
-    # nothing loadable: the run stops (starting over would overwrite the run), naming every checkpoint it
-    # tried, and the model and optimizer are untouched (never half-loaded)
-    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
-    untouched, untouched_opt = _small()
-    before = {k: v.clone() for k, v in untouched.state_dict().items()}
-    with pytest.raises(SystemExit) as e:
-        sharding.load_latest_checkpoint(str(tmp_path), untouched, untouched_opt, d)
-    assert re.search(r"^warning: skipping checkpoint \S*step_00000002: no manifest.json \(incomplete\)$",
-                     capsys.readouterr().out, re.MULTILINE)
-    assert "step_00000003" in str(e.value.code) and "step_00000002" in str(e.value.code)
-    assert all(torch.equal(untouched.state_dict()[k], before[k]) for k in before)
-    assert not untouched_opt.state  # no AdamW state invented by the failed attempt
-
-    # an empty out_dir, or one with only stray folders, is a fresh start
-    os.makedirs(tmp_path / "fresh" / "checkpoints" / "step_notes")
-    assert sharding.load_latest_checkpoint(str(tmp_path / "fresh"), untouched, untouched_opt, d) is None
 
 
 def test_multi_turn_rollouts_agree_across_ranks(runs):

@@ -3,8 +3,12 @@ heading where it names one), every docs/ page is linked from the README, and the
 
 import os
 import re
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_layout  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
@@ -55,8 +59,7 @@ def test_the_readme_is_a_front_door():
 
 def test_a_long_file_says_why_it_is_one():
     """A source file past 650 lines says, in its first lines, why it is one concern rather than two files."""
-    sources = [f for f in os.listdir(ROOT) if f.endswith(".py")]
-    sources += [os.path.join("tasks", f) for f in os.listdir(os.path.join(ROOT, "tasks")) if f.endswith(".py")]
+    sources = test_layout.project_files()  # the folders' files too
     long = [f for f in sources if _text(f).count("\n") > 650]
     unexplained = [f for f in long if "one concern" not in "\n".join(_text(f).splitlines()[:12]).lower()]
     assert unexplained == [], unexplained

@@ -9,10 +9,12 @@ Run as a script, this file is the other process the tests need:
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -138,6 +140,64 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     after = {f: os.path.getmtime(os.path.join(dirpath, f)) for dirpath, _, files in os.walk(tmp_path) for f in files}
     assert after == before and sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001"]
     assert sharding.first_non_finite(model) == "lm.model.layers.1.mlp.up_proj.weight"
+
+
+def _small():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _train_step(model, optimizer):
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_checkpoint_files_incomplete_damaged_and_kept(tmp_path, capsys):
+    d = sharding.Dist(0, 0, 1, torch.device("cpu"))
+    model, optimizer = _small()
+    saved = {}
+    warnings.simplefilter("ignore")  # torch.distributed.checkpoint warns that it runs without a process group
+    for step in (1, 2, 3):
+        _train_step(model, optimizer)
+        sharding.save_checkpoint(str(tmp_path), step, model, optimizer, {"note": step}, d, keep=2)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    dirs = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert dirs == ["step_00000002", "step_00000003"]  # the newest 2 kept
+
+    # a half-written folder left by a killed save is never a candidate
+    os.makedirs(tmp_path / "checkpoints" / ".tmp_step_00000009")
+    # step 3 damaged without changing any size: its metadata no longer unpickles
+    meta = tmp_path / "checkpoints" / "step_00000003" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    fresh, fresh_opt = _small()
+    capsys.readouterr()
+    state = sharding.load_latest_checkpoint(str(tmp_path), fresh, fresh_opt, d)
+    # one line of the trainer's own, not Python's `file.py:line: UserWarning:` format
+    said = capsys.readouterr().out.splitlines()
+    assert [line for line in said if "step_00000003" in line] == [line for line in said if "skipping" in line]
+    assert len(said) == 1 and said[0].startswith("warning: skipping checkpoint ") and "UserWarning" not in said[0]
+    assert state["step"] == 2 and state["note"] == 2
+    assert all(torch.equal(fresh.state_dict()[k], saved[2][k]) for k in saved[2])
+    assert fresh_opt.state_dict()["state"], "optimizer state restored"
+
+    # nothing loadable: the run stops (starting over would overwrite the run), naming every checkpoint it
+    # tried, and the model and optimizer are untouched (never half-loaded)
+    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
+    untouched, untouched_opt = _small()
+    before = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.raises(SystemExit) as e:
+        sharding.load_latest_checkpoint(str(tmp_path), untouched, untouched_opt, d)
+    assert re.search(r"^warning: skipping checkpoint \S*step_00000002: no manifest.json \(incomplete\)$",
+                     capsys.readouterr().out, re.MULTILINE)
+    assert "step_00000003" in str(e.value.code) and "step_00000002" in str(e.value.code)
+    assert all(torch.equal(untouched.state_dict()[k], before[k]) for k in before)
+    assert not untouched_opt.state  # no AdamW state invented by the failed attempt
+
+    # an empty out_dir, or one with only stray folders, is a fresh start
+    os.makedirs(tmp_path / "fresh" / "checkpoints" / "step_notes")
+    assert sharding.load_latest_checkpoint(str(tmp_path / "fresh"), untouched, untouched_opt, d) is None
 
 
 # ----------------------------------------------------------------------------- the other processes

@@ -210,7 +210,7 @@ def sharded_runs(tmp_path_factory):
     {(family, world size): out_dir}."""
     import concurrent.futures
     from tasks import shapes
-    from test_distributed import launch_runs
+    from launches import launch_runs
     t = tmp_path_factory.mktemp("vl")
     # a reward that differs between completions from the first step (a random model rarely names a colour), so
     # that the gradients compared are not zero; it also reads the pictures it is given
@@ -240,7 +240,7 @@ def sharded_runs(tmp_path_factory):
 def test_one_and_two_processes_sample_and_train_image_prompts_alike(sharded_runs, family):
     """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
     Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
-    from test_distributed import metrics, tokens
+    from launches import metrics, tokens
     one, two = sharded_runs[family, 1], sharded_runs[family, 2]
     assert tokens(one) == tokens(two) and len(tokens(one)) == 2
     for a, b in zip(metrics(one), metrics(two)):
