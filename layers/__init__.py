@@ -6,6 +6,7 @@
     static_moe.py        Mixture-of-Experts blocks, their experts read in place
     static_recurrent.py  Gated DeltaNet layers (Qwen3.5) with their states per row
     hf_decoder.py        the general path: the model's own forward over a cache whose masks are ours
+    tensor_parallel.py   which slice of each weight a rank of a tensor-parallel group holds, and the sum joining them
     kernels.py           Triton decode attention for the GPU (its plain PyTorch math is the CPU path)
     lora.py              LoRA adapters on a model's weight matrices, and how the fast paths read them
     routing.py           routing replay: the training forward sends each token to the experts the sampler chose
