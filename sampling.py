@@ -29,7 +29,8 @@ import rewards
 import sharding
 from environments import responses
 from layers import hf_decoder, routing, vision
-from layers.static_decoder import StaticDecoder, static_decode_supported
+from layers.static_decoder import StaticDecoder, static_decode_supported, tp_refusal
+from layers.tensor_parallel import WHOLE
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
@@ -140,13 +141,14 @@ def row_keys(seeds, step):
     return _mix32((seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & _MASK32)
 
 
-def gumbel_noise(keys, vocab):
-    """Standard Gumbel noise (n, V), float32, a pure function of each row's key and the vocabulary index.
+def gumbel_noise(keys, vocab, start=0):
+    """Standard Gumbel noise (n, V), float32, a pure function of each row's key and the vocabulary index
+    (start, start + 1, ...: a tensor-parallel rank's slice of the vocabulary draws its tokens' own numbers).
 
     Uniforms of 23 bits, u = (k + 1/2) / 2^23, strictly inside (0, 1) in float32, so the noise
     -log(-log u) is always finite (between about -2.8 and 16.6).
     """
-    index = torch.arange(vocab, device=keys.device)
+    index = torch.arange(start, start + vocab, device=keys.device)
     x = _mix32((keys[:, None] ^ (index * 0x27D4EB2F)) & _MASK32)
     u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(u))
@@ -176,7 +178,7 @@ def _gumbel_max(logits, keys, inv_temperature):
     return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
-def sample_tokens(logits, temperature, top_k, top_p, keys):
+def sample_tokens(logits, temperature, top_k, top_p, keys, vocab=None):
     """Pick one token per row; return it with its log-prob under the distribution that drew it.
 
     That is softmax(logits / T), renormalised over the top-k / top-p tokens
@@ -186,7 +188,11 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
     by the filtered mass, also in `sampler_logprob_diff`.
     Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
     argmax over the filtered logits of logits / T + noise.
+    vocab: under tensor parallelism (tensor_parallel.Slice, first token id) of this rank's slice of the vocabulary,
+    which `logits` then hold (`_sliced_tokens`); None: logits over the whole vocabulary.
     """
+    if vocab is not None:
+        return _sliced_tokens(logits, temperature, top_k, top_p, keys, *vocab)
     if temperature == 0:  # greedy
         logits = logits.float()
         token = logits.argmax(-1)
@@ -196,6 +202,35 @@ def sample_tokens(logits, temperature, top_k, top_p, keys):
     if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
         return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
     return pick(logits, keys, 1.0 / temperature)
+
+
+
+def _sliced_tokens(logits, temperature, top_k, top_p, keys, tp, start):
+    """`sample_tokens` where each rank of a tensor-parallel group holds a slice of the vocabulary (logits (n, V_r),
+    the token ids start, start + 1, ...). Each rank takes its slice's best (the greedy maximum, or logit / T plus
+    the token's own Gumbel noise) and its log-sum-exp; the ranks' bests are gathered and the first maximum wins:
+    the draw of the whole vocabulary, ties to the lowest id as argmax breaks them. With top-k or top-p the filters
+    need every logit: the slices are gathered whole instead."""
+    if top_k or top_p < 1.0:
+        return sample_tokens(_gather_vocab(logits, tp), temperature, top_k, top_p, keys)
+    z = logits.float() * (1.0 if temperature == 0 else 1.0 / temperature)
+    score = z if temperature == 0 else z + gumbel_noise(keys, z.shape[-1], start)
+    best, index = score.max(-1)  # the first maximum of the slice
+    # ids as float32 are exact below 2^24 (every vocabulary in use)
+    stats = torch.stack([best, (index + start).float(), z.gather(-1, index[:, None])[:, 0], torch.logsumexp(z, -1)])
+    every = tp.gather_rows(stats[None])  # (ranks, 4, n)
+    winner = every[:, 0].argmax(0)  # (n,): the first rank holding the maximum
+    pick = every.gather(0, winner[None, None].expand(1, 4, -1))[0]  # (4, n)
+    return pick[1].long(), pick[2] - torch.logsumexp(every[:, 3], 0)
+
+
+def _gather_vocab(logits, tp):
+    """The logits over the whole vocabulary from each rank's slice (n, V_r): slices padded to one width, gathered."""
+    sizes = tp.gather_rows(torch.tensor([logits.shape[-1]], device=logits.device)).tolist()
+    padded = torch.nn.functional.pad(logits, (0, max(sizes) - logits.shape[-1]), value=float("-inf"))
+    every = tp.gather_rows(padded[None])  # (ranks, n, width)
+    return torch.cat([every[r, :, :sizes[r]] for r in range(tp.size)], -1)
+
 
 _COMPILED = {}
 
@@ -221,7 +256,7 @@ class Turn(NamedTuple):
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
            top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
            keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1,
-           record_routing=False, images=None):
+           record_routing=False, images=None, tp=None, dtype=None):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     A row pauses at its first EOS or at the end of one of `stop_sequences`
@@ -258,6 +293,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     experts in every MoE layer (layers/routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
     forward, which routes through its routers). images: the rows' vision.PromptImages (a vision-language
     model's image prompts), on the model's own forward: their embeddings and rotary positions enter the prefill.
+    tp: this rank's layers/tensor_parallel.Slice of a tensor-parallel group whose ranks all call `sample` with the
+    same rows: StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (its
+    FSDP2 shards gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's
+    copies' dtype (the model's own by default; a sharded model's compute dtype).
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -277,9 +316,20 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     prefill = _image_prefill(model, prompt_ids, attn, images) if images is not None else None
     # a vision-language model runs on the model's own modules (its language model under our masks), never on
     # written-out layers
-    if static_cache and not vision.is_vision_model(model) and static_decode_supported(model):
+    sampling = (temperature, top_k, top_p)
+    if tp is not None and tp.size > 1:
+        why = tp_refusal(model, tp.size) or ("images in prompts" if images is not None else None)
+        if why:
+            raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
-                             record=replay is not None)
+                             record=replay is not None, tp=tp, dtype=dtype)
+        sampling += ((tp, steps.dec.vocab_span[0]),)  # each rank holds a slice of the logits
+        compact = compact and replay is None
+        if not steps.forgets_exactly and respond is not None and max_turns > 1:
+            check_every = 1  # recurrent layers (see below)
+    elif static_cache and not vision.is_vision_model(model) and static_decode_supported(model):
+        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
+                             record=replay is not None, dtype=dtype)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
             check_every = 1  # recurrent layers (see below)
@@ -290,7 +340,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
             # so that none samples past one (the same on every rank: it depends on the model alone)
             check_every = 1
     try:
-        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, (temperature, top_k, top_p),
+        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, sampling,
                           keys, check_every, all_done, respond, max_turns, compact, device)
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
@@ -309,11 +359,12 @@ class _StaticSteps:
     length), so every row's rotary table, set at prefill, stays right however long its turns; finished rows
     can be compacted out of the batch."""
 
-    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False):
+    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
+                 dtype=None):
         self.p = ids.shape[1]
         # slot P + max_new: where finished rows write what they still decode; never attended
         self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
-                                           attention_kernel=attention_kernel)
+                                           attention_kernel=attention_kernel, tp=tp, dtype=dtype)
         self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
         self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
@@ -514,7 +565,7 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
         elif uni is not None:  # plain columns, host bookkeeping only
             col = uni
             where = (slice(None), col) if len(rows_h) == n else (rows, col)
-            tok, lp = sample_tokens(logits, *sampling, keys[where])
+            tok, lp = sample_tokens(logits, *sampling[:3], keys[where], *sampling[3:])
             tokens[where], logps[where] = tok, lp
             ptr[live] += 1
             feed_h[:] = col
@@ -530,7 +581,7 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
                                     feed=torch.tensor(feed_h, device=device))
             act = device_state["active"][rows]
             col = torch.where(act, device_state["ptr"][rows], (device_state["feed"] + 1).clamp(max=spare))
-            tok, lp = sample_tokens(logits, *sampling, keys[rows, col])
+            tok, lp = sample_tokens(logits, *sampling[:3], keys[rows, col], *sampling[3:])
             tokens[rows, col], logps[rows, col] = tok, lp
             device_state["feed"] = col
             device_state["ptr"][rows] += act

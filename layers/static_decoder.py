@@ -48,6 +48,7 @@ import torch.utils.checkpoint
 
 from layers import kernels, lora, static_moe, static_recurrent
 from layers.head import head_of
+from layers.tensor_parallel import WHOLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +328,35 @@ def decode_refusal(model):
     return None
 
 
+def tp_refusal(model, size):
+    """Why StaticDecoder cannot slice `model`'s layers over a tensor-parallel group of `size` ranks, None when it
+    can. Sharded blocks, experts and root tensors are fine there: the slices are cut from them once per call."""
+    if size == 1:
+        return None
+    why = refusal(model)
+    if why:
+        return why
+    inner, cfg = model.model, model.config
+    name = _layer_class(inner.layers[0])
+    if not _fixed_rotary(inner.rotary_emb):
+        return f"{name}: rotary tables that depend on the longest position of each call"
+    if _layer_family(inner.layers[0]).qk_norm == "projection":
+        return f"{name}: q and k norms over the whole projection, which a rank holding some heads cannot compute"
+    if cfg.num_attention_heads % size:
+        return f"{name}: num_attention_heads = {cfg.num_attention_heads} does not divide over {size} tensor-parallel ranks"
+    kv = cfg.num_key_value_heads
+    if kv % size and size % kv:
+        return f"{name}: num_key_value_heads = {kv} neither divides over {size} tensor-parallel ranks nor divides {size}"
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
+        return "sharded decoder layers that cannot gather themselves"
+    return None
+
+
+def _whole(t):
+    """t whole: a DTensor shard gathered (a collective: every rank calls it for the same tensors in order)."""
+    return t.full_tensor() if _any_dtensor([t]) else t
+
+
 def static_decode_supported(model):
     """True for a causal LM of a family in `FAMILIES` whose layers StaticDecoder reproduces exactly.
 
@@ -499,7 +529,8 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
     The training forward (`_layer`), prefill and decode (`StaticDecoder._layers`) call it and differ only in
     what they pass. lead is (B, S) in training and prefill, (B,) in decode (one token per row and no sequence
     axis: fewer views per token, which shows on small CPU batches).
-    p: the layer's settings (`Spec.layers`) and tensors: norms as (weight as applied, eps) or None; "qkv",
+    p: the layer's settings (`Spec.layers`), "reduce" (tensor parallelism: the sum over the group of the attention's
+      and the MLP's partial outputs; absent or None: whole layers), and tensors: norms as (weight as applied, eps) or None; "qkv",
       "gate_up": lists of linear params whose outputs are concatenated, "o", "down": linear params (`_linear`);
       "qk_table" (head norms: q's and k's weights over their heads), "q_norm", "k_norm" (norms over the
       projections); "sinks"; "moe" (a static_moe.MoE) and "recurrent" (a static_recurrent.DeltaNet), None but
@@ -524,6 +555,9 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         a = _linear(o, p["o"])
+    reduce = p.get("reduce")  # tensor parallelism: this rank's heads gave a partial sum (layers/tensor_parallel.py)
+    if reduce is not None:
+        a = reduce(a)
     x = x + _norm(a, p["attn_out"], upcast)
     h = _norm(x, p["mlp_in"], upcast)
     if p["moe"] is not None:
@@ -535,6 +569,8 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
         parts = p["gate_up"]
         gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
         m = _linear(p["act"](gate) * up, p["down"])
+    if reduce is not None:
+        m = reduce(m)
     return x + _norm(m, p["mlp_out"], upcast)
 
 
@@ -766,13 +802,18 @@ class StaticDecoder:
     """
 
     @classmethod
-    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False):
+    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None):
+        """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
+        `tensor_parallel.Slice` (its share of every layer and of the vocabulary); dtype: the copies' dtype (the
+        model's own by default; under tensor parallelism the sharded model's compute dtype)."""
         dec = getattr(model, "_static_decoder", None)
-        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or length > dec.max_len:
+        device, dtype = model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
+        if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
+                length > dec.max_len or dec.tp != tp:
             if dec is not None:  # grow: free the old buffers first
                 del model._static_decoder, dec
-            dec = cls(model, batch, -(-length // 64) * 64)  # slots in multiples of 64: fewer regrowths, aligned
+            # slots in multiples of 64: fewer regrowths, aligned
+            dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
         kernel = attention_kernel and device.type == "cuda" and kernels.triton_supports(dec.head_dim,
@@ -783,14 +824,25 @@ class StaticDecoder:
         dec.load(model)
         return dec
 
-    def __init__(self, model, max_batch, max_len):
+    def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None):
         cfg, layers = model.config, model.model.layers
         a0 = next(l.self_attn for l in layers if _attends(l))
         self.spec = spec = _spec(model)  # what every layer computes besides its weights (read by `load`)
         self.fam = fam = spec.fam
-        self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.device, self.dtype = model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
+        # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows
+        self.tp = tp
+        why = tp_refusal(model, tp.size)
+        if why:
+            raise ValueError(why)
+        # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (a copy per
+        # size / kv_heads ranks, as Megatron-LM and vLLM replicate them)
+        self.config_kv = kv = cfg.num_key_value_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // tp.size, max(1, kv // tp.size), a0.head_dim
+        self.kv_rank = tp.rank if kv >= tp.size else tp.rank // (tp.size // kv)  # which share of the K/V heads
+        self.vocab = model.lm_head.weight.shape[0]
+        self.vocab_span = tp.span(self.vocab, even=False)  # this rank's rows of the embedding and the head
         self.head = spec.head  # the final logits' transform (layers/head.py), as the training head applies it
         # MoE layers: their place among the MoE layers (routing replay records per MoE layer), experts' top-k
         self.moe_index = {}
@@ -808,7 +860,8 @@ class StaticDecoder:
         # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
         # their states per row instead (layers/static_recurrent.py)
         self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if _attends(l))}
-        self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype)
+        self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
+                                                       tp=tp if tp.size > 1 else None)
                           for i, l in enumerate(layers) if not _attends(l)}
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
@@ -847,7 +900,19 @@ class StaticDecoder:
     def load(self, model):
         """Copy the model's weights in (fused), layer by layer; under FSDP2 each layer is gathered just for its copy.
         Each layer's `p` then holds its settings (`Spec`) and these copies, in the form `layer` reads."""
-        fam, nh, nkv = self.fam, self.n_heads, self.n_kv
+        fam, nh, nkv, tp = self.fam, self.n_heads, self.n_kv, self.tp
+        # tensor parallelism (layers/tensor_parallel.py): the projections into heads and into the MLP cut by their
+        # outputs, those back to the hidden size by their inputs, their biases added once; one rank: whole
+        col = (lambda t: t) if tp.size == 1 else (lambda t: tp.part(t, 0, "a projection's outputs"))
+        kv_share = dataclasses.replace(tp, rank=self.kv_rank, size=self.config_kv // nkv)  # kv heads in shares of nkv
+        kv_col = (lambda t: t) if tp.size == 1 else (lambda t: kv_share.part(t, 0, "the K/V projections"))
+
+        def qkv(parts):  # q, k, v and the query's gate where there is one: this rank's heads of each
+            return None if parts is None else [kv_col(t) if j in (1, 2) else col(t) for j, t in enumerate(parts)]
+        row = (lambda t: t) if tp.size == 1 else (lambda t: tp.part(t, -1, "a projection's inputs"))
+
+        def each(fn, parts):
+            return None if parts is None else [fn(t) for t in parts]
 
         def biases(*lins):  # the fused projections' bias pieces; None when none of them has a bias
             if all(lin.bias is None for lin in lins):
@@ -888,7 +953,10 @@ class StaticDecoder:
             if not moe:
                 mine["moe"] = None
             elif mine.get("moe") is None or mine["moe"].block is not m:  # kept: captured graphs read its tensors
-                mine["moe"] = static_moe.MoE(m)  # the experts stay where they are (layers/static_moe.py)
+                # the experts stay where they are (layers/static_moe.py); sliced, this rank's share is copied
+                mine["moe"] = static_moe.MoE(m) if tp.size == 1 else static_moe.MoE(m, tp=tp)
+            elif tp.size > 1:
+                mine["moe"].load(m)
             put(mine, {slot: norm(getattr(l, name) if name else None) for slot, name in zip(SLOTS, fam.norms)})
             put(mine, {
                 "qkv": None, "qkv_b": None, "qk_norm": None, "q_norm": None, "k_norm": None, "o": None, "o_b": None,
@@ -896,35 +964,48 @@ class StaticDecoder:
             } if a is None else {
                 # q, k, v, and after them the query's gate where the family has one
                 # each as the layer applies it now: with an adapter, its delta merged in (lora.applied_weight)
-                "qkv": _query_parts(W(a.q_proj), nh, fam, [W(a.k_proj), W(a.v_proj)]),
-                "qkv_b": biases(a.q_proj, a.k_proj, a.v_proj),
+                "qkv": qkv(_query_parts(W(a.q_proj), self.spec.layers[i]["heads"], fam,
+                                        [W(a.k_proj), W(a.v_proj)])),
+                "qkv_b": qkv(biases(a.q_proj, a.k_proj, a.v_proj)),
                 # q/k norms: one table over the heads of q and k (Qwen3, Gemma), or q's and k's apart (OLMo 2)
                 "qk_norm": norm(a.q_norm, nh) + norm(a.k_norm, nkv) if fam.qk_norm == "head" else None,
                 "q_norm": norm(a.q_norm) if fam.qk_norm == "projection" else None,
                 "k_norm": norm(a.k_norm) if fam.qk_norm == "projection" else None,
-                "o": [W(a.o_proj)], "o_b": biases(a.o_proj),
-                "sinks": [a.sinks] if fam.sinks else None,
+                "o": [row(W(a.o_proj))], "o_b": None if tp.rank else biases(a.o_proj),
+                "sinks": [col(a.sinks)] if fam.sinks else None,
             })
             put(mine, {
-                "gate_up": None if moe else [W(m.gate_proj), W(m.up_proj)],
-                "gate_up_b": None if moe else biases(m.gate_proj, m.up_proj),
-                "down": None if moe else [W(m.down_proj)], "down_b": None if moe else biases(m.down_proj),
+                "gate_up": None if moe else [col(W(m.gate_proj)), col(W(m.up_proj))],
+                "gate_up_b": None if moe else each(col, biases(m.gate_proj, m.up_proj)),
+                "down": None if moe else [row(W(m.down_proj))],
+                "down_b": None if moe or tp.rank else biases(m.down_proj),
             })
             if gather:
                 l.reshard()
         self.p = [self._layer_p(settings, mine) for settings, mine in zip(self.spec.layers, self.w[0])]
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        if first and head.data_ptr() == embed.data_ptr():  # tied: one copy serves both
-            put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm)})
+        tied = embed is head or (not _any_dtensor([embed]) and head.data_ptr() == embed.data_ptr())
+        final_norm = model.model.norm
+        if tp.size > 1:  # this rank's vocabulary rows; a sharded root's tensors gathered one at a time
+            a, b = self.vocab_span
+            embed = _whole(embed)[a:b].to(self.dtype)
+            head = embed if tied else _whole(head)[a:b].to(self.dtype)
+            final_norm = types.SimpleNamespace(weight=_whole(final_norm.weight).to(self.dtype))
+        if first and tied:  # tied: one copy serves both
+            put(self.w[1], {"embed": [embed], "norm": norm(final_norm)})
             self.w[1]["lm_head"] = self.w[1]["embed"]
         else:
-            put(self.w[1], {"embed": [embed], "norm": norm(model.model.norm), "lm_head": [head]})
+            put(self.w[1], {"embed": [embed], "norm": norm(final_norm), "lm_head": [head]})
         self.rotary = model.model.rotary_emb
 
-    @staticmethod
-    def _layer_p(settings, w):
-        """A layer's `p` for `layer`: its settings, and its copies w as (weight, bias) pairs and (weight, eps) norms."""
+    def _layer_p(self, settings, w):
+        """A layer's `p` for `layer`: its settings, and its copies w as (weight, bias) pairs and (weight, eps) norms.
+        Under tensor parallelism the heads are this rank's, and the group's all-reduce joins the partial outputs."""
         eps = settings["eps"]
+        if self.tp.size > 1:
+            settings = dict(settings, reduce=self.tp.reduce)
+            if "heads" in settings:
+                settings.update(heads=self.n_heads, kv_heads=self.n_kv)
         p = dict(settings, moe=w["moe"], recurrent=w["linear"], sinks=w["sinks"], qk_table=w["qk_norm"],
                  q_norm=w["q_norm"], k_norm=w["k_norm"], qkv=[(w["qkv"], w["qkv_b"])], o=(w["o"], w["o_b"]),
                  gate_up=[(w["gate_up"], w["gate_up_b"])], down=(w["down"], w["down_b"]))
@@ -961,7 +1042,14 @@ class StaticDecoder:
             layer.compact(keep)
 
     def _embed(self, ids):
-        return _embed(ids, self.w[1]["embed"], self.embed_scale)
+        if self.tp.size == 1:
+            return _embed(ids, self.w[1]["embed"], self.embed_scale)
+        # this rank's vocabulary rows: the others' tokens embed as zeros here, and the sum over the group is exact
+        a, b = self.vocab_span
+        mine = (ids >= a) & (ids < b)
+        x = F.embedding((ids - a).clamp(0, max(b - a - 1, 0)), self.w[1]["embed"]) * mine[..., None]
+        x = self.tp.reduce(x)
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def _layers(self, x, rope, attend, recurrent):
         """x through every layer (`layer`). rope: rotary key -> (cos, sin) of these tokens; attend(i, p, q, k, v):
@@ -1007,6 +1095,7 @@ class StaticDecoder:
         return attend
 
     def _logits(self, x):
+        """The logits (n, V) of x (n, H); under tensor parallelism this rank's vocabulary columns, `vocab_span`."""
         head = self.w[1]
         z = F.linear(_rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
         return z if self.head is None else self.head.apply(z)
