@@ -149,6 +149,9 @@ class Config:
     max_prompt_length: int = setting(512, run=True, at_least=1)  # longer prompts are cut from the left
     generation_batch_size: int = setting(0, run=False, at_least=0)  # completions decoded at once on each process; 0 =
         # all of them. Fewer = a smaller KV cache (long completions); same seeds either way
+    tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
+        # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
+        # it divides the number of processes. Same completions as 1, less memory per process while sampling
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
         # (layers/kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
@@ -286,6 +289,7 @@ def validate(cfg, world_size=1):
          "needs beta > 0 and lora_rank=0 (otherwise no reference model is built)")
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
+    need(world_size % cfg.tp_size == 0, "tp_size", f"{cfg.tp_size} does not divide the {world_size} processes")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

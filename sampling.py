@@ -680,25 +680,89 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     n = prompt_ids.shape[0]
     size = cfg.generation_batch_size or n
     parts = []
-    with sharding.gathered(policy):  # full weights once for the whole decode loop
+    tp = getattr(d, "tp", None)
+    if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
         for s in range(0, n, size):
             rows = slice(s, s + size)
-            turns = {} if agent is None else dict(respond=agent.responder(episodes[rows]),
-                                                          max_turns=agent.max_turns, stop_sequences=agent.stop_sequences)
-            parts.append(policy(sample, prompt_ids[rows], prompt_mask[rows],
-                                max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
-                                pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-                                top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
-                                # the next batch reuses the weight copies and the cache
-                                keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
-                                record_routing=record_routing,
-                                images=None if images is None else images.rows(rows), **turns))
+            parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], temperature,
+                                       cfg, d, eos_ids, agent, None if agent is None else episodes[rows],
+                                       record_routing, keep_decoder=s + size < n))
+    else:
+        with sharding.gathered(policy):  # full weights once for the whole decode loop
+            parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids,
+                                  agent, episodes, record_routing, images)
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
     if agent is not None:
         agent.finish(episodes, rollout)
     # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped
     text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
     return rollout, text
+
+
+def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent, episodes,
+                  record_routing, images):
+    """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
+    n = prompt_ids.shape[0]
+    size = cfg.generation_batch_size or n
+    parts = []
+    for s in range(0, n, size):
+        rows = slice(s, s + size)
+        turns = {} if agent is None else dict(respond=agent.responder(episodes[rows]), max_turns=agent.max_turns,
+                                              stop_sequences=agent.stop_sequences)
+        parts.append(policy(sample, prompt_ids[rows], prompt_mask[rows], max_new_tokens=cfg.max_completion_length,
+                            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
+                            top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
+                            # the next batch reuses the weight copies and the cache
+                            keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
+                            record_routing=record_routing,
+                            images=None if images is None else images.rows(rows), **turns))
+    return parts
+
+
+def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent, episodes,
+                  record_routing, keep_decoder):
+    """This rank's rows of one batch decoded by its tensor-parallel group (`d.tp`): the group's rows gathered (prompts
+    left-padded to the widest), sampled together on slices of the layers, and this rank's rows taken back. Rows
+    draw their own random numbers, so they sample what they would alone. With an agent each rank answers its own
+    rows' turns and the group shares the answers (every rank of a group sees the same turns)."""
+    tp, n = d.tp, prompt_ids.shape[0]
+    width = int(tp.gather_rows(torch.tensor([prompt_ids.shape[1]], device=prompt_ids.device)).max())
+    pad = width - prompt_ids.shape[1]
+    ids = tp.gather_rows(F.pad(prompt_ids, (pad, 0), value=tokenizer.pad_token_id))
+    mask = tp.gather_rows(F.pad(prompt_mask.long(), (pad, 0)))
+    turns = {} if agent is None else dict(respond=_group_respond(agent.responder(episodes), tp, n),
+                                          max_turns=agent.max_turns, stop_sequences=agent.stop_sequences)
+    dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0]
+    rollout = sample(policy.lm, ids, mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
+                     pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                     seeds=tp.gather_rows(seeds), all_done=sharding.all_done_fn(d), keep_decoder=keep_decoder,
+                     attention_kernel=cfg.decode_attention_kernel, record_routing=record_routing, tp=tp, dtype=dtype,
+                     **turns)
+    mine = rollout_rows(rollout, torch.arange(tp.rank * n, (tp.rank + 1) * n))
+    if mine.prompt_routing is not None:  # this rank's own prompt width
+        mine.prompt_routing = mine.prompt_routing[:, pad:]
+    # as wide as this rank's longest completion, as it would be alone
+    width = int(mine.completion_mask.sum(1).max()) if n else 0
+    trim = {f.name: getattr(mine, f.name) for f in dataclasses.fields(Rollout)}
+    for k, v in trim.items():
+        if v is not None and v.dim() >= 2 and k != "prompt_routing":
+            trim[k] = v[:, :width]
+    return Rollout(**trim)
+
+
+def _group_respond(respond, tp, n):
+    """`respond` over a group's batch (rank r's rows at r * n ... r * n + n - 1) from this rank's own `respond`: it
+    answers the turns of its rows, and the answers are shared over the group in one collective per pause."""
+    import torch.distributed as dist
+
+    def group(turns):
+        mine = [t._replace(row=t.row - tp.rank * n) for t in turns if t.row // n == tp.rank]
+        answers = dict(zip((t.row + tp.rank * n for t in mine), respond(mine) if mine else []))
+        every = [None] * tp.size
+        dist.all_gather_object(every, answers, group=tp.group)
+        joined = {k: v for part in every for k, v in part.items()}
+        return [joined[t.row] for t in turns]
+    return group
 
 
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
@@ -755,14 +819,16 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
 # ----------------------------------------------------------------------------- the start-up check
 
 
-def path_of(model):
+def path_of(model, tp_size=1):
     """Which way the sampler and the training forward run this model, in a few words (the banner's), with why a
     path is not the written-out layers."""
     from layers.static_decoder import decode_refusal, training_refusal
 
     def path(refused):
         return "written-out layers" if refused is None else f"the model's own forward ({refused})"
-    return f"sampler on {path(decode_refusal(model))}, training on {path(training_refusal(model))}"
+    sampler = path(decode_refusal(model)) if tp_size == 1 else \
+        f"written-out layers sliced over {tp_size} tensor-parallel ranks"
+    return f"sampler on {sampler}, training on {path(training_refusal(model))}"
 
 
 def _plain_logprobs(model, prompt_ids, prompt_mask, rollout):
@@ -777,7 +843,7 @@ def _plain_logprobs(model, prompt_ids, prompt_mask, rollout):
 
 
 @torch.no_grad()
-def check_exact(model, tolerance=2e-3, new_tokens=3):
+def check_exact(model, tolerance=2e-3, new_tokens=3, tp=None):
     """Why `model`'s log-probs cannot be trusted on the paths it takes here, in one line; None when they can.
 
     First what the general path cannot express (hf_decoder.unsupported); then a few tokens compared: two
@@ -789,7 +855,8 @@ def check_exact(model, tolerance=2e-3, new_tokens=3):
     A vision-language model is checked on text prompts: its language model on the general path, as with images;
     what images add (their embeddings in place of the image tokens, the multi-axis rotary positions of the
     grid, decode positions continued past it) is compared with the model's own forward by tests/test_vision.py,
-    as a start-up check would need the model's image processor and pictures.
+    as a start-up check would need the model's image processor and pictures. tp: the sampler's tensor-parallel
+    group (every rank of it calls this alike), whose sliced decoder is then what is checked.
     """
     name = type(model).__name__
     if not static_decode_supported(model):
@@ -810,7 +877,7 @@ def check_exact(model, tolerance=2e-3, new_tokens=3):
         # every token is a stop: each turn is one token, and the check every 2 tokens forgets the one after it
         rollout = sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab), pad_id=0,
                          seeds=torch.tensor([1, 2]), check_every=2, max_turns=new_tokens,
-                         respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns])
+                         respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns], tp=tp)
         want = _plain_logprobs(model, ids, mask, rollout)
         full_ids = torch.cat([ids, rollout.completion_ids], 1)
         full_mask = torch.cat([mask, rollout.completion_mask], 1)

@@ -31,6 +31,7 @@ class Dist:
     world_size: int
     device: torch.device
     mesh: object = None  # a 1-D DeviceMesh over all processes; None with one process
+    tp: object = None  # this rank's layers/tensor_parallel.Slice when the sampler decodes in groups (`tensor_parallel`)
 
     @property
     def master(self):  # only this process prints, logs and exports
@@ -58,6 +59,25 @@ def setup(device=None):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     return Dist(rank, local_rank, world, dev, mesh)
+
+
+def tensor_parallel(d, size):
+    """Split the processes into groups of `size` consecutive ranks (0..size-1, size..2*size-1, ...), each of which
+    decodes its ranks' rows together, every rank holding 1/size of each layer; d.tp becomes this rank's
+    layers/tensor_parallel.Slice. Every rank makes every group, in the same order, as torch.distributed asks."""
+    from layers.tensor_parallel import Slice
+    if size == 1:
+        d.tp = Slice()
+        return d.tp
+    if d.world_size % size:
+        raise ValueError(f"tp_size={size} does not divide the {d.world_size} processes")
+    mine = None
+    for start in range(0, d.world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= d.rank < start + size:
+            mine = group
+    d.tp = Slice(d.rank % size, size, mine)
+    return d.tp
 
 
 def teardown():

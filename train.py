@@ -37,7 +37,7 @@ def parse_config(argv):
             and not any(a.startswith(("--preset", "--config")) for a in argv)):
         argv = [f"--preset={task[-1]}"] + list(argv)  # a task with a recipe of its own name starts from it
     cfg = cli.parse(Config, argv, RECIPES, doc=__doc__, other_names=OTHER_NAMES)
-    validate(cfg)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # under torchrun, the number of processes it starts
     return cfg
 
 
@@ -600,6 +600,7 @@ def main(argv):
     set_threads(cfg.threads)
     d = sharding.setup(cfg.device)
     validate(cfg, d.world_size)
+    sharding.tensor_parallel(d, cfg.tp_size)
     try:
         lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
     except sharding.OutDirBusy as e:  # on every rank: the lock is taken together

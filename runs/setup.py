@@ -5,6 +5,7 @@ Models load the deferred way (model_loading.py) on the CPU when several processe
 run's device; the tiny models are written to out_dir by rank 0 and read by every rank.
 """
 
+import functools
 import os
 import time
 import typing
@@ -74,6 +75,11 @@ def setup(cfg, d):
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     tokenizer, policy, ref = load_models(cfg, d, load_device)
+    if cfg.tp_size > 1:  # what the sliced decoder cannot run stops here, named, before anything else loads
+        why = static_decoder.tp_refusal(policy.lm, cfg.tp_size) or \
+            ("a vision-language model" if vision.is_vision_model(policy.lm) else None)
+        if why:
+            raise ConfigError("tp_size", f"tensor-parallel decoding needs the written-out layers: {why}")
     responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
@@ -81,7 +87,7 @@ def setup(cfg, d):
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
     # asked inside the root's forward, where the sampler and the training forward ask it: a sharded policy's
     # embeddings and head are whole only there (every rank takes part: the root's weights are gathered)
-    paths = policy(sampling.path_of)
+    paths = policy(functools.partial(sampling.path_of, tp_size=cfg.tp_size))
     sharding.free_gathered(policy)
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
                entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths)
@@ -285,7 +291,8 @@ def check_model(cfg, d, policy, sharded=False):
     problem = None
     if d.master or sharded:
         try:
-            problem = run_check(sampling.check_exact)
+            # sharded, the sampler checked is the one the run uses: sliced over its tensor-parallel group
+            problem = run_check(functools.partial(sampling.check_exact, tp=d.tp if sharded else None))
         except Exception as e:  # noqa: BLE001 (said in one line on every rank, not a traceback on one)
             name = type(policy.lm if sharded else policy).__name__
             problem = f"{name}: the check itself failed: {type(e).__name__}: {e}"
