@@ -19,8 +19,15 @@ of its projections, fused into one matmul:
 
 A state cannot forget a token once absorbed: the decoder says so
 (`forgets_exactly`), and the sampler then looks at rows after every token, so
-that none samples past a stop. Of the project it imports lora alone (an
-adapted projection's low-rank term).
+that none samples past a stop.
+
+Tensor parallelism (`tp`, a layers/tensor_parallel.Slice of T ranks): a rank
+holds 1/T of the key heads and the value heads those key heads serve, with
+their slices of every projection (and of an adapter's factors), of the
+convolution's channels and of the states; the gated norm's weight, shared by
+the heads, stays whole. Its output is a partial sum that the caller's
+all-reduce completes. Of the project it imports lora (an adapted projection's
+low-rank term) and tensor_parallel.
 """
 
 import inspect
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from layers import lora
+from layers.tensor_parallel import WHOLE
 
 # the layer classes this file reproduces
 CLASSES = ("Qwen3_5GatedDeltaNet",)
@@ -40,7 +48,8 @@ def supported(module):
         return False
     projections = [getattr(module, n, None) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                        "out_proj")]
-    if not all(lora.linear_like(p) for p in projections):
+    # the layer here applies no projection bias (Qwen3.5's have none): one would be dropped, so refuse it
+    if not all(lora.linear_like(p) and p.bias is None for p in projections):
         return False
     norm = getattr(module, "norm", None)
     return (module.activation == "silu" and getattr(norm, "activation", None) == "silu"
@@ -51,6 +60,13 @@ def _linear(x, weight, low_rank):
     """x W^T, plus an adapter's low-rank term x A^T B^T where `low_rank` (A, B) is given (lora.stacked_low_rank)."""
     y = F.linear(x, weight)
     return y if low_rank is None else y + F.linear(F.linear(x, low_rank[0]), low_rank[1])
+
+
+def _rows(t, spans, dim=0):
+    """The spans [(start, stop)] of t along dim, concatenated (a view of t where there is one span)."""
+    if len(spans) == 1:
+        return t.narrow(dim, spans[0][0], spans[0][1] - spans[0][0])
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in spans], dim)
 
 
 def _l2norm(x, eps=1e-6):
@@ -64,12 +80,33 @@ class DeltaNet:
     conv (rows, channels, kernel - 1): the last inputs of the convolution; rec (rows, value heads, key_dim,
     value_dim) float32: the recurrent matrix. Rows are batch rows, as the decoder's cache rows."""
 
-    def __init__(self, module, max_batch, device, dtype):
+    def __init__(self, module, max_batch, device, dtype, tp=None):
+        """tp: this rank's Slice of a tensor-parallel group (None: the whole layer); its sizes are the rank's."""
         m = module
-        self.nk, self.nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-        self.key_dim, self.value_dim, self.conv_dim = m.key_dim, m.value_dim, m.conv_dim
+        self.tp = tp = tp or WHOLE
+        nk, nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+        if nk % tp.size or nv % tp.size:
+            raise ValueError(f"tensor parallelism over {tp.size} ranks: the Gated DeltaNet's key heads ({nk}) and "
+                             f"value heads ({nv}) must each divide by {tp.size}")
+        # contiguous shares: key head i serves value heads [i * nv/nk, (i + 1) * nv/nk) (the repeat_interleave of
+        # the model's rule and of _step), so a rank's nk/T key heads serve exactly its nv/T value heads
+        (k0, k1), (v0, v1) = tp.span(nk, "key heads"), tp.span(nv, "value heads")
+        self.nk, self.nv = k1 - k0, v1 - v0
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = m.conv_kernel_size
         self.eps = m.norm.variance_epsilon
+        # this rank's spans in the model's coordinates: "qkv" its rows of in_proj_qkv (q, k and v each by heads),
+        # which are also its channels of the convolution; "values" its value heads' dv-wide rows of in_proj_z and
+        # columns of out_proj; "heads" its value heads (rows of in_proj_b and in_proj_a, A_log, dt_bias); "in" its
+        # rows of the four input projections stacked (an adapter's stacked B)
+        key, value = nk * self.dk, nv * self.dv
+        qkv = [(k0 * self.dk, k1 * self.dk), (key + k0 * self.dk, key + k1 * self.dk),
+               (2 * key + v0 * self.dv, 2 * key + v1 * self.dv)]
+        c = 2 * key + value
+        self.spans = {"qkv": qkv, "values": [(v0 * self.dv, v1 * self.dv)], "heads": [(v0, v1)],
+                      "in": qkv + [(c + v0 * self.dv, c + v1 * self.dv), (c + value + v0, c + value + v1),
+                                   (c + value + nv + v0, c + value + nv + v1)]}
         self.conv = torch.zeros(max_batch, self.conv_dim, self.kernel - 1, device=device, dtype=dtype)
         self.rec = torch.zeros(max_batch, self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
         # the model's chunked delta rule for prefill (the function its own forward calls)
@@ -77,17 +114,31 @@ class DeltaNet:
         self.chunk_rule = inspect.getmodule(cls).torch_chunk_gated_delta_rule
         self.w = {}  # filled by load, which the decoder calls with the layer gathered
 
+    def _mine(self, m):
+        """This rank's slices of the layer's tensors (the whole ones with one rank): (the input projections' pieces
+        in the fused order, the other tensors, the adapters' low-rank pairs)."""
+        sp = self.spans
+        parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+        pieces = [p.weight.narrow(0, a, b - a) for p, name in zip(parts, ("qkv", "values", "heads", "heads"))
+                  for a, b in sp[name]]
+        conv_b = m.conv1d.bias
+        own = {"out": _rows(m.out_proj.weight, sp["values"], 1), "conv": _rows(m.conv1d.weight[:, 0], sp["qkv"]),
+               "conv_b": None if conv_b is None else _rows(conv_b, sp["qkv"]), "A_log": _rows(m.A_log, sp["heads"]),
+               "dt_bias": _rows(m.dt_bias, sp["heads"]), "norm": m.norm.weight}
+        # an adapter's A reads the whole input and B writes the outputs: the input projections keep their rows of
+        # B, out_proj its columns of A (its B, applied to a partial sum, is linear, so the ranks' terms add up)
+        in_lr, out_lr = lora.stacked_low_rank(parts), lora.stacked_low_rank([m.out_proj])
+        low_rank = {"in_lr": None if in_lr is None else (in_lr[0], _rows(in_lr[1], sp["in"])),
+                    "out_lr": None if out_lr is None else (_rows(out_lr[0], sp["values"], 1), out_lr[1])}
+        return pieces, own, low_rank
+
     @torch.no_grad()
     def load(self, m):
         """Copy the layer's weights in (the projections fused), into the same tensors after the first load (captured
         graphs hold them); under FSDP2 the decoder calls this while the layer is gathered."""
-        parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
-        fused = [p.weight for p in parts]
-        own = {"out": m.out_proj.weight, "conv": m.conv1d.weight[:, 0], "conv_b": m.conv1d.bias, "A_log": m.A_log,
-               "dt_bias": m.dt_bias, "norm": m.norm.weight}
+        fused, own, low_rank = self._mine(m)
         # adapters (LoRA) stay apart from the weights, their low-rank terms added as LoRALinear adds them: merged,
         # their rounding would move the gates, and the recurrence carries such a change along the whole row
-        low_rank = {"in_lr": lora.stacked_low_rank(parts), "out_lr": lora.stacked_low_rank([m.out_proj])}
         if "in" not in self.w:
             self.w["in"] = torch.cat([p.detach() for p in fused])
             self.w.update({k: None if t is None else t.detach().clone() for k, t in own.items()})
@@ -101,6 +152,11 @@ class DeltaNet:
                 if lr is not None:
                     for mine, t in zip(self.w[k], lr):
                         mine.copy_(t)
+
+    def nbytes(self):
+        """Bytes of the weight copies this layer holds (its states apart)."""
+        tensors = [t for v in self.w.values() if v is not None for t in (v if isinstance(v, tuple) else (v,))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def snapshot(self):
         return self.conv.clone(), self.rec.clone()
@@ -132,7 +188,8 @@ class DeltaNet:
                 v.unflatten(-1, (self.nv, self.dv)))
 
     def _out(self, core, z):
-        """The gated RMSNorm over each value head, then the output projection: core, z (..., nv, dv)."""
+        """The gated RMSNorm over each value head, then the output projection: core, z (..., nv, dv). With tp, the
+        rank's partial sum of the output (its value heads through its columns of out_proj)."""
         dtype = z.dtype
         x = core.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
