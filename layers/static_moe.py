@@ -28,6 +28,13 @@ scaling * (x A_e^T) B_e^T, instead of merging all E experts at every step.
 Any other parametrization is read through the attribute (merged), as the
 model's own forward reads it.
 
+Tensor parallelism (layers/tensor_parallel.py): with a `Slice` of T > 1 ranks,
+`MoE` holds its own copy of this rank's share instead, cut from the whole block
+when built and refreshed by `MoE.load`: every expert's intermediate dimension
+(and the shared expert's) split 1/T, the router replicated, so that every rank
+routes alike and returns a partial sum of the block's output for the caller to
+all-reduce. LoRA on the experts is merged into that copy when it is loaded.
+
 Routing replay (layers/routing.py) records the experts chosen here: `MoE.__call__`
 returns them, and the decoder keeps them per cache slot.
 Of the project it imports lora alone (what an adapted linear layer is).
@@ -156,6 +163,71 @@ class _Weight:
         return lora.lora_A.detach().transpose(1, 2), lora.lora_B.detach().transpose(1, 2), lora.scaling
 
 
+class _Held:
+    """A tensor-parallel rank's copy of one fused expert weight, held in the model's layout: `base` is the same
+    (E, in, out) view `_Weight` gives, so the matmuls are unchanged. Adapters are merged into it at load."""
+    lora = None
+
+    def __init__(self, tensor, layout):
+        self.tensor, self.layout = tensor, layout
+
+    def base(self):
+        return self.tensor.transpose(1, 2) if self.layout == "out_in" else self.tensor
+
+    def low_rank(self):
+        return None
+
+
+def _expert_slices(mlp, layout, interleaved, tp):
+    """This rank's share of the experts, name -> a new tensor in the model's layout (None: a bias only rank 0
+    adds). An adapted weight is read through its attribute, which merges the adapter."""
+    e, what = mlp.experts, "the MoE's intermediate size"
+    w_out = 1 if layout == "out_in" else 2  # gate_up's output dimension, down's input dimension
+    gate_up, down = e.gate_up_proj.detach(), e.down_proj.detach()
+    gu_bias, down_bias = getattr(e, "gate_up_proj_bias", None), getattr(e, "down_proj_bias", None)
+    if interleaved:
+        # gate and up alternate (g0, u0, g1, u1, ...): the 2I outputs seen as I (gate, up) pairs, and whole pairs
+        # cut, so the gate function finds each rank's gates and ups at the even and odd places it reads
+        def cut(t, dim):
+            return tp.part(t.unflatten(dim, (-1, 2)), dim, what).flatten(dim, dim + 1)
+    else:  # I gate outputs then I up outputs: each cut apart, this rank's gates then its ups
+        def cut(t, dim):
+            return tp.part(t, dim, what, groups=2)
+    out = {"gate_up": cut(gate_up, w_out), "down": tp.part(down, 3 - w_out, what)}
+    if gu_bias is not None:
+        out["gate_up_bias"] = cut(gu_bias.detach(), 1)
+    if down_bias is not None:
+        out["down_bias"] = _own(tp.first(down_bias.detach()))
+    return out
+
+
+def _shared_slices(mlp, tp):
+    """This rank's share of Qwen2-MoE's shared expert: gate and up fused into one (2I/T, H) weight (this rank's
+    gate rows, then its up rows, as `_silu_halves` reads them), down cut by its inputs, and the shared expert's
+    gate replicated (sigmoid(gate(h)) scales every rank's partial sum alike). Adapters merged."""
+    s, g, what = mlp.shared_expert, mlp.shared_expert_gate, "the shared expert's intermediate size"
+    out = {"shared_gate_up": torch.cat([tp.part(lora.applied_weight(m), 0, what) for m in (s.gate_proj, s.up_proj)]),
+           "shared_down": tp.part(lora.applied_weight(s.down_proj), 1, what),
+           "shared_gate": lora.applied_weight(g).clone()}
+    if s.gate_proj.bias is not None or s.up_proj.bias is not None:
+        out["shared_gate_up_bias"] = torch.cat([tp.part(_bias(m), 0, what) for m in (s.gate_proj, s.up_proj)])
+    if s.down_proj.bias is not None:
+        out["shared_down_bias"] = _own(tp.first(s.down_proj.bias.detach()))
+    if g.bias is not None:
+        out["shared_gate_bias"] = g.bias.detach().clone()
+    return out
+
+
+def _bias(linear):
+    """A linear layer's bias, zeros where it has none (its partner in a fused pair has one)."""
+    w = linear.weight
+    return linear.bias.detach() if linear.bias is not None else w.new_zeros(w.shape[0])
+
+
+def _own(t):
+    return None if t is None else t.clone()
+
+
 def _probe_grouped(w):
     """True when grouped_mm takes this weight (E, in, out) on its device and dtype. On CUDA only bf16: there other
     dtypes take a path that reads the offsets on the host (torch 2.11), which a CUDA graph cannot capture."""
@@ -176,10 +248,16 @@ class MoE:
     __call__ returns (the block's output (T, H), the chosen experts (T, k)). The arithmetic is the model's:
     router logits and gates as its router computes them, each chosen expert's projections, the gate function,
     each output scaled by its gate and summed into the token's row in the hidden dtype.
+
+    tp: this rank's tensor_parallel.Slice. None or size 1: the parameters are read in place. Larger: the block
+    must be whole when built; the MoE holds this rank's share (the router and the shared expert's gate whole,
+    the expert and shared-expert intermediate dimensions cut 1/T, the down biases on rank 0 alone), __call__
+    returns this rank's partial sum of the output, and `load` refreshes the share from the whole block.
     """
 
-    def __init__(self, mlp):
+    def __init__(self, mlp, tp=None):
         router_attr, router_fn, layout, gate_fn = _block_spec(mlp)
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.block = mlp
         self.router = getattr(mlp, router_attr)
         self.route = router_fn(self.router)
@@ -187,17 +265,51 @@ class MoE:
         self.k = self.router.top_k
         self.n_experts = experts.gate_up_proj.shape[0]
         self.gate_fn = _silu_halves if gate_fn is None else gate_fn(experts)
+        self.layout, self.interleaved = layout, gate_fn is _gpt_oss_gate  # its gate reads gate and up interleaved
         self.experts = experts
-        self.gate_up, self.down = _Weight(experts, "gate_up_proj", layout), _Weight(experts, "down_proj", layout)
         self.biased = getattr(experts, "gate_up_proj_bias", None) is not None
+        self.shared = getattr(mlp, "shared_expert", None)  # every token's expert beside the routed ones (Qwen2-MoE)
+        self.shared_gate = getattr(mlp, "shared_expert_gate", None)
+        self.held = None
+        if self.tp is None:
+            self.gate_up, self.down = _Weight(experts, "gate_up_proj", layout), _Weight(experts, "down_proj", layout)
+        else:
+            self.load(mlp)
+            self.gate_up, self.down = _Held(self.held["gate_up"], layout), _Held(self.held["down"], layout)
         self.grouped = _probe_grouped(self.gate_up.base()) and _probe_grouped(self.down.base())
         # the LoRA factors' shapes (rank r) may not suit grouped_mm where the base weights do (bf16 wants rows of
         # 16 bytes): probed apart
         factors = [t for w in (self.gate_up, self.down) if w.lora for t in (w.lora.lora_A, w.lora.lora_B)]
         self.grouped_lora = self.grouped and all(_probe_grouped(t.detach().transpose(1, 2)) for t in factors)
         self.expert_ids = torch.arange(self.n_experts, device=experts.gate_up_proj.device)
-        self.shared = getattr(mlp, "shared_expert", None)  # every token's expert beside the routed ones (Qwen2-MoE)
-        self.shared_gate = getattr(mlp, "shared_expert_gate", None)
+
+    def load(self, mlp):
+        """Copy this rank's share of `mlp` (the same block, whole: gathered if sharded) into the tensors the MoE
+        holds, in place (a captured CUDA graph reads them); nothing to do when it reads the block in place.
+        Adapters on the experts or the shared expert are merged as they are now: load again after they change,
+        or after one is switched on or off."""
+        if self.tp is None:
+            return
+        with torch.no_grad():
+            router = getattr(mlp, _block_spec(mlp)[0])
+            bias = getattr(router, "bias", None)
+            share = {"router": router.weight.detach().clone(),
+                     "router_bias": None if bias is None else bias.detach().clone(),
+                     **_expert_slices(mlp, self.layout, self.interleaved, self.tp)}
+            if getattr(mlp, "shared_expert", None) is not None:
+                share.update(_shared_slices(mlp, self.tp))
+            if self.held is None:
+                self.held = share
+                return
+            names = sorted(k for k, t in share.items() if t is not None)
+            if names != sorted(k for k, t in self.held.items() if t is not None):
+                raise ValueError(f"MoE.load: the block has {names}, not the tensors the MoE was built with")
+            for name in names:
+                self.held[name].copy_(share[name])
+
+    def nbytes(self):
+        """Bytes of the weights this MoE holds: this rank's share with tp, 0 when it reads the block in place."""
+        return 0 if self.held is None else sum(t.nbytes for t in self.held.values() if t is not None)
 
     def _matmul(self, x, weight, order_expert, offs, bias):
         """Each row of x (sorted by expert) times its expert's weight, plus its expert's bias and LoRA term."""
@@ -218,20 +330,30 @@ class MoE:
         return y
 
     def __call__(self, h):
-        gates, idx = self.route(h, self.router.weight, getattr(self.router, "bias", None))  # (T, k) each
+        held = self.held
+        if held is None:
+            router_w, router_b = self.router.weight, getattr(self.router, "bias", None)
+            e = self.experts
+            gu_bias, down_bias = (e.gate_up_proj_bias, e.down_proj_bias) if self.biased else (None, None)
+        else:
+            router_w, router_b = held["router"], held["router_bias"]
+            gu_bias, down_bias = held.get("gate_up_bias"), held.get("down_bias")
+        gates, idx = self.route(h, router_w, router_b)  # (T, k) each
         # the (token, expert) pairs grouped by expert, and where each expert's group ends, found on the device
         # (no host sync: bincount on CUDA reads its input's maximum)
         order_expert, order = idx.reshape(-1).sort(stable=True)
         offs = torch.searchsorted(order_expert, self.expert_ids, right=True, out_int32=True)
         token = order // self.k
-        e = self.experts
-        up = self._matmul(h[token], self.gate_up, order_expert, offs,
-                          e.gate_up_proj_bias if self.biased else None)
-        out = self._matmul(self.gate_fn(up), self.down, order_expert, offs, e.down_proj_bias if self.biased else None)
+        up = self._matmul(h[token], self.gate_up, order_expert, offs, gu_bias)
+        out = self._matmul(self.gate_fn(up), self.down, order_expert, offs, down_bias)
         out = out * gates.reshape(-1)[order, None]
         routed = torch.zeros_like(h).index_add_(0, token, out.to(h.dtype))
-        if self.shared is not None:  # read in place, as the experts: the block is whole (see static_decoder)
+        if self.shared is not None and held is None:  # in place, as the experts: the block is whole (static_decoder)
             s = self.shared  # its layers' own forward: plain, or with an adapter's low-rank term
             shared = s.down_proj(F.silu(s.gate_proj(h)) * s.up_proj(h))
             routed = routed + torch.sigmoid(self.shared_gate(h)) * shared
+        elif self.shared is not None:  # this rank's share, gate and up fused
+            shared = F.linear(_silu_halves(F.linear(h, held["shared_gate_up"], held.get("shared_gate_up_bias"))),
+                              held["shared_down"], held.get("shared_down_bias"))
+            routed = routed + torch.sigmoid(F.linear(h, held["shared_gate"], held.get("shared_gate_bias"))) * shared
         return routed, idx
