@@ -213,13 +213,22 @@ def _sliced_tokens(logits, temperature, top_k, top_p, keys, tp, start):
     need every logit: the slices are gathered whole instead."""
     if top_k or top_p < 1.0:
         return sample_tokens(_gather_vocab(logits, tp), temperature, top_k, top_p, keys)
+    every = tp.gather_rows(_slice_best(logits, temperature, keys, start)[None])  # (ranks, 4, n)
+    return _join_bests(every)
+
+
+def _slice_best(logits, temperature, keys, start):
+    """(4, n): a vocabulary slice's best score per row, its token id, its tempered logit, and the slice's
+    log-sum-exp of the tempered logits (ids as float32: exact below 2^24, every vocabulary in use)."""
     z = logits.float() * (1.0 if temperature == 0 else 1.0 / temperature)
     score = z if temperature == 0 else z + gumbel_noise(keys, z.shape[-1], start)
     best, index = score.max(-1)  # the first maximum of the slice
-    # ids as float32 are exact below 2^24 (every vocabulary in use)
-    stats = torch.stack([best, (index + start).float(), z.gather(-1, index[:, None])[:, 0], torch.logsumexp(z, -1)])
-    every = tp.gather_rows(stats[None])  # (ranks, 4, n)
-    winner = every[:, 0].argmax(0)  # (n,): the first rank holding the maximum
+    return torch.stack([best, (index + start).float(), z.gather(-1, index[:, None])[:, 0], torch.logsumexp(z, -1)])
+
+
+def _join_bests(every):
+    """The token and log-prob per row from every slice's `_slice_best` (slices, 4, n), in vocabulary order."""
+    winner = every[:, 0].argmax(0)  # (n,): the first slice holding the maximum
     pick = every.gather(0, winner[None, None].expand(1, 4, -1))[0]  # (4, n)
     return pick[1].long(), pick[2] - torch.logsumexp(every[:, 3], 0)
 

@@ -998,6 +998,20 @@ class StaticDecoder:
             put(self.w[1], {"embed": [embed], "norm": norm(final_norm), "lm_head": [head]})
         self.rotary = model.model.rotary_emb
 
+    def weight_bytes(self):
+        """Bytes of the weight copies this decoder holds (each tensor once; a tied head is the embedding): its
+        layers' fused copies, MoE blocks' and recurrent layers' own (none for experts read in place), embedding,
+        final norm and head. Under tensor parallelism, this rank's share."""
+        seen, total = set(), 0
+        for d in [*self.w[0], self.w[1]]:
+            for k, v in d.items():
+                if k in ("moe", "linear") and v is not None:  # a MoE block's, a recurrent layer's
+                    total += v.nbytes()
+                elif torch.is_tensor(v) and id(v) not in seen:
+                    seen.add(id(v))
+                    total += v.numel() * v.element_size()
+        return total
+
     def _layer_p(self, settings, w):
         """A layer's `p` for `layer`: its settings, and its copies w as (weight, bias) pairs and (weight, eps) norms.
         Under tensor parallelism the heads are this rank's, and the group's all-reduce joins the partial outputs."""

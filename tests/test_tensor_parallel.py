@@ -1,0 +1,127 @@
+"""Tensor-parallel decoding (layers/tensor_parallel.py, StaticDecoder with a Slice) against one rank decoding alone.
+
+One torchrun launch of tests/tp_decode.py (4 processes, gloo, float32) decodes each family's rows in groups of 2
+and of 4; these tests read what every rank wrote. Then a train.py run under torchrun with --tp_size=2 against the
+same run decoded by each process alone.
+"""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from launches import ROOT, launch, launch_runs, metrics
+
+SCRIPT = os.path.join(ROOT, "tests", "tp_decode.py")
+TOLERANCE = 1e-5  # float32: the all-reduces add the ranks' partial sums in another order than one matmul does
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tp") / "decoded")
+    launch(SCRIPT, [out], nproc=4, timeout=600)
+    rows = [json.loads(line) for path in sorted(glob.glob(out + ".*")) for line in open(path) if line.strip()]
+    assert {r["rank"] for r in rows} == {0, 1, 2, 3}
+    return rows
+
+
+def _trimmed(tokens, mask):
+    return [t[:sum(m)] for t, m in zip(tokens, mask)]
+
+
+def test_every_rank_samples_what_one_rank_samples(decoded):
+    """Greedy and sampled tokens, one turn and several (environment answers fed back), top-k: the same tokens,
+    masks and turns as the whole decoder, on every rank of groups of 2 and of 4; log-probs within float32 noise."""
+    seen = set()
+    for r in decoded:
+        where = (r["family"], r["case"], r["size"], r["rank"])
+        assert _trimmed(r["tokens"], r["mask"]) == _trimmed(r["whole_tokens"], r["whole_mask"]), where
+        assert r["mask"] == r["whole_mask"] and r["policy"] == r["whole_policy"], where
+        assert r["logprob_diff"] <= TOLERANCE, where
+        seen.add((r["family"], r["case"], r["size"]))
+    for family in ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss", "qwen3_5", "gemma2"):
+        for size in (2, 4):
+            assert {(family, "greedy", size), (family, "turns", size)} <= seen
+    # the multi-turn case took answers: some row paused and resumed
+    assert all(max(r["turns"]) > 1 for r in decoded if r["case"] == "turns")
+
+
+def test_greedy_tokens_equal_generate(decoded):
+    for r in decoded:
+        if r["case"] == "greedy":
+            for i, (ours, mask) in enumerate(zip(r["tokens"], r["mask"])):
+                n = sum(mask)
+                assert ours[:n] == r["generate"][i][:n], (r["family"], r["size"], r["rank"], i)
+
+
+def test_each_rank_holds_its_share_of_the_weights(decoded):
+    """A rank's decoder holds 1/T of the weights the whole decoder reads (its copies and the MoE experts it reads
+    in place), plus what stays whole on every rank: the norms (each layer's, a recurrent layer's gated norm, the
+    final one), MoE routers and shared-expert gates; and on rank 0 only the biases of the projections back to the
+    hidden size. The vocabulary splits in ceil(V / T) rows, so shares differ by at most one row of the embedding
+    and one of the head."""
+    checked = 0
+    for r in decoded:
+        if r["family"].endswith("_kv2"):  # with fewer K/V heads than ranks, ranks hold copies of them
+            continue
+        whole, first = r["kept_whole"]
+        everything = r["whole_bytes"] + r["in_place"]
+        sliced = everything - whole - first
+        mine = r["bytes"] - whole - (first if r["tp_rank"] == 0 else 0)
+        row = r["hidden"] * r["element"] * (1 if r["tied"] else 2)
+        assert abs(mine - sliced / r["size"]) <= row, (r["family"], r["size"], r["rank"], mine, sliced)
+        assert whole < 0.1 * everything  # the remainder is small beside what is sliced
+        checked += 1
+    assert checked
+    # the shares of a group add up to the whole: nothing is held twice but what is kept whole
+    for family in {r["family"] for r in decoded if not r["family"].endswith("_kv2")}:
+        for size in (2, 4):
+            group = [r for r in decoded if r["family"] == family and r["size"] == size and r["case"] == "greedy"
+                     and r["rank"] < size]
+            whole, first = group[0]["kept_whole"]
+            total = sum(r["bytes"] for r in group)
+            assert total == group[0]["whole_bytes"] + group[0]["in_place"] + (size - 1) * whole, (family, size)
+
+
+def test_training_with_tp_size_2_equals_each_process_alone(tmp_path):
+    """train.py under torchrun with 2 processes: --tp_size=2 (the two decode their rows together on halves of the
+    layers) gives the run of --tp_size=1 (each decodes its own on the whole model): the same rewards, and the loss
+    and KL within float32 noise."""
+    common = ["--max_steps=3", "--beta=0.04", "--resume=never", "--max_completion_length=8", "--save_every=0"]
+    runs = [[f"--out_dir={tmp_path / 'alone'}", *common], [f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", *common]]
+    said = launch_runs(runs, 2, str(tmp_path), "tp_runs")
+    assert "sliced over 2 tensor-parallel ranks" in said[str(tmp_path / "tp")]
+    alone, tp = metrics(str(tmp_path / "alone")), metrics(str(tmp_path / "tp"))
+    assert len(alone) == len(tp) == 3
+    for a, b in zip(alone, tp):
+        assert a["reward"] == b["reward"]
+        for k in ("loss", "kl", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+
+
+def test_tp_size_that_does_not_divide_the_processes_is_refused():
+    import config
+    from runs.cli import ConfigError
+    with pytest.raises(ConfigError, match="tp_size"):
+        config.validate(config.Config(tp_size=3), world_size=4)
+
+
+def test_vocabulary_slices_draw_the_whole_vocabularys_token():
+    """Each slice's best joined (what the ranks of a group gather) is the draw over the whole vocabulary: the same
+    token, ties to the lowest id as argmax breaks them, the same log-prob."""
+    import sampling
+    from layers.tensor_parallel import Slice
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 37, generator=g) * 3
+    logits[0, 5] = logits[0, 30] = 50.0  # a greedy tie across two slices: the lower id wins
+    keys = sampling.row_keys(torch.arange(6), 3)
+    for temperature in (0.0, 0.7):
+        want_tok, want_lp = sampling.sample_tokens(logits, temperature, 0, 1.0, keys)
+        for size in (2, 3, 4):
+            spans = [Slice(rank, size).span(37, even=False) for rank in range(size)]
+            every = torch.stack([sampling._slice_best(logits[:, a:b], temperature, keys, a) for a, b in spans])
+            tok, lp = sampling._join_bests(every)
+            assert torch.equal(tok, want_tok), (temperature, size)
+            assert torch.allclose(lp, want_lp, atol=1e-5), (temperature, size)

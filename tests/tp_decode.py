@@ -1,0 +1,137 @@
+"""Tensor-parallel decoding against one rank, for tests/test_tensor_parallel.py: run under torchrun with gloo (4
+processes), it writes one JSON line per (family, group size, case) to the file named by its argument.
+
+Every rank builds the same tiny model. Groups of 2 (ranks 0-1 and 2-3) and of 4 decode the same rows as one rank
+decoding alone with the whole layers; greedy tokens are compared with the model's own `generate` as well. Each rank
+records its tokens, its log-probs' largest difference from the whole decoder's, and the bytes its decoder's copies
+hold, with the parts a family keeps whole on every rank (norms, routers) or on rank 0 only (row-sliced biases)
+counted from the model's own parameters, not from the decoder.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import architectures  # noqa: E402
+import sampling  # noqa: E402
+from layers import static_moe  # noqa: E402
+from layers.tensor_parallel import Slice  # noqa: E402
+
+# T = 4 needs heads, K/V heads, intermediate sizes and recurrent heads that divide by 4; the rows' own settings
+# otherwise. "kv2": 4 query heads over 2 K/V heads, so at T = 4 two ranks hold a copy of each K/V head
+FAMILIES = {
+    "llama": {}, "qwen3": {}, "qwen3_moe": {}, "qwen2_moe": {}, "gpt_oss": {}, "gemma2": {},
+    "qwen3_5": dict(linear_num_key_heads=4, linear_num_value_heads=8),
+}
+EVERY_CASE = ("llama",)  # the others: greedy and several turns (sampled) only
+DIVIDING = dict(num_key_value_heads=4)  # every family's K/V heads split 1 per rank at T = 4
+
+
+def bytes_of(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def kept_whole(model):
+    """(bytes every rank holds whole, bytes rank 0 alone holds) of the decoder's copies, from the model's modules:
+    the norms (a layer's, its recurrent layer's gated norm, the final one), MoE routers and shared-expert gates; the
+    biases of the projections back to the hidden size (o, down, the experts' and the shared expert's down)."""
+    whole, first = [], []
+    for layer in model.model.layers:
+        for name, m in layer.named_children():
+            if name.endswith("norm"):
+                whole.append(m.weight)
+        a, mlp = getattr(layer, "self_attn", None), layer.mlp
+        if a is not None:
+            first.append(a.o_proj.bias)
+        rec = getattr(layer, "linear_attn", None)
+        if rec is not None:
+            whole.append(rec.norm.weight)
+        if static_moe.is_moe(mlp):
+            router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+            whole += [router.weight, getattr(router, "bias", None)]
+            first.append(getattr(mlp.experts, "down_proj_bias", None))
+            gate = getattr(mlp, "shared_expert_gate", None)
+            if gate is not None:
+                whole += [gate.weight, gate.bias]
+                first.append(mlp.shared_expert.down_proj.bias)
+        else:
+            first.append(mlp.down_proj.bias)
+    whole.append(model.model.norm.weight)
+    return bytes_of(whole), bytes_of(first)
+
+
+def in_place(model):
+    """Bytes the whole decoder reads from the model in place instead of copying: its MoE blocks'."""
+    return sum(bytes_of(layer.mlp.parameters()) for layer in model.model.layers if static_moe.is_moe(layer.mlp))
+
+
+def respond(vocab):
+    """An environment that answers every turn with 1-3 tokens fixed by the row and its turn count."""
+    def answer(turns):
+        return [[(7 * t.row + len(t.ids) + j) % vocab for j in range(1 + t.row % 3)] for t in turns]
+    return answer
+
+
+def main(out_path):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {2: Slice(rank % 2, 2, pairs[rank // 2]), 4: Slice(rank, 4, dist.new_group(list(range(world))))}
+    lines = []
+    for family, settings in FAMILIES.items():
+        for variant, extra in (("", DIVIDING), ("kv2", {})):
+            if variant and family not in ("llama", "qwen3_5"):
+                continue
+            model, tok = architectures.tiny(family, **settings, **extra)
+            vocab = model.config.vocab_size
+            enc = tok(["The quick brown fox", "hi", "abc def"], return_tensors="pt", padding=True)
+            runs = {
+                "greedy": dict(temperature=0.0, max_new_tokens=12, eos_ids=[tok.eos_token_id]),
+                "sampled": dict(temperature=0.9, max_new_tokens=16, eos_ids=list(range(97, 104)), check_every=4),
+                # every 11th token ends a turn; answers of 1-3 tokens, up to 3 turns
+                "turns": dict(temperature=1.0, max_new_tokens=20, eos_ids=list(range(0, vocab, 11)), check_every=2,
+                              respond=respond(vocab), max_turns=3),
+                "top_k": dict(temperature=1.0, top_k=20, max_new_tokens=8, eos_ids=[tok.eos_token_id]),
+            }
+            for case, kw in runs.items():
+                if case not in ("greedy", "turns") and family not in EVERY_CASE:
+                    continue
+                kw = dict(kw, pad_id=tok.pad_token_id, seeds=torch.tensor([5, 6, 7]), keep_decoder=True)
+                whole = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+                whole_bytes = model._static_decoder.weight_bytes()
+                ref = None
+                if case == "greedy":
+                    with torch.no_grad():
+                        ref = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                                             do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                             eos_token_id=tok.eos_token_id)[:, enc.input_ids.shape[1]:].tolist()
+                for size, tp in groups.items():
+                    got = sampling.sample(model, enc.input_ids, enc.attention_mask, tp=tp, **kw)
+                    mask = whole.policy_mask.bool()
+                    diff = (got.logprobs - whole.logprobs)[mask].abs().max().item() if mask.any() else 0.0
+                    lines.append(dict(
+                        family=family + (f"_{variant}" if variant else ""), case=case, size=size, rank=rank,
+                        tp_rank=tp.rank, tokens=got.completion_ids.tolist(), whole_tokens=whole.completion_ids.tolist(),
+                        mask=got.completion_mask.tolist(), whole_mask=whole.completion_mask.tolist(),
+                        policy=got.policy_mask.tolist(), whole_policy=whole.policy_mask.tolist(),
+                        turns=whole.turns.tolist(), logprob_diff=diff, generate=ref,
+                        bytes=model._static_decoder.weight_bytes(), whole_bytes=whole_bytes,
+                        kept_whole=kept_whole(model), in_place=in_place(model), vocab_rows=model._static_decoder.vocab_span,
+                        hidden=model.config.hidden_size, tied=model.config.tie_word_embeddings,
+                        element=model.lm_head.weight.element_size()))
+                    model.__dict__.pop("_static_decoder", None)
+                model.__dict__.pop("_static_decoder", None)
+    with open(f"{out_path}.{rank}", "w") as f:
+        f.write("\n".join(json.dumps(x) for x in lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
