@@ -701,6 +701,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
             parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids,
                                   agent, episodes, record_routing, images)
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
+    sharding.return_host_memory()  # the decoder's copies, freed: before training allocates its own tensors
     if agent is not None:
         agent.finish(episodes, rollout)
     # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped

@@ -227,6 +227,34 @@ def gathered(root):
             m.reshard()
 
 
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def map_large_host_tensors(threshold=1 << 20):
+    """Host tensors above `threshold` bytes get a mapping of their own, unmapped when freed (glibc's
+    M_MMAP_THRESHOLD; elsewhere nothing). By default glibc raises that threshold up to 32 MiB as large blocks are
+    freed, and keeps what is freed below it in the process's heap for reuse: a layer gathered and freed, the
+    sampler's copies of the weights freed after each rollout, then count against the process for the rest of the
+    run, and a sharded process would hold far more than its shards. Each mapping costs a system call and page
+    faults, nothing beside a tensor of a megabyte's arithmetic."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD; setting it also stops glibc from raising it
+
+
+def return_host_memory():
+    """Give the freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing): called where a phase
+    ends and the next allocates other tensors (after loading and the start-up check, after sampling)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def free_gathered(root):
     """Release the root group's gathered parameters (FSDP keeps the root's after a forward for backward).
 

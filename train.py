@@ -598,6 +598,7 @@ def main(argv):
             print(plan.run(cfg), flush=True)
         return
     set_threads(cfg.threads)
+    sharding.map_large_host_tensors()  # freed host memory goes back to the system: a process holds what it uses
     d = sharding.setup(cfg.device)
     validate(cfg, d.world_size)
     sharding.tensor_parallel(d, cfg.tp_size)

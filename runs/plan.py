@@ -218,24 +218,24 @@ def _tensors_in(values):
 def decoder_bytes(dec):
     """{part: bytes} of a static_decoder.StaticDecoder's own tensors (it may be built on the meta device): its weight
     copies (the fused per-layer copies, embedding, final norm and head, tied ones once; a recurrent layer's own
-    copies), KV cache, recurrent states and per-row tables. MoE experts are read in place: no copy."""
+    copies; under tensor parallelism this rank's slices, MoE experts included), KV cache, recurrent states and
+    per-row tables. Without tensor parallelism MoE experts are read in place: no copy."""
     rec = list(dec.recurrent.values())
-    copies = _tensors_in([v for layer in dec.w[0] for v in layer.values()] + list(dec.w[1].values()) +
-                         [v for r in rec for v in r.w.values()])
     tables = [dec.key_mask, *dec.cos, *dec.sin, dec.tok_in, dec.slot_in, dec.row_index, dec.trues]
     tables += [] if dec.pos is None else [dec.pos]
-    return {"weight copies": tensor_bytes(copies), "KV cache": tensor_bytes([dec.k_cache, dec.v_cache]),
+    return {"weight copies": dec.weight_bytes(), "KV cache": tensor_bytes([dec.k_cache, dec.v_cache]),
             "recurrent states": tensor_bytes([t for r in rec for t in (r.conv, r.rec)]),
             "per-row tables": tensor_bytes(tables)}
 
 
-def _decoder_on_meta(model, rows, length):
-    """A StaticDecoder for `rows` rows of `length` tokens built on the meta device, or None where the model's
-    layers are not written out."""
-    from layers.static_decoder import StaticDecoder, static_decode_supported
-    if not static_decode_supported(model):
+def _decoder_on_meta(model, rows, length, tp_size=1):
+    """A StaticDecoder for `rows` rows of `length` tokens built on the meta device (rank 0's slices of a
+    tensor-parallel group of `tp_size`), or None where the model's layers are not written out."""
+    from layers.static_decoder import StaticDecoder, static_decode_supported, tp_refusal
+    from layers.tensor_parallel import Slice
+    if (tp_refusal(model, tp_size) if tp_size > 1 else not static_decode_supported(model)):
         return None
-    dec = StaticDecoder(model, rows, -(-length // 64) * 64)  # as StaticDecoder.for_model rounds it
+    dec = StaticDecoder(model, rows, -(-length // 64) * 64, tp=Slice(0, tp_size))  # as for_model rounds it
     dec.load(model)
     head, embed = model.lm_head.weight, model.model.embed_tokens.weight
     if head is not embed and dec.w[1]["lm_head"] is dec.w[1]["embed"]:  # meta tensors share data_ptr 0: untie
@@ -298,17 +298,22 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         notes.append("training state: on the host (--cpu_offload); each group's shards are copied to the GPU for "
                      "its all-gather")
 
-    # generation: this process's rows of prompt + completion
+    # generation: this process's rows of prompt + completion; under tensor parallelism its group's rows, on its
+    # slices of the layers
     rows_total = cfg.prompts_per_step * cfg.num_generations // world
     rows = min(cfg.generation_batch_size or rows_total, rows_total)
     length = cfg.max_prompt_length + cfg.max_completion_length + 1
+    tp = cfg.tp_size
     # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
-    moe_hf = (sharded and world > 1 and _has_moe(model)) or getattr(config, "vision_config", None) is not None
+    moe_hf = (sharded and world > 1 and _has_moe(model) and tp == 1) or \
+        getattr(config, "vision_config", None) is not None
     dec = None if moe_hf else _decoder_on_meta(meta_model(config, compute, cfg.lora_rank, cfg.lora_alpha,
                                                           cfg.lora_target_modules) if compute != param_dtype
-                                               else model, rows, length)
+                                               else model, rows * tp, length, tp)
     gen = [part for part in state if part[0] != "gradients"]  # freed after each optimizer step (set_to_none)
-    if sharded:
+    if sharded and tp > 1:  # the root's tensors gathered one at a time, each sliced, freed
+        gen.append(("largest root tensor gathered, for its slice", max(tensor_bytes([p]) for p in root)))
+    elif sharded:
         gen.append(("root group gathered", tensor_bytes(root, dtype=compute)))
     if dec is not None:
         gen += list(decoder_bytes(dec).items())
@@ -323,7 +328,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                      "model) on whole gathered blocks; its KV cache is estimated as every attention layer's full "
                      "length, its recurrent states are not counted")
     text = getattr(config, "text_config", None) or config
-    gen.append(("logits and sampling buffers", rows * text.vocab_size * (cb + 3 * 4) + rows * length * 13))
+    gen.append(("logits and sampling buffers", rows * tp * -(-text.vocab_size // tp) * (cb + 3 * 4) +
+                rows * tp * length * 13))
     generation = Phase("generation", gen)
 
     # training: one micro-batch's forward and backward on top of the state
@@ -374,6 +380,10 @@ def _candidates(cfg, world, more_gpus=True):
         out.append(("--lora_rank=16", dict(lora_rank=16), world))
     if cfg.beta > 0 and cfg.lora_rank == 0:
         out.append(("--beta=0 (no reference model)", dict(beta=0.0), world))
+    t = cfg.tp_size
+    while t * 2 <= min(world, GPUS_PER_NODE) and world % (t * 2) == 0:  # groups within a node
+        t *= 2
+        out.append((f"--tp_size={t}", dict(tp_size=t), world))
     if world > 1 and not cfg.cpu_offload:
         out.append(("--cpu_offload", dict(cpu_offload=True), world))
     if cfg.beta > 0 and cfg.lora_rank == 0 and not cfg.ref_bf16:
@@ -436,8 +446,8 @@ def advise(cfg, config, p, more_gpus=True, **limits):
                       if getattr(cur, f.name) != getattr(cfg, f.name)}, world)
             return p
     p.advice = [f"does not fit with the settings there are ({' '.join(chosen)} still leaves "
-                f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in q.over())}); it would take what is "
-                f"not built yet: tensor-parallel decode (the sampler's whole-model copy)"]
+                f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in q.over())}); it would take more "
+                f"memory per GPU or more GPUs"]
     return p
 
 
@@ -536,22 +546,24 @@ def shape_config(name):
     return getattr(transformers, cls)(**fields)
 
 
-def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048.0, names=tuple(SHAPES)):
-    """docs/memory.md's table: each model of SHAPES on `world` GPUs at each completion length, with the settings
-    the table states (LoRA rank 16 for gpt-oss-120b), as markdown rows."""
+def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048.0, names=tuple(SHAPES),
+          tp_sizes=(1, 8)):
+    """docs/memory.md's table: each model of SHAPES on `world` GPUs at each completion length and tensor-parallel
+    size, with the settings the table states (LoRA rank 16 for gpt-oss-120b), as markdown rows."""
     from config import Config
     rows = ["| model | completion | setting | params | loading, host per process | generation per GPU | "
             "training per GPU | fits today? |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         config = shape_config(name)
-        for t in completion_lengths:
+        for t, tp in [(t, tp) for t in completion_lengths for tp in tp_sizes]:
             cfg = Config(max_completion_length=t, max_prompt_length=512, prompts_per_step=32, num_generations=8,
-                         micro_batch_size=1, gradient_checkpointing=True,
+                         micro_batch_size=1, gradient_checkpointing=True, tp_size=tp,
                          model_init_kwargs={"dtype": "bfloat16"} if name == "gpt-oss-120b" else {},
                          lora_rank=16 if name == "gpt-oss-120b" else 0)
             limits = dict(gpu_gib=gpu_gib, host_gib=host_gib)
             p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), more_gpus=False, **limits)
-            setting = "LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master"
+            setting = ("LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master") + \
+                (f", --tp_size={tp}" if tp > 1 else "")
             g = {ph.name: ph.total / GiB for ph in p.phases}
             verdict = "yes" if not p.over() else "no: " + "; ".join(p.advice)
             rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | {g['loading']:.0f} GiB | "

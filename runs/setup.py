@@ -89,6 +89,7 @@ def setup(cfg, d):
     # embeddings and head are whole only there (every rank takes part: the root's weights are gathered)
     paths = policy(functools.partial(sampling.path_of, tp_size=cfg.tp_size))
     sharding.free_gathered(policy)
+    sharding.return_host_memory()  # what loading and the start-up check read and freed
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
                entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths)
 
