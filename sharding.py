@@ -1,7 +1,9 @@
 """Several processes: distributed setup, FSDP2 sharding, gathering for generation, checkpoints.
 
-One process (plain `python train.py`) is the special case where every helper
-here is the identity: no process group, no mesh, nothing sharded.
+One concern, past 650 lines on purpose: what the processes of a run hold and share (their group and its
+tensor-parallel groups, their shards and the host memory under them, the collectives, the run's folder and the
+checkpoints saved and loaded shard by shard). One process (plain `python train.py`) is the special case where
+every helper here is the identity: no process group, no mesh, nothing sharded.
 """
 
 import contextlib

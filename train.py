@@ -527,14 +527,26 @@ def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask, threshold=
     return keep
 
 
+def peak_memory(d):
+    """The GPU memory allocated at most since the last call, in GiB (None on a CPU); starts the next count."""
+    if d.device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+    torch.cuda.reset_peak_memory_stats(d.device)
+    return peak
+
+
 def train_step(run, step):
     """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     t0 = time.time()
     executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
+    memory = {}
+    peak_memory(d)
     # 1. sample G completions per prompt and 2. score them: (n,); with dynamic sampling, until enough have a signal
     batch, total, parts, reward_time, dynamic = draw(run, step)
+    memory["memory/generation_gib"] = peak_memory(d)
     t_gen = time.time() - t0 - reward_time["reward_time"]
     exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
@@ -545,6 +557,7 @@ def train_step(run, step):
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
+    memory["memory/training_gib"] = peak_memory(d)
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
               f"(last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were", flush=True)
@@ -555,6 +568,8 @@ def train_step(run, step):
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic,
                **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {})}
     step_time = time.time() - t0
+    if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
+        metrics.update(memory)
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
     if cfg.sync_ref_model:  # the reference's syncs so far in the run
