@@ -37,7 +37,8 @@ def parse_config(argv):
             and not any(a.startswith(("--preset", "--config")) for a in argv)):
         argv = [f"--preset={task[-1]}"] + list(argv)  # a task with a recipe of its own name starts from it
     cfg = cli.parse(Config, argv, RECIPES, doc=__doc__, other_names=OTHER_NAMES)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # under torchrun, the number of processes it starts
+    # the processes the run will have: torchrun's, or those a plan is made for
+    validate(cfg, cfg.plan_world_size if cfg.plan and cfg.plan_world_size else int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
 
 
@@ -57,7 +58,7 @@ if __name__ == "__main__":
     # same error here (it depends on the command line alone, and nothing distributed has started): rank 0
     # says it, and the others exit quietly with status 0, so that torchrun's summary lists rank 0 alone.
     try:
-        validate(parse_config(sys.argv[1:]), int(os.environ.get("WORLD_SIZE", "1")))
+        parse_config(sys.argv[1:])  # validated for torchrun's processes, or a plan's
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) != 0:
             raise SystemExit(0) from None
