@@ -401,7 +401,7 @@ def parameters_on_meta():
 
 
 def weight_files(path):
-    """{name: (shape, dtype)} of every tensor in a local folder's safetensors files; {} when it has none."""
+    """{name: (shape, dtype, file)} of every tensor in a local folder's safetensors files; {} when it has none."""
     from safetensors import safe_open
 
     if not os.path.isdir(path):
@@ -412,25 +412,52 @@ def weight_files(path):
             with safe_open(os.path.join(path, f), "pt") as st:
                 for k in st.keys():
                     t = st.get_slice(k)
-                    found[k] = (tuple(t.get_shape()), t.get_dtype())
+                    found[k] = (tuple(t.get_shape()), t.get_dtype(), f)
     return found
 
 
+# A MoE block's experts as transformers 5 holds them, one 3-D parameter for all of them, and as Qwen2/3-MoE
+# checkpoints store them, a matrix per expert: fused parameter -> the per-expert weights stacked into it (each
+# expert's row of the parameter is their concatenation along its first dimension)
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _per_expert(name, shape, files):
+    """For a fused expert parameter `name` ("...experts.gate_up_proj", shape (E, out, in)) the files hold as a
+    matrix per expert: [[each of expert e's file names] for e in range(E)]; else None."""
+    prefix, _, kind = name.rpartition(".")
+    if not prefix.endswith(".experts") or kind not in FUSED_EXPERTS:
+        return None
+    parts = [[f"{prefix}.{e}.{part}.weight" for part in FUSED_EXPERTS[kind]] for e in range(shape[0])]
+    if not all(n in files for names in parts for n in names):
+        return None
+    for names in parts:
+        stacked = [files[n][0] for n in names]
+        if any(len(s) != 2 or s[1] != shape[2] for s in stacked) or sum(s[0] for s in stacked) != shape[1]:
+            return None
+    return parts
+
+
 def _stored_names(model, files):
-    """{name in the files: parameter} for every parameter of `model`, or why the files cannot fill it.
-    A tied parameter (lm_head sharing the embeddings) is one tensor under one of its names."""
+    """({name in the files: parameter}, {parameter name: (parameter, per-expert file names)}) for every
+    parameter of `model`, or why the files cannot fill it. A tied parameter (lm_head sharing the embeddings) is one
+    tensor under one of its names; a MoE block's fused experts may be stored a matrix per expert (`_per_expert`)."""
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
-    out = {}
+    out, assembled = {}, {}
     for p, aliases in names.values():
         stored = next((n for n in aliases if n in files), None)
         if stored is None:
+            parts = _per_expert(aliases[0], tuple(p.shape), files)
+            if parts is not None:
+                assembled[aliases[0]] = (p, parts)
+                continue
             return f"{aliases[0]} is not in the files (transformers renames or converts this family's weights)"
         if files[stored][0] != tuple(p.shape):
             return f"{stored} is {list(files[stored][0])} in the files, {list(p.shape)} in the model"
         out[stored] = p
-    return out
+    return out, assembled
 
 
 def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False):
@@ -457,7 +484,7 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
     if kwargs.get("dtype") == "auto":  # as from_pretrained: the config's, else the files' first floating tensor's
         from safetensors.torch import _getdtype
         saved = getattr(config, "dtype", None) or next(
-            (_getdtype(t) for _, t in files.values() if _getdtype(t).is_floating_point), torch.float32)
+            (_getdtype(t) for _, t, _ in files.values() if _getdtype(t).is_floating_point), torch.float32)
         kwargs["dtype"] = resolve_dtype(str(saved).replace("torch.", ""))
     with parameters_on_meta():
         model = auto_class.from_config(config, **kwargs)
@@ -480,9 +507,37 @@ def fill_shards(root, path, device):
     with torch.no_grad():
         for n, b in root.named_buffers():
             b.copy_(buffers[n])
-        state = _stored_names(root.lm, weight_files(path))
+        files = weight_files(path)
+        state, assembled = _stored_names(root.lm, files)
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+        _fill_experts(assembled, files, path)
     return root
+
+
+def _fill_experts(assembled, files, path):
+    """Fill each fused expert parameter's shard from the per-expert matrices of the files: FSDP2 cuts dim 0, the
+    experts, into chunks of ceil(E / W), so this process reads its own experts' matrices and no other."""
+    from safetensors import safe_open
+
+    handles = {}
+    try:
+        for name, (p, parts) in assembled.items():
+            mine = p.to_local() if hasattr(p, "to_local") else p
+            world = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+            rank = p.device_mesh.get_local_rank() if hasattr(p, "device_mesh") else 0
+            first = rank * -(-len(parts) // world)
+            if mine.shape[0] and first + mine.shape[0] > len(parts):
+                raise ValueError(f"{name}: a shard of {mine.shape[0]} experts from expert {first} of {len(parts)}")
+            for row, names in enumerate(parts[first:first + mine.shape[0]]):
+                pieces = []
+                for n in names:
+                    f = files[n][2]
+                    if f not in handles:
+                        handles[f] = safe_open(os.path.join(path, f), "pt")
+                    pieces.append(handles[f].get_tensor(n))
+                mine[row].copy_(torch.cat(pieces))
+    finally:
+        handles.clear()
 
 
 def build_reference_model(policy, beta):

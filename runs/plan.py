@@ -271,8 +271,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     whole = tensor_bytes(params)
     ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
     vision = getattr(config, "vision_config", None) is not None
-    # (MoE families' expert weights are renamed by transformers at load: they load whole too)
-    if world > 1 and not cfg.lora_rank and not cfg.routing_replay and not vision and not _has_moe(model):
+    # (a MoE block's experts are read from their fused tensor or from a matrix per expert, shard by shard too)
+    if world > 1 and not cfg.lora_rank and not cfg.routing_replay and not vision:
         load_parts = [("policy shards", tensor_bytes(params, world))] + (
             [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
         notes.append(f"loading: each process reads its own shards from a local folder of safetensors weights; a hub "
@@ -281,7 +281,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     else:
         load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
         notes.append("loading: every process builds the whole model in host memory, then the reference as a copy of "
-                     "it, then shards (LoRA, routing replay, MoE and vision models load so)" if world > 1 else
+                     "it, then shards (LoRA, routing replay and vision models load so)" if world > 1 else
                      "loading: the one process builds the model on its device, then the reference as a copy")
     loading = Phase("loading", load_parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu")
 
