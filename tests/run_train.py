@@ -121,8 +121,13 @@ def run(argv):
     def recording_sample(*args, **kwargs):
         rollout = original_sample(*args, **kwargs)
         if not checking[0]:  # the start-up check's few tokens are no step's rollout
+            ids, tp = rollout.completion_ids, kwargs.get("tp")
+            if tp is not None and tp.size > 1:  # a tensor-parallel group's rows: this rank's share, as wide as alone
+                n = ids.shape[0] // tp.size
+                ids = ids[tp.rank * n:(tp.rank + 1) * n, :int(rollout.completion_mask[tp.rank * n:(tp.rank + 1) * n]
+                                                                .sum(1).max())]
             with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps(rollout.completion_ids.tolist()) + "\n")
+                f.write(json.dumps(ids.tolist()) + "\n")
         return rollout
 
     def marked_check(*args, **kwargs):

@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
     (t / "uneven.py").write_text(UNEVEN_REWARD)
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
     save_weights(t / "saved")
-    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload")}
+    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp")}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
@@ -90,7 +90,9 @@ def runs(tmp_path_factory):
                  [f"--out_dir={p['lopsided']}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
                   "--dynamic_sampling", "--max_generation_rounds=3", f"--reward_funcs={t / 'lopsided.py'}:lopsided",
                   *FLAGS],
-                 [f"--out_dir={p['offload']}", *checks(t)["weights"], "--cpu_offload", *FLAGS]]}
+                 [f"--out_dir={p['offload']}", *checks(t)["weights"], "--cpu_offload", *FLAGS],
+                 # the two decode their rows together on halves of the layers (layers/tensor_parallel.py)
+                 [f"--out_dir={p['tp']}", *checks(t)["weights"], "--tp_size=2", *FLAGS]]}
     for name, flags in checks(t).items():
         for w in (1, 2):
             first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
@@ -527,6 +529,22 @@ def test_sharded_loading_trains_as_one_process(runs):
     reports = [json.load(open(os.path.join(p["weights2"], f"after_rank{r}.json"))) for r in (0, 1)]
     assert reports[0]["ref_unchanged"] and reports[0]["policy_changed"]  # the reference: the files' weights
     assert all(r["sharded"] and r["same_placement"] for r in reports)
+
+
+def test_tensor_parallel_decode_trains_as_one_process(runs):
+    """2 processes reading their own shards and decoding together at --tp_size=2 (each holding half of every
+    layer, cut from its FSDP2 shards) train as 1 process on the whole model: the same tokens and rewards, the
+    loss, gradient and KL within float32 noise."""
+    p, out = runs
+    assert "sliced over 2 tensor-parallel ranks" in out["tp"] and "each process read its own shards" in out["tp"]
+    one, tp = metrics(p["weights1"]), metrics(p["tp"])
+    assert tokens(p["weights1"]) == tokens(p["tp"])
+    assert [m["step"] for m in tp] == [1, 2]
+    for a, b in zip(one, tp):
+        assert a["reward"] == b["reward"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
 
 
 def test_multi_turn_rollouts_agree_across_ranks(runs):

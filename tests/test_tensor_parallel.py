@@ -1,8 +1,7 @@
 """Tensor-parallel decoding (layers/tensor_parallel.py, StaticDecoder with a Slice) against one rank decoding alone.
 
 One torchrun launch of tests/tp_decode.py (4 processes, gloo, float32) decodes each family's rows in groups of 2
-and of 4; these tests read what every rank wrote. Then a train.py run under torchrun with --tp_size=2 against the
-same run decoded by each process alone.
+and of 4; these tests read what every rank wrote. A train.py run with --tp_size=2 is one of test_distributed.py's.
 """
 
 import glob
@@ -12,7 +11,7 @@ import os
 import pytest
 import torch
 
-from launches import ROOT, launch, launch_runs, metrics
+from launches import ROOT, launch
 
 SCRIPT = os.path.join(ROOT, "tests", "tp_decode.py")
 TOLERANCE = 1e-5  # float32: the all-reduces add the ranks' partial sums in another order than one matmul does
@@ -83,22 +82,6 @@ def test_each_rank_holds_its_share_of_the_weights(decoded):
             whole, first = group[0]["kept_whole"]
             total = sum(r["bytes"] for r in group)
             assert total == group[0]["whole_bytes"] + group[0]["in_place"] + (size - 1) * whole, (family, size)
-
-
-def test_training_with_tp_size_2_equals_each_process_alone(tmp_path):
-    """train.py under torchrun with 2 processes: --tp_size=2 (the two decode their rows together on halves of the
-    layers) gives the run of --tp_size=1 (each decodes its own on the whole model): the same rewards, and the loss
-    and KL within float32 noise."""
-    common = ["--max_steps=3", "--beta=0.04", "--resume=never", "--max_completion_length=8", "--save_every=0"]
-    runs = [[f"--out_dir={tmp_path / 'alone'}", *common], [f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", *common]]
-    said = launch_runs(runs, 2, str(tmp_path), "tp_runs")
-    assert "sliced over 2 tensor-parallel ranks" in said[str(tmp_path / "tp")]
-    alone, tp = metrics(str(tmp_path / "alone")), metrics(str(tmp_path / "tp"))
-    assert len(alone) == len(tp) == 3
-    for a, b in zip(alone, tp):
-        assert a["reward"] == b["reward"]
-        for k in ("loss", "kl", "grad_norm"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
 
 
 def test_tp_size_that_does_not_divide_the_processes_is_refused():
