@@ -373,7 +373,8 @@ class _StaticSteps:
         self.p = ids.shape[1]
         # slot P + max_new: where finished rows write what they still decode; never attended
         self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
-                                           attention_kernel=attention_kernel, tp=tp, dtype=dtype)
+                                           attention_kernel=attention_kernel, tp=tp, dtype=dtype,
+                                           device=ids.device if tp.size > 1 else None)
         self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
         self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)

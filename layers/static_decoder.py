@@ -344,6 +344,15 @@ def tp_refusal(model, size):
         return f"{name}: q and k norms over the whole projection, which a rank holding some heads cannot compute"
     if cfg.num_attention_heads % size:
         return f"{name}: num_attention_heads = {cfg.num_attention_heads} does not divide over {size} tensor-parallel ranks"
+    # what the MLPs, the experts and the recurrent layers are cut along
+    for what in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "linear_num_key_heads", "linear_num_value_heads"):
+        n = getattr(cfg, what, None)
+        if isinstance(n, int) and n % size:
+            return f"{name}: {what} = {n} does not divide over {size} tensor-parallel ranks"
+    vocab = model.lm_head.weight.shape[0]
+    if -(-vocab // size) * (size - 1) >= vocab:
+        return f"{name}: a vocabulary of {vocab} leaves the last of {size} tensor-parallel ranks no rows"
     kv = cfg.num_key_value_heads
     if kv % size and size % kv:
         return f"{name}: num_key_value_heads = {kv} neither divides over {size} tensor-parallel ranks nor divides {size}"
@@ -352,9 +361,10 @@ def tp_refusal(model, size):
     return None
 
 
-def _whole(t):
-    """t whole: a DTensor shard gathered (a collective: every rank calls it for the same tensors in order)."""
-    return t.full_tensor() if _any_dtensor([t]) else t
+def _whole(t, device):
+    """t whole on `device`: a DTensor shard gathered (a collective: every rank calls it for the same tensors in
+    order), first moved to the device where FSDP2 keeps it in host memory (CPUOffloadPolicy)."""
+    return t.to(device).full_tensor() if _any_dtensor([t]) else t.to(device)
 
 
 def static_decode_supported(model):
@@ -802,18 +812,20 @@ class StaticDecoder:
     """
 
     @classmethod
-    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None):
+    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None,
+                  device=None):
         """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
-        `tensor_parallel.Slice` (its share of every layer and of the vocabulary); dtype: the copies' dtype (the
-        model's own by default; under tensor parallelism the sharded model's compute dtype)."""
+        `tensor_parallel.Slice` (its share of every layer and of the vocabulary); dtype, device: the copies' (the
+        model's own head's by default; under tensor parallelism the sharded model's compute dtype and device, its
+        shards being where FSDP2 keeps them, host memory with CPU offload)."""
         dec = getattr(model, "_static_decoder", None)
-        device, dtype = model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
+        device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
                 length > dec.max_len or dec.tp != tp:
             if dec is not None:  # grow: free the old buffers first
                 del model._static_decoder, dec
             # slots in multiples of 64: fewer regrowths, aligned
-            dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype)
+            dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
         kernel = attention_kernel and device.type == "cuda" and kernels.triton_supports(dec.head_dim,
@@ -824,12 +836,12 @@ class StaticDecoder:
         dec.load(model)
         return dec
 
-    def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None):
+    def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None, device=None):
         cfg, layers = model.config, model.model.layers
         a0 = next(l.self_attn for l in layers if _attends(l))
         self.spec = spec = _spec(model)  # what every layer computes besides its weights (read by `load`)
         self.fam = fam = spec.fam
-        self.device, self.dtype = model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
+        self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
         # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows
         self.tp = tp
@@ -988,9 +1000,9 @@ class StaticDecoder:
         final_norm = model.model.norm
         if tp.size > 1:  # this rank's vocabulary rows; a sharded root's tensors gathered one at a time
             a, b = self.vocab_span
-            embed = _whole(embed)[a:b].to(self.dtype)
-            head = embed if tied else _whole(head)[a:b].to(self.dtype)
-            final_norm = types.SimpleNamespace(weight=_whole(final_norm.weight).to(self.dtype))
+            embed = _whole(embed, self.device)[a:b].to(self.dtype)
+            head = embed if tied else _whole(head, self.device)[a:b].to(self.dtype)
+            final_norm = types.SimpleNamespace(weight=_whole(final_norm.weight, self.device).to(self.dtype))
         if first and tied:  # tied: one copy serves both
             put(self.w[1], {"embed": [embed], "norm": norm(final_norm)})
             self.w[1]["lm_head"] = self.w[1]["embed"]

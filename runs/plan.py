@@ -239,7 +239,7 @@ def _decoder_on_meta(model, rows, length, tp_size=1):
     dec.load(model)
     head, embed = model.lm_head.weight, model.model.embed_tokens.weight
     if head is not embed and dec.w[1]["lm_head"] is dec.w[1]["embed"]:  # meta tensors share data_ptr 0: untie
-        dec.w[1]["lm_head"] = torch.empty_like(head, dtype=dec.dtype)
+        dec.w[1]["lm_head"] = torch.empty_like(dec.w[1]["embed"])  # as many rows as the embedding's copy
     return dec
 
 
