@@ -4,6 +4,7 @@
     decode.py  the sampler's rows: decode and each family against model.generate, multi-turn rollouts
     step.py    the training rows: a GRPO step against TRL's GRPOTrainer, long completions, log-prob memory,
                the training forward per family
+    hostmem.py a whole run's peak host memory per process at 1, 2 and 4 processes (tensor-parallel decoding)
     common.py  the model shapes, timing that waits for the device, medians
     results/   recorded runs (--json), cited by docs/performance.md
 

@@ -7,6 +7,7 @@
     python -m bench --model=qwen2.5-1.5b --only long --set long_new_tokens=8192 --set long_prompts=16
     python -m bench --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
     python -m bench --only exec           # model-written programs through sandbox/executor.py's sandbox
+    python -m bench --only hostmem        # peak host memory per process at 1, 2, 4 processes (CPU, minutes)
     python -m bench --only families       # decode against model.generate for each model family
     python -m bench --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
 
@@ -26,6 +27,9 @@ Rows:
   multiturn rollouts of several turns with an environment's answer after each: our sampler, which appends each
            answer to the paused rows' KV cache, vs the sampler run again from the prompt for every turn (what TRL
            does without vLLM): time and prefilled tokens
+  hostmem  (not run by default; CPU, minutes) a whole run's peak host memory per process at 1, 2 and 4
+           processes (`torchrun`, gloo, each reading its own shards of a safetensors model, `--tp_size` = the
+           processes): each peak and its ratio to one process's
   exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)
@@ -50,6 +54,7 @@ import torch
 from runs import cli
 from bench.common import MODELS, build_model_dir, free, medians
 from bench.decode import bench_decode, bench_families, bench_multiturn
+from bench.hostmem import bench_hostmem
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
                          trl_version)
 
@@ -85,6 +90,8 @@ def settings_for(args, device):
         fam_lora=0,  # > 0: LoRA of this rank on each family's default targets ("all") before it is measured
         fam_shapes="tiny",  # or "real": each family at its published shape (bench.decode.REAL_SHAPES; for a GPU)
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
+        # hostmem row: a model of hm_layers layers of hidden size hm_hidden (271M parameters), hm_steps steps
+        hm_hidden=1024, hm_layers=24, hm_steps=2, hm_prompt_len=16, hm_processes="1,2,4",
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -299,7 +306,7 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec")
+ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem")
 
 
 @contextlib.contextmanager
@@ -405,6 +412,11 @@ def main(argv):
                     results.update(bench_long(path, s, device, root, overrides))
                 except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
                     results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        if "hostmem" in only:
+            with row_lines("hostmem", f"a whole run's peak host memory per process at {s['hm_processes']} processes",
+                           results, lambda r: ", ".join(f"{n}: {v:.2f}x" for n, v in r["hostmem_ratio_to_one"].items())
+                           + f" of one process's; rewards equal: {r['hostmem_rewards_equal']}"):
+                results.update(bench_hostmem(s, root))
         if "exec" in only:
             with row_lines("exec", "programs through the sandbox vs plain subprocess.run", results,
                            lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):
