@@ -40,7 +40,7 @@ def test_every_rank_samples_what_one_rank_samples(decoded):
         assert r["mask"] == r["whole_mask"] and r["policy"] == r["whole_policy"], where
         assert r["logprob_diff"] <= TOLERANCE, where
         seen.add((r["family"], r["case"], r["size"]))
-    for family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "gemma2"):
+    for family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_kv2"):
         for size in (2, 4):
             assert {(family, "greedy", size), (family, "turns", size)} <= seen
     # the multi-turn case took answers: some row paused and resumed
