@@ -343,7 +343,8 @@ def tp_refusal(model, size):
     if _layer_family(inner.layers[0]).qk_norm == "projection":
         return f"{name}: q and k norms over the whole projection, which a rank holding some heads cannot compute"
     if cfg.num_attention_heads % size:
-        return f"{name}: num_attention_heads = {cfg.num_attention_heads} does not divide over {size} tensor-parallel ranks"
+        return (f"{name}: num_attention_heads = {cfg.num_attention_heads} does not divide over {size} "
+                f"tensor-parallel ranks")
     # what the MLPs, the experts and the recurrent layers are cut along
     for what in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "linear_num_key_heads", "linear_num_value_heads"):
@@ -355,7 +356,8 @@ def tp_refusal(model, size):
         return f"{name}: a vocabulary of {vocab} leaves the last of {size} tensor-parallel ranks no rows"
     kv = cfg.num_key_value_heads
     if kv % size and size % kv:
-        return f"{name}: num_key_value_heads = {kv} neither divides over {size} tensor-parallel ranks nor divides {size}"
+        return (f"{name}: num_key_value_heads = {kv} neither divides over {size} tensor-parallel ranks nor "
+                f"divides {size}")
     if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
         return "sharded decoder layers that cannot gather themselves"
     return None
@@ -540,8 +542,9 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
     what they pass. lead is (B, S) in training and prefill, (B,) in decode (one token per row and no sequence
     axis: fewer views per token, which shows on small CPU batches).
     p: the layer's settings (`Spec.layers`), "reduce" (tensor parallelism: the sum over the group of the attention's
-      and the MLP's partial outputs; absent or None: whole layers), and tensors: norms as (weight as applied, eps) or None; "qkv",
-      "gate_up": lists of linear params whose outputs are concatenated, "o", "down": linear params (`_linear`);
+      and the MLP's partial outputs; absent or None: whole layers), and tensors: norms as (weight as applied, eps)
+      or None; "qkv", "gate_up": lists of linear params whose outputs are concatenated, "o", "down": linear params
+      (`_linear`);
       "qk_table" (head norms: q's and k's weights over their heads), "q_norm", "k_norm" (norms over the
       projections); "sinks"; "moe" (a static_moe.MoE) and "recurrent" (a static_recurrent.DeltaNet), None but
       in the decoder. The training forward reads the model's own parameters (`_layer_params`), the decoder

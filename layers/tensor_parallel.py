@@ -30,7 +30,8 @@ class Slice:
         intermediate columns); else the shares are ceil(n / size) long, the last one shorter (the vocabulary)."""
         if even:
             if n % self.size:
-                raise ValueError(f"tensor parallelism over {self.size} ranks: {what} ({n}) does not divide by {self.size}")
+                raise ValueError(f"tensor parallelism over {self.size} ranks: {what} ({n}) does not divide by "
+                                 f"{self.size}")
             step = n // self.size
         else:
             step = -(-n // self.size)
