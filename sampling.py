@@ -188,8 +188,8 @@ def sample_tokens(logits, temperature, top_k, top_p, keys, vocab=None):
     by the filtered mass, also in `sampler_logprob_diff`.
     Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
     argmax over the filtered logits of logits / T + noise.
-    vocab: under tensor parallelism (tensor_parallel.Slice, first token id) of this rank's slice of the vocabulary,
-    which `logits` then hold (`_sliced_tokens`); None: logits over the whole vocabulary.
+    vocab: under tensor parallelism (tensor_parallel.Slice, vocabulary size): `logits` then hold this rank's
+    slice of the vocabulary (`_sliced_tokens`); None: logits over the whole vocabulary.
     """
     if vocab is not None:
         return _sliced_tokens(logits, temperature, top_k, top_p, keys, *vocab)
@@ -205,14 +205,15 @@ def sample_tokens(logits, temperature, top_k, top_p, keys, vocab=None):
 
 
 
-def _sliced_tokens(logits, temperature, top_k, top_p, keys, tp, start):
-    """`sample_tokens` where each rank of a tensor-parallel group holds a slice of the vocabulary (logits (n, V_r),
-    the token ids start, start + 1, ...). Each rank takes its slice's best (the greedy maximum, or logit / T plus
+def _sliced_tokens(logits, temperature, top_k, top_p, keys, tp, vocab):
+    """`sample_tokens` where each rank of a tensor-parallel group holds a slice of a vocabulary of `vocab` tokens
+    (logits (n, V_r), its ids tp.span(vocab)). Each rank takes its slice's best (the greedy maximum, or logit / T plus
     the token's own Gumbel noise) and its log-sum-exp; the ranks' bests are gathered and the first maximum wins:
     the draw of the whole vocabulary, ties to the lowest id as argmax breaks them. With top-k or top-p the filters
     need every logit: the slices are gathered whole instead."""
     if top_k or top_p < 1.0:
-        return sample_tokens(_gather_vocab(logits, tp), temperature, top_k, top_p, keys)
+        return sample_tokens(_gather_vocab(logits, tp, vocab), temperature, top_k, top_p, keys)
+    start = tp.span(vocab, even=False)[0]
     every = tp.gather_rows(_slice_best(logits, temperature, keys, start)[None])  # (ranks, 4, n)
     return _join_bests(every)
 
@@ -233,12 +234,11 @@ def _join_bests(every):
     return pick[1].long(), pick[2] - torch.logsumexp(every[:, 3], 0)
 
 
-def _gather_vocab(logits, tp):
-    """The logits over the whole vocabulary from each rank's slice (n, V_r): slices padded to one width, gathered."""
-    sizes = tp.gather_rows(torch.tensor([logits.shape[-1]], device=logits.device)).tolist()
-    padded = torch.nn.functional.pad(logits, (0, max(sizes) - logits.shape[-1]), value=float("-inf"))
-    every = tp.gather_rows(padded[None])  # (ranks, n, width)
-    return torch.cat([every[r, :, :sizes[r]] for r in range(tp.size)], -1)
+def _gather_vocab(logits, tp, vocab):
+    """The logits (n, vocab) from each rank's slice (n, V_r): the slices padded to the first's width, gathered."""
+    width = -(-vocab // tp.size)  # every slice's but the last's (Slice.span)
+    every = tp.gather_rows(F.pad(logits, (0, width - logits.shape[-1]))[None])  # (ranks, n, width)
+    return every.permute(1, 0, 2).flatten(1)[:, :vocab]
 
 
 _COMPILED = {}
@@ -325,20 +325,16 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     prefill = _image_prefill(model, prompt_ids, attn, images) if images is not None else None
     # a vision-language model runs on the model's own modules (its language model under our masks), never on
     # written-out layers
-    sampling = (temperature, top_k, top_p)
-    if tp is not None and tp.size > 1:
+    sliced = tp is not None and tp.size > 1
+    if sliced:
         why = tp_refusal(model, tp.size) or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
+    vocab = None
+    if sliced or (static_cache and not vision.is_vision_model(model) and static_decode_supported(model)):
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
-                             record=replay is not None, tp=tp, dtype=dtype)
-        sampling += ((tp, steps.dec.vocab_span[0]),)  # each rank holds a slice of the logits
-        compact = compact and replay is None
-        if not steps.forgets_exactly and respond is not None and max_turns > 1:
-            check_every = 1  # recurrent layers (see below)
-    elif static_cache and not vision.is_vision_model(model) and static_decode_supported(model):
-        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
-                             record=replay is not None, dtype=dtype)
+                             record=replay is not None, tp=tp if sliced else WHOLE, dtype=dtype)
+        vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
             check_every = 1  # recurrent layers (see below)
@@ -348,8 +344,11 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
             # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
             # so that none samples past one (the same on every rank: it depends on the model alone)
             check_every = 1
+
+    def draw(logits, keys_now):  # one token per row, with its log-prob
+        return sample_tokens(logits, temperature, top_k, top_p, keys_now, vocab)
     try:
-        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, sampling,
+        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, draw,
                           keys, check_every, all_done, respond, max_turns, compact, device)
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
@@ -458,7 +457,7 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
     return None
 
 
-def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, check_every, all_done, respond,
+def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, check_every, all_done, respond,
             max_turns, compact, device):
     """The loop behind `sample`. Each iteration samples a token for every row of the batch, then (at a check)
     finds the rows that paused, asks for the environment's answers, and feeds the batch: one decode step,
@@ -575,7 +574,7 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
         elif uni is not None:  # plain columns, host bookkeeping only
             col = uni
             where = (slice(None), col) if len(rows_h) == n else (rows, col)
-            tok, lp = sample_tokens(logits, *sampling[:3], keys[where], *sampling[3:])
+            tok, lp = draw(logits, keys[where])
             tokens[where], logps[where] = tok, lp
             ptr[live] += 1
             feed_h[:] = col
@@ -591,7 +590,7 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, sampling, keys, 
                                     feed=torch.tensor(feed_h, device=device))
             act = device_state["active"][rows]
             col = torch.where(act, device_state["ptr"][rows], (device_state["feed"] + 1).clamp(max=spare))
-            tok, lp = sample_tokens(logits, *sampling[:3], keys[rows, col], *sampling[3:])
+            tok, lp = draw(logits, keys[rows, col])
             tokens[rows, col], logps[rows, col] = tok, lp
             device_state["feed"] = col
             device_state["ptr"][rows] += act
