@@ -1,6 +1,6 @@
 """Token log-probs of completions, computed without the full logits, and the micro-batches they are taken in.
 
-`completion_logprobs` runs the training forward (written out where layers/static_decoder.py can, else the model's own)
+`completion_logprobs` runs the training forward (written out where layers/transformer.py can, else the model's own)
 and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,
 chunk by chunk over the vocabulary with a hand-written backward, so the (tokens x vocabulary) logits never exist
 whole. The head applies what the model applies to its final logits (layers/head.py: a scale, a softcap),
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from layers import vision
 from layers import routing as routing_replay
 from layers.head import head_of
-from layers.static_decoder import hidden_states, training_forward_supported
+from layers import transformer
+from layers.transformer import hidden_states
 
 # ----------------------------------------------------------------------------- positions
 
@@ -196,7 +197,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
     `fast_forward` (default: where supported) runs the transformer as
-    `static_decoder.hidden_states` instead of the Hugging Face forward, with
+    `transformer.hidden_states` instead of the Hugging Face forward, with
     its layers compiled when `compile_layers` (the Hugging Face forward is
     never compiled here).
 
@@ -253,7 +254,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
         routing_replay.attached(model).stop()
     if fast_forward is None:
-        fast_forward = training_forward_supported(model)
+        fast_forward = transformer.paths_of(model).trains_written_out(model)  # the run's, decided at setup
     if pictures is not None:
         rope, _ = vision.rope_positions(model, input_ids, pictures, images, real)
         hidden = vision.hidden_states(model, input_ids, pictures, images, attention_mask=mask, position_ids=rope,

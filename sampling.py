@@ -9,13 +9,14 @@ token per row or, where rows paused for an environment, appends the
 environment's answer to those rows' cache and resumes them; a row ends at EOS
 or a stop sequence (unless the environment answers), or at the length limit.
 The loop runs on either of two ways to run a step: `_StaticSteps`
-(static_decoder.StaticDecoder: the layers of the families it lists written
+(engine.StaticDecoder: the layers of the families it lists written
 out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
 the model's own forward with masks of our own, for every other model). `generate` runs it on the gathered
 weights of the policy for a step's rollout, `evaluate` on held-out prompts.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -28,8 +29,8 @@ import logprobs
 import rewards
 import sharding
 from environments import responses
-from layers import hf_decoder, routing, vision
-from layers.static_decoder import StaticDecoder, static_decode_supported, tp_refusal
+from layers import hf_decoder, routing, transformer, vision
+from layers.engine import StaticDecoder
 from layers.tensor_parallel import WHOLE
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
@@ -178,67 +179,55 @@ def _gumbel_max(logits, keys, inv_temperature):
     return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
-def sample_tokens(logits, temperature, top_k, top_p, keys, vocab=None):
-    """Pick one token per row; return it with its log-prob under the distribution that drew it.
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """How the sampler draws a token from the logits: the sampling options as one value, with the draw over the
+    whole vocabulary (`whole`) and over a tensor-parallel rank's slice of it (`sliced`) side by side. An option is a
+    field here, its effect in both draws (or a filter, which the sliced draw gets by gathering the vocabulary), and
+    a test; `sample` takes the fields as keywords too.
 
-    That is softmax(logits / T), renormalised over the top-k / top-p tokens
-    when those are on (what vLLM calls processed log-probs): the behaviour
-    policy that `importance_weights` corrects for. The training forward
-    computes the unfiltered tempered log-prob, so with filters on the two differ
-    by the filtered mass, also in `sampler_logprob_diff`.
-    Sampling is Gumbel-max with the row's own noise (`keys` (n,) from row_keys):
-    argmax over the filtered logits of logits / T + noise.
-    vocab: under tensor parallelism (tensor_parallel.Slice, vocabulary size): `logits` then hold this rank's
-    slice of the vocabulary (`_sliced_tokens`); None: logits over the whole vocabulary.
+    A token is returned with its log-prob under the distribution that drew it: softmax(logits / T), renormalised
+    over the top-k / top-p tokens when those are on (what vLLM calls processed log-probs), the behaviour policy that
+    `importance_weights` corrects for. The training forward computes the unfiltered tempered log-prob, so with
+    filters on the two differ by the filtered mass, also in `sampler_logprob_diff`. Sampling is Gumbel-max with the
+    row's own noise (`keys` (n,) from row_keys): argmax over the filtered logits of logits / T + noise.
     """
-    if vocab is not None:
-        return _sliced_tokens(logits, temperature, top_k, top_p, keys, *vocab)
-    if temperature == 0:  # greedy
-        logits = logits.float()
-        token = logits.argmax(-1)
-        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-    # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
-    pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
-    if top_k or top_p < 1.0:  # the tempered logits, -inf outside the filters, take the same draw
-        return pick(filter_logits(logits.float() / temperature, top_k, top_p), keys, 1.0)
-    return pick(logits, keys, 1.0 / temperature)
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0            # keep the k largest logits (0: all)
+    top_p: float = 1.0        # keep the smallest set of tokens holding this much probability (1: all)
 
+    @classmethod
+    def of(cls, cfg, temperature=None):
+        """The run's draw (config.py's settings); temperature: another one (evaluation's greedy pass)."""
+        return cls(cfg.temperature if temperature is None else temperature, cfg.top_k, cfg.top_p)
 
+    def filtered(self):
+        return bool(self.top_k) or self.top_p < 1.0
 
-def _sliced_tokens(logits, temperature, top_k, top_p, keys, tp, vocab):
-    """`sample_tokens` where each rank of a tensor-parallel group holds a slice of a vocabulary of `vocab` tokens
-    (logits (n, V_r), its ids tp.span(vocab)). Each rank takes its slice's best (the greedy maximum, or logit / T plus
-    the token's own Gumbel noise) and its log-sum-exp; the ranks' bests are gathered and the first maximum wins:
-    the draw of the whole vocabulary, ties to the lowest id as argmax breaks them. With top-k or top-p the filters
-    need every logit: the slices are gathered whole instead."""
-    if top_k or top_p < 1.0:
-        return sample_tokens(_gather_vocab(logits, tp, vocab), temperature, top_k, top_p, keys)
-    start = tp.span(vocab, even=False)[0]
-    every = tp.gather_rows(_slice_best(logits, temperature, keys, start)[None])  # (ranks, 4, n)
-    return _join_bests(every)
+    def whole(self, logits, keys):
+        """One token per row of logits (n, V), with its log-prob."""
+        if self.temperature == 0:  # greedy
+            logits = logits.float()
+            token = logits.argmax(-1)
+            return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+        # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
+        pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
+        if self.filtered():  # the tempered logits, -inf outside the filters, take the same draw
+            return pick(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), keys, 1.0)
+        return pick(logits, keys, 1.0 / self.temperature)
 
-
-def _slice_best(logits, temperature, keys, start):
-    """(4, n): a vocabulary slice's best score per row, its token id, its tempered logit, and the slice's
-    log-sum-exp of the tempered logits (ids as float32: exact below 2^24, every vocabulary in use)."""
-    z = logits.float() * (1.0 if temperature == 0 else 1.0 / temperature)
-    score = z if temperature == 0 else z + gumbel_noise(keys, z.shape[-1], start)
-    best, index = score.max(-1)  # the first maximum of the slice
-    return torch.stack([best, (index + start).float(), z.gather(-1, index[:, None])[:, 0], torch.logsumexp(z, -1)])
-
-
-def _join_bests(every):
-    """The token and log-prob per row from every slice's `_slice_best` (slices, 4, n), in vocabulary order."""
-    winner = every[:, 0].argmax(0)  # (n,): the first slice holding the maximum
-    pick = every.gather(0, winner[None, None].expand(1, 4, -1))[0]  # (4, n)
-    return pick[1].long(), pick[2] - torch.logsumexp(every[:, 3], 0)
-
-
-def _gather_vocab(logits, tp, vocab):
-    """The logits (n, vocab) from each rank's slice (n, V_r): the slices padded to the first's width, gathered."""
-    width = -(-vocab // tp.size)  # every slice's but the last's (Slice.span)
-    every = tp.gather_rows(F.pad(logits, (0, width - logits.shape[-1]))[None])  # (ranks, n, width)
-    return every.permute(1, 0, 2).flatten(1)[:, :vocab]
+    def sliced(self, logits, keys, tp, vocab):
+        """`whole` where each rank of a tensor-parallel group `tp` holds a slice of a vocabulary of `vocab` tokens
+        (logits (n, V_r), its ids tp.span(vocab)): each rank scores its slice (the greedy logit, or logit / T plus each
+        token's own Gumbel noise) and the group keeps the first maximum (tensor_parallel.Slice.best_of_slices), the
+        draw of the whole vocabulary, ties to the lowest id as argmax breaks them. A filter needs every logit: the
+        slices are gathered whole instead."""
+        if self.filtered():
+            return self.whole(tp.gather_vocab(logits, vocab), keys)
+        start = tp.span(vocab, even=False)[0]
+        z = logits.float() * (1.0 if self.temperature == 0 else 1.0 / self.temperature)
+        score = z if self.temperature == 0 else z + gumbel_noise(keys, z.shape[-1], start)
+        return tp.best_of_slices(score, z, start)
 
 
 _COMPILED = {}
@@ -262,50 +251,41 @@ class Turn(NamedTuple):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_k=0,
-           top_p=1.0, seeds=None, check_every=8, all_done=None, static_cache=True, compact=True, cuda_graph=True,
-           keep_decoder=False, attention_kernel=False, stop_sequences=(), respond=None, max_turns=1,
-           record_routing=False, images=None, tp=None, dtype=None):
+def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, check_every=8,
+           all_done=None, static_cache=True, compact=True, cuda_graph=True, keep_decoder=False,
+           attention_kernel=False, stop_sequences=(), respond=None, max_turns=1, record_routing=False, images=None,
+           tp=None, dtype=None, **options):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
-    A row pauses at its first EOS or at the end of one of `stop_sequences`
-    (lists of token ids). Without `respond`, or after `max_turns` turns, a
-    pause ends the row. Otherwise `respond(turns)` is called with a `Turn` per
-    paused row and returns, for each, the environment's answer as token ids,
-    or None to end the row; the answer is appended to the row's cache (a
-    prefill of those tokens only) and the row samples on. A completion holds
-    at most `max_new_tokens` tokens, the answers included: an answer that
-    leaves no room for another token ends the row as truncated.
-    Rows are looked at on the host every `check_every` tokens (and when one
-    reaches the length limit); a row keeps sampling until then, and what it
-    sampled past its pause is forgotten: dropped from the completion, its
-    cache slots no longer attended.
-    `seeds` (N,) int64 fixes each row's random stream: the token at
-    completion position j draws row_keys(seed, j), so rows with equal seeds,
-    prompts and answers sample equal completions, whatever their batch.
-    `all_done(done) -> bool` decides at each check when to stop; under several
-    processes it must agree across ranks (an all-reduce), so that every rank
-    runs the same number of steps and none waits forever on a collective.
-    The loop's steps and checks happen at the same iterations on every rank
-    whatever its rows do; pauses and answers make no collective call.
+    draw: how each token is drawn (`Draw`), or its fields as keywords (`options`: temperature, top_k, top_p).
+    A row pauses at its first EOS or at the end of one of `stop_sequences` (lists of token ids). Without `respond`,
+    or after `max_turns` turns, a pause ends the row. Otherwise `respond(turns)` is called with a `Turn` per paused
+    row and returns, for each, the environment's answer as token ids, or None to end the row; the answer is appended
+    to the row's cache (a prefill of those tokens only) and the row samples on. A completion holds at most
+    `max_new_tokens` tokens, the answers included: an answer that leaves no room for another token ends the row as
+    truncated. Rows are looked at on the host every `check_every` tokens (and when one reaches the length limit); a
+    row keeps sampling until then, and what it sampled past its pause is forgotten: dropped from the completion, its
+    cache slots no longer attended. `seeds` (N,) int64 fixes each row's random stream: the token at completion
+    position j draws row_keys(seed, j), so rows with equal seeds, prompts and answers sample equal completions,
+    whatever their batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it
+    must agree across ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever
+    on a collective. The loop's steps and checks happen at the same iterations on every rank whatever its rows do;
+    pauses and answers make no collective call.
 
-    static_cache: for the families layers/static_decoder.py writes out, run the steps
-    on `StaticDecoder` (a preallocated cache, no per-token framework overhead);
-    other models, or static_cache=False, on the model's own forward
-    (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the
-    StaticDecoder batch. cuda_graph: on CUDA, replay each decode step as a
-    captured CUDA graph. keep_decoder: keep StaticDecoder's weight copies,
-    cache and graphs on the model for the next call (no re-copy or
-    re-capture), at the price of that memory between calls. attention_kernel:
-    on CUDA, StaticDecoder's decode attention runs as the split-KV Triton
-    kernel of layers/kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's
-    experts in every MoE layer (layers/routing.py) into the rollout's `routing` and `prompt_routing` (the model's own
-    forward, which routes through its routers). images: the rows' vision.PromptImages (a vision-language
-    model's image prompts), on the model's own forward: their embeddings and rotary positions enter the prefill.
-    tp: this rank's layers/tensor_parallel.Slice of a tensor-parallel group whose ranks all call `sample` with the
-    same rows: StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (its
-    FSDP2 shards gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's
-    copies' dtype (the model's own by default; a sharded model's compute dtype).
+    static_cache: where the run's decision (transformer.paths_of) says so, run the steps on `StaticDecoder` (a
+    preallocated cache, no per-token framework overhead); other models, or static_cache=False, on the model's own
+    forward (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the StaticDecoder batch.
+    cuda_graph: on CUDA, replay each decode step as a captured CUDA graph. keep_decoder: keep StaticDecoder's weight
+    copies, cache and graphs on the model for the next call (no re-copy or re-capture), at the price of that memory
+    between calls. attention_kernel: on CUDA, StaticDecoder's decode attention runs as the split-KV Triton kernel of
+    layers/kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's experts in
+    every MoE layer (layers/routing.py) into the rollout's `routing` and `prompt_routing` (the model's own forward,
+    which routes through its routers). images: the rows' vision.PromptImages (a vision-language model's image
+    prompts), on the model's own forward: their embeddings and rotary positions enter the prefill. tp: this rank's
+    share of a tensor-parallel group (layers/tensor_parallel.py) whose ranks all call `sample` with the same rows:
+    StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (its FSDP2 shards
+    gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's copies' dtype
+    (the model's own by default; a sharded model's compute dtype).
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -326,12 +306,13 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
     # a vision-language model runs on the model's own modules (its language model under our masks), never on
     # written-out layers
     sliced = tp is not None and tp.size > 1
+    paths = transformer.paths_of(model, tp.size if sliced else 1)  # the run's, decided once at setup
     if sliced:
-        why = tp_refusal(model, tp.size) or ("images in prompts" if images is not None else None)
+        why = paths.sampler or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
     vocab = None
-    if sliced or (static_cache and not vision.is_vision_model(model) and static_decode_supported(model)):
+    if sliced or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
         steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
                              record=replay is not None, tp=tp if sliced else WHOLE, dtype=dtype)
         vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
@@ -345,10 +326,13 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, t
             # so that none samples past one (the same on every rank: it depends on the model alone)
             check_every = 1
 
-    def draw(logits, keys_now):  # one token per row, with its log-prob
-        return sample_tokens(logits, temperature, top_k, top_p, keys_now, vocab)
+    draw = draw or Draw(**options)
+    if vocab is not None:  # one token per row, with its log-prob
+        pick = functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])
+    else:
+        pick = draw.whole
     try:
-        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, draw,
+        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, pick,
                           keys, check_every, all_done, respond, max_turns, compact, device)
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
@@ -459,191 +443,238 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, check_every, all_done, respond,
             max_turns, compact, device):
-    """The loop behind `sample`. Each iteration samples a token for every row of the batch, then (at a check)
-    finds the rows that paused, asks for the environment's answers, and feeds the batch: one decode step,
-    or an extend step where some rows take an answer.
-
-    State per row, on the host (which knows every change without reading the device): `ptr`, the row's
-    completion length so far (where its next token goes), and `active`, False once the row has ended. The
-    batch (`rows`, global row indices) is what the steps run on; per batch row, `feed_h` is the completion
-    position fed this iteration. A finished row still in the batch writes past its end (up to the spare
-    last column) in step with the others, so that while the live rows share a position (always, for
-    single-turn sampling) the iteration is plain columns, with no per-row state on the device; where rows
-    are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
-    """
-    spare = max_new  # the last column and cache position, where finished rows may write
-    tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
-    kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
-    ptr, active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
-    truncated, turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
-    turn_start, checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    rows_h, rows = np.arange(n), torch.arange(n, device=device)
-    feed_h = np.full(n, -1, dtype=np.int64)
-    device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
-    eos = set(int(e) for e in eos_ids)
-    stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
-    longest_stop = max((len(s) for s in stops), default=1)
-    triggers = torch.tensor(sorted(eos | {s[-1] for s in stops}), dtype=torch.long, device=device)
+    """The loop behind `sample`. Each iteration draws a token for every row of the batch; at a check it finds the
+    rows that paused, asks for the environment's answers, ends rows and may compact the batch; then it feeds the
+    batch: one decode step, or an extend step where some rows take an answer. `_Rows` holds the rows' state."""
+    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device)
     # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
     # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times)
     limit = max_new + (max_turns - 1) * (check_every - 1)
-    logits = steps.first_logits
-
-    def finish(global_rows, cut):
-        active[global_rows] = False
-        truncated[global_rows] = cut
-        device_state.clear()
-
-    def check(tok):
-        """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
-        [(batch row, first position, token ids)]."""
-        live = rows_h[active[rows_h]]
-        found = {}  # global row -> the position its turn ended at
-        if len(live):
-            lo = int(np.maximum(checked[live] - (longest_stop - 1), turn_start[live]).min())
-            hi = int(ptr[live].max())
-            live_t = torch.as_tensor(live, device=device)
-            window = tokens[live_t, lo:hi]
-            # only the positions since each row's last check, where a turn can have ended
-            position = torch.arange(lo, hi, device=device)
-            fresh = (position >= torch.as_tensor(checked[live] - (longest_stop - 1), device=device)[:, None]) & \
-                (position < torch.as_tensor(ptr[live], device=device)[:, None])
-            hit = torch.isin(window, triggers) & fresh
-            if not stops:  # EOS only: each row's first one, found on the device
-                has, first = torch.stack([hit.any(1).long(), hit.long().argmax(1)]).tolist()
-                found = {r: lo + f for r, h, f in zip(live.tolist(), has, first) if h}
-            else:  # a stop sequence ends at the trigger: rows with one are scanned in Python
-                any_hit = hit.any(1).tolist()
-                for r, seq in zip(live[np.flatnonzero(any_hit)], window[torch.tensor(any_hit, device=device)].tolist()):
-                    e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(turn_start[r]), eos, stops)
-                    if e is not None:
-                        found[r] = e
-            checked[live] = ptr[live]
-        feeds = []
-        if found:
-            ended = np.array(sorted(found))
-            ends = np.array([found[r] + 1 for r in ended])
-            old_ptr = ptr[ended].copy()
-            # what a row sampled past its stop is forgotten: past its length it is padding in the rollout, and
-            # is overwritten if the row goes on; a row that may go on also stops attending to it
-            ptr[ended], checked[ended] = ends, ends
-            device_state.clear()
-            asking = ended[turns[ended] < max_turns] if respond is not None else ended[:0]
-            batch_of = np.full(n, -1)
-            batch_of[rows_h] = np.arange(len(rows_h))
-            if len(asking):
-                steps.truncate(torch.as_tensor(batch_of[asking], device=device),
-                               torch.as_tensor(ptr[asking], device=device))
-            finish(ended[~np.isin(ended, asking)], False)
-            if len(asking):
-                ask_t = torch.as_tensor(asking, device=device)
-                so_far = tokens[ask_t, :int(ptr[asking].max())].tolist()
-                answers = respond([Turn(int(r), ids[:ptr[r]], int(turn_start[r])) for r, ids in zip(asking, so_far)])
-                if len(answers) != len(asking):
-                    raise ValueError(f"respond returned {len(answers)} answers for {len(asking)} turns")
-                for r, answer in zip(asking, answers):
-                    answer = [int(t) for t in answer] if answer is not None else []
-                    if not answer:
-                        finish([r], False)
-                        continue
-                    at = int(ptr[r])
-                    if at + len(answer) >= max_new:  # no room left for the policy to answer back
-                        finish([r], True)
-                        continue
-                    tokens[r, at:at + len(answer)] = torch.tensor(answer, device=device)
-                    kind[r, at:at + len(answer)] = ENVIRONMENT
-                    # the token that ended the turn is fed with the answer unless an earlier step fed it
-                    unfed = found[r] == old_ptr[np.searchsorted(ended, r)] - 1
-                    block = ([int(tok[batch_of[r]])] if unfed else []) + answer
-                    feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
-                    ptr[r] = checked[r] = turn_start[r] = at + len(answer)
-                    turns[r] += 1
-        over = rows_h[active[rows_h] & (ptr[rows_h] >= max_new)]
-        if len(over):  # the length limit, with no stop in its last tokens
-            finish(over, True)
-        return feeds
-
-    it = 0
-    uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
-    live = rows_h.copy()  # the batch's active rows (global indices); they change only at checks
+    logits, it = steps.first_logits, 0
     while True:
-        feeds = []
-        if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
-            tok = logits.new_zeros(0, dtype=torch.long)
-        elif uni is not None:  # plain columns, host bookkeeping only
-            col = uni
-            where = (slice(None), col) if len(rows_h) == n else (rows, col)
-            tok, lp = draw(logits, keys[where])
-            tokens[where], logps[where] = tok, lp
-            ptr[live] += 1
-            feed_h[:] = col
-            uni = min(col + 1, spare)
-        else:  # rows at their own positions (after answers of different lengths): the same on the device
-            # where each row's token goes: an active row's next position; a finished row (ended at or before
-            # its position) writes past its end, in step with the others, up to the spare column
-            act_h = active[rows_h]
-            cols_h = np.where(act_h, ptr[rows_h], np.minimum(feed_h + 1, spare))
-            if not device_state:
-                # copies (torch.tensor): on the CPU, as_tensor would share the host arrays' memory
-                device_state.update(ptr=torch.tensor(ptr, device=device), active=torch.tensor(active, device=device),
-                                    feed=torch.tensor(feed_h, device=device))
-            act = device_state["active"][rows]
-            col = torch.where(act, device_state["ptr"][rows], (device_state["feed"] + 1).clamp(max=spare))
-            tok, lp = draw(logits, keys[rows, col])
-            tokens[rows, col], logps[rows, col] = tok, lp
-            device_state["feed"] = col
-            device_state["ptr"][rows] += act
-            feed_h = cols_h
-            ptr[live] += 1
+        tok, col = rows.draw(logits, draw, keys)
         it += 1
         final, scheduled = it >= limit, it % check_every == 0
-        if scheduled or final or (ptr[live] >= max_new).any():
-            feeds = check(tok) if len(rows_h) else []
+        feeds = []
+        if scheduled or final or (rows.ptr[rows.live] >= max_new).any():
+            feeds = rows.check(tok) if len(rows.rows_h) else []
             if final:
-                finish(rows_h[active[rows_h]], True)
+                rows.finish(rows.rows_h[rows.active[rows.rows_h]], True)
                 break
-            if scheduled and all_done(torch.as_tensor(~active, device=device)):
+            if scheduled and all_done(torch.as_tensor(~rows.active, device=device)):
                 break
-            if compact and len(rows_h):
-                keep = np.flatnonzero(active[rows_h])
-                keep_t = torch.as_tensor(keep, device=device)
-                if steps.compact(keep_t, len(rows_h), int(feed_h[keep].max()) if len(keep) else 0):
-                    new_index = np.full(len(rows_h), -1)
-                    new_index[keep] = np.arange(len(keep))
-                    feeds = [(int(new_index[i]), first, block) for i, first, block in feeds]
-                    rows_h, rows, feed_h, tok = rows_h[keep], rows[keep_t], feed_h[keep], tok[keep_t]
-                    col = col if isinstance(col, int) else col[keep_t]
-                    device_state.clear()
-            live = rows_h[active[rows_h]]
-            following = np.where(active[rows_h], ptr[rows_h], np.minimum(feed_h + 1, spare))
-            uni = int(following[0]) if len(following) and following.min() == following.max() else None
-            if uni is not None:
-                device_state.clear()  # the shared-position steps keep the host's state only
-        if len(rows_h) == 0:
-            logits = logits[:0]
-        elif feeds:
-            k = max(len(b) for _, _, b in feeds)
-            ids = F.pad(tok[:, None], (0, k - 1), value=pad_id)
-            valid = torch.zeros_like(ids, dtype=torch.bool)
-            valid[:, 0] = True
-            start = feed_h.copy()  # each row's first position in the block; the others feed their one token
-            for i, first, block in feeds:
-                ids[i, :len(block)] = torch.tensor(block, device=device)
-                valid[i, len(block):] = False
-                valid[i, :len(block)] = True
-                start[i], feed_h[i] = first, first + len(block) - 1
-            logits = steps.extend(ids, valid, torch.as_tensor(start, device=device), int(feed_h.max()))
-            device_state.clear()
-        else:
-            logits = steps.decode(tok, col, feed_h)
+            if compact and len(rows.rows_h):
+                feeds, tok, col = rows.compact(feeds, tok, col)
+            rows.realign()
+        logits = rows.feed(logits, tok, col, feeds)
+    return rows.rollout()
 
-    t = max(1, int(ptr.max()))
-    real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
-    policy = real & (kind[:, :t] != ENVIRONMENT)
-    return Rollout(completion_ids=tokens[:, :t].masked_fill(~real, pad_id), completion_mask=real.long(),
-                   policy_mask=policy.long(), truncated=torch.as_tensor(truncated, device=device),
-                   logprobs=logps[:, :t].masked_fill(~policy, 0.0), turns=torch.as_tensor(turns, device=device))
+
+class _Rows:
+    """The rows of one `_decode` loop.
+
+    State per row, on the host (which knows every change without reading the device): `ptr`, the row's
+    completion length so far (where its next token goes), and `active`, False once the row has ended. The
+    batch (`rows_h`, global row indices, and `rows` on the device) is what the steps run on; per batch row,
+    `feed_h` is the completion position fed this iteration. A finished row still in the batch writes past its end
+    (up to the spare last column) in step with the others, so that while the live rows share a position (`uni`;
+    always, for single-turn sampling) the iteration is plain columns, with no per-row state on the device; where
+    rows are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
+    """
+
+    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device):
+        self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
+        self.respond, self.max_turns = respond, max_turns
+        self.spare = max_new  # the last column and cache position, where finished rows may write
+        self.tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
+        self.logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
+        self.kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
+        self.ptr, self.active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
+        self.truncated, self.turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
+        self.turn_start, self.checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.rows_h, self.rows = np.arange(n), torch.arange(n, device=device)
+        self.feed_h = np.full(n, -1, dtype=np.int64)
+        self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
+        self.eos = set(int(e) for e in eos_ids)
+        self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
+        self.longest_stop = max((len(s) for s in self.stops), default=1)
+        self.triggers = torch.tensor(sorted(self.eos | {s[-1] for s in self.stops}), dtype=torch.long, device=device)
+        self.uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
+        self.live = self.rows_h.copy()  # the batch's active rows (global indices); they change only at checks
+
+    def draw(self, logits, draw, keys):
+        """A token for every batch row at its position: (tokens, their column: an int shared by all, or per row)."""
+        rows_h, rows, spare = self.rows_h, self.rows, self.spare
+        if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
+            return logits.new_zeros(0, dtype=torch.long), None
+        if self.uni is not None:  # plain columns, host bookkeeping only
+            col = self.uni
+            where = (slice(None), col) if len(rows_h) == self.n else (rows, col)
+            tok, lp = draw(logits, keys[where])
+            self.tokens[where], self.logps[where] = tok, lp
+            self.ptr[self.live] += 1
+            self.feed_h[:] = col
+            self.uni = min(col + 1, spare)
+            return tok, col
+        # rows at their own positions (after answers of different lengths): the same on the device. Where each
+        # row's token goes: an active row's next position; a finished row (ended at or before its position)
+        # writes past its end, in step with the others, up to the spare column
+        act_h = self.active[rows_h]
+        cols_h = np.where(act_h, self.ptr[rows_h], np.minimum(self.feed_h + 1, spare))
+        state = self.device_state
+        if not state:
+            # copies (torch.tensor): on the CPU, as_tensor would share the host arrays' memory
+            state.update(ptr=torch.tensor(self.ptr, device=self.device),
+                         active=torch.tensor(self.active, device=self.device),
+                         feed=torch.tensor(self.feed_h, device=self.device))
+        act = state["active"][rows]
+        col = torch.where(act, state["ptr"][rows], (state["feed"] + 1).clamp(max=spare))
+        tok, lp = draw(logits, keys[rows, col])
+        self.tokens[rows, col], self.logps[rows, col] = tok, lp
+        state["feed"] = col
+        state["ptr"][rows] += act
+        self.feed_h = cols_h
+        self.ptr[self.live] += 1
+        return tok, col
+
+    def finish(self, global_rows, cut):
+        self.active[global_rows] = False
+        self.truncated[global_rows] = cut
+        self.device_state.clear()
+
+    def check(self, tok):
+        """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
+        [(batch row, first position, token ids)]."""
+        found = self._stops()
+        feeds = self._answer(found, tok) if found else []
+        rows_h = self.rows_h
+        over = rows_h[self.active[rows_h] & (self.ptr[rows_h] >= self.max_new)]
+        if len(over):  # the length limit, with no stop in its last tokens
+            self.finish(over, True)
+        return feeds
+
+    def _stops(self):
+        """{global row: the position its turn ended at} over the positions since each row's last check."""
+        live = self.rows_h[self.active[self.rows_h]]
+        found = {}
+        if not len(live):
+            return found
+        checked, ptr, device = self.checked, self.ptr, self.device
+        lo = int(np.maximum(checked[live] - (self.longest_stop - 1), self.turn_start[live]).min())
+        hi = int(ptr[live].max())
+        window = self.tokens[torch.as_tensor(live, device=device), lo:hi]
+        # only the positions since each row's last check, where a turn can have ended
+        position = torch.arange(lo, hi, device=device)
+        fresh = (position >= torch.as_tensor(checked[live] - (self.longest_stop - 1), device=device)[:, None]) & \
+            (position < torch.as_tensor(ptr[live], device=device)[:, None])
+        hit = torch.isin(window, self.triggers) & fresh
+        if not self.stops:  # EOS only: each row's first one, found on the device
+            has, first = torch.stack([hit.any(1).long(), hit.long().argmax(1)]).tolist()
+            found = {r: lo + f for r, h, f in zip(live.tolist(), has, first) if h}
+        else:  # a stop sequence ends at the trigger: rows with one are scanned in Python
+            any_hit = hit.any(1).tolist()
+            for r, seq in zip(live[np.flatnonzero(any_hit)], window[torch.tensor(any_hit, device=device)].tolist()):
+                e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(self.turn_start[r]), self.eos, self.stops)
+                if e is not None:
+                    found[r] = e
+        checked[live] = ptr[live]
+        return found
+
+    def _answer(self, found, tok):
+        """End the turns `found` ends: a row with turns left asks `respond`, and takes its answer (the feeds it
+        returns), or ends; the others end."""
+        ptr, device = self.ptr, self.device
+        ended = np.array(sorted(found))
+        ends = np.array([found[r] + 1 for r in ended])
+        old_ptr = ptr[ended].copy()
+        # what a row sampled past its stop is forgotten: past its length it is padding in the rollout, and
+        # is overwritten if the row goes on; a row that may go on also stops attending to it
+        ptr[ended], self.checked[ended] = ends, ends
+        self.device_state.clear()
+        asking = ended[self.turns[ended] < self.max_turns] if self.respond is not None else ended[:0]
+        batch_of = np.full(self.n, -1)
+        batch_of[self.rows_h] = np.arange(len(self.rows_h))
+        if len(asking):
+            self.steps.truncate(torch.as_tensor(batch_of[asking], device=device),
+                                torch.as_tensor(ptr[asking], device=device))
+        self.finish(ended[~np.isin(ended, asking)], False)
+        if not len(asking):
+            return []
+        so_far = self.tokens[torch.as_tensor(asking, device=device), :int(ptr[asking].max())].tolist()
+        answers = self.respond([Turn(int(r), ids[:ptr[r]], int(self.turn_start[r])) for r, ids in zip(asking, so_far)])
+        if len(answers) != len(asking):
+            raise ValueError(f"respond returned {len(answers)} answers for {len(asking)} turns")
+        feeds = []
+        for r, answer in zip(asking, answers):
+            answer = [int(t) for t in answer] if answer is not None else []
+            if not answer:
+                self.finish([r], False)
+                continue
+            at = int(ptr[r])
+            if at + len(answer) >= self.max_new:  # no room left for the policy to answer back
+                self.finish([r], True)
+                continue
+            self.tokens[r, at:at + len(answer)] = torch.tensor(answer, device=device)
+            self.kind[r, at:at + len(answer)] = ENVIRONMENT
+            # the token that ended the turn is fed with the answer unless an earlier step fed it
+            unfed = found[r] == old_ptr[np.searchsorted(ended, r)] - 1
+            block = ([int(tok[batch_of[r]])] if unfed else []) + answer
+            feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
+            ptr[r] = self.checked[r] = self.turn_start[r] = at + len(answer)
+            self.turns[r] += 1
+        return feeds
+
+    def compact(self, feeds, tok, col):
+        """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
+        tokens and columns of the rows kept."""
+        keep = np.flatnonzero(self.active[self.rows_h])
+        keep_t = torch.as_tensor(keep, device=self.device)
+        if not self.steps.compact(keep_t, len(self.rows_h), int(self.feed_h[keep].max()) if len(keep) else 0):
+            return feeds, tok, col
+        new_index = np.full(len(self.rows_h), -1)
+        new_index[keep] = np.arange(len(keep))
+        feeds = [(int(new_index[i]), first, block) for i, first, block in feeds]
+        self.rows_h, self.rows, self.feed_h = self.rows_h[keep], self.rows[keep_t], self.feed_h[keep]
+        self.device_state.clear()
+        return feeds, tok[keep_t], col if isinstance(col, int) else col[keep_t]
+
+    def realign(self):
+        """After a check: the batch's live rows, and whether every batch row writes the same position next."""
+        rows_h = self.rows_h
+        self.live = rows_h[self.active[rows_h]]
+        following = np.where(self.active[rows_h], self.ptr[rows_h], np.minimum(self.feed_h + 1, self.spare))
+        self.uni = int(following[0]) if len(following) and following.min() == following.max() else None
+        if self.uni is not None:
+            self.device_state.clear()  # the shared-position steps keep the host's state only
+
+    def feed(self, logits, tok, col, feeds):
+        """The batch's next logits: its tokens fed (a decode step), with the answers in `feeds` (an extend step)."""
+        if len(self.rows_h) == 0:
+            return logits[:0]
+        if not feeds:
+            return self.steps.decode(tok, col, self.feed_h)
+        k = max(len(b) for _, _, b in feeds)
+        ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
+        valid = torch.zeros_like(ids, dtype=torch.bool)
+        valid[:, 0] = True
+        start = self.feed_h.copy()  # each row's first position in the block; the others feed their one token
+        for i, first, block in feeds:
+            ids[i, :len(block)] = torch.tensor(block, device=self.device)
+            valid[i, len(block):] = False
+            valid[i, :len(block)] = True
+            start[i], self.feed_h[i] = first, first + len(block) - 1
+        self.device_state.clear()
+        return self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), int(self.feed_h.max()))
+
+    def rollout(self):
+        ptr, device = self.ptr, self.device
+        t = max(1, int(ptr.max()))
+        real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
+        policy = real & (self.kind[:, :t] != ENVIRONMENT)
+        return Rollout(completion_ids=self.tokens[:, :t].masked_fill(~real, self.pad_id), completion_mask=real.long(),
+                       policy_mask=policy.long(), truncated=torch.as_tensor(self.truncated, device=device),
+                       logprobs=self.logps[:, :t].masked_fill(~policy, 0.0),
+                       turns=torch.as_tensor(self.turns, device=device))
 
 
 # ----------------------------------------------------------------------------- rollouts and evaluation
@@ -675,9 +706,10 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     return prompts, enc.input_ids, enc.attention_mask, episodes, None
 
 
-def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent=None,
+def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None,
              episodes=None, record_routing=False, images=None):
-    """Sample one completion per row on the gathered weights; return the rollout and the completions' text.
+    """Sample one completion per row on the gathered weights, each token drawn as `draw` (a Draw) says; return the
+    rollout and the completions' text.
 
     Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
     many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
@@ -693,12 +725,12 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
         for s in range(0, n, size):
             rows = slice(s, s + size)
-            parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], temperature,
+            parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], draw,
                                        cfg, d, eos_ids, agent, None if agent is None else episodes[rows],
                                        record_routing, keep_decoder=s + size < n))
     else:
         with sharding.gathered(policy):  # full weights once for the whole decode loop
-            parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids,
+            parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
                                   agent, episodes, record_routing, images)
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
     sharding.return_host_memory()  # the decoder's copies, freed: before training allocates its own tensors
@@ -709,7 +741,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg
     return rollout, text
 
 
-def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent, episodes,
+def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
                   record_routing, images):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
@@ -720,8 +752,8 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature
         turns = {} if agent is None else dict(respond=agent.responder(episodes[rows]), max_turns=agent.max_turns,
                                               stop_sequences=agent.stop_sequences)
         parts.append(policy(sample, prompt_ids[rows], prompt_mask[rows], max_new_tokens=cfg.max_completion_length,
-                            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-                            top_p=cfg.top_p, seeds=seeds[rows], all_done=sharding.all_done_fn(d),
+                            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds[rows],
+                            all_done=sharding.all_done_fn(d),
                             # the next batch reuses the weight copies and the cache
                             keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
                             record_routing=record_routing,
@@ -729,25 +761,21 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature
     return parts
 
 
-def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature, cfg, d, eos_ids, agent, episodes,
+def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
                   record_routing, keep_decoder):
-    """This rank's rows of one batch decoded by its tensor-parallel group (`d.tp`): the group's rows gathered (prompts
-    left-padded to the widest), sampled together on slices of the layers, and this rank's rows taken back. Rows
-    draw their own random numbers, so they sample what they would alone. With an agent each rank answers its own
-    rows' turns and the group shares the answers (every rank of a group sees the same turns)."""
+    """This rank's rows of one batch decoded by its tensor-parallel group (`d.tp`): the group's rows gathered
+    (tensor_parallel.Slice.group_rows), sampled together on slices of the layers, and this rank's rows taken back,
+    as wide as they would be alone. Rows draw their own random numbers, so they sample what they would alone. With
+    an agent each rank answers its own rows' turns and the group shares the answers (Slice.group_respond)."""
     tp, n = d.tp, prompt_ids.shape[0]
-    width = int(tp.gather_rows(torch.tensor([prompt_ids.shape[1]], device=prompt_ids.device)).max())
-    pad = width - prompt_ids.shape[1]
-    ids = tp.gather_rows(F.pad(prompt_ids, (pad, 0), value=tokenizer.pad_token_id))
-    mask = tp.gather_rows(F.pad(prompt_mask.long(), (pad, 0)))
-    turns = {} if agent is None else dict(respond=_group_respond(agent.responder(episodes), tp, n),
+    ids, mask, seeds, pad = tp.group_rows(prompt_ids, prompt_mask, seeds, tokenizer.pad_token_id)
+    turns = {} if agent is None else dict(respond=tp.group_respond(agent.responder(episodes), n),
                                           max_turns=agent.max_turns, stop_sequences=agent.stop_sequences)
     dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0]
     rollout = sample(policy.lm, ids, mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
-                     pad_id=tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                     seeds=tp.gather_rows(seeds), all_done=sharding.all_done_fn(d), keep_decoder=keep_decoder,
-                     attention_kernel=cfg.decode_attention_kernel, record_routing=record_routing, tp=tp, dtype=dtype,
-                     **turns)
+                     pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d),
+                     keep_decoder=keep_decoder, attention_kernel=cfg.decode_attention_kernel,
+                     record_routing=record_routing, tp=tp, dtype=dtype, **turns)
     mine = rollout_rows(rollout, torch.arange(tp.rank * n, (tp.rank + 1) * n))
     if mine.prompt_routing is not None:  # this rank's own prompt width
         mine.prompt_routing = mine.prompt_routing[:, pad:]
@@ -758,21 +786,6 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, temperature
         if v is not None and v.dim() >= 2 and k != "prompt_routing":
             trim[k] = v[:, :width]
     return Rollout(**trim)
-
-
-def _group_respond(respond, tp, n):
-    """`respond` over a group's batch (rank r's rows at r * n ... r * n + n - 1) from this rank's own `respond`: it
-    answers the turns of its rows, and the answers are shared over the group in one collective per pause."""
-    import torch.distributed as dist
-
-    def group(turns):
-        mine = [t._replace(row=t.row - tp.rank * n) for t in turns if t.row // n == tp.rank]
-        answers = dict(zip((t.row + tp.rank * n for t in mine), respond(mine) if mine else []))
-        every = [None] * tp.size
-        dist.all_gather_object(every, answers, group=tp.group)
-        joined = {k: v for part in every for k, v in part.items()}
-        return [joined[t.row] for t in turns]
-    return group
 
 
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
@@ -789,7 +802,7 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
     was_training = policy.training
     policy.eval()
     results = {}
-    for label, G, temperature in (("greedy", 1, 0.0), ("sampled", cfg.num_generations, cfg.temperature)):
+    for label, G, draw in (("greedy", 1, Draw.of(cfg, 0.0)), ("sampled", cfg.num_generations, Draw.of(cfg))):
         totals, correct = [], []
         comp = {}
         for start in range(0, len(rows), cfg.prompts_per_step):
@@ -804,7 +817,7 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
                                                                 cfg, device, agent, images)
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            rollout, completions = generate(policy, tokenizer, ids, attn, seeds, temperature, cfg, d, eos_ids,
+            rollout, completions = generate(policy, tokenizer, ids, attn, seeds, draw, cfg, d, eos_ids,
                                             agent, episodes, images=pictures)
             total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions,
                                                      reward_fields(fields, rollout, episodes, tokenizer, prompts,
@@ -827,18 +840,6 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
 
 
 # ----------------------------------------------------------------------------- the start-up check
-
-
-def path_of(model, tp_size=1):
-    """Which way the sampler and the training forward run this model, in a few words (the banner's), with why a
-    path is not the written-out layers."""
-    from layers.static_decoder import decode_refusal, training_refusal
-
-    def path(refused):
-        return "written-out layers" if refused is None else f"the model's own forward ({refused})"
-    sampler = path(decode_refusal(model)) if tp_size == 1 else \
-        f"written-out layers sliced over {tp_size} tensor-parallel ranks"
-    return f"sampler on {sampler}, training on {path(training_refusal(model))}"
 
 
 def _plain_logprobs(model, prompt_ids, prompt_mask, rollout):
@@ -869,7 +870,7 @@ def check_exact(model, tolerance=2e-3, new_tokens=3, tp=None):
     group (every rank of it calls this alike), whose sliced decoder is then what is checked.
     """
     name = type(model).__name__
-    if not static_decode_supported(model):
+    if not transformer.paths_of(model, 1 if tp is None else tp.size).samples_written_out():
         why = hf_decoder.unsupported(model)
         if why:
             return f"{name}: the sampler cannot reproduce {why}"

@@ -211,7 +211,7 @@ def gathered(root):
     (the prefill) gathers it and nothing frees it until the `with` ends: one
     all-gather per block for the whole loop. Cost: every parameter in the
     compute dtype (2 bytes each in bf16) on every rank, on top of the shards,
-    while generating. Llama/Qwen2 models decode with `static_decoder.StaticDecoder`
+    while generating. Llama/Qwen2 models decode with `engine.StaticDecoder`
     instead, which gathers each block once for its own copy and frees it at
     once (the same 2 bytes per parameter, held by the copy); its blocks never
     run a forward here, so this context only changes what they would do.

@@ -148,7 +148,7 @@ def rollout(run, step, round=0):
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
     run.policy.eval()
-    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, cfg.temperature, cfg, d,
+    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, sampling.Draw.of(cfg), cfg, d,
                                              run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
                                              images=images)
     run.policy.train()

@@ -291,7 +291,7 @@ def family_table(r, s):
                      f"{f['speedup_vs_generate']:.2f}x", "" if rel is None else f"{rel:.2f}"))
     low = r.get("families_fast_min_ratio_over_llama")
     notes = [f"decode per family: {s['fam_batch']} rows, {s['fam_prompt_len']}-token prompts, {s['fam_new_tokens']} "
-             f"new tokens, hidden {s['fam_hidden']}; path: the sampler's (fast: static_decoder, hf: the model's "
+             f"new tokens, hidden {s['fam_hidden']}; path: the sampler's (fast: transformer, hf: the model's "
              f"forward); lowest fast-path ratio over Llama's, Llama aside: "
              f"{'none' if low is None else f'{low:.2f}'} (target >= 0.85)"] + failed
     return "\n".join([markdown(("family", "path", "ours tokens/s", "model.generate tokens/s", "ratio",

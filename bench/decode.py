@@ -82,14 +82,14 @@ def bench_families(s, device):
     """Our sampler vs `model.generate` on a random model of each family in tests/architectures.py, one after
     the other in one run: the same prompts, the same number of new tokens (no EOS on either side), the same
     sampling settings. Per family: tokens/s of each, their ratio, that ratio over Llama's (a family on the
-    fast path should not fall below 0.85 of it), and the path the sampler took, asked of static_decoder at run
+    fast path should not fall below 0.85 of it), and the path the sampler took, asked of transformer at run
     time, since which families it decodes changes as families are added."""
     # the family table (configs, randomised norms and biases) is the tests' own: one table for both to grow
     tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
     import architectures
-    from layers import static_decoder
+    from layers import transformer
     n, t, hidden = s["fam_batch"], s["fam_new_tokens"], s["fam_hidden"]
     heads = architectures.COMMON["num_attention_heads"]
     knobs = dict(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])
@@ -111,7 +111,7 @@ def bench_families(s, device):
             if s["fam_lora"]:  # adapters on every linear layer and expert weight ("all"), B random so they count
                 architectures.adapt(model, s["fam_lora"], "all", scale=0.01)
             enc = letter_prompts(tok, n, s["fam_prompt_len"], device)
-            path = "fast" if static_decoder.static_decode_supported(model) else "hf"
+            path = "fast" if transformer.decide(model).samples_written_out() else "hf"
 
             ours, generate = decode_pair(model, enc, t, tok.pad_token_id, knobs)
             med = medians({"ours": ours, "generate": generate}, s, device)

@@ -320,9 +320,9 @@ def bench_memory(s, device):
 def bench_training_forward(s, device):
     """Per family of tests/architectures.py (tiny on a CPU; with `--set fam_shapes=real`, bench/decode.py's published
     shapes): forward and backward of `logprobs.completion_logprobs` over a batch, the whole model trained, on the
-    Hugging Face forward and, where `static_decoder.training_forward_supported`, on the written-out layers. The
+    Hugging Face forward and, where `transformer.decide` lets it, on the written-out layers. The
     ratio says whether writing a family's training forward out pays."""
-    from layers import static_decoder
+    from layers import transformer
     from bench.decode import REAL_SHAPES, real_shaped
     from bench.common import free, medians
     tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
@@ -357,7 +357,7 @@ def bench_training_forward(s, device):
                 logp.sum().backward()
 
             runs = {"hf": lambda: step(False)}
-            written = static_decoder.training_forward_supported(model)
+            written = transformer.decide(model).trains_written_out(model)
             if written:
                 runs["written_out"] = lambda: step(True)
             med = medians(runs, s, device)

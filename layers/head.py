@@ -1,6 +1,6 @@
 """What a model does to its logits after the vocabulary projection: the one home of the final-logit transform.
 
-The sampler's written-out decoder (layers/static_decoder.py) applies it to the logits it samples from, and the
+The sampler's written-out decoder (layers/transformer.py) applies it to the logits it samples from, and the
 training head (logprobs.py, chunk by chunk with its own backward) to the logits it takes log-probs of: both read
 it here, so the two cannot disagree. Imports torch alone.
 """

@@ -1,6 +1,6 @@
 """The general sampler path: the model's own forward, on a cache whose attention masks we write.
 
-Every architecture the written-out decoder (layers/static_decoder.py) does not
+Every architecture the written-out decoder (layers/transformer.py) does not
 reproduce decodes here, through the model's own modules, so coverage follows
 transformers. What the model's own masks cannot know is how a row's tokens lie
 in the cache once the sampler has paused it, appended an environment's answer

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts blocks written out for the fast decoder (static_decoder.StaticDecoder).
+"""Mixture-of-Experts blocks written out for the fast decoder (engine.StaticDecoder).
 
 A MoE block is a router (a linear layer whose top-k picks each token's experts
 and their gates) and the experts, which transformers 5 keeps as fused 3-D
@@ -348,7 +348,7 @@ class MoE:
         out = self._matmul(self.gate_fn(up), self.down, order_expert, offs, down_bias)
         out = out * gates.reshape(-1)[order, None]
         routed = torch.zeros_like(h).index_add_(0, token, out.to(h.dtype))
-        if self.shared is not None and held is None:  # in place, as the experts: the block is whole (static_decoder)
+        if self.shared is not None and held is None:  # in place, as the experts: the block is whole (transformer)
             s = self.shared  # its layers' own forward: plain, or with an adapter's low-rank term
             shared = s.down_proj(F.silu(s.gate_proj(h)) * s.up_proj(h))
             routed = routed + torch.sigmoid(self.shared_gate(h)) * shared

@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers written out for the fast decoder (static_decoder.StaticDecoder): Qwen3.5's linear attention.
+"""Gated DeltaNet layers written out for the fast decoder (engine.StaticDecoder): Qwen3.5's linear attention.
 
 A Gated DeltaNet layer (Yang et al. 2024, "Gated Delta Networks") keeps, per
 row, two states instead of a KV cache: the last kernel-1 inputs of its causal

@@ -216,7 +216,7 @@ def _tensors_in(values):
 
 
 def decoder_bytes(dec):
-    """{part: bytes} of a static_decoder.StaticDecoder's own tensors (it may be built on the meta device): its weight
+    """{part: bytes} of a engine.StaticDecoder's own tensors (it may be built on the meta device): its weight
     copies (the fused per-layer copies, embedding, final norm and head, tied ones once; a recurrent layer's own
     copies; under tensor parallelism this rank's slices, MoE experts included), KV cache, recurrent states and
     per-row tables. Without tensor parallelism MoE experts are read in place: no copy."""
@@ -231,9 +231,10 @@ def decoder_bytes(dec):
 def _decoder_on_meta(model, rows, length, tp_size=1):
     """A StaticDecoder for `rows` rows of `length` tokens built on the meta device (rank 0's slices of a
     tensor-parallel group of `tp_size`), or None where the model's layers are not written out."""
-    from layers.static_decoder import StaticDecoder, static_decode_supported, tp_refusal
+    from layers.engine import StaticDecoder
+    from layers.transformer import decide
     from layers.tensor_parallel import Slice
-    if (tp_refusal(model, tp_size) if tp_size > 1 else not static_decode_supported(model)):
+    if decide(model, tp_size).sampler:
         return None
     dec = StaticDecoder(model, rows, -(-length // 64) * 64, tp=Slice(0, tp_size))  # as for_model rounds it
     dec.load(model)

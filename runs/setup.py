@@ -22,7 +22,7 @@ import sampling
 import sharding
 import tasks
 from environments import responses
-from layers import hf_decoder, lora, routing, static_decoder, vision
+from layers import hf_decoder, lora, routing, transformer, vision
 from sandbox import executor
 from config import Config, ConfigError
 
@@ -75,9 +75,15 @@ def setup(cfg, d):
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     tokenizer, policy, ref = load_models(cfg, d, load_device)
+    # which way each phase runs the model, decided once and kept on the models for the sampler and the training
+    # forward; asked inside the root's forward, where they run: a sharded policy's embeddings and head are whole
+    # only there (every rank takes part: the root's weights are gathered)
+    paths = policy(functools.partial(transformer.decide, tp_size=cfg.tp_size))
+    sharding.free_gathered(policy)
+    for model in (policy, ref) if ref is not None else (policy,):  # the reference: the same layers, frozen
+        transformer.attach(model.lm, paths)
     if cfg.tp_size > 1:  # what the sliced decoder cannot run stops here, named, before anything else loads
-        why = static_decoder.tp_refusal(policy.lm, cfg.tp_size) or \
-            ("a vision-language model" if vision.is_vision_model(policy.lm) else None)
+        why = paths.sampler or ("a vision-language model" if vision.is_vision_model(policy.lm) else None)
         if why:
             raise ConfigError("tp_size", f"tensor-parallel decoding needs the written-out layers: {why}")
     responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
@@ -85,13 +91,9 @@ def setup(cfg, d):
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
-    # asked inside the root's forward, where the sampler and the training forward ask it: a sharded policy's
-    # embeddings and head are whole only there (every rank takes part: the root's weights are gathered)
-    paths = policy(functools.partial(sampling.path_of, tp_size=cfg.tp_size))
-    sharding.free_gathered(policy)
     sharding.return_host_memory()  # what loading and the start-up check read and freed
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
-               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths)
+               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths.banner())
 
 
 def load_images(cfg, model, tokenizer, task):
@@ -221,7 +223,7 @@ def _load_whole(cfg, d, policy):
         except ValueError as e:
             raise ConfigError("routing_replay", e) from e
     warn_low_precision(cfg, d, policy)
-    supported = not cfg.compile_layers or static_decoder.training_forward_supported(policy.train())  # as it trains
+    supported = not cfg.compile_layers or transformer.decide(policy).trains_written_out(policy.train())  # as it trains
     if not supported and d.master:
         warn_not_compiled()
     # both wrapped so that every call into them is one forward of the FSDP root (see sharding.Root)
@@ -239,7 +241,7 @@ def _load_sharded(cfg, d, path, empty):
     model_loading.fill_shards(policy, path, d.device).train()
     check_model(cfg, d, policy, sharded=True)
     warn_low_precision(cfg, d, policy)
-    if cfg.compile_layers and not policy(lambda lm: static_decoder.training_forward_supported(lm.train())):
+    if cfg.compile_layers and not policy(lambda lm: transformer.decide(lm).trains_written_out(lm.train())):
         if d.master:
             warn_not_compiled()
     sharding.free_gathered(policy)

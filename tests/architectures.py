@@ -4,13 +4,13 @@ A row is the config class's name in transformers and the few settings that make 
 particular to it (sliding windows short enough for a few dozen tokens to cross them, linear-attention layers beside
 full ones, experts, sinks, softcapped logits), with weights large enough that attention is sharp and every feature
 moves the log-probs (initializer_range, caps that bite); which of our paths it takes; and its `features`: the
-departures from Llama its `Family` row in layers/static_decoder.py declares, each switched off in turn by
+departures from Llama its `Family` row in layers/transformer.py declares, each switched off in turn by
 test_static_families.py's knockout test (`KNOCKOUTS` says how). Every list of families the tests run derives from
 this table. `tiny(name)` builds the model in float32 with its norms, biases and other one-dimensional parameters
 randomised, so that a path that forgets one of them (a norm's offset, a bias, a sink, the decay of a recurrent
 layer) shows.
 
-Adding a family: a `Family` row in layers/static_decoder.py's `FAMILIES` and a row here (docs/architectures.md).
+Adding a family: a `Family` row in layers/transformer.py's `FAMILIES` and a row here (docs/architectures.md).
 """
 
 import dataclasses
@@ -33,21 +33,24 @@ class Row:
     layers: str = "dense"       # "dense", "moe" (MoE blocks) or "hybrid" (recurrent layers beside attention): the
                                 # written-out sampler reads all three; MoE and hybrid layers train on the model's own
                                 # forward (its expert and recurrent kernels)
-    written_out: bool = True    # the sampler (and, dense, the training forward) on layers/static_decoder.py's layers
+    written_out: bool = True    # the sampler (and, dense, the training forward) on layers/transformer.py's layers
     features: tuple = ()        # the Family's declared differences, keys of KNOCKOUTS
                                 # (test_static_families.py's test_each_declared_feature_matters)
     attention: str = "sdpa"     # attn_implementation of the model's own forward (eager where sdpa lacks a feature)
     lora: bool = False          # tested with LoRA adapters on every linear layer (tests/test_lora_families.py)
     adapted: tuple = ()         # the family's particular modules of layer 0 LoRA's default targets must reach
+    tp: dict = None             # in the tensor-parallel launch (tests/tp_decode.py): settings over `settings` at which
+                                # its sizes divide by 4; None: not there (a launch of 4 processes costs its time)
+    tp_kv_copies: bool = False  # there also with fewer K/V heads than ranks (each copied over ranks)
 
 
 def _spec_knockout(edit):
-    """A knockout that changes what static_decoder._spec reads from the model: edit(read, model) -> the Spec, where
+    """A knockout that changes what transformer._spec reads from the model: edit(read, model) -> the Spec, where
     read(model, fam=None) is the unchanged reading."""
     def knock(monkeypatch):
-        from layers import static_decoder
-        read = static_decoder._spec
-        monkeypatch.setattr(static_decoder, "_spec", lambda model, fam=None: edit(read, model))
+        from layers import transformer
+        read = transformer._spec
+        monkeypatch.setattr(transformer, "_spec", lambda model, fam=None: edit(read, model))
     return knock
 
 
@@ -61,12 +64,11 @@ def _family_as(change):
 
 
 def _layers(**off):
-    """Settings of every attention layer (static_decoder.Spec.layers) set to Llama's values (or a function of them)."""
+    """Settings of every attention layer (transformer.Spec.layers) set to Llama's values (or a function of them)."""
     def edit(read, model):
         spec = read(model)
-        for s in spec.layers:
-            if "heads" in s:
-                s.update({k: v(s) if callable(v) else v for k, v in off.items()})
+        spec.layers = [dataclasses.replace(s, **{k: v(s) if callable(v) else v for k, v in off.items()}) if s.heads
+                       else s for s in spec.layers]
         return spec
     return _spec_knockout(edit)
 
@@ -86,8 +88,8 @@ def _final_softcap(monkeypatch):
 def _full_width_rotary(monkeypatch):
     """Rotary over the whole head instead of its first dims: the tables (rd wide) padded to the head, cos 1 and sin
     0 past each half's rd / 2 frequencies, so rotate_half pairs dim i with i + head_dim / 2 instead of i + rd / 2."""
-    from layers import static_decoder
-    rotary = static_decoder._rotary
+    from layers import transformer
+    rotary = transformer._rotary
 
     def full(rotary_emb, fam, x, positions, key):
         cos, sin = rotary(rotary_emb, fam, x, positions, key)
@@ -95,7 +97,7 @@ def _full_width_rotary(monkeypatch):
         one, zero = torch.ones(*cos.shape[:-1], pad, dtype=cos.dtype), torch.zeros(*cos.shape[:-1], pad, dtype=sin.dtype)
         return (torch.cat([cos[..., :half], one, cos[..., half:], one], -1),
                 torch.cat([sin[..., :half], zero, sin[..., half:], zero], -1))
-    monkeypatch.setattr(static_decoder, "_rotary", full)
+    monkeypatch.setattr(transformer, "_rotary", full)
 
 
 # how each declared difference is switched off: a function of pytest's monkeypatch that makes the written-out layers
@@ -103,7 +105,7 @@ def _full_width_rotary(monkeypatch):
 # it changes nothing; test_norms_round_as_the_family_does checks it bit for bit in bf16. So are gpt-oss's half-width
 # rotary tables: without them the shapes do not fit)
 KNOCKOUTS = {
-    "attention scale": _layers(scaling=lambda s: 1.25 * s["scaling"]),  # not switched off: 25% wrong
+    "attention scale": _layers(scaling=lambda s: 1.25 * s.scaling),  # not switched off: 25% wrong
     "attention softcap": _layers(softcap=None),
     "window": _layers(window=None),
     "full layers unwindowed": _family(window=None),              # every layer's module's sliding_window applied
@@ -112,7 +114,7 @@ KNOCKOUTS = {
     "post norms": _family_as(lambda fam: dataclasses.replace(fam, norms=(fam.norms[0], None, fam.norms[2], None))),
     "embedding scale": _model(embed_scale=None),
     "final softcap": _final_softcap,
-    "rotary per type": _layers(rope=lambda s: s["rope"] and "full_attention"),  # one table for every layer
+    "rotary per type": _layers(rope=lambda s: s.rope and "full_attention"),  # one table for every layer
     "layers without rotary": _family(rotary_on=None),            # rotary on every layer
     "partial rotary": _full_width_rotary,
     "sinks": _family(sinks=False),
@@ -122,17 +124,17 @@ KNOCKOUTS = {
 _SCALE = "attention scale"
 # family -> its row
 FAMILIES = {
-    "llama": Row("LlamaConfig", dict(attention_bias=True, mlp_bias=True), features=(_SCALE,), lora=True),
+    "llama": Row("LlamaConfig", dict(attention_bias=True, mlp_bias=True), features=(_SCALE,), lora=True, tp={}),
     "qwen2": Row("Qwen2Config", dict(tie_word_embeddings=True), features=(_SCALE,)),
     "qwen2_window": Row("Qwen2Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
                         features=(_SCALE, "window")),  # a window on one of two layers
     "mistral": Row("MistralConfig", dict(sliding_window=None), features=(_SCALE,)),
     "mistral_window": Row("MistralConfig", dict(sliding_window=6), features=(_SCALE, "window")),  # every layer
-    "qwen3": Row("Qwen3Config", dict(), features=(_SCALE, "qk norm"), lora=True),
+    "qwen3": Row("Qwen3Config", dict(), features=(_SCALE, "qk norm"), lora=True, tp={}),
     "qwen3_moe": Row("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                             norm_topk_prob=True, decoder_sparse_step=1),
                      layers="moe", features=(_SCALE, "qk norm"), lora=True,
-                     adapted=("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj")),
+                     adapted=("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj"), tp={}),
     "qwen3_moe_dense_layer": Row("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
                                  layers="moe", features=(_SCALE, "qk norm")),  # a dense MLP beside a MoE block
@@ -146,12 +148,13 @@ FAMILIES = {
                                              layer_types=["linear_attention"] * 3 + ["full_attention"]),
                    layers="hybrid", features=(_SCALE, "qk norm", "norm offset", "partial rotary", "gated query"),
                    lora=True, adapted=("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
-                                       "linear_attn.in_proj_b", "linear_attn.out_proj", "mlp.down_proj")),
+                                       "linear_attn.in_proj_b", "linear_attn.out_proj", "mlp.down_proj"),
+                   tp=dict(linear_num_key_heads=4, linear_num_value_heads=8), tp_kv_copies=True),
     # sliding window 6 on one of two layers, sinks, biased q/k/v/o, yarn rotary, a biased router, clamped SwiGLU
     "gpt_oss": Row("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
                                         layer_types=["sliding_attention", "full_attention"], intermediate_size=32),
                    layers="moe", features=(_SCALE, "window", "sinks"), attention="eager", lora=True,
-                   adapted=("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.o_proj")),
+                   adapted=("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.o_proj"), tp={}),
     # sliding window 6 on two of its three layers, another rotary base there
     "gemma3": Row("Gemma3TextConfig", dict(num_hidden_layers=3, sliding_window=6, query_pre_attn_scalar=16,
                                            layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
@@ -233,3 +236,12 @@ SAMPLER_ONLY = [n for n in WRITTEN_OUT if FAMILIES[n].layers != "dense"]
 MOE = [n for n in WRITTEN_OUT if FAMILIES[n].layers == "moe"]
 WINDOWED = [n for n, r in FAMILIES.items() if "window" in r.features]
 WITH_LORA = [n for n, r in FAMILIES.items() if r.lora]
+
+
+def force_model_forward(monkeypatch):
+    """The sampler on the model's own forward (layers/hf_decoder.py) whatever the family: every decision says that the
+    written-out decoder does not sample it."""
+    from layers import transformer
+    decide = transformer.decide
+    monkeypatch.setattr(transformer, "decide", lambda model, tp_size=1: dataclasses.replace(
+        decide(model, tp_size), sampler="forced onto the model's own forward"))

@@ -30,17 +30,17 @@ def model(tiny_dir):
 
 @pytest.fixture
 def traced_layers(monkeypatch):
-    """static_decoder's compiled layer through torch.compile with a backend that records each graph it is
+    """transformer's compiled layer through torch.compile with a backend that records each graph it is
     given and runs it as traced (no code generation: fast, and exact): a test then sees that the layer
     traces whole (fullgraph), how many graphs it took, and that it computes what the eager layer does."""
-    from layers import static_decoder
+    from layers import transformer
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
     torch._dynamo.reset()
-    monkeypatch.setitem(static_decoder._COMPILED, "layer", static_decoder.compile_layer(backend))
+    monkeypatch.setitem(transformer._COMPILED, "layer", transformer.compile_layer(backend))
     yield graphs
     torch._dynamo.reset()
 

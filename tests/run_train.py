@@ -27,7 +27,7 @@ import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import engine, transformer  # noqa: E402
 import train  # noqa: E402
 
 LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size
@@ -62,7 +62,7 @@ def uneven_sampling(root, d, pad_id):
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=MAX_NEW, eos_ids=eos_ids, pad_id=pad_id, seeds=torch.arange(3) + 3 * d.rank,
                   check_every=1, all_done=sharding.all_done_fn(d))
-    static_supported = root(static_decoder.static_decode_supported)  # on the sharded model, inside the root's forward
+    static_supported = root(lambda lm: transformer.decide(lm).samples_written_out())  # on the sharded model, inside the root's forward
     sharding.free_gathered(root)  # start from shards only (the root keeps its weights after a forward)
     calls = count_all_gathers()
     before = calls[0]
@@ -144,18 +144,18 @@ def run(argv):
         return original_check(policy, ref)
 
     sampling.sample, sampling.check_exact, sharding.check_same_placement = recording_sample, marked_check, spying_check
-    original_layer, layer_calls = static_decoder._layer_on, [0]
+    original_layer, layer_calls = transformer._layer_on, [0]
 
     def counting_layer(*args):  # the written-out training forward's layer, sharded or not
         layer_calls[0] += 1
         return original_layer(*args)
-    static_decoder._layer_on = counting_layer
-    original_prefill, prefills = static_decoder.StaticDecoder.prefill, [0]
+    transformer._layer_on = counting_layer
+    original_prefill, prefills = engine.StaticDecoder.prefill, [0]
 
     def counting_prefill(self, *args, **kwargs):  # the sampler on the written-out decoder
         prefills[0] += 1
         return original_prefill(self, *args, **kwargs)
-    static_decoder.StaticDecoder.prefill = counting_prefill
+    engine.StaticDecoder.prefill = counting_prefill
     if not any(a.startswith("--out_dir") for a in argv):
         raise SystemExit("run_train.py needs --out_dir")
     d = sharding.setup("cpu")  # train.main sets up the same process group again: a no-op then
@@ -166,8 +166,8 @@ def run(argv):
     finally:
         sampling.sample, sampling.check_exact, sharding.check_same_placement = original_sample, \
             original_check_exact, original_check
-        static_decoder._layer_on, sharding.teardown = original_layer, teardown
-        static_decoder.StaticDecoder.prefill = original_prefill
+        transformer._layer_on, sharding.teardown = original_layer, teardown
+        engine.StaticDecoder.prefill = original_prefill
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode

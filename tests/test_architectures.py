@@ -21,10 +21,10 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from layers import hf_decoder  # noqa: E402
 import sampling  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
-# the families the written-out layers (layers/static_decoder.py) serve in the sampler; the others run the model's own
+# the families the written-out layers (layers/transformer.py) serve in the sampler; the others run the model's own
 # forward. MoE and hybrid families train on the model's own forward (its experts and recurrent kernels, routing
 # replay's routers). Read off tests/architectures.py's table
 FAST = set(architectures.WRITTEN_OUT)
@@ -53,8 +53,8 @@ def family(request):
 
 def test_takes_the_path_claimed(family):
     name, model, _, _ = family
-    assert static_decoder.static_decode_supported(model) == (name in FAST)
-    assert static_decoder.training_forward_supported(model) == (name in FAST_TRAINING)
+    assert transformer.decide(model).samples_written_out() == (name in FAST)
+    assert transformer.decide(model).trains_written_out(model) == (name in FAST_TRAINING)
     assert hf_decoder.unsupported(model) is None
 
 
@@ -122,7 +122,7 @@ def test_softcapped_head_gradient_equals_autograd():
 
 def test_start_up_check_catches_a_wrong_path(monkeypatch):
     """A path that leaves out what the model does (here the softcap, or the sliding window) is caught."""
-    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, whatever the family
+    architectures.force_model_forward(monkeypatch)  # the general path, whatever the family
     model, _ = architectures.tiny("gemma2")
     with monkeypatch.context() as m:
         m.setattr(logprobs, "head_of", lambda model: None)
@@ -134,7 +134,7 @@ def test_start_up_check_catches_a_wrong_path(monkeypatch):
 
 
 def test_what_the_general_path_cannot_express_is_refused(monkeypatch):
-    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)
+    architectures.force_model_forward(monkeypatch)
     model, _ = architectures.tiny("qwen3")
     model.config.__dict__["_attn_implementation_internal"] = "flash_attention_2"  # the setter would load kernels
     assert "attn_implementation=flash_attention_2" in sampling.check_exact(model)
@@ -152,7 +152,7 @@ def test_train_stops_at_start_naming_the_architecture(tmp_path, monkeypatch):
     tok = model_loading.build_byte_tokenizer()
     architectures.config("gemma2", tok).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)  # the general path, which refuses
+    architectures.force_model_forward(monkeypatch)  # the general path, which refuses
     monkeypatch.setattr(hf_decoder, "unsupported", lambda model: "layers of type 'made_up'")
     argv = [f"--model={tmp_path / 'model'}", "--max_steps=1", "--save_every=0", "--model_init_kwargs",
             '{"attn_implementation": "eager"}']

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import sampling  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import transformer  # noqa: E402
 from layers import static_moe  # noqa: E402
 from test_fast_paths import assert_same_rollout, prompts, run  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
@@ -46,7 +46,7 @@ def on_cuda(case, **kw):
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_graph_multi_turn_equals_eager_and_each_row_forward(case):
     model, tok = on_cuda(case)
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
     enc = prompts(tok, "cuda")
     seeds = torch.arange(6, device="cuda") * 7 + 3
     eager = multi_turn(model, tok, enc, cuda_graph=False, seeds=seeds)
@@ -77,7 +77,7 @@ def test_cuda_graph_spans_and_compaction_equal_eager(case):
 def test_cuda_model_forward_multi_turn_equals_each_row_forward(case, monkeypatch):
     """Our loop on the model's own forward (forced onto it), several turns."""
     model, tok = on_cuda(case)
-    monkeypatch.setattr(sampling, "static_decode_supported", lambda m: False)
+    architectures.force_model_forward(monkeypatch)
     enc = prompts(tok, "cuda")
     r = multi_turn(model, tok, enc, seeds=torch.arange(6, device="cuda") * 7 + 3)
     assert (r.turns > 1).any()

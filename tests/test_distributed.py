@@ -320,7 +320,7 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 import model_loading, sharding
-from layers import static_decoder
+from layers import transformer
 dist.init_process_group("gloo")
 for nested in (False, True):
     lm = AutoModelForCausalLM.from_config(model_loading.tiny_config(model_loading.build_byte_tokenizer()))
@@ -330,8 +330,8 @@ for nested in (False, True):
             fully_shard(layer.mlp)  # a group inside the layer's group: one gather would not bring every weight
         fully_shard(layer)
     fully_shard(root)
-    before = static_decoder.training_forward_supported(lm)  # outside the root's forward: the embeddings are shards
-    inside = root(static_decoder.training_forward_supported)
+    before = transformer.decide(lm).trains_written_out(lm)  # outside the root's forward: the embeddings are shards
+    inside = root(lambda lm: transformer.decide(lm).trains_written_out(lm))
     if dist.get_rank() == 0:
         print(f"nested={nested} before={before} inside={inside}", flush=True)
 # forwards only, as the reference model runs: FSDP's per-forward records must not pile up

@@ -21,7 +21,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import engine, transformer  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -80,9 +80,9 @@ def assert_same_rollout(a, b, logp_atol=1e-5):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_static_decoder_is_used_for_llama_and_qwen2(arch):
+def test_transformer_is_used_for_llama_and_qwen2(arch):
     model, _ = tiny_model(arch)
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -156,7 +156,7 @@ def test_prefill_and_decode_logits_match_hf_forward():
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     pos = logprobs.position_ids_from_mask(enc.attention_mask)
-    dec = static_decoder.StaticDecoder.for_model(model, n, p + 4)
+    dec = engine.StaticDecoder.for_model(model, n, p + 4)
     with torch.no_grad():
         got = dec.prefill(enc.input_ids, enc.attention_mask, pos)
         want = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=pos).logits[:, -1]
@@ -179,7 +179,7 @@ def test_graph_safe_decode_form_matches_eager_on_cpu(arch, sdpa):
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     pos = logprobs.position_ids_from_mask(enc.attention_mask)
-    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    dec = engine.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     logits, caches = {}, {}
     for form in ("eager", "graph"):
         dec.sdpa_decode = sdpa and form == "graph"  # the eager reference: the CPU matmul attention
@@ -243,7 +243,7 @@ def test_unsupported_architecture_falls_back_to_hf_forward():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
                                                         n_positions=128)).eval()
-    assert not static_decoder.static_decode_supported(model)
+    assert not transformer.decide(model).samples_written_out()
     tok.padding_side = "left"
     r = run(model, tok, prompts(tok))
     assert r.completion_ids.shape[0] == 6
@@ -252,7 +252,7 @@ def test_unsupported_architecture_falls_back_to_hf_forward():
 def test_sliding_window_layers_take_the_fast_path():
     """Windows shorter than the rows (more in test_static_families.py)."""
     model, tok = tiny_model(use_sliding_window=True, sliding_window=5, max_window_layers=0)
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
     enc = prompts(tok)
     assert_same_rollout(run(model, tok, enc), run(model, tok, enc, static_cache=False))
 
@@ -276,12 +276,12 @@ def naive_gumbel(seed, step, vocab):
 
 
 def test_gumbel_max_sampling_equals_naive():
-    """sample_tokens picks argmax(logits / T + noise) with the noise of the row's own (seed, step)."""
+    """Draw.whole picks argmax(logits / T + noise) with the noise of the row's own (seed, step)."""
     g = torch.Generator().manual_seed(0)
     seeds = torch.tensor([0, 1, 7, 2 ** 40 + 3, 123456789])
     logits = torch.randn(5, 300, generator=g) * 3
     for temperature in (1.0, 0.7):
-        tok, lp = sampling.sample_tokens(logits, temperature, 0, 1.0, sampling.row_keys(seeds, 4))
+        tok, lp = sampling.Draw(temperature, 0, 1.0).whole(logits, sampling.row_keys(seeds, 4))
         for i, seed in enumerate(seeds.tolist()):
             noisy = logits[i].double() / temperature + naive_gumbel(seed, 4, 300)
             top2 = noisy.topk(2).values
@@ -301,10 +301,10 @@ def test_gumbel_sampling_never_picks_a_token_without_mass():
     logits[:, 1024:3072] = float("-inf")
     logits[: n // 2, :1024] = float("-inf")
     keys = sampling.row_keys(torch.arange(n), 7)
-    tok, lp = sampling.sample_tokens(logits, 1.0, 0, 1.0, keys)
+    tok, lp = sampling.Draw(1.0, 0, 1.0).whole(logits, keys)
     assert torch.isfinite(logits.gather(1, tok[:, None])).all()
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)
-    tok_k, lp_k = sampling.sample_tokens(logits, 1.0, 5, 1.0, keys)  # top-5: one of each row's five largest
+    tok_k, lp_k = sampling.Draw(1.0, 5, 1.0).whole(logits, keys)  # top-5: one of each row's five largest
     top5 = logits.topk(5).values
     assert (logits.gather(1, tok_k[:, None]) >= top5[:, -1:]).all()
     # its log-prob renormalised over those five: the distribution that drew it
@@ -396,7 +396,7 @@ def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
     logits = (torch.randn(300, 151_936, generator=g) * 3).to("cuda", dtype)
     keys = sampling.row_keys(torch.arange(300, device="cuda"), 5)
     for n in (300, 17):  # dynamic shapes: one kernel for any number of rows
-        tok, lp = sampling.sample_tokens(logits[:n], 0.7, 0, 1.0, keys[:n])
+        tok, lp = sampling.Draw(0.7, 0, 1.0).whole(logits[:n], keys[:n])
         want_tok, want_lp = sampling._gumbel_max(logits[:n], keys[:n], 1 / 0.7)
         # log may round differently compiled: only a near-tie of the two best noisy logits may resolve otherwise
         noisy = logits[:n].float() / 0.7 + sampling.gumbel_noise(keys[:n], logits.shape[1])
@@ -407,7 +407,7 @@ def test_cuda_compiled_gumbel_sampling_matches_eager(dtype):
         assert torch.isfinite(lp).all()
     # filtered: the compiled draw over the filtered logits (-inf outside top-k / top-p)
     filtered = sampling.filter_logits(logits.float() / 0.7, 50, 0.9)
-    tok, lp = sampling.sample_tokens(logits, 0.7, 50, 0.9, keys)
+    tok, lp = sampling.Draw(0.7, 50, 0.9).whole(logits, keys)
     want_tok, want_lp = sampling._gumbel_max(filtered, keys, 1.0)
     top2 = (filtered + sampling.gumbel_noise(keys, logits.shape[1])).topk(2).values
     assert ((tok == want_tok) | (top2[:, 0] - top2[:, 1] < 1e-4)).all()

@@ -125,7 +125,15 @@ def test_merged_export_loads_as_a_plain_model(family, tmp_path):
     assert not lora.lora_modules(loaded)
     ids = _ids(tok, seed=2)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+        # merged, each weight is rounded once more than with its adapter apart: the bound is the float32 model's own
+        # distance from a float64 run of it, a few times over, where a wrong merge moves logits by O(1)
+        double = copy.deepcopy(model).double()
+        if getattr(double.config, "_experts_implementation", None) not in (None, "eager"):
+            double.set_experts_implementation("eager")  # the grouped matmul takes no float64
+        exact = double(ids).logits
+        own = (model(ids).logits - exact).abs().max().item()
+        assert 0 < own < 1e-3
+        torch.testing.assert_close(loaded(ids).logits.double(), exact, atol=4 * own, rtol=0)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
@@ -218,7 +226,7 @@ def test_adapted_models_sample_on_the_fast_decoder(family):
     reads each adapted weight with its delta merged in: over several turns, its log-probs equal one forward of the
     adapted model over each row's trajectory; with the adapters off, the base model's. The training forward is the
     written-out one where the family has it (test_adapted_dense_models_train_on_the_written_out_layers)."""
-    from layers import static_decoder
+    from layers import transformer
     from test_fast_paths import prompts
     from test_multiturn import multi_turn
     from test_static_families import per_row_logprobs
@@ -226,7 +234,7 @@ def test_adapted_models_sample_on_the_fast_decoder(family):
     lora.add_lora(model, RANK, ALPHA, "all")
     _random_B(model)
     assert any(type(m) is lora.LoRALinear for m in model.modules())
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
     model.eval()
     enc = prompts(tok)
     rollouts = {}
@@ -245,14 +253,14 @@ def test_adapted_dense_models_train_on_the_written_out_layers(family):
     """The written-out training forward with adapters (each adapted projection's low-rank term added apart, as
     LoRALinear adds it): log-probs and every adapter's gradient equal the model's own forward's; with the adapters
     off (the reference's forward), the base model's log-probs."""
-    from layers import static_decoder
+    from layers import transformer
     from test_fast_paths import prompts, with_completions
     from test_training_forward import hf_and_fast_logprobs
     model, tok = architectures.tiny(family)
     lora.add_lora(model, RANK, ALPHA, "all")
     _random_B(model)
     model.train()
-    assert static_decoder.training_forward_supported(model)
+    assert transformer.decide(model).trains_written_out(model)
     ids, attn = with_completions(prompts(tok), 6, seed=3)
     (hf_logp, hf_grads), (fast_logp, fast_grads) = hf_and_fast_logprobs(model, ids, attn, 6)
     torch.testing.assert_close(fast_logp, hf_logp, atol=1e-5, rtol=0)

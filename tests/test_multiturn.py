@@ -17,7 +17,7 @@ import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import sampling  # noqa: E402
 import sharding  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import engine, transformer  # noqa: E402
 import tasks  # noqa: E402
 from tasks import vault  # noqa: E402
 import train  # noqa: E402
@@ -84,7 +84,7 @@ def test_answers_are_prefilled_once():
     model, tok = tiny_model()
     enc = prompts(tok)
     calls = {"prefill": 0, "extend": []}
-    real_prefill, real_extend = static_decoder.StaticDecoder.prefill, static_decoder.StaticDecoder.extend
+    real_prefill, real_extend = engine.StaticDecoder.prefill, engine.StaticDecoder.extend
 
     def prefill(self, *a, **k):
         calls["prefill"] += 1
@@ -93,12 +93,12 @@ def test_answers_are_prefilled_once():
     def extend(self, ids, valid, start, top):
         calls["extend"].append(valid.sum(1).tolist())
         return real_extend(self, ids, valid, start, top)
-    static_decoder.StaticDecoder.prefill, static_decoder.StaticDecoder.extend = prefill, extend
+    engine.StaticDecoder.prefill, engine.StaticDecoder.extend = prefill, extend
     try:
         log = []
         r = multi_turn(model, tok, enc, respond=answering(lambda r, k: (r % 3) + 2 * k, log))
     finally:
-        static_decoder.StaticDecoder.prefill, static_decoder.StaticDecoder.extend = real_prefill, real_extend
+        engine.StaticDecoder.prefill, engine.StaticDecoder.extend = real_prefill, real_extend
     answered = int((r.turns - 1).sum())
     assert calls["prefill"] == 1 and answered >= 3
     fed = [n for step in calls["extend"] for n in step if n > 1]  # rows fed an answer (others: their one token)

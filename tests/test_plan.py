@@ -19,7 +19,7 @@ import torch
 
 from config import Config
 from runs import plan
-from layers.static_decoder import StaticDecoder
+from layers.engine import StaticDecoder
 import logprobs
 import model_loading
 from runs.setup import make_optimizer
@@ -69,7 +69,7 @@ def test_shards_are_what_fully_shard_holds_per_rank():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_5", "gpt_oss", "gemma3"])
-def test_kv_cache_and_weight_copies_equal_a_real_static_decoder(family):
+def test_kv_cache_and_weight_copies_equal_a_real_transformer(family):
     """The generation phase's decoder parts against StaticDecoder built for the same rows and length, on real
     weights; the KV cache also against its formula (every attention layer, windowed ones too, holds all slots)."""
     tok = model_loading.build_byte_tokenizer()

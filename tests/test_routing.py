@@ -14,7 +14,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from layers import routing  # noqa: E402
 import sampling  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
 TEXT = ["a>", "hello world>", "xyz", "b>" * 7]
@@ -96,12 +96,12 @@ def test_training_forward_routes_as_the_sampler_did(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_written_out_sampler_records_what_the_model_forward_records(family):
-    """MoE families sample on the written-out layers (layers/static_decoder.py, layers/static_moe.py): over several turns
+    """MoE families sample on the written-out layers (layers/transformer.py, layers/static_moe.py): over several turns
     (pauses, forgotten tokens, answers of different lengths) the sampler records, token by token, the experts the
     model's own forward (layers/hf_decoder.py, through the routers' top-k) records for the same rollout, and -1 at the
     same places."""
     model, tok = architectures.tiny(family)
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
     out = {}
     for static in (True, False):

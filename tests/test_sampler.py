@@ -78,13 +78,13 @@ def test_sampled_tokens_follow_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     logits = probs.clamp(min=1e-30).log().expand(40000, 5)
     keys = sampling.row_keys(torch.arange(40000), step=3)
-    tok, _ = sampling.sample_tokens(logits, 1.0, 0, 1.0, keys)
+    tok, _ = sampling.Draw(1.0, 0, 1.0).whole(logits, keys)
     freq = torch.bincount(tok, minlength=5).float() / 40000
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
     assert freq[4] == 0  # a zero-probability token is never drawn
-    tok_k, _ = sampling.sample_tokens(logits, 1.0, 2, 1.0, keys)  # top-2: only tokens 0 and 1, renormalised
+    tok_k, _ = sampling.Draw(1.0, 2, 1.0).whole(logits, keys)  # top-2: only tokens 0 and 1, renormalised
     assert set(tok_k.tolist()) == {0, 1} and abs((tok_k == 0).float().mean() - 2 / 3) < 0.01
-    tok_t, _ = sampling.sample_tokens(logits, 0.5, 0, 1.0, keys)  # temperature 0.5: probabilities squared, renormalised
+    tok_t, _ = sampling.Draw(0.5, 0, 1.0).whole(logits, keys)  # temperature 0.5: probabilities squared, renormalised
     tempered = probs ** 2 / (probs ** 2).sum()
     torch.testing.assert_close(torch.bincount(tok_t, minlength=5).float() / 40000, tempered, atol=0.01, rtol=0)
 
@@ -197,7 +197,7 @@ def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
     for size in (0, 4):
         cfg = types.SimpleNamespace(max_completion_length=9, top_k=0, top_p=1.0, generation_batch_size=size,
                                     decode_attention_kernel=False)
-        out[size] = sampling.generate(policy, tokenizer, ids, mask, seeds, 1.0, cfg, d, eos)
+        out[size] = sampling.generate(policy, tokenizer, ids, mask, seeds, sampling.Draw(), cfg, d, eos)
     whole, batched = out[0][0], out[4][0]
     assert out[0][1] == out[4][1]  # the text
     lengths = whole.completion_mask.sum(1)

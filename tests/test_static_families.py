@@ -1,4 +1,4 @@
-"""Every family static_decoder.FAMILIES declares takes the fast paths and computes what the model does.
+"""Every family transformer.FAMILIES declares takes the fast paths and computes what the model does.
 
 One tiny random model per row of tests/architectures.py's table (norms, biases and
 the other one-dimensional parameters moved off their initial values, sliding
@@ -8,6 +8,7 @@ plain forward of each row's real tokens alone for the sampler's log-probs, and
 the Hugging Face forward for the training forward's values and gradients.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -23,14 +24,14 @@ import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 from layers import lora  # noqa: E402
 import sampling  # noqa: E402
-from layers import static_decoder  # noqa: E402
+from layers import engine, transformer  # noqa: E402
 from layers import static_moe  # noqa: E402
 from test_fast_paths import prompts, with_completions  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
-from test_training_forward import (assert_close_in_bfloat16, assert_fast_forward_matches_hf,  # noqa: E402
+from test_training_forward import (assert_bfloat16_forward_as_exact_as_hf, assert_fast_forward_matches_hf,  # noqa: E402
                                   hf_and_fast_logprobs, with_hole)
 
-# the families whose layers static_decoder writes out, and which of them train on the model's own forward: read off
+# the families whose layers transformer writes out, and which of them train on the model's own forward: read off
 # tests/architectures.py's table
 CASES = architectures.WRITTEN_OUT
 WINDOWED = architectures.WINDOWED
@@ -60,8 +61,8 @@ def per_row_logprobs(model, enc, rollout, temperature=1.0):
 @pytest.mark.parametrize("case", CASES)
 def test_family_takes_the_fast_paths(case):
     model, _ = build(case)
-    assert static_decoder.static_decode_supported(model)
-    assert static_decoder.training_forward_supported(model.train()) == (case not in SAMPLER_ONLY)
+    assert transformer.decide(model).samples_written_out()
+    assert transformer.decide(model.train()).trains_written_out(model.train()) == (case not in SAMPLER_ONLY)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -119,7 +120,7 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
     enc = prompts(tok)
     n, p = enc.input_ids.shape
     pos = logprobs.position_ids_from_mask(enc.attention_mask)
-    dec = static_decoder.StaticDecoder.for_model(model, n + 3, p + 8, cuda_graph=False)
+    dec = engine.StaticDecoder.for_model(model, n + 3, p + 8, cuda_graph=False)
     logits = {}
     for form in ("eager", "graph"):
         dec.sdpa_decode = sdpa and form == "graph"
@@ -157,7 +158,7 @@ def test_training_forward_matches_hf_forward(case, padding):
 def assert_holes_count_positions(model, ids, attn):
     pos = logprobs.position_ids_from_mask(attn)
     with torch.no_grad():
-        got = static_decoder.hidden_states(model, ids, attn, pos)
+        got = transformer.hidden_states(model, ids, attn, pos)
         for i in range(ids.shape[0]):
             real = attn[i].bool()
             want = model.base_model(input_ids=ids[i][real][None]).last_hidden_state[0]
@@ -171,8 +172,7 @@ def test_training_forward_matches_hf_forward_in_bfloat16(case):
     model = model.to(torch.bfloat16).train()
     t = 3
     ids, attn = with_completions(prompts(tok), t, seed=4)
-    hf, fast = hf_and_fast_logprobs(model, ids, attn, t)
-    assert_close_in_bfloat16(fast, hf)
+    assert_bfloat16_forward_as_exact_as_hf(model, ids, attn, t)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3", "smollm3", "gemma2", "exaone4"])
@@ -205,9 +205,43 @@ def test_compiled_layers_trace_whole_and_match_eager(traced_layers, case):
 def test_what_the_decoder_does_not_reproduce_falls_back_saying_why(name, overrides, why):
     """Refused with the layer class and the feature, on both paths."""
     model, _ = architectures.tiny(name, **overrides)
-    assert not static_decoder.static_decode_supported(model)
-    assert not static_decoder.training_forward_supported(model)
-    assert static_decoder.decode_refusal(model).startswith(why), static_decoder.decode_refusal(model)
+    assert not transformer.decide(model).samples_written_out()
+    assert not transformer.decide(model).trains_written_out(model)
+    assert transformer.decide(model).sampler.startswith(why), transformer.decide(model).sampler
+
+
+class _ScaledAttention(torch.nn.Module):
+    """A fork's change to Qwen3's attention: a learned scalar on its output (mixed into the class below)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.out_scale, weights
+
+
+@pytest.mark.parametrize("fork", ["attention", "layer", "same name"])
+def test_a_forks_subclass_is_not_taken_for_its_family(fork):
+    """A family is its exact class as transformers defines it. A fork's subclass of Qwen3's attention with a learned
+    scalar on the output, a subclass of the layer, or a class of the layer's very name defined elsewhere has no row:
+    every phase takes the model's own forward, which computes what the fork added (the start-up check finds it
+    exact), whatever --check_model says, since the decision does not depend on it."""
+    model, _ = architectures.tiny("qwen3")
+    layer = model.model.layers[1]
+    if fork == "attention":
+        layer.self_attn.__class__ = type("ForkAttention", (_ScaledAttention, type(layer.self_attn)), {})
+        layer.self_attn.out_scale = torch.nn.Parameter(torch.tensor(0.5))
+        why = "Qwen3DecoderLayer 1: self_attn is a ForkAttention from test_static_families"
+    else:
+        name = "ForkLayer" if fork == "layer" else type(layer).__name__
+        for each in model.model.layers:
+            each.__class__ = type(name, (type(each),), {})
+        why = ("ForkLayer: a layer class not in the family table" if fork == "layer" else
+               "Qwen3DecoderLayer from test_static_families: not transformers' own class")
+    paths = transformer.decide(model)
+    assert paths.sampler.startswith(why) and paths.training == paths.sampler, paths
+    assert sampling.check_exact(model) is None
+    if fork == "attention":  # read as Qwen3 anyway, the written-out layers would miss the scale
+        transformer.attach(model, dataclasses.replace(paths, sampler=None, training=None))
+        assert sampling.check_exact(model) is not None
 
 
 @pytest.mark.parametrize("case", ["qwen3", "olmo2", "gemma3"])
@@ -217,22 +251,22 @@ def test_norms_round_as_the_family_does(case):
     and Gemma's 1 + weight included."""
     model, _ = build(case)
     model = model.to(torch.bfloat16)
-    fam = static_decoder._reproduced(model)
+    fam = transformer._layer_family(model.model.layers[0])
     layer = model.model.layers[0]
     a = layer.self_attn
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 5, model.config.hidden_size, generator=g) * 4).bfloat16()
     for norm in [getattr(layer, n) for n in fam.norms if n] + [model.model.norm]:
-        got = static_decoder._rms_norm(x, static_decoder._norm_weight(norm.weight, fam), static_decoder._eps(norm),
+        got = transformer._rms_norm(x, transformer._norm_weight(norm.weight, fam), transformer._eps(norm),
                                        fam.upcast)
         torch.testing.assert_close(got, norm(x), atol=0, rtol=0)
     q = (torch.randn(3, 5, a.q_proj.out_features, generator=g) * 4).bfloat16()
     if fam.qk_norm == "head":
         q = q.unflatten(-1, (-1, a.head_dim))
-        table = static_decoder._norm_weight(a.q_norm.weight, fam).expand(q.shape[-2], -1)  # the decoder's form
-        torch.testing.assert_close(static_decoder._head_norm(q, table, static_decoder._eps(a.q_norm), fam.upcast),
+        table = transformer._norm_weight(a.q_norm.weight, fam).expand(q.shape[-2], -1)  # the decoder's form
+        torch.testing.assert_close(transformer._head_norm(q, table, transformer._eps(a.q_norm), fam.upcast),
                                    a.q_norm(q), atol=0, rtol=0)
-    got = static_decoder._rms_norm(q, static_decoder._norm_weight(a.q_norm.weight, fam), static_decoder._eps(a.q_norm),
+    got = transformer._rms_norm(q, transformer._norm_weight(a.q_norm.weight, fam), transformer._eps(a.q_norm),
                                    fam.upcast)
     torch.testing.assert_close(got, a.q_norm(q), atol=0, rtol=0)
 
@@ -242,8 +276,8 @@ def test_rotary_that_depends_on_the_call_falls_back_in_the_sampler():
     computes every slot's table at prefill, leaves it to the Hugging Face forward. The training forward
     calls the model's own rotary module as that forward does."""
     model, _ = architectures.tiny("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))
-    assert not static_decoder.static_decode_supported(model)
-    assert static_decoder.training_forward_supported(model)
+    assert not transformer.decide(model).samples_written_out()
+    assert transformer.decide(model).trains_written_out(model)
 
 
 def _moe_blocks(model):
@@ -281,7 +315,7 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
     one forward of the adapted model over each row's trajectory; with the adapters off, the base model's."""
     model, tok = build("qwen3_moe")
     architectures.adapt(model, 4, "experts.gate_up_proj,experts.down_proj")
-    assert static_decoder.static_decode_supported(model)
+    assert transformer.decide(model).samples_written_out()
     enc = prompts(tok)
     for adapted in (True, False):
         for a in lora.lora_modules(model).values():
@@ -289,7 +323,7 @@ def test_moe_decoder_keeps_no_copy_of_the_experts_and_follows_their_adapters():
         r = multi_turn(model, tok, enc)
         pol = r.policy_mask.bool()
         torch.testing.assert_close(r.logprobs[pol], per_row_logprobs(model, enc, r)[pol], atol=1e-4, rtol=0)
-    dec = static_decoder.StaticDecoder.for_model(model, 2, 8, cuda_graph=False)
+    dec = engine.StaticDecoder.for_model(model, 2, 8, cuda_graph=False)
     expert_elems = sum(p.numel() for mlp in _moe_blocks(model) for p in mlp.experts.parameters())
     own = [t for layer in dec.w[0] for t in layer.values() if torch.is_tensor(t)]
     assert own and sum(t.numel() for t in own) < expert_elems / 2  # attention, norms and routers' scale only
@@ -301,8 +335,8 @@ def test_sharded_experts_take_the_model_forward(monkeypatch):
     own forward, which gathers them."""
     model, _ = build("qwen3_moe")
     blocks = _moe_blocks(model)
-    monkeypatch.setattr(static_decoder, "_is_sharded", lambda m: m is blocks[0])
-    assert not static_decoder.static_decode_supported(model)
+    monkeypatch.setattr(transformer, "_is_sharded", lambda m: m is blocks[0])
+    assert not transformer.decide(model).samples_written_out()
 
 
 def test_kept_moe_decoder_reads_the_experts_as_they_are_now():
@@ -367,7 +401,7 @@ def test_recurrent_states_put_back_around_a_repeated_step():
     model, tok = build("qwen3_5")
     enc = prompts(tok)
     n, p = enc.input_ids.shape
-    dec = static_decoder.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
+    dec = engine.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     dec.prefill(enc.input_ids, enc.attention_mask, logprobs.position_ids_from_mask(enc.attention_mask))
     dec.tok_in[:n] = torch.arange(n) + 5
     slot = torch.full((n,), p)
@@ -409,7 +443,7 @@ def ours_against_the_model(model, tok, enc, new_tokens=6):
                         pad_id=tok.pad_token_id, seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3)
     want = per_row_logprobs(model, enc, r)
     out = {"sampler": (r.logprobs - want).abs().max().item()}
-    if static_decoder.training_forward_supported(model):
+    if transformer.decide(model).trains_written_out(model):
         ids = torch.cat([enc.input_ids, r.completion_ids], 1)
         mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
         with torch.no_grad():

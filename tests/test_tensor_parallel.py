@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+import architectures
 from launches import ROOT, launch
 
 SCRIPT = os.path.join(ROOT, "tests", "tp_decode.py")
@@ -40,7 +41,8 @@ def test_every_rank_samples_what_one_rank_samples(decoded):
         assert r["mask"] == r["whole_mask"] and r["policy"] == r["whole_policy"], where
         assert r["logprob_diff"] <= TOLERANCE, where
         seen.add((r["family"], r["case"], r["size"]))
-    for family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_kv2"):
+    rows = {name: row for name, row in architectures.FAMILIES.items() if row.tp is not None}
+    for family in [*rows, *(name + "_kv2" for name, row in rows.items() if row.tp_kv_copies)]:
         for size in (2, 4):
             assert {(family, "greedy", size), (family, "turns", size)} <= seen
     # the multi-turn case took answers: some row paused and resumed
@@ -95,16 +97,33 @@ def test_vocabulary_slices_draw_the_whole_vocabularys_token():
     """Each slice's best joined (what the ranks of a group gather) is the draw over the whole vocabulary: the same
     token, ties to the lowest id as argmax breaks them, the same log-prob."""
     import sampling
-    from layers.tensor_parallel import Slice
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 37, generator=g) * 3
     logits[0, 5] = logits[0, 30] = 50.0  # a greedy tie across two slices: the lower id wins
     keys = sampling.row_keys(torch.arange(6), 3)
-    for temperature in (0.0, 0.7):
-        want_tok, want_lp = sampling.sample_tokens(logits, temperature, 0, 1.0, keys)
+    for draw in (sampling.Draw(0.0), sampling.Draw(0.7), sampling.Draw(0.7, top_k=5)):
+        want_tok, want_lp = draw.whole(logits, keys)
         for size in (2, 3, 4):
-            spans = [Slice(rank, size).span(37, even=False) for rank in range(size)]
-            every = torch.stack([sampling._slice_best(logits[:, a:b], temperature, keys, a) for a, b in spans])
-            tok, lp = sampling._join_bests(every)
-            assert torch.equal(tok, want_tok), (temperature, size)
-            assert torch.allclose(lp, want_lp, atol=1e-5), (temperature, size)
+            for tok, lp in _sliced_draws(draw, logits, keys, size):  # every rank's
+                assert torch.equal(tok, want_tok), (draw, size)
+                assert torch.allclose(lp, want_lp, atol=1e-5), (draw, size)
+
+
+def _sliced_draws(draw, logits, keys, size):
+    """Draw.sliced on each rank of a group of `size` simulated in one process: a first pass collects what each rank
+    gives the group's gather, a second hands every rank all of it, as the collective would."""
+    from layers.tensor_parallel import Slice
+    parts = {}
+
+    class Group(Slice):
+        def gather_rows(self, x):
+            parts[self.rank] = x
+            return torch.cat([parts[r] for r in range(self.size)]) if len(parts) == self.size else x
+
+    out = []
+    for _ in range(2):
+        for rank in range(size):
+            tp = Group(rank, size)
+            a, b = tp.span(logits.shape[1], even=False)
+            out.append(draw.sliced(logits[:, a:b], keys, tp, logits.shape[1]))
+    return out[size:]

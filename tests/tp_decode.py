@@ -23,12 +23,10 @@ import sampling  # noqa: E402
 from layers import static_moe  # noqa: E402
 from layers.tensor_parallel import Slice  # noqa: E402
 
-# T = 4 needs heads, K/V heads, intermediate sizes and recurrent heads that divide by 4; the rows' own settings
-# otherwise. "kv2": 4 query heads over 2 K/V heads, so at T = 4 two ranks hold a copy of each K/V head
-FAMILIES = {
-    "llama": {}, "qwen3": {}, "qwen3_moe": {}, "gpt_oss": {},  # Qwen2-MoE's shared expert: test_tp_moe.py
-    "qwen3_5": dict(linear_num_key_heads=4, linear_num_value_heads=8),
-}
+# the families of the tests' table that the launch runs, at the settings their rows give for it (T = 4 needs
+# heads, K/V heads, intermediate sizes and recurrent heads that divide by 4). "kv2": 4 query heads over 2 K/V
+# heads, so at T = 4 two ranks hold a copy of each K/V head (rows with tp_kv_copies)
+FAMILIES = {name: row.tp for name, row in architectures.FAMILIES.items() if row.tp is not None}
 EVERY_CASE = ("llama",)  # the others: greedy and several turns (sampled) only
 DIVIDING = dict(num_key_value_heads=4)  # every family's K/V heads split 1 per rank at T = 4
 
@@ -86,7 +84,7 @@ def main(out_path):
     lines = []
     for family, settings in FAMILIES.items():
         for variant, extra in (("", DIVIDING), ("kv2", {})):
-            if variant and family != "qwen3_5":
+            if variant and not architectures.FAMILIES[family].tp_kv_copies:
                 continue
             model, tok = architectures.tiny(family, **settings, **extra)
             vocab = model.config.vocab_size

@@ -1,0 +1,587 @@
+"""The fast decoder: `StaticDecoder`, the written-out layers (layers/transformer.py) over a KV cache allocated once.
+
+It holds the weight copies the sampler decodes on (fused q/k/v and gate/up, a rank's slices under tensor
+parallelism), the cache and its masks, prefill, one-token decode, the append of an environment's answer, the
+compaction of finished rows, routing records and the CUDA graphs of decode steps. What each layer computes is
+layers/transformer.py's `layer`; this file decides what it attends to and where it writes.
+
+Of the project it imports layers/transformer.py, layers/kernels.py (the optional Triton decode attention),
+layers/lora.py, layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from layers import kernels, lora, static_moe, static_recurrent, transformer
+from layers.tensor_parallel import WHOLE
+
+
+def _whole(t, device):
+    """t whole on `device`: a DTensor shard gathered (a collective: every rank calls it for the same tensors in
+    order), first moved to the device where FSDP2 keeps it in host memory (CPUOffloadPolicy)."""
+    return t.to(device).full_tensor() if transformer._any_dtensor([t]) else t.to(device)
+
+
+class StaticDecoder:
+    """The decoder of a model `_reproduced` admits, over a preallocated KV cache, on its own copy of the weights.
+
+    The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
+    tables from the model's own rotary module, SDPA attention), without the
+    per-call framework work that dominates decoding small batches. Q/K/V and
+    gate/up are fused into one matmul each. The copies cost one model's weights
+    in memory (plus the cache), freed after each `sample` call unless it keeps
+    them (keep_decoder). Kept, they are refreshed in place at every call, so
+    the captured graphs (one per batch bucket and cache span)
+    stay valid across optimizer steps and never see an FSDP hook: under FSDP the
+    weights are read once, while gathered, and decode runs on the copy.
+
+    Cache layout (layers, batch, kv_heads, slots, head_dim): slot = token index in
+    the padded sequence, so rows of a bucket are a contiguous view. Each row's
+    rotary tables (and, with sliding windows, token positions) are kept per slot,
+    filled at prefill: a slot's position never changes, however the row's turns go.
+    """
+
+    @classmethod
+    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None,
+                  device=None):
+        """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
+        `tensor_parallel.Slice` (its share of every layer and of the vocabulary); dtype, device: the copies' (the
+        model's own head's by default; under tensor parallelism the sharded model's compute dtype and device, its
+        shards being where FSDP2 keeps them, host memory with CPU offload)."""
+        dec = getattr(model, "_static_decoder", None)
+        device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
+        if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
+                length > dec.max_len or dec.tp != tp:
+            if dec is not None:  # grow: free the old buffers first
+                del model._static_decoder, dec
+            # slots in multiples of 64: fewer regrowths, aligned
+            dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
+            model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
+        dec.use_graph = cuda_graph and device.type == "cuda"
+        kernel = attention_kernel and device.type == "cuda" and kernels.triton_supports(dec.head_dim,
+                                                                                        dec.n_heads // dec.n_kv)
+        if kernel != dec.attention_kernel:  # graphs captured with the other attention must not replay
+            dec.graphs.clear()
+            dec.attention_kernel = kernel
+        dec.load(model)
+        return dec
+
+    def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None, device=None):
+        cfg, layers = model.config, model.model.layers
+        a0 = next(l.self_attn for l in layers if transformer._attends(l))
+        self.spec = spec = transformer._spec(model)  # what every layer computes besides its weights (read by `load`)
+        self.fam = fam = spec.fam
+        self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
+        self.max_batch, self.max_len = max_batch, max_len
+        # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows
+        self.tp = tp  # transformer.decide has said that the model can be cut so
+        # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (Slice.kv_share)
+        self.config_kv = kv = cfg.num_key_value_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // tp.size, max(1, kv // tp.size), a0.head_dim
+        self.vocab = model.lm_head.weight.shape[0]
+        self.vocab_span = tp.span(self.vocab, even=False)  # this rank's rows of the embedding and the head
+        self.head = spec.head  # the final logits' transform (layers/head.py), as the training head applies it
+        # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
+        # their states per row instead (layers/static_recurrent.py)
+        self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer._attends(l))}
+        # MoE layers: their place among the MoE layers (routing replay records per MoE layer)
+        self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if static_moe.is_moe(l.mlp))}
+        # each layer's settings as this decoder runs it: its cache row, its MoE record row, and under tensor
+        # parallelism this rank's heads and the group's sum of the partial outputs
+        sliced = {} if tp.size == 1 else dict(reduce=tp.reduce)
+        self.settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i),
+                                             **sliced, **(dict(heads=self.n_heads, kv_heads=self.n_kv)
+                                                          if sliced and s.heads else {}))
+                         for i, s in enumerate(spec.layers)]
+        self.routes = None  # (rows, slots, MoE layers, k) int16 experts per token, while recording (`record`)
+        self.record_at = None  # where the step being run records its experts: (LayerParams, experts (T, k)) -> None
+        self.embed_scale = None if spec.embed_scale is None else spec.embed_scale.to(self.device, self.dtype)
+        self.final_eps = transformer._eps(model.model.norm)
+        # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
+        self.rotary_keys = sorted({s.rope for s in spec.layers} - {None})
+        self.windows = sorted({s.window for s in spec.layers} - {None})
+        kw = dict(device=self.device, dtype=self.dtype)
+        self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
+                                                       tp=tp if tp.size > 1 else None)
+                          for i, l in enumerate(layers) if not transformer._attends(l)}
+        self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
+        shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+        self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
+        # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
+        # with its first half negated (see _rotate)
+        self.rotary = model.model.rotary_emb
+        probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        tables = [transformer._rotary(self.rotary, fam, *probe, key)[0] for key in self.rotary_keys]
+        rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
+        self.cos = [torch.zeros(max_batch, max_len, rot_dim, device=self.device, dtype=t.dtype) for t in tables]
+        self.sin = [torch.zeros_like(c) for c in self.cos]
+        # each slot's token position, for sliding windows
+        self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=self.device) if self.windows else None
+        self.w = None  # weight copies, allocated by the first load: (per layer {name: tensor}, the root's)
+        self.p = None  # per layer, what `layer` reads (transformer.LayerParams): settings and copies, from `load`
+        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
+        self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
+        self.row_index = torch.arange(max_batch, device=self.device)
+        self.trues = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # what graphs write into key_mask
+        self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
+        # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
+        # tokens do not read the whole cache, at the price of one graph per span
+        self.span_step = 64 * -(-max_len // (64 * 8))
+        self.use_graph = False
+        self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
+        self.attention_kernel = False  # decode attention by kernels.decode_attention (CUDA, Triton) instead
+        self.unpadded = False
+        self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
+        self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
+        self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
+        self.n_rows = None  # rows at the last prefill
+
+    @torch.no_grad()
+    def load(self, model):
+        """Copy the model's weights in, layer by layer (transformer.layer_params, its tensors as `_Copies` takes them:
+        fused, this rank's slices); under FSDP2 each layer is gathered just for its copy. The first load allocates
+        the copies, later ones copy into the same tensors, which captured graphs hold."""
+        if self.w is None:
+            self.w = ([{} for _ in model.model.layers], {})
+        p = []
+        for i, (l, settings) in enumerate(zip(model.model.layers, self.settings)):
+            gather = transformer._is_sharded(l)  # transformer.decide let it through: it gathers itself
+            if gather:
+                l.unshard()  # a collective: every rank loads the same layers in the same order
+            p.append(transformer.layer_params(l, settings, self.fam, _Copies(self, i)))
+            if gather:
+                l.reshard()
+        self.p = p
+        self._load_root(model)
+
+    def _load_root(self, model):
+        """The embedding, final norm and head: this rank's vocabulary rows of the embedding and head, a sharded
+        root's tensors gathered one at a time; a tied head is the embedding's copy."""
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        tied = embed is head or (not transformer._any_dtensor([embed]) and head.data_ptr() == embed.data_ptr())
+        norm = model.model.norm.weight
+        if self.tp.size > 1:
+            embed = self.tp.cut(_whole(embed, self.device), "vocabulary").to(self.dtype)
+            head = embed if tied else self.tp.cut(_whole(head, self.device), "vocabulary").to(self.dtype)
+            norm = _whole(norm, self.device).to(self.dtype)
+        root = self.w[1]
+        _put(root, "embed", [embed])
+        _put(root, "norm", [transformer._norm_weight(norm, self.fam)])
+        if tied:
+            root["lm_head"] = root["embed"]
+        elif root.get("lm_head") is not root["embed"]:  # planned on the meta device, a tied copy may be untied
+            _put(root, "lm_head", [head])
+        self.rotary = model.model.rotary_emb
+
+    def weight_bytes(self):
+        """Bytes of the weight copies this decoder holds (each tensor once; a tied head is the embedding): its
+        layers' fused copies, MoE blocks' and recurrent layers' own (none for experts read in place), embedding,
+        final norm and head. Under tensor parallelism, this rank's share."""
+        seen, total = set(), sum(r.nbytes() for r in self.recurrent.values())
+        for d in [*self.w[0], self.w[1]]:
+            for k, v in d.items():
+                if k == "moe":  # a MoE block's
+                    total += v.nbytes()
+                elif id(v) not in seen:
+                    seen.add(id(v))
+                    total += v.numel() * v.element_size()
+        return total
+
+    def batch_for(self, n):
+        """The decode batch that serves n live rows: n itself, or on graphs the next power of two."""
+        if not self.use_graph:
+            return n
+        return min(self.max_batch, 1 << max(0, n - 1).bit_length())
+
+    def worth_compacting(self, live, current):
+        """Compaction copies the cache: on graphs do it when the bucket shrinks, eagerly when a quarter of the rows left."""
+        if self.use_graph:
+            return self.batch_for(live) < self.batch_for(current)
+        return live <= 0.75 * current
+
+    @torch.no_grad()
+    def compact(self, keep, filled):
+        """Move the rows `keep` (indices into the current live rows) to the front of every buffer.
+
+        Only the `filled` cache slots hold anything yet; the rest need no copy.
+        """
+        self._mark()
+        k = keep.numel()
+        self.compactions += 1
+        for buf in (self.k_cache, self.v_cache):
+            buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
+        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos]),
+                    *([] if self.routes is None else [self.routes])):
+            buf[:k] = buf[keep]
+        for layer in self.recurrent.values():
+            layer.compact(keep)
+
+    def _embed(self, ids):
+        if self.tp.size == 1:
+            return transformer._embed(ids, self.w[1]["embed"], self.embed_scale)
+        x = self.tp.embed(ids, self.w[1]["embed"], self.vocab_span[0])  # this rank's vocabulary rows, summed
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
+
+    def _layers(self, x, rope, attend, recurrent):
+        """x through every layer (`layer`). rope: rotary key -> (cos, sin) of these tokens; attend(p, q, k, v):
+        a layer's attention, its new K/V written to its cache row first (`_block_attention`, `_decode_attention`);
+        recurrent(state, h): a recurrent layer's output. The same functions serve every layer."""
+        record = self.record_at
+        for p in self.p:
+            x = transformer.layer(x, p, None if p.rope is None else rope[p.rope], attend, recurrent, record)
+        return x
+
+    def _block_attention(self, write, keys, masks):
+        """Prefill and extend: each layer's attention over a block of tokens per row, q (B, S, heads, hd), k, v
+        (B, S, kv heads, hd); write(cache row, k, v) stores the new K/V, keys(cache row) gives the cached K, V
+        (B, kv heads, L, hd); masks: window (None: full attention) -> attention mask (B, 1, S, L)."""
+        def attend(p, q, k, v):
+            write(p.cache_row, k.transpose(1, 2), v.transpose(1, 2))
+            kk, vv = keys(p.cache_row)
+            return transformer.attention(q.transpose(1, 2), kk, vv, masks[p.window], p).transpose(1, 2)
+        return attend
+
+    def _decode_attention(self, write, keys, masks, starts):
+        """Decode: each layer's attention for one token per row, q (B, heads, hd), k, v (B, kv heads, hd). The query
+        heads that share a KV head are grouped as the query axis, so grouped-query attention needs no copy of K/V
+        per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`)."""
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        # SDPA on CUDA; else the split-KV Triton kernel (CUDA), or on a CPU its plain version, two batched matmuls,
+        # which beat SDPA's setup cost at small CPU shapes
+        kernel = None if self.sdpa_decode and not self.attention_kernel else _decode_kernel
+
+        def attend(p, q, k, v):
+            write(p.cache_row, k, v)  # (B, nkv, hd) each
+            kk, vv = keys(p.cache_row)  # (B, nkv, L, hd)
+            window = p.window
+            mask = masks[window]
+            if starts and window in starts:
+                kk, vv, mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
+            b = q.shape[0]
+            return transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel).reshape(b, nh, hd)
+        return attend
+
+    def _logits(self, x):
+        """The logits (n, V) of x (n, H); under tensor parallelism this rank's vocabulary columns, `vocab_span`."""
+        head = self.w[1]
+        z = F.linear(transformer._rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
+        return z if self.head is None else self.head.apply(z)
+
+    def _windowed(self, mask, query_pos, kv_len, skip=()):
+        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [0, kv_len) within the
+        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len). The
+        windows in `skip` get none (their layers narrow by slots instead)."""
+        masks = {None: mask}
+        for w in self.windows:
+            if w in skip:
+                masks[w] = None
+                continue
+            if kv_len <= w:  # no two tokens of these slots are a window apart
+                masks[w] = mask
+                continue
+            near = transformer._in_window(query_pos, self.pos[:query_pos.shape[0], :kv_len], w)[:, None]
+            masks[w] = near if mask is None else mask & near
+        return masks
+
+    @torch.no_grad()
+    def prefill(self, ids, attn, positions):
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
+        n, p = ids.shape
+        self.n_rows = n
+        x = self._embed(ids)
+        # rotary tables for every position a row will use: prompt positions, then the completion's
+        last = positions[:, -1:]
+        all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
+        for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
+            cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
+            cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see _rotate
+        if self.pos is not None:
+            self.pos[:n] = all_pos
+        self.key_mask[:n] = False
+        self.key_mask[:n, :p] = attn.bool()
+        # without left padding, eager decode over the filled slots needs no mask at all
+        self.unpadded = not self.use_graph and bool(attn.bool().all())
+        self.unmarked = None
+        self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
+        masks = self._windowed(transformer._padded_causal_mask(attn), positions, p)
+
+        def write(i, k, v):
+            self.k_cache[i, :n, :, :p] = k
+            self.v_cache[i, :n, :, :p] = v
+
+        def keys(i):
+            return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
+
+        self.record_at = None if self.routes is None else \
+            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(experts.view(n, p, -1)))
+        real = attn.bool()
+        rope = {key: (c[:n, :p, None], s[:n, :p, None]) for key, c, s in zip(self.rotary_keys, self.cos, self.sin)}
+        x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
+        return self._logits(x[:, -1])
+
+    def _decode_body(self, b, slot, kv_len, tok=None):
+        """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go
+        to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form
+        graphs capture, read on the device at replay; rows that took turns of different lengths)."""
+        x = self._embed(self.tok_in[:b] if tok is None else tok)  # (b, H)
+        if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
+            rows = self.row_index[:b]
+            cos, sin = [c[rows, slot][:, None] for c in self.cos], [s[rows, slot][:, None] for s in self.sin]
+            self.key_mask[rows, slot] = self.trues[:b]  # a device tensor: a Python True would be copied from the host
+            attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+            query_pos = None if self.pos is None else self.pos[rows, slot][:, None]
+        else:
+            cos, sin = [c[:b, slot, None] for c in self.cos], [s[:b, slot, None] for s in self.sin]  # (b, 1, hd)
+            # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask.
+            # The slots it fills are marked in key_mask later, only if a step that reads the mask comes
+            if self.unpadded:
+                first = self.unmarked[1] if self.unmarked is not None else slot
+                self.unmarked = (b, first, slot)
+                attn_mask = None
+            else:
+                self.key_mask[:b, slot] = True
+                attn_mask = self.key_mask[:b, None, None, :kv_len]
+            query_pos = None if self.pos is None else self.pos[:b, slot, None]
+        starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
+        masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts) if self.windows else {None: attn_mask}
+
+        def write(i, k, v):  # (b, nkv, hd) each
+            if torch.is_tensor(slot):
+                self.k_cache[i, rows, :, slot] = k
+                self.v_cache[i, rows, :, slot] = v
+            else:
+                self.k_cache[i, :b, :, slot] = k
+                self.v_cache[i, :b, :, slot] = v
+
+        def keys(i):
+            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+
+        def record(p, experts):  # (b, k): each row's experts at its slot
+            if torch.is_tensor(slot):
+                self.routes[rows, slot, p.moe_row] = experts.to(self.routes.dtype)
+            else:
+                self.routes[:b, slot, p.moe_row] = experts.to(self.routes.dtype)
+
+        self.record_at = None if self.routes is None else record
+        rope = dict(zip(self.rotary_keys, zip(cos, sin)))
+        return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts),
+                                         lambda layer, h: layer.decode(h)))
+
+    def _narrowed(self, slot, kv_len):
+        """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
+        `slot` for every row: all rows at `slot` (kv_len = slot + 1), and since `narrow_from` every slot a real
+        token of every row, at consecutive positions (prefill fixes each slot's position), so a window over
+        positions is a window over slots. Those layers read just those slots, unmasked: on a CPU, where no graph
+        fixes the span, a short window then costs what it reads."""
+        if self.narrow_from is None or kv_len != slot + 1:
+            return {}
+        return {w: slot - w + 1 for w in self.windows if slot - w + 1 >= self.narrow_from}
+
+    def _mark(self):
+        """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
+        if self.unmarked is not None:
+            b, first, last = self.unmarked
+            self.key_mask[:b, first:last + 1] = True
+            self.unmarked = None
+
+    @torch.no_grad()
+    def decode(self, tok, slot, top=None):
+        """Logits (n, V) for the next token of the n live rows, given their last tokens (n,) and cache slots.
+
+        slot: an int, every row's slot, or a tensor (n,) of each row's own slot, the largest of them `top` (a
+        host int). Positions need no input: prefill filled each row's rotary table by slot.
+        """
+        n = tok.shape[0]
+        if torch.is_tensor(slot):
+            self._mark()
+        top = slot if top is None else top
+        if not self.use_graph:
+            return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
+        b = self.batch_for(n)
+        self.tok_in[:n] = tok
+        self.slot_in[:n] = slot
+        self.slot_in[n:b] = 0  # bucket rows past the live ones: stale rows, any slot will do
+        span = min(self.max_len, -(-(top + 1) // self.span_step) * self.span_step)  # slots [0, span) hold top
+        if (b, span) not in self.graphs:
+            self.graphs[b, span] = self._capture(b, span)
+        graph, out = self.graphs[b, span]
+        graph.replay()
+        return out[:n]
+
+    @torch.no_grad()
+    def extend(self, ids, valid, start, top):
+        """Append a block of tokens to each live row's cache and return the logits after each row's last one.
+
+        ids, valid (b, K): row i's new tokens are ids[i, :valid[i].sum()] (at least one), written to slots
+        start[i], start[i] + 1, ... (start (b,) a tensor); `top` (host int) is the largest slot written. Each
+        new token attends to its row's real cache slots before it and to the row's new tokens up to itself:
+        the prefill of an environment's answer in the middle of decoding, with nothing before it recomputed.
+        """
+        self._mark()
+        self.narrow_from = None  # rows' blocks of different lengths: slots no longer align across rows
+        b, k = ids.shape
+        rows = self.row_index[:b, None].expand(b, k)
+        slots = start[:, None] + torch.arange(k, device=ids.device)  # (b, K)
+        slots = torch.where(valid, slots, start[:, None])  # padding columns read a real slot, write nothing
+        real_rows, real_cols = valid.nonzero(as_tuple=True)
+        real_slots = slots[real_rows, real_cols]
+        self.key_mask[real_rows, real_slots] = True
+        kv_len = top + 1
+        key_slot = torch.arange(kv_len, device=ids.device)
+        # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
+        mask = self.key_mask[:b, None, None, :kv_len] & (key_slot <= slots[:, None, :, None])
+        masks = self._windowed(mask, self.pos[rows, slots], kv_len) if self.windows else {None: mask}
+        cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
+        sin = [s[rows, slots][:, :, None] for s in self.sin]
+
+        def write(i, kk, vv):  # (b, nkv, K, hd): only the real tokens' K/V reach the cache
+            self.k_cache[i, real_rows, :, real_slots] = kk.transpose(1, 2)[real_rows, real_cols]
+            self.v_cache[i, real_rows, :, real_slots] = vv.transpose(1, 2)[real_rows, real_cols]
+
+        def keys(i):
+            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+
+        self.record_at = None if self.routes is None else \
+            (lambda p, experts: self.routes.__setitem__(
+                (real_rows, real_slots, p.moe_row), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
+        rope = dict(zip(self.rotary_keys, zip(cos, sin)))
+        x = self._layers(self._embed(ids), rope, self._block_attention(write, keys, masks),
+                         lambda layer, h: layer.extend(h, valid))  # (b, K, H)
+        last = valid.long().sum(1) - 1
+        return self._logits(x[self.row_index[:b], last])
+
+    def record(self, on):
+        """Routing replay: from the next prefill on, keep the experts every MoE layer chose for each token, by
+        row and cache slot (a slot written again, after a row forgot it, keeps the last token's); off: keep none."""
+        on = on and bool(self.moe_index)
+        if on == (self.routes is not None):
+            if on:
+                self.routes.fill_(-1)
+            return
+        self.graphs.clear()  # captured graphs record, or not, as they were captured
+        if not on:
+            self.routes = None
+            return
+        k = next(p.moe.k for p in self.p if p.moe is not None)
+        self.routes = torch.full((self.max_batch, self.max_len, len(self.moe_index), k), -1, dtype=torch.int16,
+                                 device=self.device)
+
+    def routed(self, prompt_width, length):
+        """The experts recorded for the prompt slots (N, P, MoE layers, k) and for completion positions
+        0 .. length - 1 (N, length, MoE layers, k), completion position j at slot P + j (P = prompt_width); -1 where
+        the slot holds no token of the row (never fed, or forgotten): the router's live choice there. Rows in
+        their order at prefill (the caller does not compact a recording batch)."""
+        self._mark()
+        n = self.routes.shape[0] if self.n_rows is None else self.n_rows
+        comp = self.routes[:n, prompt_width:prompt_width + length]
+        fed = self.key_mask[:n, prompt_width:prompt_width + length]
+        return self.routes[:n, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)
+
+    @torch.no_grad()
+    def truncate(self, rows, ends):
+        """Forget rows' cache slots from ends[i] on (rows, ends (m,) tensors): what a row sampled past a stop
+        is no longer attended, and is overwritten as the row goes on."""
+        self._mark()
+        self.narrow_from = None  # forgotten slots are holes until written again
+        keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
+        self.key_mask[rows] &= keep
+
+    def _graph_body(self, b, span):
+        """The decode step a graph of batch bucket b and cache span `span` captures: its tokens in tok_in[:b],
+        each row's slot in slot_in[:b], read on the device at replay."""
+        return self._decode_body(b, self.slot_in[:b], span)
+
+    def _capture(self, b, span):
+        # warm-up on a side stream, then capture; running the body computes this very step's values, so the
+        # cache slots it writes get the same contents the replay writes. Recurrent states are not slots: each
+        # run would feed them the token again, so they are put back as they were before the replay runs
+        saved = [layer.snapshot() for layer in self.recurrent.values()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._graph_body(b, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._graph_body(b, span)
+        for layer, states in zip(self.recurrent.values(), saved):
+            layer.restore(states)
+        return graph, out
+
+
+def _put(store, name, parts):
+    """store[name]: the parts concatenated (a fused weight), read once: the first time into a new tensor, later
+    into the same one (captured graphs hold it)."""
+    parts = [t.detach() for t in parts]
+    if name not in store:
+        store[name] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    else:
+        torch.cat(parts, out=store[name])
+    return store[name]
+
+
+class _Copies:
+    """transformer.layer_params' tensors for the decoder's layer i: each weight as the layer applies it now (a LoRA
+    adapter's delta merged in: lora.applied_weight), cut to this rank's share (tensor_parallel.Slice.cut, by the
+    kind layer_params names), the pieces of a fused projection concatenated, copied into the decoder's store."""
+
+    def __init__(self, dec, i):
+        self.dec, self.i, self.store, self.tp = dec, i, dec.w[0][i], dec.tp
+
+    def norm(self, name, module, eps):
+        return _put(self.store, name, [transformer._norm_weight(module.weight, self.dec.fam)]), eps
+
+    def linears(self, name, modules, cuts, split_gate=None):
+        """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then
+        its gate, split_gate rows each: the queries first, the gates after the others (see transformer._qkv)."""
+        W, kv = lora.applied_weight, self.dec.config_kv
+        weights = [W(m) for m in modules]
+        if all(m.bias is None for m in modules):
+            biases = None
+        else:
+            biases = [m.bias if m.bias is not None else
+                      torch.zeros(m.out_features, device=self.dec.device, dtype=self.dec.dtype) for m in modules]
+        if split_gate:  # no bias: transformer.decide refuses a gated query with one
+            weights = transformer._query_parts(weights[0], split_gate, weights[1:])
+            cuts = (cuts[0], *cuts[1:], cuts[0])
+        w = _put(self.store, name, [self.tp.cut(t, cut, kv) for t, cut in zip(weights, cuts)])
+        b = None if biases is None else \
+            _put(self.store, name + "_b", [self.tp.bias(t, cut, kv) for t, cut in zip(biases, cuts)])
+        return [(w, b)]
+
+    def linear(self, name, module, cut):
+        bias = self.tp.bias(module.bias, cut)
+        return (_put(self.store, name, [self.tp.cut(lora.applied_weight(module), cut)]),
+                None if bias is None else _put(self.store, name + "_b", [bias]))
+
+    def tensor(self, name, t, cut):
+        return _put(self.store, name, [self.tp.cut(t, cut)])
+
+    def table(self, name, norms):
+        return _put(self.store, name, [transformer._norm_weight(n.weight, self.dec.fam).expand(heads, -1)
+                                       for n, heads in norms])
+
+    def moe(self, block):
+        """The block's MoE: kept from load to load (captured graphs read its tensors); whole, it reads the experts in
+        place (layers/static_moe.py), sliced it holds this rank's share, refreshed at each load."""
+        mine = self.store.get("moe")
+        if mine is None or mine.block is not block:
+            mine = self.store["moe"] = static_moe.MoE(block) if self.tp.size == 1 else static_moe.MoE(block, tp=self.tp)
+        elif self.tp.size > 1:
+            mine.load(block)
+        return mine
+
+    def recurrent(self, module):
+        mine = self.dec.recurrent[self.i]  # its states are allocated with the decoder
+        mine.load(module)
+        return mine
+
+
+def _decode_kernel(q, k, v, mask, scale):
+    """`attention`'s kernel in decode where SDPA is not used: kernels.decode_attention, mask (B, 1, 1, L) as its
+    key mask (B, L)."""
+    return kernels.decode_attention(q, k, v, None if mask is None else mask[:, 0, 0], scale)

@@ -1,0 +1,871 @@
+"""The model written out: the family table, which path each phase takes, one layer function, the training forward.
+
+One concern in one file (past 650 lines on purpose): what the written-out layers compute for a model. In order:
+- `FAMILIES`: a `Family` row per decoder layer class (matched by its exact class, as transformers defines it),
+  saying where its layer departs from Llama's (which norms sit where, q/k norms, how a norm scales, the embedding,
+  the rotary, which layers are windowed, a softcap, sinks, a gated query): a family is a row, not a copy;
+- `decide`: the one gate. For a model and a tensor-parallel size it returns `Paths`, which phase runs on the
+  written-out layers and, for each that does not, why; setup decides once and keeps it on the model (`attach`),
+  and the sampler and the training forward read it (`paths_of`);
+- `_spec` and `LayerParams`: a model's settings per layer, read once, and `layer_params`, the one function that
+  puts a layer's tensors beside them, for the training forward (`Live`: the model's own parameters) and the decoder
+  (layers/engine.py: fused copies, a rank's slices) alike;
+- `layer` and `attention`: one decoder layer's arithmetic, written once. The training forward, prefill and decode
+  call it and differ only in what they pass;
+- the training forward (`hidden_states`): the layers on the model's own parameters with autograd, under FSDP2
+  through a registered method per layer, compiled whole with `--compile_layers`.
+
+MoE blocks (layers/static_moe.py) read the model's experts in place; Gated DeltaNet layers
+(layers/static_recurrent.py) keep states per row. Families with either, or with a gated query, are written out
+in the sampler only: their training runs on the model's own forward. The final-logit transform is
+layers/head.py's, which the training head (logprobs.py) applies too.
+
+Of the project it imports layers/head.py, layers/lora.py (what an adapted projection applies),
+layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py (what a slice cannot cut).
+"""
+
+import dataclasses
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from layers import lora, static_moe, static_recurrent, tensor_parallel
+from layers.head import head_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How a family's decoder layer departs from Llama's (the defaults). `_spec` reads each field, in one place.
+
+    norms: the layer's RMSNorm attributes around attention (its input, its output) and around the MLP (its
+    input, its output); None where the family has none. Llama normalises inputs, OLMo 2 outputs, Gemma 2/3 both.
+    """
+    norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
+    qk_norm: str = None            # "head": an RMSNorm over each head of q and of k (Qwen3, Gemma 3);
+                                   # "projection": over all of q and all of k, before the split into heads (OLMo 2)
+    unit_offset: bool = False      # the norms scale by 1 + weight (Gemma)
+    upcast: bool = False           # the norms multiply by their weight in float32 and round once (OLMo 2, Gemma)
+    embedding: str = "Embedding"   # the embedding module's class: Gemma's scales by its `embed_scale`
+    rotary_per_type: bool = False  # one rotary table per layer type (Gemma 3: another base for sliding layers)
+    rotary_on: object = None       # f(attention module) -> False on a layer without rotary (SmolLM3's `use_rope`);
+                                   # None: rotary on every attention layer
+    window: object = None          # f(attention module, config) -> the layer's sliding window, None for full
+                                   # attention; None: the attention module's `sliding_window`, where it has one
+    softcap: str = None            # the config field whose value c caps each attention score, c tanh(s / c),
+                                   # before the softmax (Gemma 2's `attn_logit_softcapping`)
+    sinks: bool = False            # a learned logit per head in each softmax's denominator (gpt-oss's `sinks`)
+    half_tables: bool = False      # the rotary module gives cos/sin over half a head, which rotates the halves
+                                   # (x1 cos - x2 sin, x2 cos + x1 sin): the tables duplicated (gpt-oss)
+    partial_rotary: bool = False   # rotary over the first dims of each head only (the tables' width), the rest
+                                   # passed through (Qwen3.5)
+    gated_query: bool = False      # q_proj gives each head's query and then a gate: the attention's output is
+                                   # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
+    refuse: tuple = ()             # config fields this decoder does not implement: the model must leave them unset
+
+
+_LLAMA = Family()
+_POST_NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")  # OLMo 2's: outputs only
+_OLMO2 = Family(norms=_POST_NORMS, qk_norm="projection", upcast=True)
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+# the decoder layer's class name -> its family
+FAMILIES = {
+    "LlamaDecoderLayer": _LLAMA,
+    "Qwen2DecoderLayer": _LLAMA,
+    "Qwen3DecoderLayer": Family(qk_norm="head"),
+    "Qwen3MoeDecoderLayer": Family(qk_norm="head"),  # Qwen3's attention; MoE blocks from layers/static_moe.py
+    "Qwen2MoeDecoderLayer": _LLAMA,  # Qwen2's attention; MoE blocks with a shared expert from layers/static_moe.py
+    "MistralDecoderLayer": Family(window=lambda a, cfg: cfg.sliding_window),  # every layer, or none
+    "SmolLM3DecoderLayer": Family(rotary_on=lambda a: a.use_rope),
+    "Olmo2DecoderLayer": _OLMO2,
+    "Olmo3DecoderLayer": dataclasses.replace(_OLMO2, rotary_per_type=True),  # and sliding windows
+    # OLMo 2's post-norms with Qwen3's head norms; every attention module carries `sliding_window`, which only the
+    # sliding layers apply, and with windows configured the full layers take no rotary
+    "Exaone4DecoderLayer": Family(norms=_POST_NORMS, qk_norm="head",
+                                  window=lambda a, cfg: a.sliding_window if a.is_sliding else None,
+                                  rotary_on=lambda a: a.sliding_window is None or a.is_sliding),
+    # biased q/k/v/o (every family may have them), alternating windows, sinks, MoE blocks from layers/static_moe.py
+    "GptOssDecoderLayer": Family(upcast=True, sinks=True, half_tables=True),
+    # gated attention with partial rotary beside Gated DeltaNet layers (layers/static_recurrent.py)
+    "Qwen3_5DecoderLayer": Family(qk_norm="head", unit_offset=True, upcast=True, partial_rotary=True,
+                                  gated_query=True),
+    # alternating windows, softcapped attention scores (and final logits: layers/head.py), scaled embeddings
+    "Gemma2DecoderLayer": Family(norms=_GEMMA_NORMS, unit_offset=True, upcast=True,
+                                 embedding="Gemma2TextScaledWordEmbedding", softcap="attn_logit_softcapping",
+                                 refuse=("use_bidirectional_attention",)),
+    # Gemma 2's layer with head norms and a rotary per layer type; a config setting the score softcap, which
+    # Gemma 3's attention keeps but does not apply, is left to the model's own forward
+    "Gemma3DecoderLayer": Family(norms=_GEMMA_NORMS, qk_norm="head", unit_offset=True, upcast=True,
+                                 embedding="Gemma3TextScaledWordEmbedding", rotary_per_type=True,
+                                 refuse=("attn_logit_softcapping", "use_bidirectional_attention")),
+}
+SLOTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")  # where `Family.norms` sit, as `layer` names them
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_ACT = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def _activation(act_fn):
+    """The name in `_ACT` of the MLP's activation module, None for one this file does not compute alike."""
+    name = type(act_fn).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name == "GELUTanh" and isinstance(getattr(act_fn, "act", None), functools.partial):  # not its Python form
+        return "gelu_tanh"
+    return None
+
+
+def own_class(module):
+    """The class a module was built as: FSDP2's `fully_shard` swaps it for a class of its own made from
+    (FSDPModule, the module's class), which this looks through."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
+def _layer_class(layer):
+    """The layer's class name as `FAMILIES` knows it."""
+    return own_class(layer).__name__
+
+
+def _layer_family(layer):
+    """The layer's `Family` row: its exact class, as transformers defines it. A subclass, or a class of the same name
+    defined elsewhere (a fork's), has none: it may compute something the row does not say."""
+    cls = own_class(layer)
+    return FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.models.") else None
+
+
+# where the classes of a written-out layer's modules may come from: transformers' own, torch's, and this folder's
+# adapters (layers/lora.py); a class from anywhere else may compute what the family's row does not say
+_KNOWN_MODULES = ("transformers.", "torch.", "layers.")
+
+
+def _foreign_module(layer):
+    """(name, class) of the first module inside the layer whose class comes from outside `_KNOWN_MODULES`, or None."""
+    for name, m in layer.named_modules():
+        cls = own_class(m)
+        if not cls.__module__.startswith(_KNOWN_MODULES):
+            return name or "the layer", cls
+    return None
+
+
+def _eps(norm):
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps  # Gemma's norms say eps
+
+
+def _is_sharded(module):
+    """True when some parameter of `module` is a DTensor shard (FSDP2 outside a gather)."""
+    return _any_dtensor(module.parameters())
+
+
+def _any_dtensor(params):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def _gathers_itself(module):
+    """An FSDP2-sharded block: `unshard()` gathers its full parameters, `reshard()` frees them again."""
+    return callable(getattr(module, "unshard", None)) and callable(getattr(module, "reshard", None))
+
+
+def _refusal(model):
+    """Why the family table does not describe the causal LM `model` (sharded or not), for every phase, in a few
+    words that name the layer class and the feature; None when it does."""
+    inner, cfg = getattr(model, "model", None), model.config
+    layers = getattr(inner, "layers", None)
+    if not layers or getattr(inner, "rotary_emb", None) is None or getattr(inner, "norm", None) is None:
+        return f"{type(model).__name__}: no model.layers, model.rotary_emb and model.norm as a decoder keeps them"
+    name = _layer_class(layers[0])
+    fam = _layer_family(layers[0])
+    if fam is None:
+        where = own_class(layers[0]).__module__
+        return (f"{name}: a layer class not in the family table" if name not in FAMILIES else
+                f"{name} from {where}: not transformers' own class of that name (a subclass, or a fork's copy)")
+    head, embed = getattr(model, "lm_head", None), getattr(inner, "embed_tokens", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return f"{name}: an output layer other than a Linear without bias ({type(head).__name__})"
+    if not isinstance(embed, torch.nn.Embedding) or type(embed).__name__ != fam.embedding:
+        return f"{name}: embedding {type(embed).__name__}, where the family's is {fam.embedding}"
+    for k in fam.refuse:
+        if getattr(cfg, k, None):
+            return f"{name}: {k} set, which the written-out layers do not compute"
+    attention = [layer.self_attn for layer in layers if _attends(layer)]
+    if not attention:
+        return f"{name}: no attention layer"
+    head_dim = attention[0].head_dim
+    for key, b in inner.rotary_emb.named_buffers():
+        if key.endswith("inv_freq") and (2 * b.numel() > head_dim or
+                                         (2 * b.numel() != head_dim and not fam.partial_rotary)):
+            return f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not declare"
+    types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
+    for t in types_:
+        if t not in ("full_attention", "sliding_attention", "linear_attention"):
+            return f"{name}: layers of type {t!r}"
+    for i, (layer, kind, window) in enumerate(zip(layers, types_, _windows(model, fam))):
+        where = f"{name} {i}"
+        if _layer_family(layer) is not fam or own_class(layer) is not own_class(layers[0]):
+            return f"{where}: a {_layer_class(layer)} from {own_class(layer).__module__} among the {name}s"
+        foreign = _foreign_module(layer)
+        if foreign:
+            return f"{where}: {foreign[0]} is a {foreign[1].__name__} from {foreign[1].__module__}, which the family's row does not describe"
+        m = layer.mlp
+        if (kind == "linear_attention") != (not _attends(layer)):
+            return f"{where}: layer type {kind!r} on a layer {'with' if _attends(layer) else 'without'} attention"
+        if static_moe.is_moe(m):
+            if not static_moe.supported(m):
+                return f"{where}: MoE block {type(m).__name__} (not in static_moe.BLOCKS, or settings it does not read)"
+        elif _activation(getattr(m, "act_fn", None)) is None:
+            return f"{where}: MLP activation {type(getattr(m, 'act_fn', None)).__name__}"
+        elif not all(lora.linear_like(x) for x in (m.gate_proj, m.up_proj, m.down_proj)):
+            return f"{where}: MLP projections other than Linear or LoRALinear"
+        if not _attends(layer):
+            if not static_recurrent.supported(getattr(layer, "linear_attn", None)):
+                return f"{where}: recurrent layer {type(getattr(layer, 'linear_attn', None)).__name__}"
+            continue
+        a = layer.self_attn
+        if not all(lora.linear_like(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+            return f"{where}: attention projections other than Linear or LoRALinear"
+        if fam.gated_query and (a.q_proj.out_features != 2 * cfg.num_attention_heads * a.head_dim or
+                                a.q_proj.bias is not None):
+            return f"{where}: a gated query whose q_proj is not each head's query then its gate, without bias"
+        if (kind == "sliding_attention" and window is None) or (window is not None and window < 1):
+            return f"{where}: a sliding window of {window} tokens"
+        if fam.qk_norm and _eps(a.q_norm) != _eps(a.k_norm):  # one epsilon serves both
+            return f"{where}: q and k norms with different epsilons"
+    return None
+
+
+def _query_parts(q_weight, head_dim, kv):
+    """The fused projection's parts of a gated query: q_proj's weight holds each head's query then its gate
+    (heads, 2, head_dim, H): the queries first, then k's and v's weights (kv), the gates last."""
+    per_head = q_weight.view(-1, 2, head_dim, q_weight.shape[-1])
+    return [per_head[:, 0].flatten(0, 1), *kv, per_head[:, 1].flatten(0, 1)]
+
+
+def _attends(layer):
+    """True for a layer with softmax attention (not a recurrent one)."""
+    return getattr(layer, "self_attn", None) is not None
+
+
+def _windows(model, fam):
+    """Each layer's sliding window in tokens, None for full attention (and for recurrent layers)."""
+    rule = fam.window or (lambda a, cfg: getattr(a, "sliding_window", None))
+    return [rule(layer.self_attn, model.config) if _attends(layer) else None for layer in model.model.layers]
+
+
+def _rotary_keys(model, fam):
+    """Each layer's rotary table: the layer type's (one table unless the family has one per type), None
+    for a layer without rotary."""
+    cfg = model.config
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
+    return [None if not _attends(layer) or (fam.rotary_on and not fam.rotary_on(layer.self_attn)) else
+            kind if fam.rotary_per_type else "all" for layer, kind in zip(model.model.layers, kinds)]
+
+
+def _rotary(rotary_emb, fam, x, positions, key):
+    """(cos, sin) of the rotary table `key` for positions (N, S), from the model's own rotary module."""
+    cos, sin = rotary_emb(x, positions, key) if fam.rotary_per_type else rotary_emb(x, positions)
+    if fam.half_tables:  # x1 cos - x2 sin, x2 cos + x1 sin is rotate_half's form with each table repeated
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    return cos, sin
+
+
+@dataclasses.dataclass
+class LayerParams:
+    """What `layer` reads of one decoder layer: its settings, read by `_spec` from the family's row and the layer's
+    modules (the same in training, prefill and decode), and its tensors, put in by `layer_params` (the training
+    forward's live parameters, or the decoder's fused copies). A feature of a family is a field here, a line of
+    `layer_params` and the lines of `layer` that use it.
+
+    Norms are (weight as applied, epsilon), None where the family has none; linear layers are (weight, bias) and,
+    with a LoRA adapter on, (A, B, scaling) after them (`_linear`); `qkv` and `gate_up` are lists of them whose
+    outputs are concatenated: one fused matmul (the decoder's) or one per projection (the model's own).
+    """
+    # settings
+    upcast: bool = False      # the norms multiply by their weight in float32 and round once
+    eps: dict = None          # norm slot (SLOTS) -> its epsilon; "qk": the q/k norms'
+    act: object = None        # the MLP's activation (None: a MoE block)
+    rope: object = None       # the key of the layer's rotary table; None: no rotary
+    window: object = None     # its sliding window in tokens; None: full attention
+    heads: int = 0            # query heads (a rank's, sliced); 0: a layer without attention
+    kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: object = None    # Family.qk_norm
+    gated: bool = False       # Family.gated_query: q_proj gives each head's query, then a gate
+    scaling: float = None     # the attention scores' scale
+    softcap: float = None     # c in c tanh(s / c) over each score; None: none
+    # tensors
+    attn_in: object = None    # the norms at SLOTS
+    attn_out: object = None
+    mlp_in: object = None
+    mlp_out: object = None
+    qkv: list = None          # q, k, v, and the query's gate after them (see _query_parts)
+    o: tuple = None
+    qk_table: object = None   # qk_norm "head": q's and k's norm weights over their heads, one table
+    q_norm: object = None     # qk_norm "projection": the norms' weights over the whole projections
+    k_norm: object = None
+    sinks: object = None      # a learned logit per head in each softmax's denominator
+    gate_up: list = None      # gate, up
+    down: tuple = None
+    moe: object = None        # static_moe.MoE (the decoder's; the training forward runs dense layers only)
+    recurrent: object = None  # static_recurrent.DeltaNet in place of attention (the decoder's)
+    # the decoder's
+    reduce: object = None     # tensor parallelism: the group's sum of a partial output (layers/tensor_parallel.py)
+    cache_row: int = None     # the layer's row of the KV cache
+    moe_row: int = None       # its place among the MoE layers (routing records)
+
+
+@dataclasses.dataclass
+class Spec:
+    """What the written-out forward computes for one model besides its weights, read by `_spec` from the model's
+    `Family` row, modules and config, once for training, prefill and decode alike.
+
+    layers: per layer, a LayerParams holding its settings (no tensors).
+    embed_scale: what the embedding is multiplied by (Gemma's `embed_scale`), None for nothing.
+    head: the final logits' transform (layers/head.py), None for none.
+    """
+    fam: Family
+    layers: list
+    embed_scale: object
+    head: object
+
+
+def _spec(model, fam=None):
+    """`model`'s Spec; fam: the family to read it as (its own row by default)."""
+    inner, cfg = model.model, model.config
+    fam = fam or _layer_family(inner.layers[0])
+    softcap = (getattr(cfg, fam.softcap, None) or None) if fam.softcap else None
+    settings = []
+    for layer, rope, window in zip(inner.layers, _rotary_keys(model, fam), _windows(model, fam)):
+        s = dict(rope=rope, window=window, upcast=fam.upcast,
+                 eps={slot: _eps(getattr(layer, name)) for slot, name in zip(SLOTS, fam.norms) if name})
+        if not static_moe.is_moe(layer.mlp):
+            s["act"] = _ACT[_activation(layer.mlp.act_fn)]
+        if _attends(layer):
+            a = layer.self_attn
+            s.update(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=a.head_dim,
+                     qk_norm=fam.qk_norm, gated=fam.gated_query, scaling=a.scaling, softcap=softcap)
+            if fam.qk_norm:
+                s["eps"]["qk"] = _eps(a.q_norm)
+        settings.append(LayerParams(**s))
+    return Spec(fam, settings, getattr(inner.embed_tokens, "embed_scale", None), head_of(model))
+
+
+def layer_params(l, settings, fam, take):
+    """The LayerParams of the decoder layer `l`: its `settings` (`Spec.layers`) with its tensors as `take` gives them,
+    `Live` (the training forward) or the decoder's copies (engine.py). The one place that says which tensor of a
+    layer feeds which part of `layer`; `take` says only in what form.
+
+    take.norm(name, module, eps) -> a norm; take.linears(name, modules, cuts, split_gate) -> the list `qkv`/`gate_up`
+    hold (split_gate: q_proj's rows are each head's query then its gate, split_gate rows each);
+    take.linear(name, module, cut) -> one linear; take.tensor(name, t, cut) -> a tensor; take.table(name,
+    [(norm, heads)]) -> head norms over their heads; take.moe(block), take.recurrent(module). `cut` names how
+    tensor parallelism cuts a weight (tensor_parallel.Slice.cut), which a whole decoder and training ignore.
+    """
+    a, m = getattr(l, "self_attn", None), l.mlp
+    t = {slot: None if name is None else take.norm(slot, getattr(l, name), settings.eps[slot])
+         for slot, name in zip(SLOTS, fam.norms)}
+    if a is None:
+        t["recurrent"] = take.recurrent(l.linear_attn)
+    else:
+        t["qkv"] = take.linears("qkv", [a.q_proj, a.k_proj, a.v_proj], ("heads", "kv_heads", "kv_heads"),
+                                split_gate=settings.head_dim if settings.gated else None)
+        t["o"] = take.linear("o", a.o_proj, "inputs")
+        if fam.qk_norm == "head":
+            t["qk_table"] = take.table("qk_table", [(a.q_norm, settings.heads), (a.k_norm, settings.kv_heads)])
+        elif fam.qk_norm == "projection":  # sliced decoding refuses these (transformer.decide): they stay whole
+            t["q_norm"], t["k_norm"] = take.norm("q_norm", a.q_norm, None)[0], take.norm("k_norm", a.k_norm, None)[0]
+        if fam.sinks:
+            t["sinks"] = take.tensor("sinks", a.sinks, "heads")
+    if static_moe.is_moe(m):
+        t["moe"] = take.moe(m)
+    else:
+        t["gate_up"] = take.linears("gate_up", [m.gate_proj, m.up_proj], ("columns", "columns"))
+        t["down"] = take.linear("down", m.down_proj, "inputs")
+    return dataclasses.replace(settings, **t)
+
+
+class Live:
+    """`layer_params`' tensors for the training forward: the model's own parameters as they are at the call
+    (gathered, under FSDP), differentiable; each projection with its LoRA adapter's low-rank term apart
+    (`_linear_params`), and each norm's weight as the family applies it."""
+
+    def __init__(self, fam):
+        self.fam = fam
+
+    def norm(self, name, module, eps):
+        return _norm_weight(module.weight, self.fam), eps
+
+    def linears(self, name, modules, cuts, split_gate=None):
+        if split_gate:  # q_proj's rows interleave each head's query and gate; `_qkv` reads them fused
+            raise ValueError("the training forward does not run a gated query (transformer.decide refuses it)")
+        return [_linear_params(lin) for lin in modules]
+
+    def linear(self, name, module, cut):
+        return _linear_params(module)
+
+    def tensor(self, name, t, cut):
+        return t
+
+    def table(self, name, norms):
+        return torch.cat([_norm_weight(n.weight, self.fam).expand(heads, -1) for n, heads in norms])
+
+    def moe(self, block):
+        return None  # MoE blocks train on the model's own forward (transformer.decide)
+
+    def recurrent(self, module):
+        return None  # so do recurrent layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    """How each phase runs one model, decided once (`decide`): for each, None where it runs on the written-out
+    layers, else why not, in a few words that name the layer class and the feature.
+
+    sampler: the decoder (engine.StaticDecoder) over `tp_size` ranks. At tp_size 1 a refused model samples on its
+      own forward (layers/hf_decoder.py); a sliced decoder has no such fallback, and its refusal stops the run.
+    training: the training forward (`hidden_states`), for the policy and the reference alike; a refused model trains
+      on its own forward. A model in training mode with attention dropout takes its own forward too, whatever
+      this says (`trains_written_out`): the mode changes while the structure does not.
+    """
+    tp_size: int
+    sampler: object
+    training: object
+    dropout: bool
+
+    def samples_written_out(self):
+        return self.sampler is None
+
+    def trains_written_out(self, model):
+        return self.training is None and not (model.training and self.dropout)
+
+    def banner(self):
+        def path(refused):
+            return "written-out layers" if refused is None else f"the model's own forward ({refused})"
+        sliced = f" sliced over {self.tp_size} tensor-parallel ranks" if self.tp_size > 1 else ""
+        return f"sampler on {path(self.sampler)}{sliced}, training on {path(self.training)}"
+
+
+def decide(model, tp_size=1):
+    """The `Paths` of the causal LM `model` (whole, or sharded by FSDP2 as sharding.shard does it, asked inside the
+    root's forward, where the embeddings and head are whole) with a tensor-parallel group of `tp_size` ranks.
+
+    The one place that says what the written-out layers reproduce exactly. Every phase needs the family's row to
+    describe the model (`_refusal`). The sampler's decoder also needs rotary tables fixed at prefill and layers it
+    can gather (it copies them, one at a time, into its own fused tensors); whole, it reads MoE experts in place, so
+    they must not be sharded, and the root's tensors must be whole; sliced (layers/tensor_parallel.py), every
+    dimension it cuts must divide. The training forward runs dense attention layers only (MoE blocks and recurrent
+    layers train on the model's own kernels), each its own FSDP group, with the root's tensors gathered. Forward
+    hooks registered on the layers, projections or norms do not run on the written-out paths.
+    """
+    common = _refusal(model)
+    return Paths(tp_size, common or _sampler_refusal(model, tp_size), common or _training_refusal(model),
+                 bool(getattr(model.config, "attention_dropout", 0.0)))
+
+
+def paths_of(model, tp_size=None):
+    """The run's decision for `model` where setup attached one (`attach`; for `tp_size` ranks, None: any), else
+    decided now (a model used outside a run, as tests and benches do)."""
+    paths = model.__dict__.get("_paths")
+    if paths is not None and tp_size in (None, paths.tp_size):
+        return paths
+    return decide(model, tp_size or 1)
+
+
+def attach(model, paths):
+    """Keep `paths` on the model for the sampler and the training forward to read (not a module attribute)."""
+    model.__dict__["_paths"] = paths
+
+
+def _sampler_refusal(model, tp_size):
+    inner = model.model
+    name = _layer_class(inner.layers[0])
+    if not _fixed_rotary(inner.rotary_emb):
+        return f"{name}: rotary tables that depend on the longest position of each call"
+    if any(_is_sharded(layer) and not _gathers_itself(layer) for layer in inner.layers):
+        return "sharded decoder layers that cannot gather themselves"
+    if tp_size > 1:  # sharded experts and root tensors are fine: the slices are cut from them at each load
+        why = tensor_parallel.refusal(model.config, model.lm_head.weight.shape[0], tp_size,
+                                      whole_projection_norms=_layer_family(inner.layers[0]).qk_norm == "projection")
+        return f"{name}: {why}" if why else None
+    if any(static_moe.is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
+        return "sharded MoE experts (read in place, they would need a gather per step)"
+    if any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb)):
+        return "a sharded embedding, final norm, head or rotary module"
+    return None
+
+
+def _training_refusal(model):
+    layers = model.model.layers
+    name = _layer_class(layers[0])
+    if any(static_moe.is_moe(layer.mlp) for layer in layers):
+        return "MoE blocks, which train on the model's own expert kernels and routers"
+    if any(not _attends(layer) for layer in layers):
+        return "recurrent layers, which train on the model's own chunked kernels"
+    if _layer_family(layers[0]).gated_query:
+        return f"{name}: a gated query, whose projection interleaves each head's query and gate"
+    if any(_is_sharded(layer) and not _one_fsdp_group(layer) for layer in layers):
+        return "sharded decoder layers that are not one FSDP group each"
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    if _any_dtensor(p for p in model.parameters() if id(p) not in in_layers):
+        return "a sharded embedding, final norm or head"
+    return None
+
+
+def _fixed_rotary(rotary_emb):
+    """False for rotary types whose tables depend on the longest position of the call ("dynamic" scaling,
+    "longrope"): the decoder computes each row's tables once, for every slot, at prefill."""
+    kinds = getattr(rotary_emb, "rope_type", "default")
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return not any("dynamic" in k or k == "longrope" for k in kinds)
+
+
+# ----------------------------------------------------------------------------- the layer, written once
+
+
+def _rms_norm(x, weight, eps, upcast=False):
+    """RMSNorm over x's last dim, in float32, scaled by weight. As Llama's norm, the scaling happens in x's
+    dtype; upcast: in float32, rounded once after it (OLMo 2's, Gemma's)."""
+    if x.dtype == torch.float32:  # the same arithmetic either way, in one call
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if upcast:
+        return (normed * weight.float()).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def _head_norm(x, table, eps, upcast=False):
+    """`_rms_norm` over each head of x (..., heads, head_dim), table (heads, head_dim) the weight of each: q's
+    and k's heads normalised in one pass."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], None, eps) * table
+    return _rms_norm(x, table, eps, upcast)  # broadcasts the table
+
+
+def _norm_weight(weight, fam):
+    """A norm's weight as `_rms_norm` applies it: Gemma's stored less one, and float32 where the family
+    scales in float32."""
+    if fam.unit_offset:
+        return weight.float() + 1.0
+    return weight.float() if fam.upcast else weight
+
+
+def _norm(x, norm, upcast):
+    """x through a layer's norm (weight as `_norm_weight` gives it, epsilon), or x itself where there is none."""
+    return x if norm is None else _rms_norm(x, norm[0], norm[1], upcast)
+
+
+def _rotate(x, cos, signed_sin):
+    """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+
+    `signed_sin` carries rotate_half's minus sign (its first half negated), so
+    the halves only need swapping: a roll by half the head dimension. Tables in float32 for x in
+    bf16 (OLMo's rotary keeps them so) rotate in float32: the caller rounds the result once, as OLMo does.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _rotary_heads(x, cos, sin):
+    """`_rotate` over the first dims of each head of x (..., heads, head_dim), as many as the tables are wide (all
+    of them but with partial rotary), the rest passed through; rounded once to x's dtype."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        out = _rotate(x, cos, sin)
+    else:
+        out = torch.cat([_rotate(x[..., :rd], cos, sin).to(x.dtype), x[..., rd:]], -1)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _repeat_kv(t, rep):
+    """(B, kv_heads, S, hd) -> (B, kv_heads * rep, S, hd): each K/V head repeated for the query heads it serves."""
+    return t[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
+
+
+def _signed_sin(sin):
+    """The rotary sin table with its first half negated, as `_rotate` takes it."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _linear(x, p):
+    """x through a linear layer's params: (weight, bias), and for one with a LoRA adapter switched on (A, B,
+    scaling) after them, its low-rank term added apart from the weight as LoRALinear adds it (the frozen weight
+    then needs no gradient of its own)."""
+    y = F.linear(x, p[0], p[1])
+    return y if len(p) == 2 else y + F.linear(F.linear(x, p[2]), p[3]) * p[4]
+
+
+def _linears(x, parts):
+    """x through a group of projections whose outputs are concatenated: one fused matmul (the decoder's copy) or
+    one per projection (the training forward, on the model's own)."""
+    if len(parts) == 1:
+        return _linear(x, parts[0])
+    return torch.cat([_linear(x, part) for part in parts], -1)
+
+
+def _qkv(h, p):
+    """The attention's inputs from the normed h (*lead, H): q and k together (*lead, heads + kv_heads, head_dim),
+    normed as the family does, v (*lead, kv_heads, head_dim), and the query's gate (*lead, heads * head_dim) or None."""
+    nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
+    qkv = _linears(h, p.qkv)
+    gate = None
+    if p.gated:  # the gates come after q, k and v (see _query_parts)
+        qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
+    if p.qk_norm == "projection":  # over all of q and all of k, before the split into heads
+        eps = p.eps["qk"]
+        q = _rms_norm(qkv[..., :nh * hd], p.q_norm, eps, p.upcast)
+        k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p.k_norm, eps, p.upcast)
+        return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
+            qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd)), gate
+    heads = qkv.unflatten(-1, (-1, hd))
+    qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:nh + 2 * nkv, :]
+    if p.qk_norm == "head":  # each head of q and k, in one pass
+        qk = _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast)
+    return qk, v, gate
+
+
+def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):
+    """softmax(q k^T * scale) v per head, with the options of the layer's settings p: "scaling", "softcap" (each
+    score s becomes c tanh(s / c), Gemma 2) and "sinks" (a learned logit per head in the softmax's denominator
+    only, gpt-oss; None: none).
+
+    q (B, heads, Q, hd); k, v (B, kv heads, L, hd), kv heads dividing heads (grouped-query attention: each K/V
+    head serves heads / kv heads query heads; decode passes them grouped, the queries sharing a K/V head as its
+    Q axis). mask broadcasting to (B, heads, Q, L), True: attend; None: every key, or with `causal` the keys
+    up to the query's own column. gqa: SDPA may serve grouped heads itself, with no copy of K/V (else they are
+    repeated). kernel(q, k, v, mask, scale): the attention without options, instead of SDPA (decode on a CPU,
+    or the Triton kernel). With an option the scores are computed as the model's eager attention does.
+    """
+    scale, cap, sinks = p.scaling, p.softcap, p.sinks
+    plain = cap is None and sinks is None
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not (plain and gqa):
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    if plain:
+        if kernel is not None:
+            return kernel(q, k, v, mask, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=rep > 1 and gqa)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype), v)
+    # the sink joins the scores as a last column (sinks (heads,) viewed over q's head axes), the row's maximum is
+    # subtracted, the softmax taken and the sink's column dropped
+    scores = torch.cat([scores, sinks.to(scores.dtype).view(q.shape[1], -1, 1).expand(*scores.shape[:-1], 1)], -1)
+    scores = scores - scores.max(-1, keepdim=True).values
+    return torch.matmul(torch.softmax(scores, -1)[..., :-1].to(v.dtype), v)
+
+
+def layer(x, p, rope, attend, recurrent=None, record=None):
+    """One decoder layer, x (*lead, H) -> (*lead, H): the only place its arithmetic is written.
+
+    The training forward (`_layer`), prefill and decode (`StaticDecoder._layers`) call it and differ only in
+    what they pass. lead is (B, S) in training and prefill, (B,) in decode (one token per row and no sequence
+    axis: fewer views per token, which shows on small CPU batches).
+    p: the layer's LayerParams (`layer_params`): settings and tensors; under tensor parallelism its `reduce` sums
+      the attention's and the MLP's partial outputs over the group.
+    rope: (cos, sin) of the layer's rotary table, broadcasting over q's and k's heads; None: no rotary.
+    attend(p, q (*lead, heads, hd), k, v (*lead, kv heads, hd)) -> (*lead, heads, hd): `attention` over the
+      caller's keys: this call's own (training), or a KV cache (p.cache_row) the new k and v are written to first.
+    recurrent(state, h): a recurrent layer's output for its normed input; record(p, experts): routing replay's
+      record of a MoE block's choice (decoder only). The callers pass the same functions to every layer: nothing
+      is built per layer per step.
+    """
+    upcast = p.upcast
+    h = _norm(x, p.attn_in, upcast)
+    if p.recurrent is not None:
+        a = recurrent(p.recurrent, h)  # output projection included
+    else:
+        qk, v, gate = _qkv(h, p)
+        if rope is not None:
+            qk = _rotary_heads(qk, *rope)  # queries and keys in one pass
+        nh = p.heads
+        o = attend(p, qk[..., :nh, :], qk[..., nh:, :], v).flatten(-2)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        a = _linear(o, p.o)
+    reduce = p.reduce  # tensor parallelism: this rank's heads gave a partial sum (layers/tensor_parallel.py)
+    if reduce is not None:
+        a = reduce(a)
+    x = x + _norm(a, p.attn_out, upcast)
+    h = _norm(x, p.mlp_in, upcast)
+    if p.moe is not None:
+        m, experts = p.moe(h.reshape(-1, h.shape[-1]))  # tokens (T, H)
+        m = m.view(h.shape)
+        if record is not None:
+            record(p, experts)
+    else:
+        parts = p.gate_up
+        gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
+        m = _linear(p.act(gate) * up, p.down)
+    if reduce is not None:
+        m = reduce(m)
+    return x + _norm(m, p.mlp_out, upcast)
+
+
+def _padded_causal_mask(attn):
+    """(N, 1, S, S) boolean attention mask: causal, and no key at a padding position of attn (N, S).
+
+    A padding query attends at least to itself, so that its (unused) output stays finite.
+    """
+    s = attn.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attn.device).tril()
+    return ((causal & attn.bool()[:, None, :]) | torch.eye(s, dtype=torch.bool, device=attn.device))[:, None]
+
+
+def _in_window(query_pos, key_pos, window):
+    """(N, Sq, Sk) True where the key's token position is less than `window` before the query's: the Hugging
+    Face sliding window (query - key < window), counted in the row's own positions, so that padding or cache
+    slots between a row's tokens never narrow it. Keys after the query pass too: the causal mask drops them."""
+    return (query_pos[:, :, None] - key_pos[:, None, :]) < window
+
+
+def _embed(ids, weight, scale, padding_idx=None):
+    """The embedding of ids, times the family's scale (None: none) in the weight's dtype, as Gemma's rounds it."""
+    x = F.embedding(ids, weight, padding_idx)
+    return x if scale is None else x * scale.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- the training forward
+
+
+def _one_fsdp_group(layer):
+    """An FSDP2 group of its own with no other group inside: one gather brings all its weights."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(layer, FSDPModule) and not any(isinstance(m, FSDPModule) for m in layer.modules()
+                                                     if m is not layer)
+
+
+def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
+    """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
+
+    What `model.base_model(...).last_hidden_state` computes (tests compare the
+    values and gradients), in fewer elementwise passes and without the
+    per-call mask and cache bookkeeping: on a small model the Hugging Face
+    forward spends much of its time there. attention_mask None means no
+    padding (plain causal attention). Sliding windows count position_ids, which
+    agree with the Hugging Face forward's columns wherever a row's real tokens
+    are contiguous (left and right padding). With activation checkpointing on,
+    the layers the Hugging Face forward would recompute in backward are
+    recomputed, with the same checkpoint function. compiled: each layer's
+    arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
+    by the layers of one kind.
+    """
+    inner = model.model
+    spec = _spec(model)
+    embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in the HF forward
+    x = _embed(input_ids, embed.weight, spec.embed_scale, embed.padding_idx)
+    tables = {None: (None, None)}
+    for key in {s.rope for s in spec.layers} - {None}:
+        cos, sin = _rotary(inner.rotary_emb, spec.fam, x, position_ids, key)  # (N, S, head_dim)
+        tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
+    masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
+    s = input_ids.shape[1]
+    for w in {st.window for st in spec.layers} - {None}:
+        if s <= w:  # no two positions of a row are a window apart
+            masks[w] = masks[None]
+        else:
+            base = masks[None] if masks[None] is not None else \
+                torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
+    math = compiled_layer() if compiled else _layer
+    for layer, settings in zip(inner.layers, spec.layers):
+        call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
+        cos, sin = tables[settings.rope]
+        mask = masks[settings.window]
+        # activation checkpointing exactly where and how the Hugging Face layer would apply it
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
+            x = checkpoint(call, math, x, cos, sin, mask, settings, spec.fam)
+        else:
+            x = call(math, x, cos, sin, mask, settings, spec.fam)
+    return _rms_norm(x, _norm_weight(inner.norm.weight, spec.fam), _eps(inner.norm), spec.fam.upcast)
+
+
+def _layer_on(layer, math, x, cos, sin, mask, settings, fam):
+    """`math` (`_layer` or its compiled form) on this layer's parameters, as they are at the call: gathered,
+    under FSDP, by the hooks around `_fsdp_layer_method`."""
+    if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
+        _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
+    return math(x, cos, sin, mask, layer_params(layer, settings, fam, Live(fam)))
+
+
+def _fsdp_layer_method(layer):
+    """`_layer_on` as a method of an FSDP2-sharded layer, registered with FSDP as a forward method: its hooks
+    gather the layer's weights before the call and free them after, and reduce-scatter their gradients in
+    backward, as they do around the layer's own forward."""
+    if "grpo_layer" not in layer.__dict__:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+        layer.grpo_layer = types.MethodType(_layer_on, layer)
+        register_fsdp_forward_method(layer, "grpo_layer")
+    return layer.grpo_layer
+
+
+def _default_checkpoint(fn, *args):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _linear_params(lin):
+    """(weight, bias) of a linear layer; for one with a LoRA adapter switched on, (A, B, scaling) after them."""
+    if type(lin) is lora.LoRALinear and lin.enabled:
+        return lin.weight, lin.bias, lin.lora_A, lin.lora_B, lin.scaling
+    return lin.weight, lin.bias
+
+
+def _layer(x, cos, sin, mask, p):
+    """The training layer: `layer` over this call's own keys (no cache), a function of tensors, the weights among
+    them (`layer_params`), so that one compiled graph serves every layer. cos None: a layer without rotary."""
+    return layer(x, p, None if cos is None else (cos, sin), lambda p, q, k, v: _self_attention(q, k, v, mask, p))
+
+
+def _self_attention(q, k, v, mask, p):
+    """`attention` of a training layer's q (B, S, heads, hd), k, v (B, S, kv heads, hd) over the same positions,
+    mask None: causal (no padding). Grouped-query attention by SDPA's enable_gqa, which needs no copies of K/V,
+    but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy."""
+    o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p, causal=mask is None,
+                  gqa=mask is None or not q.is_cuda)
+    return o.transpose(1, 2)
+
+
+_COMPILED = {}
+
+
+def compiled_layer():
+    """`_layer` through torch.compile, built on first use: the norms, rotary, gate and residual adds
+    fused around the matmuls and the attention kernel, which eager runs as separate passes. The weights
+    are the graph's inputs, so every layer shares it; rows and positions are dynamic (`_dynamic_shape`),
+    the weights' shapes static. A few variants still compile apart: with and without grad (the
+    reference's forward), a micro-batch of one row, an attention mask, a layer without rotary."""
+    if "layer" not in _COMPILED:
+        _COMPILED["layer"] = compile_layer()
+    return _COMPILED["layer"]
+
+
+def compile_layer(backend="inductor"):
+    return torch.compile(_layer, backend=backend, fullgraph=True)
+
+
+def _dynamic_shape(t, *dims):
+    """Mark these dims of t dynamic for torch.compile (not an error where it specialises them, as for 1)."""
+    if t is not None:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
