@@ -169,6 +169,13 @@ def quantization(config):
                      f"checkpoints load, dequantized); give an unquantized copy of the model")
 
 
+def checkpoint_quantization(name_or_path, model_init_kwargs=None):
+    """quantization() of the config.json a model loads from (read as a dict: no class built, no remote code)."""
+    from transformers import PretrainedConfig
+    located = {k: v for k, v in (model_init_kwargs or {}).items() if k in _CONFIG_LOCATION and k != "trust_remote_code"}
+    return quantization(PretrainedConfig.get_config_dict(name_or_path, **located)[0])
+
+
 def _damaged_file(path):
     """The first .safetensors file under `path` whose header does not parse, or None."""
     from safetensors import SafetensorError, safe_open

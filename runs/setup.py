@@ -200,7 +200,7 @@ def load_models(cfg, d, load_device):
         policy, ref = _load_whole(cfg, d, policy)
         how = "the whole model in each process" + (f" ({why})" if why else "")
     if d.master:
-        dequantized = model_loading.quantization(transformers.PretrainedConfig.get_config_dict(path)[0])
+        dequantized = model_loading.checkpoint_quantization(path, cfg.model_init_kwargs)
         how += f"; quantization_config {dequantized}: its experts dequantized" if dequantized else ""
         print(f"loaded in {time.perf_counter() - start:.1f} s: {how}", flush=True)
     return tokenizer, policy, ref

@@ -276,6 +276,7 @@ def test_mxfp4_experts_are_dequantized_shard_by_shard_as_transformers_does(tmp_p
     from safetensors.torch import load_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     folder, original = save_mxfp4(tmp_path / "mxfp4")
+    assert model_loading.checkpoint_quantization(folder) == "mxfp4"  # what the line after loading names
     whole = model_loading.load_model(folder)  # from_pretrained with Mxfp4Config(dequantize=True)
     assert getattr(whole.config, "quantization_config", None) is None
     stored = load_file(os.path.join(folder, "model.safetensors"))
