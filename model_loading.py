@@ -8,9 +8,10 @@ Also here: the tiny byte-level model the default run and the tests use, the
 reference model (one process, or a model without weight files: a copy of the policy), reward
 models, and export of the trained policy to a Hugging Face folder (LoRA adapters: layers/lora.py).
 
-Several processes and a folder of safetensors weights: each process builds the model with its
-parameters on the meta device (`empty_model`), the trainer shards it, and `fill_shards` reads only
-this process's slices of each weight from the files (docs/memory.md, "Loading").
+Several processes and a folder of weights (safetensors or `.bin`; a hub id's folder in the Hugging Face cache;
+gpt-oss's MXFP4 experts): each process builds the model with its parameters on the meta device (`empty_model`),
+the trainer shards it, and `fill_shards` reads only this process's slices of each weight from the files
+(runs/weights.py reads the formats; docs/memory.md, "Loading").
 """
 
 import contextlib
@@ -23,7 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from layers import lora
-from runs import disk
+from runs import disk, weights
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -140,6 +141,39 @@ def resolve_model_path(name_or_path, need_config=True):
         raise FileNotFoundError(f"no such folder '{name_or_path}' (nearest existing folder: "
                                 f"'{_nearest_existing(path)}')")
     return name_or_path  # a hub id
+
+
+def model_folder(name_or_path, model_init_kwargs=None):
+    """Where a model's files are: a local folder, or a hub id's snapshot in the Hugging Face cache (at
+    model_init_kwargs' revision and cache_dir) when it holds every file the model loads from, so that a hub id
+    loads shard by shard like any folder; else the hub id, which from_pretrained downloads."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    kwargs = model_init_kwargs or {}
+    return weights.cached_folder(path, kwargs.get("revision"), kwargs.get("cache_dir")) or path
+
+
+def quantization(config):
+    """"mxfp4" for a checkpoint whose experts are stored in MXFP4 (gpt-oss, as published), which loads dequantized;
+    None for one that is not quantized (`config`: a config, or config.json's dict). Any other quantization stops
+    here, named: its weights are not what the trainer would train and save."""
+    q = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' config classes hold an enum
+    if str(method).lower() == "mxfp4":
+        return "mxfp4"
+    raise ValueError(f"quantization_config quant_method '{method}' is not supported (only gpt-oss's MXFP4 "
+                     f"checkpoints load, dequantized); give an unquantized copy of the model")
+
+
+def checkpoint_quantization(name_or_path, model_init_kwargs=None):
+    """quantization() of the config.json a model loads from (read as a dict: no class built, no remote code)."""
+    from transformers import PretrainedConfig
+    located = {k: v for k, v in (model_init_kwargs or {}).items() if k in _CONFIG_LOCATION and k != "trust_remote_code"}
+    return quantization(PretrainedConfig.get_config_dict(name_or_path, **located)[0])
 
 
 def _damaged_file(path):
@@ -317,11 +351,20 @@ def _instantiate(auto_class, name_or_path, model_init_kwargs, seed, device):
             name = (config.architectures or [type(config).__name__.removesuffix("Config")])[0]
             raise ValueError(f"'{name_or_path}': {name} is not a causal language model: {why}")
     _choose_attention(kwargs, auto_class, config)
+    try:
+        quantized = quantization(config)
+    except ValueError as e:
+        raise ValueError(f"'{name_or_path}': {e}") from None
     if os.path.isdir(name_or_path) and not _has_weights(name_or_path):
         if kwargs.get("dtype") == "auto":  # "the checkpoint's dtype": there is no checkpoint, use the config's
             kwargs["dtype"] = resolve_dtype(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""))
+        if quantized:  # no weights to dequantize: a plain model (its config would claim MXFP4 weights on export)
+            del config.quantization_config
         torch.manual_seed(seed)
         return auto_class.from_config(config, **kwargs)
+    if quantized:  # dequantized at load, as the sharded path does: the model holds, trains and saves plain weights
+        from transformers import Mxfp4Config
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     return _from_pretrained(auto_class.from_pretrained, name_or_path, **kwargs)
 
 
@@ -400,48 +443,10 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
-def weight_files(path):
-    """{name: (shape, dtype, file)} of every tensor in a local folder's safetensors files; {} when it has none."""
-    from safetensors import safe_open
-
-    if not os.path.isdir(path):
-        return {}
-    found = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(path, f), "pt") as st:
-                for k in st.keys():
-                    t = st.get_slice(k)
-                    found[k] = (tuple(t.get_shape()), t.get_dtype(), f)
-    return found
-
-
-# A MoE block's experts as transformers 5 holds them, one 3-D parameter for all of them, and as Qwen2/3-MoE
-# checkpoints store them, a matrix per expert: fused parameter -> the per-expert weights stacked into it (each
-# expert's row of the parameter is their concatenation along its first dimension)
-FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def _per_expert(name, shape, files):
-    """For a fused expert parameter `name` ("...experts.gate_up_proj", shape (E, out, in)) the files hold as a
-    matrix per expert: [[each of expert e's file names] for e in range(E)]; else None."""
-    prefix, _, kind = name.rpartition(".")
-    if not prefix.endswith(".experts") or kind not in FUSED_EXPERTS:
-        return None
-    parts = [[f"{prefix}.{e}.{part}.weight" for part in FUSED_EXPERTS[kind]] for e in range(shape[0])]
-    if not all(n in files for names in parts for n in names):
-        return None
-    for names in parts:
-        stacked = [files[n][0] for n in names]
-        if any(len(s) != 2 or s[1] != shape[2] for s in stacked) or sum(s[0] for s in stacked) != shape[1]:
-            return None
-    return parts
-
-
 def _stored_names(model, files):
-    """({name in the files: parameter}, {parameter name: (parameter, per-expert file names)}) for every
-    parameter of `model`, or why the files cannot fill it. A tied parameter (lm_head sharing the embeddings) is one
-    tensor under one of its names; a MoE block's fused experts may be stored a matrix per expert (`_per_expert`)."""
+    """({name in the files: parameter}, {parameter name: (parameter, source)}) for every parameter of `model`, or
+    why the files cannot fill it. A tied parameter (lm_head sharing the embeddings) is one tensor under one of its
+    names; a MoE block's fused experts may be stored a matrix per expert or in MXFP4 (runs/weights.py's sources)."""
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
@@ -449,9 +454,10 @@ def _stored_names(model, files):
     for p, aliases in names.values():
         stored = next((n for n in aliases if n in files), None)
         if stored is None:
-            parts = _per_expert(aliases[0], tuple(p.shape), files)
-            if parts is not None:
-                assembled[aliases[0]] = (p, parts)
+            source = weights.per_expert(aliases[0], tuple(p.shape), files) or \
+                weights.mxfp4(aliases[0], tuple(p.shape), files)
+            if source is not None:
+                assembled[aliases[0]] = (p, source)
                 continue
             return f"{aliases[0]} is not in the files (transformers renames or converts this family's weights)"
         if files[stored][0] != tuple(p.shape):
@@ -462,16 +468,30 @@ def _stored_names(model, files):
 
 def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False):
     """(model with its parameters on meta and its buffers real, None), or (None, why not) where this folder's
-    weights cannot be read shard by shard: no safetensors files, or names and shapes the model does not have.
-    `dtype` overrides model_init_kwargs' (the reference in bfloat16); "auto" is the files' own."""
+    weights cannot be read shard by shard: no weight files (a hub id not in the cache: give model_folder's
+    answer), `.bin` files in torch.save's old format, or names and shapes the model does not have. `dtype`
+    overrides model_init_kwargs' (the reference in bfloat16); "auto" is the files' own. A quantization other
+    than MXFP4 raises ValueError."""
     kwargs = _init_kwargs(model_init_kwargs, "cpu")
     path = resolve_model_path(name_or_path)
-    files = weight_files(path)
+    if not os.path.isdir(path):
+        return None, (f"a hub id whose files are not all in the Hugging Face cache (`hf download {path}` puts them "
+                      f"there once, for every process)")
+    try:
+        files = weights.tensors(path)
+    except ValueError as e:  # .bin weights in the old format: whole loading reads them, and the line says why
+        return None, str(e)
     if not files:
-        return None, "no safetensors weights in a local folder"
+        return None, "no safetensors or .bin weights in the folder"
     located = {k: kwargs.pop(k) for k in _CONFIG_LOCATION if k in kwargs and k != "trust_remote_code"}
     config = _from_pretrained(AutoConfig.from_pretrained, path, trust_remote_code=kwargs.get("trust_remote_code"),
                               **located)
+    try:
+        quantized = quantization(config)
+    except ValueError as e:
+        raise ValueError(f"'{name_or_path}': {e}") from None
+    if quantized:  # the experts are dequantized as they are read (fill_shards): the model holds plain weights
+        del config.quantization_config
     auto_class = causal_lm_class(config)
     if auto_class is not AutoModelForCausalLM:
         return None, "a vision-language model loads whole (its files name its parts as transformers converts them)"
@@ -482,9 +502,8 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
     if dtype is not None:
         kwargs["dtype"] = dtype
     if kwargs.get("dtype") == "auto":  # as from_pretrained: the config's, else the files' first floating tensor's
-        from safetensors.torch import _getdtype
         saved = getattr(config, "dtype", None) or next(
-            (_getdtype(t) for _, t, _ in files.values() if _getdtype(t).is_floating_point), torch.float32)
+            (t for _, t, _ in files.values() if t.is_floating_point), torch.float32)
         kwargs["dtype"] = resolve_dtype(str(saved).replace("torch.", ""))
     with parameters_on_meta():
         model = auto_class.from_config(config, **kwargs)
@@ -498,8 +517,10 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
 
 def fill_shards(root, path, device):
     """Give a sharded root (parameters on meta, buffers real) this process's shards on `device`, read from the
-    folder's safetensors files: each process reads only its own slice of each weight (safetensors' sliced reads,
-    through torch.distributed.checkpoint's Hugging Face reader); the files' dtype is cast to the parameters'."""
+    folder's weight files: each process reads only its own slice of each weight; the files' dtype is cast to the
+    parameters'. Safetensors tensors stored as the model holds them go through torch.distributed.checkpoint's
+    Hugging Face reader (safetensors' sliced reads); the rest (`.bin` files, experts stored a matrix per expert or
+    in MXFP4) through runs/weights.py's `fill_rows`, which reads the same rows."""
     import torch.distributed.checkpoint as dcp
 
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}  # to_empty would leave them uninitialised
@@ -507,37 +528,14 @@ def fill_shards(root, path, device):
     with torch.no_grad():
         for n, b in root.named_buffers():
             b.copy_(buffers[n])
-        files = weight_files(path)
+        files = weights.tensors(path)
         state, assembled = _stored_names(root.lm, files)
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
-        _fill_experts(assembled, files, path)
+        if any(f.endswith(".safetensors") for _, _, f in files.values()):
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+        else:
+            assembled.update({n: (p, ("tensor", n)) for n, p in state.items()})
+        weights.fill_rows(assembled, files, path)
     return root
-
-
-def _fill_experts(assembled, files, path):
-    """Fill each fused expert parameter's shard from the per-expert matrices of the files: FSDP2 cuts dim 0, the
-    experts, into chunks of ceil(E / W), so this process reads its own experts' matrices and no other."""
-    from safetensors import safe_open
-
-    handles = {}
-    try:
-        for name, (p, parts) in assembled.items():
-            mine = p.to_local() if hasattr(p, "to_local") else p
-            world = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
-            rank = p.device_mesh.get_local_rank() if hasattr(p, "device_mesh") else 0
-            first = rank * -(-len(parts) // world)
-            if mine.shape[0] and first + mine.shape[0] > len(parts):
-                raise ValueError(f"{name}: a shard of {mine.shape[0]} experts from expert {first} of {len(parts)}")
-            for row, names in enumerate(parts[first:first + mine.shape[0]]):
-                pieces = []
-                for n in names:
-                    f = files[n][2]
-                    if f not in handles:
-                        handles[f] = safe_open(os.path.join(path, f), "pt")
-                    pieces.append(handles[f].get_tensor(n))
-                mine[row].copy_(torch.cat(pieces))
-    finally:
-        handles.clear()
 
 
 def build_reference_model(policy, beta):

@@ -276,14 +276,18 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     if world > 1 and not cfg.lora_rank and not cfg.routing_replay and not vision:
         load_parts = [("policy shards", tensor_bytes(params, world))] + (
             [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
-        notes.append(f"loading: each process reads its own shards from a local folder of safetensors weights; a hub "
-                     f"id or .bin weights build the whole model in each "
+        notes.append(f"loading: each process reads its own shards from a folder of safetensors or .bin weights (a hub "
+                     f"id's, in the Hugging Face cache); a hub id not downloaded yet builds the whole model in each "
                      f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
     else:
         load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
         notes.append("loading: every process builds the whole model in host memory, then the reference as a copy of "
                      "it, then shards (LoRA, routing replay and vision models load so)" if world > 1 else
                      "loading: the one process builds the model on its device, then the reference as a copy")
+    import model_loading
+    if model_loading.quantization(config):
+        notes.append(f"loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are "
+                     f"read (each process its own); counted here dequantized, in {str(param_dtype)[6:]}")
     loading = Phase("loading", load_parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu")
 
     # what stays through the run: the policy's shards, gradients and AdamW's moments and steps, the reference
@@ -507,6 +511,11 @@ def run(cfg):
         config = model_config(cfg)
     except (OSError, ValueError) as e:
         raise SystemExit(f"model: {e} (the plan needs the model's config.json alone, never its weights)") from e
+    import model_loading
+    try:  # a quantization loading would refuse, refused here
+        model_loading.quantization(config)
+    except ValueError as e:
+        raise SystemExit(f"model: {e}") from e
     limits = dict(gpu_gib=cfg.plan_gpu_memory if device == "cuda" else host / min(world, GPUS_PER_NODE),
                   host_gib=host)
     p = plan(cfg, config, world, device, **limits)

@@ -180,6 +180,7 @@ def load_models(cfg, d, load_device):
     # LoRA adds its adapters before sharding, routing replay wraps the routers before sharding: both load whole
     sharded = d.world_size > 1 and cfg.model != model_loading.TINY and not cfg.lora_rank and not cfg.routing_replay
     try:
+        path = model_loading.model_folder(path, cfg.model_init_kwargs)  # a hub id: its folder in the cache, if there
         tokenizer = model_loading.load_tokenizer(path)
         empty, why = model_loading.empty_model(path, cfg.model_init_kwargs, gradient_checkpointing=
                                                cfg.gradient_checkpointing) if sharded else (None, None)
@@ -201,6 +202,8 @@ def load_models(cfg, d, load_device):
         policy, ref = _load_whole(cfg, d, policy)
         how = "the whole model in each process" + (f" ({why})" if why else "")
     if d.master:
+        dequantized = model_loading.checkpoint_quantization(path, cfg.model_init_kwargs)
+        how += f"; quantization_config {dequantized}: its experts dequantized" if dequantized else ""
         print(f"loaded in {time.perf_counter() - start:.1f} s: {how}", flush=True)
     return tokenizer, policy, ref
 

@@ -481,11 +481,11 @@ def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
     weight as one process loads it (and gathered, the whole model) and the same buffers, about half of the
     model's bytes, and no rank had the model's parameters before its shards were read. With ref_bf16 the
     reference's shards are bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding."""
-    import model_loading
+    from runs import weights
     save_weights(tmp_path / "tied")
     save_weights(tmp_path / "untied", tie_word_embeddings=False)
     save_moe_weights(tmp_path / "moe")
-    stored = model_loading.weight_files(str(tmp_path / "moe"))
+    stored = weights.tensors(str(tmp_path / "moe"))
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored  # the per-expert form is what is read
     assert "model.layers.0.mlp.experts.gate_up_proj" not in stored
     script = tmp_path / "load.py"

@@ -195,3 +195,23 @@ def test_docs_table_is_the_plans(name):
     doc = open(os.path.join(ROOT, "docs", "memory.md")).read()
     for line in plan.table(names=(name,)).splitlines()[2:]:
         assert line in doc, line
+
+
+def test_a_quantized_checkpoint_is_named_and_planned_dequantized(tmp_path):
+    """gpt-oss's MXFP4 checkpoint (quantization_config quant_method mxfp4) is planned as the run holds it, its experts
+    dequantized, which one note says; any other quantization is refused in one line naming it, as loading does."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("gpt_oss", tok)
+    cfg = Config(prompts_per_step=4, num_generations=2, model_init_kwargs={"dtype": "bfloat16"})
+    plain = plan.plan(cfg, config, 2, "cuda")
+    config.quantization_config = {"quant_method": "mxfp4"}
+    quantized = plan.plan(cfg, config, 2, "cuda")
+    assert [ph.total for ph in quantized.phases] == [ph.total for ph in plain.phases]
+    assert [n for n in quantized.notes if n not in plain.notes] == [
+        "loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are read (each "
+        "process its own); counted here dequantized, in bfloat16"]
+    config.quantization_config = {"quant_method": "fp8"}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=r"^model: quantization_config quant_method 'fp8' is not supported \(") as e:
+        plan.run(dataclasses.replace(cfg, model=str(tmp_path), plan_world_size=2))
+    assert "\n" not in str(e.value)
