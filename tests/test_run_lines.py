@@ -1,0 +1,57 @@
+"""What a run says of itself is true to its settings: a --tp_size it cannot take stops in one line naming what is
+missing (before any weight is read, for a family the sampler cannot split). Unit calls only: no launch, no
+training."""
+
+
+import pytest
+import torch
+
+import architectures
+import config
+import model_loading
+import sharding
+from runs import setup
+from runs.cli import ConfigError
+
+ONE = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def _code(cfg, world):
+    with pytest.raises(ConfigError) as e:
+        config.validate(cfg, world)
+    return e.value.code
+
+
+def test_tp_size_on_one_process_says_it_needs_torchrun():
+    assert _code(config.Config(tp_size=2), 1) == ("config error: --tp_size: a group of 2 needs torchrun with a "
+                                                  "multiple of 2 processes; this is one process")
+
+
+def test_tp_size_that_does_not_divide_the_processes_names_those_that_do():
+    assert _code(config.Config(tp_size=3), 4) == ("config error: --tp_size: groups of 3 need a multiple of 3 "
+                                                  "processes, and there are 4 (1, 2 or 4 divides them)")
+
+
+def _folder(tmp_path, family):
+    """A model folder of the tests' `family` whose weights file is garbage: reading it would fail."""
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config(family, tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a weights file")
+    return str(tmp_path)
+
+
+def test_a_family_tensor_parallel_decoding_does_not_cover_stops_before_loading(tmp_path, capsys):
+    """OLMo 3 at --tp_size=2: one line naming the family and the reason and that --tp_size=1 runs it, before the
+    loading line and any weight (the weights file here cannot be read); no blame of the architecture."""
+    cfg = config.Config(model=_folder(tmp_path, "olmo3"), tp_size=2, out_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as e:
+        setup.load_models(cfg, ONE, "cpu")
+    assert e.value.code == ("config error: --tp_size: tensor-parallel decoding does not run Olmo3ForCausalLM at "
+                            "--tp_size=2 (Olmo3DecoderLayer: q and k norms over the whole projection, which a rank "
+                            "holding some heads cannot compute); --tp_size=1 runs it")
+    assert "loading" not in capsys.readouterr().out
+
+
+def test_a_family_it_covers_passes_the_check(tmp_path):
+    setup.check_tp_size(config.Config(tp_size=2), _folder(tmp_path, "qwen3"))
