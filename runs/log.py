@@ -231,6 +231,8 @@ def banner(run, resumed):
     reference = ("none (beta 0)" if cfg.beta == 0 else "the policy without adapters" if cfg.lora_rank else
                  f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
+    if cfg.ref_bf16 and cfg.beta > 0 and not cfg.lora_rank:  # its log-probs, and so the KL, are bfloat16 weights'
+        reference = reference.replace("copy", "copy in bfloat16 (--ref_bf16)", 1)
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
     from layers import lora  # here, not at the top: the rest of this file has no use for torch
     adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family
@@ -238,7 +240,7 @@ def banner(run, resumed):
         f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model} ({type(lm).__name__}): {count(total)} parameters, {count(trainable)} trainable | "
         f"reference: {reference}",
-        f"paths: {run.paths}{' | routing replay' if cfg.routing_replay else ''}",
+        f"paths: {paths(run.paths)}{' | routing replay' if cfg.routing_replay else ''}",
         *([adapted] if adapted else []),
         f"task {cfg.task}: {data} | rewards: {funcs}",
         f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step{minis}, micro-batches of "
@@ -258,6 +260,13 @@ def banner(run, resumed):
         lines.append(f"warning: {cfg.model} has {count(total)} parameters: on the CPU each step will be very slow "
                      f"(a GPU: torchrun --nproc_per_node 1 train.py ...)")
     return "\n".join(lines)
+
+
+def paths(said):
+    """The layers' words for the paths a model takes, less the "(routing replay)" they give every MoE model's
+    training forward: it reads as though replay were on, which only --routing_replay makes it (the banner says
+    so on its own, after the paths)."""
+    return said.replace(" (routing replay)", "")
 
 
 def busy_cpu(threads):

@@ -1,7 +1,8 @@
 """What a run says of itself is true to its settings: a --tp_size it cannot take stops in one line naming what is
-missing (before any weight is read, for a family the sampler cannot split). Unit calls only: no launch, no
-training."""
+missing (before any weight is read, for a family the sampler cannot split), the banner names the reference and the
+paths as the settings make them. Unit calls only: no launch, no training."""
 
+import types
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ import torch
 import architectures
 import config
 import model_loading
+import sampling
 import sharding
+from runs import log as run_log
 from runs import setup
 from runs.cli import ConfigError
 
@@ -55,3 +58,31 @@ def test_a_family_tensor_parallel_decoding_does_not_cover_stops_before_loading(t
 
 def test_a_family_it_covers_passes_the_check(tmp_path):
     setup.check_tp_size(config.Config(tp_size=2), _folder(tmp_path, "qwen3"))
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model, _ = architectures.tiny("qwen3_moe")
+    return model
+
+
+def _banner(model, **settings):
+    run = types.SimpleNamespace(
+        cfg=config.Config(**settings), d=ONE, policy=types.SimpleNamespace(lm=model), weights=[1.0],
+        task=types.SimpleNamespace(rows=None, reward_funcs=[run_log.count]), paths=sampling.path_of(model))
+    return run_log.banner(run, {"path": None}).splitlines()
+
+
+def test_a_moe_banner_names_routing_replay_only_when_it_is_on(moe):
+    paths = next(line for line in _banner(moe) if line.startswith("paths: "))
+    assert paths == ("paths: sampler on written-out layers, training on the model's own forward (MoE blocks, which "
+                     "train on the model's own expert kernels and routers)"), paths
+    paths = next(line for line in _banner(moe, routing_replay=True) if line.startswith("paths: "))
+    assert paths.endswith("expert kernels and routers) | routing replay"), paths
+
+
+def test_the_banner_says_a_bf16_reference_is_one(moe):
+    said = next(line for line in _banner(moe, ref_bf16=True) if line.startswith("model "))
+    assert said.endswith("reference: frozen copy in bfloat16 (--ref_bf16)"), said
+    said = next(line for line in _banner(moe) if line.startswith("model "))
+    assert said.endswith("reference: frozen copy"), said
