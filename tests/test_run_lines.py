@@ -1,6 +1,7 @@
 """What a run says of itself is true to its settings: a --tp_size it cannot take stops in one line naming what is
 missing (before any weight is read, for a family the sampler cannot split), the banner names the reference and the
-paths as the settings make them. Unit calls only: no launch, no training."""
+paths as the settings make them, and the step line shows where a long or uneven step's time went. Unit calls only:
+no launch, no training."""
 
 import types
 
@@ -86,3 +87,16 @@ def test_the_banner_says_a_bf16_reference_is_one(moe):
     assert said.endswith("reference: frozen copy in bfloat16 (--ref_bf16)"), said
     said = next(line for line in _banner(moe) if line.startswith("model "))
     assert said.endswith("reference: frozen copy"), said
+
+
+def test_a_long_uneven_step_shows_where_its_time_went():
+    """The slow reward's step: 256-token completions, some stopping early, 46% cut at the limit; the default
+    run's short, even steps keep their line."""
+    long = dict(step_time=12.4, generation_time=7.9, reward_time=2.1, update_time=2.3, truncated_frac=0.46,
+                completion_length=180.0, completion_length_max=256.0)
+    assert run_log.step_time(long) == ["12.40s (generation 7.90s, rewards 2.10s, update 2.30s)", "truncated 46%"]
+    uneven = dict(long, step_time=1.2)
+    assert run_log.step_time(uneven)[1] == "truncated 46%"
+    default = dict(step_time=0.08, generation_time=0.02, reward_time=0.001, update_time=0.06, truncated_frac=0.99,
+                   completion_length=3.98, completion_length_max=4.0)
+    assert run_log.step_time(default) == ["0.08s"]
