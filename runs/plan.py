@@ -448,7 +448,8 @@ def advise(cfg, config, p, more_gpus=True, **limits):
             more, _, _ = _fit_at(cfg, config, w, p.device, limits, bare=True)
             if more is not None:
                 advice, change = more
-                p.advice = [f"no setting fits {p.world} GPUs; {w} GPUs do: --plan_world_size={w}" +
+                gpus = "one GPU" if p.world == 1 else f"{p.world} GPUs"
+                p.advice = [f"no setting fits {gpus}; {w} GPUs do: --plan_world_size={w}" +
                             (f", with {advice.removeprefix('fits with ')}" if change else "")]
                 p.fix = (change, w)
                 return p
