@@ -306,3 +306,18 @@ def test_docs_table_of_tensor_parallel_families_is_the_codes():
     doc = open(os.path.join(ROOT, "docs", "memory.md")).read()
     table = tp_table()
     assert table in doc, table
+
+
+def test_more_gpus_are_advised_only_where_no_setting_fits_the_planned_ones():
+    """One GPU too small for any setting: the fewest GPUs that fit, with the settings they still need; applied, the
+    plan fits."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3", tok, num_hidden_layers=4, hidden_size=256, intermediate_size=512,
+                                  head_dim=64)
+    cfg = Config(prompts_per_step=8, num_generations=8, max_prompt_length=64, max_completion_length=64,
+                 micro_batch_size=1, gradient_checkpointing=True)
+    limits = dict(gpu_gib=0.006, host_gib=100)
+    p = plan.advise(cfg, config, plan.plan(cfg, config, 1, "cuda", **limits), **limits)
+    assert p.advice[0].startswith("no setting fits one GPU; 2 GPUs do: --plan_world_size=2, with all of: "), p.advice
+    change, world = p.fix
+    assert world == 2 and not plan.plan(dataclasses.replace(cfg, **change), config, world, "cuda", **limits).over()
