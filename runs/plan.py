@@ -240,8 +240,8 @@ def tp_refusal(model, size):
     from layers import static_decoder, vision
     if size == 1:
         return None
-    return static_decoder.tp_refusal(model, size) or \
-        ("a vision-language model" if vision.is_vision_model(model) else None)
+    # a vision-language model first: its language model sits where the decoder's check would not find its layers
+    return "a vision-language model" if vision.is_vision_model(model) else static_decoder.tp_refusal(model, size)
 
 
 def tp_verdict(model, size):
