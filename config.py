@@ -269,6 +269,16 @@ OTHER_NAMES = {
 }
 
 
+def tp_size_problem(tp_size, world_size):
+    """What a --tp_size that does not divide the processes needs, said for one process (no group at all) or for
+    several (the sizes that would divide them)."""
+    if world_size == 1:
+        return f"a group of {tp_size} needs torchrun with a multiple of {tp_size} processes; this is one process"
+    fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
+    return (f"groups of {tp_size} need a multiple of {tp_size} processes, and there are {world_size} "
+            f"({', '.join(map(str, fits[:-1]))} or {fits[-1]} divides them)")
+
+
 def validate(cfg, world_size=1):
     """ConfigError naming the first setting that is impossible (alone, or for `world_size` processes)."""
     def need(ok, key, message):
@@ -289,7 +299,7 @@ def validate(cfg, world_size=1):
          "needs beta > 0 and lora_rank=0 (otherwise no reference model is built)")
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
-    need(world_size % cfg.tp_size == 0, "tp_size", f"{cfg.tp_size} does not divide the {world_size} processes")
+    need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

@@ -91,8 +91,8 @@ def wandb_credentials():
 class Logger:
     """The step line, metrics.jsonl and wandb (when asked for); a no-op outside the master process."""
 
-    # what the step line shows, with short names, so that it fits a 120-column terminal (a slow scoring's
-    # "(rewards 5.02s)" may push a line with long numbers past it: a price worth paying where it shows)
+    # what the step line shows, with short names, so that it fits a 120-column terminal (a long or uneven step's
+    # time split and truncated share may push a line past it: a price worth paying where it shows)
     SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
              ("entropy", "entropy"), ("grad_norm", "grad"), ("tool_calls", "tools"))
 
@@ -125,10 +125,7 @@ class Logger:
         parts += [f"{short} {metrics[k]:.3g}" for k, short in self.SHOWN if k in metrics]
         if "dynamic/groups_kept" in metrics:  # dynamic sampling: groups with a signal / groups drawn
             parts.append(f"groups {metrics['dynamic/groups_kept']}/{metrics['dynamic/groups_drawn']}")
-        # scoring named where it takes a good part of the step: a slow reward function is otherwise invisible
-        slow_rewards = metrics.get("reward_time", 0) >= max(0.1, 0.2 * metrics["step_time"])
-        parts.append(f"{metrics['step_time']:.2f}s" +
-                     (f" (rewards {metrics['reward_time']:.2f}s)" if slow_rewards else ""))
+        parts += step_time(metrics)
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
         print("\n".join([" | ".join(parts)] + [f"  note: {n}" for n in self.notes(metrics)]), flush=True)
@@ -201,6 +198,24 @@ class Logger:
                 self.wandb.finish()
 
 
+LONG_STEP = 5.0  # seconds: past this, where a step's time goes is worth a glance on every line
+UNEVEN = 1.25    # the longest completion this many times the mean: the rollout waits for its longest rows
+
+
+def step_time(metrics):
+    """The step line's time: where it went and how many completions ran to the limit when the step is long or its
+    completions uneven (some rows stop early, the step waits for those that run on), where a slow sampler, update
+    or reward is otherwise invisible; else the step's seconds, with the rewards' where they take a good part."""
+    t, rewards = metrics["step_time"], metrics.get("reward_time", 0)
+    truncated = metrics.get("truncated_frac", 0)
+    uneven = metrics.get("completion_length_max", 0) >= UNEVEN * max(metrics.get("completion_length", 0), 1)
+    if t >= LONG_STEP or uneven:
+        split = ", ".join(f"{name} {metrics[k]:.2f}s" for k, name in (
+            ("generation_time", "generation"), ("reward_time", "rewards"), ("update_time", "update")) if k in metrics)
+        return [f"{t:.2f}s ({split})"] + ([f"truncated {truncated:.0%}"] if truncated else [])
+    return [f"{t:.2f}s" + (f" (rewards {rewards:.2f}s)" if rewards >= max(0.1, 0.2 * t) else "")]
+
+
 def first_image(fields, i):
     """Row i's picture for the completions table: its `image`, or the first of its `images`; None without one."""
     image = fields.get("image", [None] * (i + 1))[i]
@@ -231,6 +246,8 @@ def banner(run, resumed):
     reference = ("none (beta 0)" if cfg.beta == 0 else "the policy without adapters" if cfg.lora_rank else
                  f"copy mixed toward the policy every {cfg.ref_model_sync_steps} optimizer steps (alpha "
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
+    if cfg.ref_bf16 and cfg.beta > 0 and not cfg.lora_rank:  # its log-probs, and so the KL, are bfloat16 weights'
+        reference = reference.replace("copy", "copy in bfloat16 (--ref_bf16)", 1)
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
     from layers import lora  # here, not at the top: the rest of this file has no use for torch
     adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family

@@ -1,5 +1,8 @@
 """The memory plan: what each process and each GPU will hold in each phase of a run, before any weight is read.
 
+One concern in one file (past 650 lines on purpose): the plan, and the advice and the docs' table, which are plans
+made again with other settings; apart, the advice would import the plan and the plan's entry point the advice.
+
 `python train.py --plan` (with the run's other settings) builds the model from its config on the meta device (no
 weights: a folder with config.json, a hub id whose config is cached or reachable, or a config object in a test),
 counts its tensors, and prints per GPU (or per process on a CPU run) and per host process the bytes of each phase
@@ -16,7 +19,8 @@ is estimated:
   logits buffers, and the model's own forward where the sampler takes it (MoE blocks under FSDP2).
 
 `SHAPES` holds the published shapes of the models in docs/memory.md's table; `python -m runs.plan` prints it.
-Imports: torch, transformers, model_loading, layers/ (the decoder and LoRA); nothing imports it but train.py and tests.
+Imports: torch, transformers, model_loading, layers/ (the decoder and LoRA); imported by train.py (--plan), runs/setup.py
+(the --tp_size check at the start of a run) and tests.
 """
 
 import dataclasses
@@ -113,6 +117,7 @@ class Plan:
     notes: list
     advice: list = dataclasses.field(default_factory=list)
     fix: tuple = None    # (settings changed, world size) that make the plan fit, from `advise`; None if none do
+    lengths: tuple = (0, 0)  # (prompt, completion) tokens every row is planned at: the longest each may be
 
     def phase(self, name):
         return next(p for p in self.phases if p.name == name)
@@ -228,6 +233,25 @@ def decoder_bytes(dec):
             "per-row tables": tensor_bytes(tables)}
 
 
+def tp_refusal(model, size):
+    """Why the sampler cannot split `model` over tensor-parallel groups of `size` ranks, in a few words naming the
+    layer class and the feature; None when it can. The one place that asks layers/ (the run's start, the plan and
+    its advice all ask here), so that where the answer comes from can change in one line."""
+    from layers import transformer, vision
+    if size == 1:
+        return None
+    # a vision-language model first: its language model sits where the decoder's check would not find its layers
+    return "a vision-language model" if vision.is_vision_model(model) else transformer.decide(model, size).sampler
+
+
+def tp_verdict(model, size):
+    """The one line that stops a run (or a plan) whose --tp_size the sampler cannot split `model` over, naming the
+    family and the reason; None when it can."""
+    why = tp_refusal(model, size)
+    return why and (f"tensor-parallel decoding does not run {type(model).__name__} at --tp_size={size} ({why}); "
+                    f"--tp_size=1 runs it")
+
+
 def _decoder_on_meta(model, rows, length, tp_size=1):
     """A StaticDecoder for `rows` rows of `length` tokens built on the meta device (rank 0's slices of a
     tensor-parallel group of `tp_size`), or None where the model's layers are not written out."""
@@ -256,6 +280,9 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     param_dtype, compute, sharded = _dtypes(cfg, device, world)
     cb = compute.itemsize
     model = meta_model(config, param_dtype, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    refused = tp_verdict(model, cfg.tp_size)
+    if refused:  # never planned as a path the run would not take
+        raise ValueError(refused)
     params = _unique(model.parameters())
     trained = [p for p in params if p.requires_grad]
     blocks = _blocks(model)
@@ -268,7 +295,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
 
     # loading: with several processes, each reads its own shards of the policy and the reference from a local folder
     # of safetensors weights (runs/setup.py); else the whole model on the host (or on its GPU when alone), then the
-    # reference as a copy
+    # reference as a copy (LoRA makes none: its reference is the policy without its adapters)
     whole = tensor_bytes(params)
     ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
     vision = getattr(config, "vision_config", None) is not None
@@ -281,9 +308,11 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                      f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
     else:
         load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
-        notes.append("loading: every process builds the whole model in host memory, then the reference as a copy of "
-                     "it, then shards (LoRA, routing replay and vision models load so)" if world > 1 else
-                     "loading: the one process builds the model on its device, then the reference as a copy")
+        then = ", then the reference as a copy of it" if reference else \
+            " (no reference copy: " + ("beta 0)" if cfg.beta == 0 else "LoRA's is the policy without its adapters)")
+        notes.append(f"loading: every process builds the whole model in host memory{then}, then shards (LoRA, "
+                     f"routing replay and vision models load so)" if world > 1 else
+                     f"loading: the one process builds the model on its device{then}")
     import model_loading
     if model_loading.quantization(config):
         notes.append(f"loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are "
@@ -361,99 +390,149 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     phases = [loading, generation, training] + ([Phase("training state on the host", host, where="host")]
                                                   if host else [])
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
-                int(gpu_gib * GiB), int(host_gib * GiB), notes)
+                int(gpu_gib * GiB), int(host_gib * GiB), notes,
+                lengths=(cfg.max_prompt_length, cfg.max_completion_length))
 
 
 # ----------------------------------------------------------------------------- what would make it fit
 
 
-def _candidates(cfg, world, more_gpus=True):
-    """(what to type, the changed settings, the changed world size) worth trying, cheapest to the run first."""
+def _candidates(cfg, config, world, device):
+    """(what to type, the changed settings) worth trying at `world` processes, cheapest to the run first."""
     rows = cfg.prompts_per_step * cfg.num_generations // world
     out = []
     if not cfg.gradient_checkpointing:
-        out.append(("--gradient_checkpointing=true", dict(gradient_checkpointing=True), world))
+        out.append(("--gradient_checkpointing=true", dict(gradient_checkpointing=True)))
     mb = cfg.micro_batch_size
     while mb > 1 and not cfg.micro_batch_tokens:
         mb //= 2
-        out.append((f"--micro_batch_size={mb}", dict(micro_batch_size=mb), world))
+        out.append((f"--micro_batch_size={mb}", dict(micro_batch_size=mb)))
     g = cfg.generation_batch_size or rows
     while g > 1:
         g //= 2
-        out.append((f"--generation_batch_size={g}", dict(generation_batch_size=g), world))
+        out.append((f"--generation_batch_size={g}", dict(generation_batch_size=g)))
     if cfg.lora_rank == 0:
-        out.append(("--lora_rank=16", dict(lora_rank=16), world))
+        out.append(("--lora_rank=16", dict(lora_rank=16)))
     if cfg.beta > 0 and cfg.lora_rank == 0:
-        out.append(("--beta=0 (no reference model)", dict(beta=0.0), world))
+        out.append(("--beta=0 (no reference model)", dict(beta=0.0)))
     t = cfg.tp_size
+    model = meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     while t * 2 <= min(world, GPUS_PER_NODE) and world % (t * 2) == 0:  # groups within a node
         t *= 2
-        out.append((f"--tp_size={t}", dict(tp_size=t), world))
+        if not tp_refusal(model, t):  # a size the sampler cannot split this model over is no advice
+            out.append((f"--tp_size={t}", dict(tp_size=t)))
     if world > 1 and not cfg.cpu_offload:
-        out.append(("--cpu_offload", dict(cpu_offload=True), world))
+        out.append(("--cpu_offload", dict(cpu_offload=True)))
     if cfg.beta > 0 and cfg.lora_rank == 0 and not cfg.ref_bf16:
-        out.append(("--ref_bf16", dict(ref_bf16=True), world))
+        out.append(("--ref_bf16", dict(ref_bf16=True)))
     if "dtype" not in cfg.model_init_kwargs:
         out.append(("--model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
-                    dict(model_init_kwargs={**cfg.model_init_kwargs, "dtype": "bfloat16"}), world))
-    w = world if more_gpus else 64
-    while w < 64:
+                    dict(model_init_kwargs={**cfg.model_init_kwargs, "dtype": "bfloat16"})))
+    return out
+
+
+def _more_gpus(cfg, world, most=64):
+    """The larger numbers of GPUs (doubling, up to `most`) the step's rows split over evenly."""
+    out, w = [], world
+    while w * 2 <= most:
         w *= 2
         if cfg.prompts_per_step * cfg.num_generations % w == 0:
-            out.append((f"--plan_world_size={w} ({w} {'GPUs' if cfg.device != 'cpu' else 'processes'})", {}, w))
+            out.append(w)
     return out
 
 
 def advise(cfg, config, p, more_gpus=True, **limits):
-    """Fill p.advice: for each phase that does not fit, the settings that alone make the whole plan fit; else the
-    fewest, chosen greedily, that do; else what is missing (not built yet)."""
+    """Fill p.advice and p.fix for a plan that does not fit: the settings that alone make the whole plan fit at its
+    world size, else the fewest, chosen greedily, that do together; only where none do, more GPUs (with settings if
+    need be; never on a CPU plan, whose processes share one machine's memory); else what is missing."""
     if not p.over():
         return p
-    tried = []
-    for label, change, w in _candidates(cfg, p.world, more_gpus):
-        q = plan(dataclasses.replace(cfg, **change), config, w, p.device, **limits)
-        tried.append((label, change, w, q))
-    alone = [(label, change, w) for label, change, w, q in tried if not q.over()]
-    if alone:
-        p.advice = [f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}"]
-        p.fix = alone[0][1:]
+    fit, chosen, left = _fit_at(cfg, config, p.world, p.device, limits)
+    if fit is None and more_gpus and p.device == "cuda":
+        for w in _more_gpus(cfg, p.world):
+            more, _, _ = _fit_at(cfg, config, w, p.device, limits, bare=True)
+            if more is not None:
+                advice, change = more
+                gpus = "one GPU" if p.world == 1 else f"{p.world} GPUs"
+                p.advice = [f"no setting fits {gpus}; {w} GPUs do: --plan_world_size={w}" +
+                            (f", with {advice.removeprefix('fits with ')}" if change else "")]
+                p.fix = (change, w)
+                return p
+    if fit is not None:
+        p.advice, p.fix = [fit[0]], (fit[1], p.world)
         return p
-    # greedily: the change that lowers the largest excess most, until it fits
-    chosen, cur, world = [], cfg, p.world
+    more = "more memory per GPU or more GPUs" if p.device == "cuda" else "more memory"
+    p.advice = [f"does not fit with the settings there are ({' '.join(chosen)} still leaves "
+                f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in left.over())}); it would take "
+                f"{more}"]
+    return p
+
+
+def _plan_or_none(cfg, config, world, device, limits):
+    """The plan, or None where the settings are ones the run would refuse (a --tp_size, LoRA on a model)."""
+    try:
+        return plan(cfg, config, world, device, **limits)
+    except ValueError:
+        return None
+
+
+def _fit_at(cfg, config, world, device, limits, bare=False):
+    """What makes the run fit at `world` processes: ((advice, the settings changed), None, None), from the settings
+    that do alone (or, `bare`, none at all), else the fewest that do together; else (None, the settings tried
+    together, the plan they still leave)."""
+    if bare:
+        q = _plan_or_none(cfg, config, world, device, limits)
+        if q is not None and not q.over():
+            return (f"fits with --plan_world_size={world}", {}), None, None
+    tried = _candidates(cfg, config, world, device)
+    alone = [(label, change) for label, change in tried
+             if (q := _plan_or_none(dataclasses.replace(cfg, **change), config, world, device, limits)) is not None
+             and not q.over()]
+    if alone:
+        return (f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}", alone[0][1]), None, None
+    chosen, cur, q = _together(cfg, config, world, device, tried, limits)
+    if q is not None and not q.over():
+        change = {f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
+                  if getattr(cur, f.name) != getattr(cfg, f.name)}
+        return (f"fits with all of: {' '.join(chosen)}", change), None, None
+    return None, chosen, q or plan(cfg, config, world, device, **limits)
+
+
+def _together(cfg, config, world, device, tried, limits):
+    """Greedily, the change that lowers the largest excess most (one value of each setting), until the plan fits or
+    six are chosen; then the mildest value of each halved setting that still fits beside the others: (the labels
+    chosen, the settings, the last plan)."""
+    chosen, cur, q = [], cfg, None
     for _ in range(6):
         best = None
-        for label, change, w, _ in tried:
-            if label.split("=")[0] in {c.split("=")[0] for c in chosen}:  # one value of each setting
+        for label, change in tried:
+            if label.split("=")[0] in {c.split("=")[0] for c in chosen}:
                 continue
-            q = plan(dataclasses.replace(cur, **change), config, max(w, world), p.device, **limits)
-            worst = max((b for _, b in q.over()), default=0)
+            q2 = _plan_or_none(dataclasses.replace(cur, **change), config, world, device, limits)
+            worst = math.inf if q2 is None else max((b for _, b in q2.over()), default=0)
             if best is None or worst < best[0]:
-                best = (worst, label, change, max(w, world), q)
-        if best is None:
+                best = (worst, label, change, q2)
+        if best is None or best[3] is None:
             break
-        _, label, change, world, q = best
+        _, label, change, q = best
         chosen.append(label)
         cur = dataclasses.replace(cur, **change)
         if not q.over():
-            # the mildest value of each halved setting that still fits beside the others (tried lists them mildest first)
-            for i, picked in enumerate(chosen):
-                key = picked.split("=")[0]
-                for label2, change2, w2, _ in tried:
-                    if label2 == picked:  # only milder values than the one picked
-                        break
-                    if label2.split("=")[0] != key or w2 != world or not change2:
-                        continue
-                    if not plan(dataclasses.replace(cur, **change2), config, world, p.device, **limits).over():
-                        chosen[i], cur = label2, dataclasses.replace(cur, **change2)
-                        break
-            p.advice = [f"fits with all of: {' '.join(chosen)}"]
-            p.fix = ({f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
-                      if getattr(cur, f.name) != getattr(cfg, f.name)}, world)
-            return p
-    p.advice = [f"does not fit with the settings there are ({' '.join(chosen)} still leaves "
-                f"{', '.join(f'{ph.name} over by {b / GiB:.1f} GiB' for ph, b in q.over())}); it would take more "
-                f"memory per GPU or more GPUs"]
-    return p
+            break
+    if q is None or q.over():
+        return chosen, cur, q
+    for i, picked in enumerate(chosen):  # tried lists each setting's values mildest first
+        key = picked.split("=")[0]
+        for label2, change2 in tried:
+            if label2 == picked:  # only milder values than the one picked
+                break
+            if label2.split("=")[0] != key:
+                continue
+            milder = _plan_or_none(dataclasses.replace(cur, **change2), config, world, device, limits)
+            if milder is not None and not milder.over():
+                chosen[i], cur = label2, dataclasses.replace(cur, **change2)
+                break
+    return chosen, cur, q
 
 
 def _first_of_each(labels):
@@ -470,12 +549,14 @@ def _first_of_each(labels):
 # ----------------------------------------------------------------------------- printing
 
 
-def report(p):
-    """The plan as text: each phase's parts and total, what does not fit, the advice."""
+def report(p, host_from=""):
+    """The plan as text: each phase's parts and total, what does not fit, the verdict with the lengths it assumed
+    and the advice. host_from: which figure the host memory is (printed beside it)."""
     where = "GPU" if p.device == "cuda" else "process"
     lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
              f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}, host per node "
-             f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"]
+             f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"
+             + (f" ({host_from})" if host_from else "")]
     for ph in p.phases:
         on = "per host process" if ph.where == "host" else f"per {where}"
         lines.append(f"  {ph.name} ({on}): {_size(ph.total).strip()}")
@@ -483,7 +564,10 @@ def report(p):
     lines += [f"  note: {n}" for n in p.notes]
     for ph, b in p.over():
         lines.append(f"  does not fit: {ph.name}, {b / GiB:.1f} GiB over")
-    lines += [f"  {a}" for a in p.advice] or (["  fits"] if not p.over() else [])
+    # every row is planned at its longest: a task whose prompts are short fits more with a lower --max_prompt_length
+    prompt, completion = p.lengths
+    assumed = f" (rows planned at prompts of {prompt} tokens, --max_prompt_length, and completions of {completion})"
+    lines += [f"  {a}{assumed}" for a in p.advice] or ([f"  fits{assumed}"] if not p.over() else [])
     return "\n".join(lines)
 
 
@@ -500,13 +584,27 @@ def machine_host_gib():
         return 0.0
 
 
+NODE_HOST_GIB = 2048.0  # a node of 8 x 80 GB GPUs (2 TiB of host memory): the figure docs/memory.md's table assumes
+
+
+def host_memory(cfg, world, device):
+    """(GiB of host memory per node, which figure that is): --plan_host_memory; else, planning GPUs for other than
+    this machine's processes (a node from a laptop), a node's; else this machine's."""
+    if cfg.plan_host_memory:
+        return cfg.plan_host_memory, "--plan_host_memory"
+    if device == "cuda" and world != int(os.environ.get("WORLD_SIZE", "1")):
+        return NODE_HOST_GIB, "a node's by default, not this machine's: --plan_host_memory sets it"
+    return machine_host_gib(), "this machine's: --plan_host_memory sets it"
+
+
 def run(cfg):
-    """`train.py --plan`: the plan of the run `cfg` as text, from the model's config alone."""
+    """`train.py --plan`: the plan of the run `cfg` as text, from the model's config alone. A --tp_size the sampler
+    cannot split the model over is said first, in the line the run would stop with, then planned at --tp_size=1."""
     world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
     from config import validate
     validate(cfg, world)  # the rows must split over the processes planned for, as they must in the run
     device = "cpu" if cfg.device == "cpu" else "cuda"
-    host = cfg.plan_host_memory or machine_host_gib()
+    host, host_from = host_memory(cfg, world, device)
     try:
         config = model_config(cfg)
     except (OSError, ValueError) as e:
@@ -518,8 +616,13 @@ def run(cfg):
         raise SystemExit(f"model: {e}") from e
     limits = dict(gpu_gib=cfg.plan_gpu_memory if device == "cuda" else host / min(world, GPUS_PER_NODE),
                   host_gib=host)
+    refused = tp_verdict(meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha,
+                                    cfg.lora_target_modules), cfg.tp_size)
+    if refused:
+        cfg = dataclasses.replace(cfg, tp_size=1)
     p = plan(cfg, config, world, device, **limits)
-    return report(advise(cfg, config, p, **limits))
+    text = report(advise(cfg, config, p, **limits), host_from)
+    return f"--tp_size: {refused}. The plan at --tp_size=1:\n{text}" if refused else text
 
 
 # ----------------------------------------------------------------------------- the table of docs/memory.md

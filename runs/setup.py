@@ -5,6 +5,7 @@ Models load the deferred way (model_loading.py) on the CPU when several processe
 run's device; the tiny models are written to out_dir by rank 0 and read by every rank.
 """
 
+import dataclasses
 import functools
 import os
 import time
@@ -82,10 +83,6 @@ def setup(cfg, d):
     sharding.free_gathered(policy)
     for model in (policy, ref) if ref is not None else (policy,):  # the reference: the same layers, frozen
         transformer.attach(model.lm, paths)
-    if cfg.tp_size > 1:  # what the sliced decoder cannot run stops here, named, before anything else loads
-        why = paths.sampler or ("a vision-language model" if vision.is_vision_model(policy.lm) else None)
-        if why:
-            raise ConfigError("tp_size", f"tensor-parallel decoding needs the written-out layers: {why}")
     responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
@@ -174,6 +171,7 @@ def load_models(cfg, d, load_device):
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
+    check_tp_size(cfg, path)
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
     start = time.perf_counter()
@@ -206,6 +204,23 @@ def load_models(cfg, d, load_device):
         how += f"; quantization_config {dequantized}: its experts dequantized" if dequantized else ""
         print(f"loaded in {time.perf_counter() - start:.1f} s: {how}", flush=True)
     return tokenizer, policy, ref
+
+
+def check_tp_size(cfg, path):
+    """Stop, in one line naming the family and the reason, a --tp_size the sampler cannot split the model at `path`
+    over: asked of the model built from its config on the meta device, before any weight is read (every rank
+    meets it alike; rank 0 says it)."""
+    if cfg.tp_size == 1:
+        return
+    from runs import plan
+    try:
+        config = plan.model_config(dataclasses.replace(cfg, model=path))
+        model = plan.meta_model(config, torch.float32, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    except (OSError, ValueError):  # a folder, hub id or LoRA target that loading names in its own line
+        return
+    why = plan.tp_verdict(model, cfg.tp_size)
+    if why:
+        raise ConfigError("tp_size", why)
 
 
 def _load_whole(cfg, d, policy):
