@@ -11,7 +11,7 @@ import torch
 import architectures
 import config
 import model_loading
-import sampling
+from layers import transformer
 import sharding
 from runs import log as run_log
 from runs import setup
@@ -70,7 +70,7 @@ def moe():
 def _banner(model, **settings):
     run = types.SimpleNamespace(
         cfg=config.Config(**settings), d=ONE, policy=types.SimpleNamespace(lm=model), weights=[1.0],
-        task=types.SimpleNamespace(rows=None, reward_funcs=[run_log.count]), paths=sampling.path_of(model))
+        task=types.SimpleNamespace(rows=None, reward_funcs=[run_log.count]), paths=transformer.decide(model).banner())
     return run_log.banner(run, {"path": None}).splitlines()
 
 
