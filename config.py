@@ -149,6 +149,10 @@ class Config:
     max_prompt_length: int = setting(512, run=True, at_least=1)  # longer prompts are cut from the left
     generation_batch_size: int = setting(0, run=False, at_least=0)  # completions decoded at once on each process; 0 =
         # all of them. Fewer = a smaller KV cache (long completions); same seeds either way
+    rollouts_in_flight: int = setting(0, run=False, at_least=0)  # decode places each process's rows stream through:
+        # when a row ends, its place takes the next row waiting (a prefill into that place while the others decode
+        # on), so long rows do not leave the batch drained. 0 = batches of generation_batch_size, one after another.
+        # The same completions either way (each row draws from its own seed); the KV cache holds this many rows
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
         # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
         # it divides the number of processes. Same completions as 1, less memory per process while sampling

@@ -254,7 +254,7 @@ class Turn(NamedTuple):
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, check_every=8,
            all_done=None, static_cache=True, compact=True, cuda_graph=True, keep_decoder=False,
            attention_kernel=False, stop_sequences=(), respond=None, max_turns=1, record_routing=False, images=None,
-           tp=None, dtype=None, **options):
+           tp=None, dtype=None, in_flight=0, **options):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     draw: how each token is drawn (`Draw`), or its fields as keywords (`options`: temperature, top_k, top_p).
@@ -285,7 +285,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     share of a tensor-parallel group (layers/tensor_parallel.py) whose ranks all call `sample` with the same rows:
     StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (its FSDP2 shards
     gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's copies' dtype
-    (the model's own by default; a sharded model's compute dtype).
+    (the model's own by default; a sharded model's compute dtype). in_flight: on StaticDecoder, decode `in_flight`
+    rows at a time and stream the others through their places: when a row ends, its place takes the next row
+    (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once.
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -312,9 +314,12 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
     vocab = None
+    places = n
     if sliced or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
-        steps = _StaticSteps(model, prompt_ids, attn, positions, max_new_tokens, cuda_graph, attention_kernel,
-                             record=replay is not None, tp=tp if sliced else WHOLE, dtype=dtype)
+        places = in_flight if 0 < in_flight < n and replay is None else n
+        steps = _StaticSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
+                             cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
+                             dtype=dtype)
         vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
         if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -332,8 +337,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     else:
         pick = draw.whole
     try:
+        waiting = _Waiting(prompt_ids, attn, positions, places)
         rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, pick,
-                          keys, check_every, all_done, respond, max_turns, compact, device)
+                          keys, check_every, all_done, respond, max_turns, compact, device, waiting)
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
@@ -376,6 +382,10 @@ class _StaticSteps:
 
     def routed(self, prompt_width, length):
         return self.dec.routed(prompt_width, length)
+
+    def admit(self, batch_rows, positions):
+        """Batch rows `batch_rows` (a tensor) made empty places for rows whose prompts have these positions (k, P)."""
+        self.dec.admit(batch_rows, positions)
 
     def compact(self, keep, live, fed_top):
         """Keep the batch rows `keep` (a tensor) if that is worth a copy of the cache; True if it was done."""
@@ -442,14 +452,18 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 
 def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, check_every, all_done, respond,
-            max_turns, compact, device):
+            max_turns, compact, device, waiting):
     """The loop behind `sample`. Each iteration draws a token for every row of the batch; at a check it finds the
-    rows that paused, asks for the environment's answers, ends rows and may compact the batch; then it feeds the
-    batch: one decode step, or an extend step where some rows take an answer. `_Rows` holds the rows' state."""
-    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device)
+    rows that paused, asks for the environment's answers, ends rows, gives the places of ended rows to rows
+    `waiting` and, with none waiting, may compact the batch; then it feeds the batch: one decode step, or an extend
+    step where some rows take an answer or a new row's prompt. `_Rows` holds the rows' state."""
+    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting)
     # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
-    # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times)
+    # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times); rows streaming through
+    # fewer places take turns, each admitted at a check (list scheduling: at most the rows per place, plus one)
     limit = max_new + (max_turns - 1) * (check_every - 1)
+    if waiting.places < n:
+        limit = (-(-n // waiting.places) + 1) * (limit + check_every)
     logits, it = steps.first_logits, 0
     while True:
         tok, col = rows.draw(logits, draw, keys)
@@ -463,11 +477,27 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, chec
                 break
             if scheduled and all_done(torch.as_tensor(~rows.active, device=device)):
                 break
-            if compact and len(rows.rows_h):
+            if rows.waiting.rows:
+                feeds += rows.admit()
+            elif compact and len(rows.rows_h):
                 feeds, tok, col = rows.compact(feeds, tok, col)
             rows.realign()
         logits = rows.feed(logits, tok, col, feeds)
     return rows.rollout()
+
+
+class _Waiting:
+    """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
+    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P)."""
+
+    def __init__(self, ids, attn, positions, places):
+        self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
+        self.rows = list(range(places, ids.shape[0]))
+
+    def prompts(self, rows):
+        """Each row's prompt tokens, its padding left out."""
+        real = self.attn[torch.as_tensor(rows, device=self.ids.device)].bool()
+        return [ids[keep].tolist() for ids, keep in zip(self.ids[torch.as_tensor(rows, device=self.ids.device)], real)]
 
 
 class _Rows:
@@ -482,7 +512,7 @@ class _Rows:
     rows are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
     """
 
-    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device):
+    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting):
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
         self.respond, self.max_turns = respond, max_turns
         self.spare = max_new  # the last column and cache position, where finished rows may write
@@ -492,8 +522,9 @@ class _Rows:
         self.ptr, self.active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
         self.truncated, self.turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
         self.turn_start, self.checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        self.rows_h, self.rows = np.arange(n), torch.arange(n, device=device)
-        self.feed_h = np.full(n, -1, dtype=np.int64)
+        self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
+        self.rows_h, self.rows = np.arange(waiting.places), torch.arange(waiting.places, device=device)
+        self.feed_h = np.full(waiting.places, -1, dtype=np.int64)
         self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
         self.eos = set(int(e) for e in eos_ids)
         self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
@@ -624,6 +655,19 @@ class _Rows:
             self.turns[r] += 1
         return feeds
 
+    def admit(self):
+        """Give the batch places whose rows ended to the rows waiting, in order: each place forgets its row
+        (steps.admit) and its new row's prompt is fed as an environment's answer is. The feeds of those prompts."""
+        free = np.flatnonzero(~self.active[self.rows_h])[:len(self.waiting.rows)]
+        if not len(free):
+            return []
+        new = np.array([self.waiting.rows.pop(0) for _ in free])
+        free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
+        self.rows_h[free], self.rows[free_t] = new, new_t
+        self.steps.admit(free_t, self.waiting.positions[new_t])
+        self.device_state.clear()
+        return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))]
+
     def compact(self, feeds, tok, col):
         """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
         tokens and columns of the rows kept."""
@@ -719,7 +763,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     `images`: the rows' vision.PromptImages, or None.
     """
     n = prompt_ids.shape[0]
-    size = cfg.generation_batch_size or n
+    size = _batch_size(policy, cfg, n, record_routing or images is not None)
     parts = []
     tp = getattr(d, "tp", None)
     if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
@@ -741,11 +785,21 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     return rollout, text
 
 
+def _batch_size(policy, cfg, n, no_streaming):
+    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places (the
+    written-out decoder admits rows into places; routing replay's records and images need batches), else batches
+    of that many, or of generation_batch_size (0: all)."""
+    if cfg.rollouts_in_flight:
+        streams = not no_streaming and transformer.paths_of(policy.lm).samples_written_out()
+        return n if streams else cfg.rollouts_in_flight
+    return cfg.generation_batch_size or n
+
+
 def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
                   record_routing, images):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
-    size = cfg.generation_batch_size or n
+    size = _batch_size(policy, cfg, n, record_routing or images is not None)
     parts = []
     for s in range(0, n, size):
         rows = slice(s, s + size)
@@ -756,7 +810,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                             all_done=sharding.all_done_fn(d),
                             # the next batch reuses the weight copies and the cache
                             keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
-                            record_routing=record_routing,
+                            record_routing=record_routing, in_flight=cfg.rollouts_in_flight,
                             images=None if images is None else images.rows(rows), **turns))
     return parts
 
@@ -775,7 +829,8 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
     rollout = sample(policy.lm, ids, mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
                      pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d),
                      keep_decoder=keep_decoder, attention_kernel=cfg.decode_attention_kernel,
-                     record_routing=record_routing, tp=tp, dtype=dtype, **turns)
+                     record_routing=record_routing, tp=tp, dtype=dtype, in_flight=cfg.rollouts_in_flight * tp.size,
+                     **turns)
     mine = rollout_rows(rollout, torch.arange(tp.rank * n, (tp.rank + 1) * n))
     if mine.prompt_routing is not None:  # this rank's own prompt width
         mine.prompt_routing = mine.prompt_routing[:, pad:]

@@ -137,6 +137,7 @@ class StaticDecoder:
         self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
+        self.admissions = 0  # rows admitted into the places of rows that ended (`admit`)
         self.n_rows = None  # rows at the last prefill
 
     @torch.no_grad()
@@ -321,6 +322,29 @@ class StaticDecoder:
         rope = {key: (c[:n, :p, None], s[:n, :p, None]) for key, c, s in zip(self.rotary_keys, self.cos, self.sin)}
         x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
         return self._logits(x[:, -1])
+
+    @torch.no_grad()
+    def admit(self, rows, positions):
+        """Make the batch rows `rows` (a tensor (k,)) empty places for new rows whose left-padded prompts have the
+        positions (k, P): their cache slots forgotten, their rotary tables (and window positions) those of the new
+        rows' tokens, their recurrent states empty. The prompts then enter by `extend`, as an environment's answer
+        does, while the other rows keep their cache: admission of a row into a place, of which prefill is the case
+        of every place at once."""
+        self._mark()
+        self.admissions += rows.numel()
+        self.unpadded = False  # the places' first slots are padding now: decode reads the mask
+        self.narrow_from = None  # rows at other positions: slots no longer align across rows
+        p = positions.shape[1]
+        all_pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(self.max_len - p, device=self.device)], 1)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
+            cos, sin = transformer._rotary(self.rotary, self.fam, probe, all_pos, key)
+            cos_t[rows], sin_t[rows] = cos, transformer._signed_sin(sin)
+        if self.pos is not None:
+            self.pos[rows] = all_pos
+        self.key_mask[rows] = False
+        for layer in self.recurrent.values():
+            layer.reset(rows)
 
     def _decode_body(self, b, slot, kv_len, tok=None):
         """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go

@@ -165,6 +165,11 @@ class DeltaNet:
         self.conv.copy_(states[0])
         self.rec.copy_(states[1])
 
+    def reset(self, rows):
+        """Empty states for the batch rows `rows` (a tensor): a new row enters there, by `extend`."""
+        self.conv[rows] = 0
+        self.rec[rows] = 0
+
     def compact(self, keep):
         k = keep.numel()
         self.conv[:k] = self.conv[keep]

@@ -96,6 +96,9 @@ def main(out_path):
                 "turns": dict(temperature=1.0, max_new_tokens=20, eos_ids=list(range(0, vocab, 11)), check_every=2,
                               respond=respond(vocab), max_turns=3),
                 "top_k": dict(temperature=1.0, top_k=20, max_new_tokens=8, eos_ids=[tok.eos_token_id]),
+                # the rows streaming through one place, the next taking it when a row ends
+                "streamed": dict(temperature=0.9, max_new_tokens=16, eos_ids=list(range(97, 104)), check_every=4,
+                                 in_flight=1),
             }
             for case, kw in runs.items():
                 if case not in ("greedy", "turns") and family not in EVERY_CASE:
