@@ -55,6 +55,10 @@ class Rollout:
     # none was recorded: the completion's (N, T, layers, k) and the left-padded prompt's (N, P, layers, k)
     routing: torch.Tensor = field(default=None, metadata={"pad": -1})
     prompt_routing: torch.Tensor = field(default=None, metadata={"pad": -1, "side": "left"})
+    # (N,) long: the decode iterations the row held a place in the batch (before it ended, and after until its place
+    # was given to another row or compacted away); the policy's tokens over their sum is the share of the batch's
+    # place-steps that did work (`slots_busy`)
+    held_steps: torch.Tensor = None
 
     def to(self, device):
         return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in dataclasses.fields(self)})
@@ -525,6 +529,7 @@ class _Rows:
         self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
         self.rows_h, self.rows = np.arange(waiting.places), torch.arange(waiting.places, device=device)
         self.feed_h = np.full(waiting.places, -1, dtype=np.int64)
+        self.held = np.zeros(n, dtype=np.int64)
         self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
         self.eos = set(int(e) for e in eos_ids)
         self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
@@ -536,6 +541,7 @@ class _Rows:
     def draw(self, logits, draw, keys):
         """A token for every batch row at its position: (tokens, their column: an int shared by all, or per row)."""
         rows_h, rows, spare = self.rows_h, self.rows, self.spare
+        self.held[rows_h] += 1
         if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
             return logits.new_zeros(0, dtype=torch.long), None
         if self.uni is not None:  # plain columns, host bookkeeping only
@@ -718,7 +724,8 @@ class _Rows:
         return Rollout(completion_ids=self.tokens[:, :t].masked_fill(~real, self.pad_id), completion_mask=real.long(),
                        policy_mask=policy.long(), truncated=torch.as_tensor(self.truncated, device=device),
                        logprobs=self.logps[:, :t].masked_fill(~policy, 0.0),
-                       turns=torch.as_tensor(self.turns, device=device))
+                       turns=torch.as_tensor(self.turns, device=device),
+                       held_steps=torch.as_tensor(self.held, device=device))
 
 
 # ----------------------------------------------------------------------------- rollouts and evaluation

@@ -571,6 +571,9 @@ def train_step(run, step):
     step_time = time.time() - t0
     if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
         metrics.update(memory)
+    rollout = batch.rollout
+    if rollout.held_steps is not None and int(rollout.held_steps.sum()):  # this rank's decode places at work
+        metrics["slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
     if cfg.sync_ref_model:  # the reference's syncs so far in the run

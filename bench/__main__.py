@@ -55,6 +55,7 @@ from runs import cli
 from bench.common import MODELS, build_model_dir, free, medians
 from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.hostmem import bench_hostmem
+from bench.longtail import bench_longtail
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
                          trl_version)
 
@@ -92,6 +93,9 @@ def settings_for(args, device):
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         # hostmem row: a model of hm_layers layers of hidden size hm_hidden (271M parameters), hm_steps steps
         hm_hidden=1024, hm_layers=24, hm_steps=2, hm_prompt_len=16, hm_processes="1,2,4",
+        # longtail row: lt_places decode places, lt_rows_per_place times as many rows, ending at log-normal lengths
+        # (median lt_median tokens, sigma lt_sigma) of at most lt_max_new_tokens
+        lt_places=64 if gpu else 16, lt_rows_per_place=4, lt_max_new_tokens=512, lt_median=46, lt_sigma=1.0,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -306,7 +310,7 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem")
+ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail")
 
 
 @contextlib.contextmanager
@@ -412,6 +416,16 @@ def main(argv):
                     results.update(bench_long(path, s, device, root, overrides))
                 except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
                     results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        if "longtail" in only:
+            with row_lines("longtail", f"long-tailed rows through {s['lt_places']} places: batches one after another "
+                           f"and streaming, against full rows, {reps} runs each", results,
+                           lambda r: f"batches {r['longtail_batches_vs_full']:.2f}x, streaming "
+                                     f"{r['longtail_streaming_vs_full']:.2f}x full rows' tokens/s (at most "
+                                     f"{r['longtail_bound_vs_full']:.2f}x while a step waits for its longest row); "
+                                     f"places busy {r['longtail_batches_slots_busy']:.0%} / "
+                                     f"{r['longtail_streaming_slots_busy']:.0%}"):
+                results.update(bench_longtail(path, s, device))
+            free(device)
         if "hostmem" in only:
             with row_lines("hostmem", f"a whole run's peak host memory per process at {s['hm_processes']} processes",
                            results, lambda r: ", ".join(f"{n}: {v:.2f}x" for n, v in r["hostmem_ratio_to_one"].items())

@@ -14,7 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
-from test_fast_paths import prompts  # noqa: E402
 from test_multiturn import STOP_IDS, answering, multi_turn  # noqa: E402
 
 
