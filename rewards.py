@@ -44,10 +44,12 @@ def reward_name(fn):
 REWARD_DTYPE = torch.float32  # scores and totals are stored in it, and grpo.py's advantages are float32 too
 
 
-def _call_reward(fn, prompts, completions, fields, context):
+def _call_reward(fn, prompts, completions, fields, context, rows=None):
     """`fn`'s scores as a (N,) REWARD_DTYPE tensor, NaN for None; RewardFunctionError naming `fn` otherwise.
-    fields hold one value per completion; context's values are the run's (the step, ...), passed as they are."""
+    fields hold one value per completion; context's values are the run's (the step, ...), passed as they are.
+    rows: each completion's number in the batch, where these are some of its rows (errors name it)."""
     name = reward_name(fn)
+    number = (lambda i: i) if rows is None else (lambda i: rows[i])
     try:
         scores = fn(prompts=prompts, completions=completions, **fields, **context)
     except Exception as batch_error:
@@ -63,7 +65,7 @@ def _call_reward(fn, prompts, completions, fields, context):
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function '{name}' raised {type(e).__name__}: {e}\n"
-                    f"  on completion {i}: {completion[:500]!r}\n  of prompt: {prompts[i][:300]!r}") from e
+                    f"  on completion {number(i)}: {completion[:500]!r}\n  of prompt: {prompts[i][:300]!r}") from e
         raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} "
                                   f"on the batch, though on no completion alone") from batch_error
     if scores is not None and (isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__iter__")):
@@ -81,33 +83,35 @@ def _call_reward(fn, prompts, completions, fields, context):
             value = None
         if value is None or not (s is None or math.isfinite(value)):
             raise RewardFunctionError(f"reward function '{name}' returned {s!r} (a {type(s).__name__}) for "
-                                      f"completion {i}: {completions[i][:500]!r}; expected a finite number or None")
+                                      f"completion {number(i)}: {completions[i][:500]!r}; expected a finite number "
+                                      f"or None")
         values.append(value)
     out = torch.tensor(values, dtype=REWARD_DTYPE)
     overflow = torch.isinf(out).nonzero()
     if len(overflow):  # finite as a Python float, infinite once stored: training would silently go NaN
         i = overflow[0].item()
-        raise RewardFunctionError(f"reward function '{name}' returned {scores[i]!r} for completion {i}: "
+        raise RewardFunctionError(f"reward function '{name}' returned {scores[i]!r} for completion {number(i)}: "
                                   f"{completions[i][:500]!r}; expected a finite number or None, and this one "
                                   f"overflows {REWARD_DTYPE} (largest {torch.finfo(REWARD_DTYPE).max:.4g})")
     return out
 
 
-def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None, context=None):
+def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None, context=None, rows=None):
     """Run every reward function; return (total (N,), {name: (N,)}) with NaN for None.
 
     Each function gets prompts, completions and every field (one value per completion) by keyword, and the
     run-level keywords in `context` (the trainer's: step, max_completion_length, soft_punish_cache).
     The total is the weighted sum over the functions that scored a completion,
     NaN when none did. A score or total that does not fit REWARD_DTYPE raises
-    RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}.
+    RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}. rows: each completion's
+    number in the batch, where these are some of its rows (the groups that have landed: train.Landing).
     """
     if not all(math.isfinite(w) for w in weights):
         raise ValueError(f"reward weights must be finite, got {list(weights)}")
     parts = {}
     for fn in reward_funcs:
         t = time.perf_counter()
-        parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields, context or {})
+        parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields, context or {}, rows)
         if seconds is not None:
             seconds[reward_name(fn)] = time.perf_counter() - t
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
@@ -120,7 +124,8 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
         i = overflow[0].item()
         terms = ", ".join(f"'{n}' {stacked[i, f].item():.4g} x weight {weights[f]:g}"
                           for f, n in enumerate(parts) if scored[i, f])
-        raise RewardFunctionError(f"reward functions' weighted total for completion {i} overflows {REWARD_DTYPE} "
+        raise RewardFunctionError(f"reward functions' weighted total for completion {i if rows is None else rows[i]} "
+                                  f"overflows {REWARD_DTYPE} "
                                   f"({terms}): {completions[i][:500]!r}; scale the rewards or their weights down")
     total[~scored.any(1)] = float("nan")
     return total, parts

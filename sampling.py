@@ -74,11 +74,11 @@ def completion_id_lists(rollout):
     return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool())]
 
 
-def reward_fields(fields, rollout, episodes, tokenizer=None, prompts=None, completions=None):
+def reward_fields(fields, completion_ids, episodes, tokenizer=None, prompts=None, completions=None):
     """What reward functions get of each completion besides its prompt and text: the row's data, the
-    trajectory's ids, with an agent the conversation and the environment, and with the tokenizer the
-    completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
-    out = {**fields, "completion_ids": completion_id_lists(rollout)}
+    trajectory's ids (lists, `completion_id_lists`), with an agent the conversation and the environment, and with
+    the tokenizer the completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
+    out = {**fields, "completion_ids": completion_ids}
     if episodes is not None:
         out.update(environments.episode_fields(episodes))
     if tokenizer is not None:
@@ -258,7 +258,7 @@ class Turn(NamedTuple):
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, check_every=8,
            all_done=None, static_cache=True, compact=True, cuda_graph=True, keep_decoder=False,
            attention_kernel=False, stop_sequences=(), respond=None, max_turns=1, record_routing=False, images=None,
-           tp=None, dtype=None, in_flight=0, **options):
+           tp=None, dtype=None, in_flight=0, on_end=None, **options):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     draw: how each token is drawn (`Draw`), or its fields as keywords (`options`: temperature, top_k, top_p).
@@ -291,7 +291,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's copies' dtype
     (the model's own by default; a sharded model's compute dtype). in_flight: on StaticDecoder, decode `in_flight`
     rows at a time and stream the others through their places: when a row ends, its place takes the next row
-    (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once.
+    (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once. on_end(rows, ids): called
+    at each check with the rows that ended there (indices into the batch given) and their completions' token ids
+    (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -343,7 +345,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     try:
         waiting = _Waiting(prompt_ids, attn, positions, places)
         rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, pick,
-                          keys, check_every, all_done, respond, max_turns, compact, device, waiting)
+                          keys, check_every, all_done, respond, max_turns, compact, device, waiting, on_end)
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
@@ -456,12 +458,12 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 
 def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, check_every, all_done, respond,
-            max_turns, compact, device, waiting):
+            max_turns, compact, device, waiting, on_end=None):
     """The loop behind `sample`. Each iteration draws a token for every row of the batch; at a check it finds the
     rows that paused, asks for the environment's answers, ends rows, gives the places of ended rows to rows
     `waiting` and, with none waiting, may compact the batch; then it feeds the batch: one decode step, or an extend
     step where some rows take an answer or a new row's prompt. `_Rows` holds the rows' state."""
-    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting)
+    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting, on_end)
     # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
     # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times); rows streaming through
     # fewer places take turns, each admitted at a check (list scheduling: at most the rows per place, plus one)
@@ -478,7 +480,9 @@ def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, chec
             feeds = rows.check(tok) if len(rows.rows_h) else []
             if final:
                 rows.finish(rows.rows_h[rows.active[rows.rows_h]], True)
+                rows.landed()
                 break
+            rows.landed()
             if scheduled and all_done(torch.as_tensor(~rows.active, device=device)):
                 break
             if rows.waiting.rows:
@@ -516,7 +520,8 @@ class _Rows:
     rows are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
     """
 
-    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting):
+    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
+                 on_end=None):
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
         self.respond, self.max_turns = respond, max_turns
         self.spare = max_new  # the last column and cache position, where finished rows may write
@@ -530,6 +535,7 @@ class _Rows:
         self.rows_h, self.rows = np.arange(waiting.places), torch.arange(waiting.places, device=device)
         self.feed_h = np.full(waiting.places, -1, dtype=np.int64)
         self.held = np.zeros(n, dtype=np.int64)
+        self.on_end, self.ended = on_end, []  # rows ended since the last check, for on_end
         self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
         self.eos = set(int(e) for e in eos_ids)
         self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
@@ -578,6 +584,15 @@ class _Rows:
         self.active[global_rows] = False
         self.truncated[global_rows] = cut
         self.device_state.clear()
+        if self.on_end is not None:
+            self.ended += [int(r) for r in np.atleast_1d(global_rows)]
+
+    def landed(self):
+        """Hand the rows ended since the last check, with their completions, to on_end."""
+        if self.ended:
+            rows, self.ended = sorted(self.ended), []
+            ids = self.tokens[torch.as_tensor(rows, device=self.device), :int(self.ptr[rows].max())].tolist()
+            self.on_end(rows, [row[:self.ptr[r]] for r, row in zip(rows, ids)])
 
     def check(self, tok):
         """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
@@ -758,7 +773,7 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
 
 
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None,
-             episodes=None, record_routing=False, images=None):
+             episodes=None, record_routing=False, images=None, on_end=None):
     """Sample one completion per row on the gathered weights, each token drawn as `draw` (a Draw) says; return the
     rollout and the completions' text.
 
@@ -767,7 +782,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
     size). Every rank has as many rows, so as many batches. With an `agent` (environments.Agent), row i is
     `episodes[i]`'s conversation: its turns are answered by the agent's tools, up to `agent.max_turns`.
-    `images`: the rows' vision.PromptImages, or None.
+    `images`: the rows' vision.PromptImages, or None. on_end(rows, ids): `sample`'s, over these rows (each rank
+    alone on the whole model; a tensor-parallel group's sampling does not call it).
     """
     n = prompt_ids.shape[0]
     size = _batch_size(policy, cfg, n, record_routing or images is not None)
@@ -782,7 +798,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     else:
         with sharding.gathered(policy):  # full weights once for the whole decode loop
             parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
-                                  agent, episodes, record_routing, images)
+                                  agent, episodes, record_routing, images, on_end)
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
     sharding.return_host_memory()  # the decoder's copies, freed: before training allocates its own tensors
     if agent is not None:
@@ -803,7 +819,7 @@ def _batch_size(policy, cfg, n, no_streaming):
 
 
 def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
-                  record_routing, images):
+                  record_routing, images, on_end=None):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
     size = _batch_size(policy, cfg, n, record_routing or images is not None)
@@ -818,6 +834,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                             # the next batch reuses the weight copies and the cache
                             keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
                             record_routing=record_routing, in_flight=cfg.rollouts_in_flight,
+                            on_end=on_end and (lambda rows, ids, s=s: on_end([r + s for r in rows], ids)),
                             images=None if images is None else images.rows(rows), **turns))
     return parts
 
@@ -881,9 +898,8 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
             rollout, completions = generate(policy, tokenizer, ids, attn, seeds, draw, cfg, d, eos_ids,
                                             agent, episodes, images=pictures)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions,
-                                                     reward_fields(fields, rollout, episodes, tokenizer, prompts,
-                                                                   completions),
+            scored = reward_fields(fields, completion_id_lists(rollout), episodes, tokenizer, prompts, completions)
+            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, scored,
                                                      context=reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():

@@ -130,6 +130,7 @@ class Batch:
     completions: list                   # (n,) completion text: the whole trajectory, tool calls and results included
     episodes: list = None               # (n,) environments.Episode: each rollout's conversation, with tools
     images: object = None               # vision.PromptImages of the rows' prompts (a vision-language model's), or None
+    landing: object = None              # Landing: the rewards of the groups scored as they landed, or None
 
 
 def rollout(run, step, round=0):
@@ -147,12 +148,74 @@ def rollout(run, step, round=0):
                                                                run.agent, run.images)
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
+    landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
     run.policy.eval()
     sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, sampling.Draw.of(cfg), cfg, d,
                                              run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
-                                             images=images)
+                                             images=images, on_end=landing)
     run.policy.train()
-    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images)
+    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+
+
+def scores_on_land(run):
+    """Whether rewards are computed group by group as rows land, while the sampler decodes the others: with rows
+    streaming (--rollouts_in_flight), each process sampling alone (not a tensor-parallel group), and reward
+    functions that need nothing but their rows (no environment's episodes, which end with the rollout; no reward
+    model, whose forward is a collective every rank must call together)."""
+    tp = getattr(run.d, "tp", None)
+    return bool(run.cfg.rollouts_in_flight) and run.agent is None and (tp is None or tp.size == 1) and \
+        not any(getattr(fn, "collective", False) for fn in run.task.reward_funcs)
+
+
+class Landing:
+    """This rank's rewards, computed group by group as the sampler's rows land (`sampling.sample`'s on_end), in one
+    worker thread while decoding goes on: a group is scored once its last row on this rank has ended. Reward
+    functions score each completion on its own (TRL's contract), so the scores equal one call over the batch; the
+    functions are called once per group instead of once per step. `result` waits for the last group."""
+
+    def __init__(self, run, step, prompts, fields, first_row):
+        import concurrent.futures
+        self.run, self.step, self.prompts, self.fields = run, step, prompts, fields
+        group = [(first_row + r) // run.cfg.num_generations for r in range(len(prompts))]  # (n,) global groups
+        self.rows = {g: [r for r in range(len(prompts)) if group[r] == g] for g in dict.fromkeys(group)}
+        self.group, self.left, self.ids = group, {g: len(rows) for g, rows in self.rows.items()}, {}
+        self.worker, self.scored = concurrent.futures.ThreadPoolExecutor(1, "rewards"), []
+
+    def __call__(self, rows, ids):
+        for r, row_ids in zip(rows, ids):
+            self.ids[r] = row_ids
+            g = self.group[r]
+            self.left[g] -= 1
+            if not self.left[g]:
+                self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g])))
+
+    def _score(self, rows):
+        run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
+        completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
+        fields = sampling.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
+                                        run.tokenizer, prompts, completions)
+        seconds = {}
+        total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, prompts, completions, fields,
+                                                 seconds=seconds, context=sampling.reward_context(run.cfg, self.step),
+                                                 rows=rows)
+        return total, parts, seconds
+
+    def result(self):
+        """(total (n,), {function: (n,)}, {function: seconds summed over the groups}); a reward function's error is
+        raised here, for the first group it failed on."""
+        n = len(self.prompts)
+        total, parts, seconds = torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE), {}, {}
+        try:
+            for rows, done in self.scored:
+                t, p, s = done.result()
+                total[rows] = t
+                for k, v in p.items():
+                    parts.setdefault(k, torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE))[rows] = v
+                for k, v in s.items():
+                    seconds[k] = seconds.get(k, 0.0) + v
+        finally:
+            self.worker.shutdown(cancel_futures=True)
+        return total, parts, seconds
 
 
 def draw(run, step):
@@ -267,11 +330,14 @@ def score(run, batch, step):
     """
     problem, seconds, t = None, {}, time.time()
     try:
-        fields = sampling.reward_fields(batch.fields, batch.rollout, batch.episodes, run.tokenizer, batch.prompts,
-                                        batch.completions)
-        total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                 batch.completions, fields, seconds=seconds,
-                                                 context=sampling.reward_context(run.cfg, step))
+        if batch.landing is not None:  # scored as the groups landed: what is left is the wait for the last ones
+            total, parts, seconds = batch.landing.result()
+        else:
+            fields = sampling.reward_fields(batch.fields, sampling.completion_id_lists(batch.rollout), batch.episodes,
+                                            run.tokenizer, batch.prompts, batch.completions)
+            total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
+                                                     batch.completions, fields, seconds=seconds,
+                                                     context=sampling.reward_context(run.cfg, step))
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     times = [time.time() - t] + list(seconds.values())
