@@ -335,7 +335,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     # generation: this process's rows of prompt + completion; under tensor parallelism its group's rows, on its
     # slices of the layers
     rows_total = cfg.prompts_per_step * cfg.num_generations // world
-    rows = min(cfg.generation_batch_size or rows_total, rows_total)
+    rows = min(cfg.rollouts_in_flight or cfg.generation_batch_size or rows_total, rows_total)  # the decoder's
     length = cfg.max_prompt_length + cfg.max_completion_length + 1
     tp = cfg.tp_size
     # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
