@@ -71,7 +71,7 @@ _POST_NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layerno
 _OLMO2 = Family(norms=_POST_NORMS, qk_norm="projection", upcast=True)
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
-# the decoder layer's class name -> its family
+# the decoder layer's class name in transformers -> its family; a fork's own layer class may key a row too
 FAMILIES = {
     "LlamaDecoderLayer": _LLAMA,
     "Qwen2DecoderLayer": _LLAMA,
@@ -138,22 +138,27 @@ def _layer_class(layer):
 
 
 def _layer_family(layer):
-    """The layer's `Family` row: its exact class, as transformers defines it. A subclass, or a class of the same name
-    defined elsewhere (a fork's), has none: it may compute something the row does not say."""
+    """The layer's `Family` row: its exact class, as transformers defines it (a row keyed by the class's name), or a
+    class of a fork's own that a row is keyed by (the class itself). A subclass, or a class of the same name defined
+    elsewhere, has none: it may compute something the row does not say."""
     cls = own_class(layer)
+    if cls in FAMILIES:
+        return FAMILIES[cls]
     return FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.models.") else None
 
 
 # where the classes of a written-out layer's modules may come from: transformers' own, torch's, and this folder's
-# adapters (layers/lora.py); a class from anywhere else may compute what the family's row does not say
+# adapters (layers/lora.py); a class from anywhere else may compute what the family's row does not say, unless a row
+# is keyed by a class of its module (a fork's family: its row describes its modules)
 _KNOWN_MODULES = ("transformers.", "torch.", "layers.")
 
 
 def _foreign_module(layer):
     """(name, class) of the first module inside the layer whose class comes from outside `_KNOWN_MODULES`, or None."""
+    vouched = {k.__module__ for k in FAMILIES if isinstance(k, type)}
     for name, m in layer.named_modules():
         cls = own_class(m)
-        if not cls.__module__.startswith(_KNOWN_MODULES):
+        if not cls.__module__.startswith(_KNOWN_MODULES) and cls.__module__ not in vouched:
             return name or "the layer", cls
     return None
 
