@@ -689,10 +689,12 @@ def load_latest_checkpoint(out_dir, model, optimizer, d, ref=None):
 # ----------------------------------------------------------------------------- export
 
 
-def full_state_dict(root):
-    """Every parameter as a full CPU tensor, names as in the bare language model (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    free_gathered(root)  # the root group may still hold unsharded tensors from its last forward
-    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("lm."): v for k, v in sd.items()}
+def full_host_tensor(x):
+    """A DTensor's full value in host memory (a collective: every rank calls it, for the same tensors in the same
+    order); a plain tensor, on the host. The export gathers the model with it one tensor at a time, so no process
+    ever holds more of it than the largest tensor (model_loading.export_model)."""
+    if not hasattr(x, "full_tensor"):
+        return x.detach().cpu()
+    if x.device.type != x.device_mesh.device_type:  # shards kept on the host (--cpu_offload): NCCL gathers on GPUs
+        x = x.to(x.device_mesh.device_type)
+    return x.full_tensor().cpu()
