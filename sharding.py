@@ -692,7 +692,7 @@ def load_latest_checkpoint(out_dir, model, optimizer, d, ref=None):
 def full_host_tensor(x):
     """A DTensor's full value in host memory (a collective: every rank calls it, for the same tensors in the same
     order); a plain tensor, on the host. The export gathers the model with it one tensor at a time, so no process
-    ever holds more of it than the largest tensor (model_loading.export_model)."""
+    ever holds more of it than the largest tensor (runs/export.py)."""
     if not hasattr(x, "full_tensor"):
         return x.detach().cpu()
     if x.device.type != x.device_mesh.device_type:  # shards kept on the host (--cpu_offload): NCCL gathers on GPUs

@@ -75,6 +75,7 @@ try:
     from layers import lora
     import rewards
     from layers import routing
+    from runs import export as run_export
     from runs import log as run_log
     from runs.setup import setup  # the models, task, tools and optimizer of a run
     import sampling
@@ -750,7 +751,7 @@ def export(run, start_step, history, t_start):
     export_dir = os.path.join(cfg.out_dir, "model")
     sharding.free_gathered(run.policy)  # the root group may still hold unsharded tensors from its last forward
     try:  # every rank: each tensor is gathered in turn and rank 0 writes it
-        model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, master=d.master,
+        run_export.export_model(run.policy.lm, run.tokenizer, export_dir, master=d.master,
                                    image_processor=None if run.images is None else run.images.image_processor)
     except ValueError as e:  # non-finite weights: nothing is written
         raise SystemExit(str(e)) from e

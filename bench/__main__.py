@@ -33,7 +33,7 @@ Rows:
            processes): each peak and its ratio to one process's
   export   (not run by default; CPU, minutes) the export of a sharded model at 1, 2 and 4 processes: how far each
            process's resident memory rises and how long it takes, gathered whole on rank 0 and save_pretrained,
-           one tensor at a time (model_loading.export_model), torch.distributed.checkpoint's Hugging Face writer
+           one tensor at a time (runs/export.py), torch.distributed.checkpoint's Hugging Face writer
   exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)

@@ -2,8 +2,8 @@
 long it takes, at 1, 2 and 4 processes (CPU, gloo), for three ways of writing it:
 
   gather   the whole model gathered on rank 0 (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), then
-           `save_pretrained` (the export before model_loading.export_model wrote one tensor at a time)
-  stream   model_loading.export_model: each tensor gathered in turn, rank 0 writing it into its file
+           `save_pretrained` (the export before runs/export.py wrote one tensor at a time)
+  stream   runs/export.py: each tensor gathered in turn, rank 0 writing it into its file
   dcp      torch.distributed.checkpoint's Hugging Face writer: each rank writes its shards, then rank 0 copies them
            into whole tensors (`HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`)
 
@@ -28,6 +28,7 @@ sys.path.insert(0, sys.argv[1])
 import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen2Config
 import model_loading, sharding
+from runs import export as run_export
 out, method, hidden, layers, vocab, dtype = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]), sys.argv[7]
 sharding.map_large_host_tensors()
 d = sharding.setup("cpu")
@@ -62,7 +63,7 @@ with open("/proc/self/clear_refs", "w") as f:
 t = time.perf_counter()
 path = f"{out}/model"
 if method == "stream":
-    model_loading.export_model(lm, tok, path, master=d.master)
+    run_export.export_model(lm, tok, path, master=d.master)
 elif method == "gather":
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -403,7 +403,7 @@ sys.path.insert(0, sys.argv[1] + "/tests")
 import torch
 from transformers import AutoModelForCausalLM
 import logprobs, model_loading, sharding, train
-from runs import setup as run_setup
+from runs import export as run_export, setup as run_setup
 d = sharding.setup("cpu")
 filled = []  # what each model held when fill_shards was given it: were all its parameters still on meta?
 original_fill = model_loading.fill_shards
@@ -449,8 +449,8 @@ for name in sys.argv[3:]:
     r["ref_bf16_logprob_diff"] = float((lp32 - lp16).abs().max())
     sharding.free_gathered(policy)
     export = f"{sys.argv[2]}/export_{name}"
-    model_loading.export_model(policy.lm, model_loading.load_tokenizer(path), export, master=d.master,
-                               max_shard_bytes=20_000)  # every rank: a gather per tensor
+    run_export.export_model(policy.lm, model_loading.load_tokenizer(path), export, master=d.master,
+                            max_shard_bytes=20_000)  # every rank: a gather per tensor
     if d.master:
         from launches import export_differs
         r["export_differs"] = export_differs(export, whole)

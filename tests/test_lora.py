@@ -15,6 +15,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
+from runs import export as run_export  # noqa: E402
 from runs import setup as run_setup  # noqa: E402
 from layers import lora  # noqa: E402
 import train  # noqa: E402
@@ -135,7 +136,7 @@ def test_merged_export_reproduces_adapted_logits(tmp_path):
     plain_keys = set(model.state_dict())
     lora.add_lora(model, rank=4, alpha=8, target_modules=TARGETS)
     _train_steps(model, tok)
-    path = model_loading.export_model(model, tok, str(tmp_path / "export"))
+    path = run_export.export_model(model, tok, str(tmp_path / "export"))
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         saved = set(f.keys())
     assert not any("lora" in k or "base_layer" in k for k in saved), saved
@@ -198,6 +199,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import grpo, logprobs, model_loading
 from layers import lora
+from runs import export as run_export
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 path, targets = sys.argv[2], sys.argv[4]
@@ -226,8 +228,8 @@ grads = {n: p.grad is not None for n, p in model.named_parameters()}
 assert all(g == ("lora_" in n) for n, g in grads.items()), grads
 grad_A = {n: p.grad.full_tensor() for n, p in model.named_parameters() if "lora_A" in n}  # collectives: every rank
 model.reshard()  # as train.py's export: from the shards
-model_loading.export_model(model, tok, sys.argv[3] + ".export" if dist.get_rank() == 0 else None,
-                           master=dist.get_rank() == 0, max_shard_bytes=20_000)  # every rank: a gather per tensor
+run_export.export_model(model, tok, sys.argv[3] + ".export" if dist.get_rank() == 0 else None,
+                        master=dist.get_rank() == 0, max_shard_bytes=20_000)  # every rank: a gather per tensor
 if dist.get_rank() == 0:
     torch.save({"logp": logp.detach(), "ref": ref, "full": full, "grad_A": grad_A}, sys.argv[3])
 dist.barrier()  # both ranks done before either tears the group down

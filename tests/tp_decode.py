@@ -88,8 +88,8 @@ def export(out_path, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import model_loading
     from layers import lora
+    from runs import export as run_export
     mesh = init_device_mesh("cpu", (world,))
     folder = tempfile.mkdtemp(prefix="export", dir=os.path.dirname(out_path)) if rank == 0 else None
     saved = {}
@@ -102,7 +102,7 @@ def export(out_path, rank, world):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         path = f"{folder}/{family}" if rank == 0 else None
-        model_loading.export_model(model, tok, path, master=rank == 0, max_shard_bytes=20_000)
+        run_export.export_model(model, tok, path, master=rank == 0, max_shard_bytes=20_000)
         if rank == 0:
             torch.save(want, f"{folder}/{family}.pt")
             saved[family] = [path, f"{folder}/{family}.pt"]
