@@ -67,7 +67,8 @@ if method == "stream":
 elif method == "gather":
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if d.master:
+    if d.master:  # as the export was: every tensor checked for NaN and inf, then save_pretrained
+        assert all(int((~torch.isfinite(t)).sum()) == 0 for t in full.values())
         lm.save_pretrained(path, state_dict={k.removeprefix("lm."): v for k, v in full.items()})
     del full
 elif method == "dcp":
@@ -100,8 +101,13 @@ def bench_export(s, root):
             args = [script, ROOT, out, method, str(s["ex_hidden"]), str(s["ex_layers"]), str(s["ex_vocab"]),
                     s["ex_dtype"]]
             t = time.perf_counter()
+            for k in range(n):
+                if os.path.exists(os.path.join(out, f"rank{k}.json")):
+                    os.remove(os.path.join(out, f"rank{k}.json"))
             r = subprocess.run([*launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-            if r.returncode:
+            # gloo sometimes aborts while the group is torn down (tests/launches.py, exited_after_finishing): the
+            # figures stand when every rank wrote its own
+            if r.returncode and not all(os.path.exists(os.path.join(out, f"rank{k}.json")) for k in range(n)):
                 raise RuntimeError(f"export: {method} at {n} processes failed:\n{(r.stdout + r.stderr)[-3000:]}")
             ranks = [json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(n)]
             size = sum(os.path.getsize(os.path.join(out, "model", f)) for f in os.listdir(os.path.join(out, "model"))
