@@ -36,7 +36,7 @@ MAX_NEW = 10
 
 
 def gathered(root):
-    """The whole model on every rank, each tensor gathered in turn (the tests' models are tiny)."""
+    """The whole model on rank 0 (None for each tensor elsewhere), each tensor gathered in turn."""
     sharding.free_gathered(root)
     return {k: sharding.full_host_tensor(v) for k, v in root.lm.state_dict().items()}
 

@@ -438,7 +438,7 @@ for name in sys.argv[3:]:
         r[label] = {"exact": exact, "fraction": local / total,
                     "dtypes": sorted({str(p.to_local().dtype) for p in root.parameters()})}
         sharding.free_gathered(root)
-        full = {k: sharding.full_host_tensor(v) for k, v in root.lm.state_dict().items()}  # gathered, one by one
+        full = {k: sharding.full_host_tensor(v) for k, v in root.lm.state_dict().items()}  # on rank 0
         if d.master:
             r[label]["full_exact"] = sorted(full) == sorted(whole) and all(
                 torch.equal(full[k], whole[k].to(full[k].dtype)) for k in whole)
