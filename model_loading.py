@@ -15,15 +15,12 @@ this process's slices of each weight from the files (docs/memory.md, "Loading").
 
 import contextlib
 import os
-import shutil
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from layers import lora
-from runs import disk
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]

@@ -71,7 +71,6 @@ try:
     from runs import disk
     import grpo
     import logprobs
-    import model_loading
     from layers import lora
     import rewards
     from layers import routing

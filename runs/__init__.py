@@ -7,7 +7,7 @@
     export.py the trained model written out as a Hugging Face folder, one tensor at a time
     plan.py   the memory plan (`train.py --plan`): what each GPU and host process holds per phase, from the meta device
 
-Imports: cli.py and disk.py import nothing of the project (config.py, sharding.py and model_loading.py use them);
+Imports: cli.py and disk.py import nothing of the project (config.py and sharding.py use them);
 setup.py, log.py, plan.py and export.py import the top-level modules, and only train.py imports them (plan.py: also
 layers/ and config.py, for its table; export.py: sharding.py and layers/lora.py).
 """

@@ -93,7 +93,8 @@ def export(out_path, rank, world):
     mesh = init_device_mesh("cpu", (world,))
     folder = tempfile.mkdtemp(prefix="export", dir=os.path.dirname(out_path)) if rank == 0 else None
     saved = {}
-    for family, overrides, targets in (("qwen2", {}, None), ("llama", {}, "all"), ("qwen3_moe", {"num_experts": 6}, "all")):
+    for family, overrides, targets in (("qwen2", {}, None), ("llama", {}, "all"),
+                                       ("qwen3_moe", {"num_experts": 6}, "all")):
         model, tok = architectures.tiny(family, **overrides)
         if targets:
             architectures.adapt(model, 4, targets)
