@@ -5,8 +5,8 @@ forwarded to `from_pretrained` here, and this module decides where the weights
 live: one explicit device per process, never `device_map="auto"`.
 
 Also here: the tiny byte-level model the default run and the tests use, the
-reference model (one process, or a model without weight files: a copy of the policy), reward
-models, and export of the trained policy to a Hugging Face folder (LoRA adapters: layers/lora.py).
+reference model (one process, or a model without weight files: a copy of the policy) and reward
+models. The export of the trained policy: runs/export.py.
 
 Several processes and a folder of weights (safetensors or `.bin`; a hub id's folder in the Hugging Face cache;
 gpt-oss's MXFP4 experts): each process builds the model with its parameters on the meta device (`empty_model`),
@@ -16,15 +16,13 @@ the trainer shards it, and `fill_shards` reads only this process's slices of eac
 
 import contextlib
 import os
-import shutil
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from layers import lora
-from runs import disk, weights
+from runs import weights
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -553,85 +551,3 @@ def build_reference_model(policy, beta):
     ref.eval()
     ref.requires_grad_(False)
     return ref
-
-
-# ----------------------------------------------------------------------------- export
-
-def _first_non_finite(state_dict):
-    """(name, count) of the first floating tensor holding NaN or inf, or None."""
-    for name, t in state_dict.items():
-        if hasattr(t, "to_local"):  # a DTensor: check this process's shard without a collective
-            t = t.to_local()
-        if torch.is_tensor(t) and t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                return name, bad
-    return None
-
-
-def export_model(model, tokenizer, path, state_dict=None, image_processor=None):
-    """Save a Hugging Face folder (config, tokenizer, safetensors) that `from_pretrained` loads.
-
-    `state_dict` lets a sharded run pass full tensors gathered elsewhere. LoRA
-    adapters are merged into the weights they adapt. Weights holding NaN or inf
-    are refused. The folder is written beside `path` and renamed into place, so
-    a run killed mid-export leaves the previous export (or none), never half of one;
-    a write the storage refuses (a full disk, ...) removes the partial folder and
-    raises disk.WriteError.
-    """
-    if lora.lora_modules(model):
-        state_dict = lora.merge_lora_state_dict(model, state_dict)
-    bad = _first_non_finite(state_dict if state_dict is not None else model.state_dict())
-    if bad is not None:
-        raise ValueError(f"export to {path}: weight '{bad[0]}' holds {bad[1]} NaN/inf values; not writing a broken "
-                         f"model (resume from an earlier checkpoint, or lower the learning rate)")
-    if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
-        # gathered copies of tied weights no longer share storage, so save_pretrained would write both;
-        # keep the input embedding only: from_pretrained ties the output embedding to it again
-        names = {id(m): n for n, m in model.named_modules()}
-        out_key = names[id(model.get_output_embeddings())] + ".weight"
-        in_key = names[id(model.get_input_embeddings())] + ".weight"
-        if out_key in state_dict and in_key in state_dict and torch.equal(state_dict[out_key], state_dict[in_key]):
-            state_dict = {k: v for k, v in state_dict.items() if k != out_key}
-    path = os.path.normpath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"export: '{path}' exists and is not a folder")
-    parent, base = os.path.split(os.path.abspath(path))
-    # fixed names from the process id (not mkdtemp, whose 0700 folder would become the export's permissions)
-    tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
-    aside = os.path.join(parent, f".{base}.old-{os.getpid()}")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        for stale in os.listdir(parent):  # left by an export killed before its rename
-            if stale.startswith(f".{base}.partial-"):
-                shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-        os.makedirs(tmp)
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if image_processor is not None:  # a vision-language model's: the export reads images as training did
-            image_processor.save_pretrained(tmp)
-    except BaseException as e:
-        # a full disk (...) is one line; safetensors and torch may have wrapped its OSError: judged before the
-        # partial folder is removed, while the disk is still as the write left it
-        full = disk.check(e, path, "the exported model", then="the partial export was removed" + (
-            f", the previous export in {path} is intact" if os.path.isdir(path) else ""))
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from e
-        raise
-    # a folder cannot replace a non-empty folder in one rename: move the old one aside, then drop it
-    shutil.rmtree(aside, ignore_errors=True)
-    had_old = os.path.exists(path)
-    if had_old:
-        os.rename(path, aside)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        if had_old:
-            os.rename(aside, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in os.listdir(parent):  # ours, and any left by an export killed between its two renames
-        if old.startswith(f".{base}.old-"):
-            shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
-    return path

@@ -11,6 +11,7 @@ import datetime
 import fcntl
 import glob
 import json
+import math
 import os
 import random
 import shutil
@@ -689,10 +690,39 @@ def load_latest_checkpoint(out_dir, model, optimizer, d, ref=None):
 # ----------------------------------------------------------------------------- export
 
 
-def full_state_dict(root):
-    """Every parameter as a full CPU tensor, names as in the bare language model (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+GATHER_PIECE_BYTES = 64 << 20  # what one gather of the export moves from all ranks together
 
-    free_gathered(root)  # the root group may still hold unsharded tensors from its last forward
-    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("lm."): v for k, v in sd.items()}
+
+def full_host_tensor(x):
+    """A tensor's full value in host memory on rank 0, None on the other ranks (a collective: every rank calls it,
+    for the same tensors in the same order); a plain tensor, on the host. The export gathers the model with it one
+    tensor at a time (runs/export.py).
+
+    A DTensor sharded along dim 0 (FSDP2's layout) is gathered to rank 0 alone, a few rows of every rank's shard
+    at a time (GATHER_PIECE_BYTES together), straight into the whole tensor: rank 0 holds the tensor plus one piece,
+    the other ranks nothing more than their shards. DTensor's full_tensor() would all-gather the tensor into every
+    rank, and gloo copies a collective's output through a buffer of its own: twice the tensor on every rank."""
+    if not hasattr(x, "full_tensor"):
+        return x.detach().cpu()
+    from torch.distributed.tensor import Shard
+    mesh = x.device_mesh
+    if mesh.ndim != 1 or tuple(x.placements) != (Shard(0),):
+        whole = x.full_tensor().cpu()
+        return whole if mesh.get_local_rank() == 0 else None
+    local, world, first = x.to_local(), mesh.size(), mesh.get_local_rank() == 0
+    if local.device.type != mesh.device_type:  # shards kept on the host (--cpu_offload): NCCL gathers on GPUs
+        local = local.to(mesh.device_type)
+    rows = -(-x.shape[0] // world)  # each rank's rows, the last ones' padded: Shard(0) cuts as torch.chunk does
+    row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+    step = max(1, GATHER_PIECE_BYTES // world // row_bytes)
+    whole = torch.empty((world * rows, *x.shape[1:]), dtype=x.dtype) if first else None
+    for i in range(0, rows, step):
+        n = min(step, rows - i)
+        piece = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=local.device)
+        piece[:max(0, min(n, local.shape[0] - i))] = local[i:i + n]
+        got = [torch.empty_like(piece) for _ in range(world)] if first else None
+        dist.gather(piece, got, group_dst=0, group=mesh.get_group())
+        if first:
+            for r, part in enumerate(got):
+                whole[r * rows + i:r * rows + i + n] = part
+    return whole[:x.shape[0]] if first else None

@@ -71,10 +71,10 @@ try:
     from runs import disk
     import grpo
     import logprobs
-    import model_loading
     from layers import lora
     import rewards
     from layers import routing
+    from runs import export as run_export
     from runs import log as run_log
     from runs.setup import setup  # the models, task, tools and optimizer of a run
     import sampling
@@ -817,14 +817,14 @@ def export(run, start_step, history, t_start):
     """The trained policy as one Hugging Face folder with full tensors, and a summary of the run."""
     cfg, d, t = run.cfg, run.d, time.time()
     export_dir = os.path.join(cfg.out_dir, "model")
-    full_weights = sharding.full_state_dict(run.policy)  # a collective: every rank takes part
-    if not d.master:
-        return
-    try:
-        model_loading.export_model(run.policy.lm, run.tokenizer, export_dir, state_dict=full_weights,
+    sharding.free_gathered(run.policy)  # the root group may still hold unsharded tensors from its last forward
+    try:  # every rank: each tensor is gathered in turn and rank 0 writes it
+        run_export.export_model(run.policy.lm, run.tokenizer, export_dir, master=d.master,
                                    image_processor=None if run.images is None else run.images.image_processor)
     except ValueError as e:  # non-finite weights: nothing is written
         raise SystemExit(str(e)) from e
+    if not d.master:
+        return
     print(f"exported the policy to {export_dir} in {time.time() - t:.1f}s")
     if history:  # the steps this call ran (a resumed run: those after the checkpoint)
         k = max(1, len(history) // 10)

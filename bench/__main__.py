@@ -8,6 +8,7 @@
     python -m bench --train gradient_checkpointing=true   # a train.Config setting for our step (step, long rows)
     python -m bench --only exec           # model-written programs through sandbox/executor.py's sandbox
     python -m bench --only hostmem        # peak host memory per process at 1, 2, 4 processes (CPU, minutes)
+    python -m bench --only export         # each process's memory rise while the trained model is written out
     python -m bench --only families       # decode against model.generate for each model family
     python -m bench --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
 
@@ -30,6 +31,9 @@ Rows:
   hostmem  (not run by default; CPU, minutes) a whole run's peak host memory per process at 1, 2 and 4
            processes (`torchrun`, gloo, each reading its own shards of a safetensors model, `--tp_size` = the
            processes): each peak and its ratio to one process's
+  export   (not run by default; CPU, minutes) the export of a sharded model at 1, 2 and 4 processes: how far each
+           process's resident memory rises and how long it takes, gathered whole on rank 0 and save_pretrained,
+           one tensor at a time (runs/export.py), torch.distributed.checkpoint's Hugging Face writer
   exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)
@@ -54,6 +58,7 @@ import torch
 from runs import cli
 from bench.common import MODELS, build_model_dir, free, medians
 from bench.decode import bench_decode, bench_families, bench_multiturn
+from bench.export import bench_export
 from bench.hostmem import bench_hostmem
 from bench.longtail import bench_longtail
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
@@ -96,6 +101,9 @@ def settings_for(args, device):
         # longtail row: lt_places decode places, lt_rows_per_place times as many rows, ending at log-normal lengths
         # (median lt_median tokens, sigma lt_sigma) of at most lt_max_new_tokens
         lt_places=64 if gpu else 16, lt_rows_per_place=4, lt_max_new_tokens=512, lt_median=46, lt_sigma=1.0,
+        # export row: a Qwen2 shape of ex_layers layers of hidden size ex_hidden, an ex_vocab vocabulary, untied
+        ex_hidden=1024, ex_layers=24, ex_vocab=151936, ex_dtype="bfloat16", ex_processes="1,2,4",
+        ex_methods="gather,stream,dcp",
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -310,7 +318,8 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail")
+ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail",
+        "export")
 
 
 @contextlib.contextmanager
@@ -431,6 +440,12 @@ def main(argv):
                            results, lambda r: ", ".join(f"{n}: {v:.2f}x" for n, v in r["hostmem_ratio_to_one"].items())
                            + f" of one process's; rewards equal: {r['hostmem_rewards_equal']}"):
                 results.update(bench_hostmem(s, root))
+        if "export" in only:
+            with row_lines("export", f"each process's memory rise while the model is written out, at "
+                           f"{s['ex_processes']} processes", results,
+                           lambda r: ", ".join(f"{k}: {max(v['rise_bytes']) / 2**30:.2f} GiB"
+                                               for k, v in r["export"].items())):
+                results.update(bench_export(s, root))
         if "exec" in only:
             with row_lines("exec", "programs through the sandbox vs plain subprocess.run", results,
                            lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):

@@ -1,6 +1,7 @@
 """Launching the trainer for the multi-process tests, and reading what a run left (used by test_distributed.py
 and test_vision.py): several train.py runs to a launch of tests/run_train.py (`launch_runs`), 1 process or 2
-under torchrun with gloo; metrics.jsonl and the tokens each rank sampled."""
+under torchrun with gloo; metrics.jsonl, the tokens each rank sampled, and whether an exported folder holds the
+trained weights."""
 
 import glob
 import json
@@ -79,3 +80,37 @@ def tokens(out_dir):
         with open(path) as f:
             per_rank.append([json.loads(line) for line in f])
     return [sum(step_rows, []) for step_rows in zip(*per_rank)]
+
+
+def export_differs(folder, want):
+    """What keeps the Hugging Face folder `folder` from being exactly the weights `want` (the model's names, LoRA
+    merged) when `from_pretrained` loads it, or None: every tensor equal, dtype too, nothing missing or extra, tied
+    embeddings stored once and tied again, the index naming every tensor of several files."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    import model_loading
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    stored = {}
+    for f in files:
+        with safe_open(os.path.join(folder, f), "pt") as handle:
+            stored.update(dict.fromkeys(handle.keys(), f))
+    if len(files) > 1:
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            if json.load(f)["weight_map"] != stored:
+                return "the index does not name each tensor's file"
+    model_class = model_loading.causal_lm_class(AutoConfig.from_pretrained(folder))  # a vision-language one too
+    model, info = model_class.from_pretrained(folder, output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        return f"loading info {info}"
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if tied == ("lm_head.weight" in stored):
+        return "tied embeddings not stored once and tied again on loading"
+    got = model.state_dict()
+    if got.keys() != want.keys():
+        return f"names differ: {sorted(got.keys() ^ want.keys())[:4]}"
+    for k, v in want.items():
+        if got[k].dtype != v.dtype or not torch.equal(got[k], v):
+            return f"{k} differs"
+    return None

@@ -29,9 +29,16 @@ import model_loading  # noqa: E402
 import sharding  # noqa: E402
 from layers import engine, transformer  # noqa: E402
 import train  # noqa: E402
+from launches import export_differs  # noqa: E402
 
 LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size
 MAX_NEW = 10
+
+
+def gathered(root):
+    """The whole model on rank 0 (None for each tensor elsewhere), each tensor gathered in turn."""
+    sharding.free_gathered(root)
+    return {k: sharding.full_host_tensor(v) for k, v in root.lm.state_dict().items()}
 
 
 def count_all_gathers():
@@ -174,10 +181,11 @@ def run(argv):
     cfg = train.parse_config(argv)
     initial_dir = os.path.join(out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
     initial = model_loading.load_model(initial_dir, cfg.model_init_kwargs, "cpu", seed=cfg.seed).state_dict()
-    ref_full = sharding.full_state_dict(ref)
-    policy_full = sharding.full_state_dict(policy)
-    report = {"full_state_dict_keys": sorted(policy_full)}  # full tensors land on rank 0 only
+    ref_full, policy_full = gathered(ref), gathered(policy)
+    report = {}
     if rank == 0:
+        # the run's export, gathered a tensor at a time from the shards: exactly the trained weights
+        report["export_differs"] = export_differs(os.path.join(out_dir, "model"), policy_full)
         report["ref_unchanged"] = all(torch.equal(ref_full[k], initial[k]) for k in initial)
         if cfg.sync_ref_model:  # the reference training mixed the policy into, to compare across world sizes
             torch.save(ref_full, os.path.join(out_dir, "ref.pt"))

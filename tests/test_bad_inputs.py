@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import model_loading  # noqa: E402
+from runs import export as run_export  # noqa: E402
 
 from layers import lora  # noqa: E402
 import rewards  # noqa: E402
@@ -253,17 +254,17 @@ def test_lora_targets_may_be_dotted_tails(tiny_model):
 def test_export_refuses_non_finite_weights(tmp_path, tiny_model, weights_dir):
     tok = model_loading.load_tokenizer(weights_dir)
     out = str(tmp_path / "model")
-    model_loading.export_model(tiny_model, tok, out)
+    run_export.export_model(tiny_model, tok, out)
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
     sd = {k: v.clone() for k, v in tiny_model.state_dict().items()}
     sd["model.layers.1.mlp.up_proj.weight"][0, :3] = float("nan")
     with pytest.raises(ValueError) as e:
-        model_loading.export_model(tiny_model, tok, out, state_dict=sd)
+        run_export.export_model(tiny_model, tok, out, state_dict=sd)
     assert "'model.layers.1.mlp.up_proj.weight' holds 3 NaN/inf values" in _one_line(e)
     with torch.no_grad():
         tiny_model.model.norm.weight[0] = float("inf")
     with pytest.raises(ValueError, match="'model.norm.weight' holds 1 NaN/inf"):
-        model_loading.export_model(tiny_model, tok, out)
+        run_export.export_model(tiny_model, tok, out)
     # the earlier export is untouched and nothing else was left beside it
     assert {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)} == before
     assert os.listdir(tmp_path) == ["model"]
@@ -272,22 +273,24 @@ def test_export_refuses_non_finite_weights(tmp_path, tiny_model, weights_dir):
 def test_export_replaces_the_old_folder_whole(tmp_path, tiny_model, weights_dir, monkeypatch):
     tok = model_loading.load_tokenizer(weights_dir)
     out = str(tmp_path / "model")
-    model_loading.export_model(tiny_model, tok, out)
+    run_export.export_model(tiny_model, tok, out)
     (tmp_path / "model" / "stale.txt").write_text("from an older export")
     with torch.no_grad():
         tiny_model.model.norm.weight.fill_(2.0)
-    model_loading.export_model(tiny_model, tok, out)
+    run_export.export_model(tiny_model, tok, out)
     assert sorted(os.listdir(tmp_path)) == ["model"] and "stale.txt" not in os.listdir(out)
     loaded = model_loading.load_model(out, {"dtype": "float32"})
     assert torch.equal(loaded.model.norm.weight, torch.full_like(loaded.model.norm.weight, 2.0))
 
     # killed while writing: the complete export stays where it was, the partial one is cleared next time
-    def dies(self, path, **kwargs):
-        open(os.path.join(path, "model.safetensors"), "w").write("half")
+    written = run_export._pwrite
+
+    def dies(fd, tensor, pos):  # the first tensor written, then killed
+        written(fd, tensor, pos)
         raise KeyboardInterrupt
-    monkeypatch.setattr(type(tiny_model), "save_pretrained", dies)
+    monkeypatch.setattr(run_export, "_pwrite", dies)
     with pytest.raises(KeyboardInterrupt):
-        model_loading.export_model(tiny_model, tok, out)
+        run_export.export_model(tiny_model, tok, out)
     assert sorted(os.listdir(tmp_path)) == ["model"]
     assert torch.equal(model_loading.load_model(out, {"dtype": "float32"}).model.norm.weight,
                        loaded.model.norm.weight)

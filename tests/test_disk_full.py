@@ -120,16 +120,16 @@ def test_full_disk_during_a_checkpoint(tmp_path, checkpoint_disk, monkeypatch, c
 
 
 def test_full_disk_during_the_export(tmp_path, monkeypatch):
-    import transformers
+    from runs import export as run_export
     out = str(tmp_path / "run")
-    real = transformers.PreTrainedModel.save_pretrained
+    real, calls = run_export._pwrite, []
 
-    def save_pretrained(self, path, **kwargs):  # half the weights, then safetensors' own error (not an OSError)
-        with open(os.path.join(path, "model.safetensors"), "wb") as f:
-            f.write(b"\0" * 1000)
-        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                           '"No space left on device" })')
-    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_pretrained)
+    def pwrite(fd, tensor, pos):  # some of the weights, then the disk is full
+        calls.append(pos)
+        if len(calls) > 3:
+            raise ENOSPC
+        real(fd, tensor, pos)
+    monkeypatch.setattr(run_export, "_pwrite", pwrite)
     argv = [f"--out_dir={out}", *QUICK, "--max_steps=2", "--save_every=2"]
     with pytest.raises(SystemExit) as e:
         train.main(argv)
@@ -138,7 +138,7 @@ def test_full_disk_during_the_export(tmp_path, monkeypatch):
     assert leftovers(out) == [] and not os.path.exists(os.path.join(out, "model"))
     assert os.listdir(os.path.join(out, "checkpoints")) == ["step_00000002"]
 
-    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", real)
+    monkeypatch.setattr(run_export, "_pwrite", real)
     train.main(argv)  # nothing left to train: resumes at step 2 and exports
     assert os.path.exists(os.path.join(out, "model", "model.safetensors")) and steps(out) == [1, 2]
 

@@ -229,6 +229,10 @@ def test_export_loads_and_reproduces_logits(runs):
     from run_train import LOGITS_INPUT
 
     p, _ = runs
+    # every export, 1 process or 2 (reading their own shards, offloaded, decoding together): the trained weights
+    for name in ("A1", "A2", "B2", "weights1", "weights2", "offload", "tp"):
+        with open(os.path.join(p[name], "after_rank0.json")) as f:
+            assert json.load(f)["export_differs"] is None, name
     for name in ("A2", "B2"):
         weights = exported_weights(p[name])
         assert not any(k.startswith(("lm.", "_fsdp", "module.")) for k in weights)
@@ -395,10 +399,11 @@ def test_evaluation_splits_rows_over_processes(runs):
 SHARDED_LOAD_WORKER = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
 import torch
 from transformers import AutoModelForCausalLM
 import logprobs, model_loading, sharding, train
-from runs import setup as run_setup
+from runs import export as run_export, setup as run_setup
 d = sharding.setup("cpu")
 filled = []  # what each model held when fill_shards was given it: were all its parameters still on meta?
 original_fill = model_loading.fill_shards
@@ -432,7 +437,8 @@ for name in sys.argv[3:]:
         exact &= all(torch.equal(b, buffers[n]) for n, b in root.lm.named_buffers()) and len(buffers) > 0
         r[label] = {"exact": exact, "fraction": local / total,
                     "dtypes": sorted({str(p.to_local().dtype) for p in root.parameters()})}
-        full = sharding.full_state_dict(root)  # gathered on rank 0
+        sharding.free_gathered(root)
+        full = {k: sharding.full_host_tensor(v) for k, v in root.lm.state_dict().items()}  # on rank 0
         if d.master:
             r[label]["full_exact"] = sorted(full) == sorted(whole) and all(
                 torch.equal(full[k], whole[k].to(full[k].dtype)) for k in whole)
@@ -441,6 +447,13 @@ for name in sys.argv[3:]:
         lp32 = ref(logprobs.completion_logprobs, ids, torch.ones_like(ids), 6)[0]
         lp16 = runs[True][1](logprobs.completion_logprobs, ids, torch.ones_like(ids), 6)[0]
     r["ref_bf16_logprob_diff"] = float((lp32 - lp16).abs().max())
+    sharding.free_gathered(policy)
+    export = f"{sys.argv[2]}/export_{name}"
+    run_export.export_model(policy.lm, model_loading.load_tokenizer(path), export, master=d.master,
+                            max_shard_bytes=20_000)  # every rank: a gather per tensor
+    if d.master:
+        from launches import export_differs
+        r["export_differs"] = export_differs(export, whole)
     report[name] = r
 with open(f"{sys.argv[2]}/report_rank{d.rank}.json", "w") as f:
     json.dump(report, f)
@@ -480,7 +493,9 @@ def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
     reference, each built from the files on the meta device, hold on each rank exactly its chunk of every
     weight as one process loads it (and gathered, the whole model) and the same buffers, about half of the
     model's bytes, and no rank had the model's parameters before its shards were read. With ref_bf16 the
-    reference's shards are bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding."""
+    reference's shards are bfloat16 and its log-probs are the float32 reference's within bfloat16's rounding.
+    The policy exported from its shards in several files loads as exactly those weights (the MoE model's experts
+    written back as a matrix per expert)."""
     from runs import weights
     save_weights(tmp_path / "tied")
     save_weights(tmp_path / "untied", tie_word_embeddings=False)
@@ -502,6 +517,8 @@ def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
                 assert r[label]["fraction"] == pytest.approx(0.5, abs=0.02), (name, label)
                 if rank == 0:
                     assert r[label]["full_exact"], (name, label)
+            if rank == 0:  # exported from the shards, in files of 20 kB: exactly the weights in the files
+                assert r["export_differs"] is None, (name, r["export_differs"])
             assert r["policy"]["dtypes"] == r["ref"]["dtypes"] == ["torch.float32"]
             assert r["ref_bf16"]["dtypes"] == ["torch.bfloat16"]
             # bfloat16 keeps 8 bits: ~4e-3 of log-probs near 5; more for MoE, where it moves a token's experts

@@ -16,6 +16,7 @@ import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import model_loading  # noqa: E402
+from runs import export as run_export  # noqa: E402
 from layers import lora  # noqa: E402
 from layers import static_moe  # noqa: E402
 
@@ -116,7 +117,7 @@ def test_merged_export_loads_as_a_plain_model(family, tmp_path):
     model, tok = architectures.tiny(family)
     lora.add_lora(model, RANK, ALPHA, "all")
     _random_B(model)
-    path = model_loading.export_model(model, tok, str(tmp_path / "export"))
+    path = run_export.export_model(model, tok, str(tmp_path / "export"))
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         saved = list(f.keys())
     assert not any("lora" in k or "parametrizations" in k for k in saved), saved

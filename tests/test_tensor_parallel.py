@@ -2,6 +2,8 @@
 
 One torchrun launch of tests/tp_decode.py (4 processes, gloo, float32) decodes each family's rows in groups of 2
 and of 4; these tests read what every rank wrote. A train.py run with --tp_size=2 is one of test_distributed.py's.
+The same launch exports three models sharded over its 4 processes (the export at 1 and 2 processes: test_lora.py,
+test_distributed.py).
 """
 
 import glob
@@ -12,16 +14,22 @@ import pytest
 import torch
 
 import architectures
-from launches import ROOT, launch
+from launches import ROOT, export_differs, launch
 
 SCRIPT = os.path.join(ROOT, "tests", "tp_decode.py")
 TOLERANCE = 1e-5  # float32: the all-reduces add the ranks' partial sums in another order than one matmul does
 
 
 @pytest.fixture(scope="module")
-def decoded(tmp_path_factory):
+def launched(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tp") / "decoded")
     launch(SCRIPT, [out], nproc=4, timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoded(launched):
+    out = launched
     rows = [json.loads(line) for path in sorted(glob.glob(out + ".*")) for line in open(path) if line.strip()]
     assert {r["rank"] for r in rows} == {0, 1, 2, 3}
     return rows
@@ -84,6 +92,20 @@ def test_each_rank_holds_its_share_of_the_weights(decoded):
             whole, first = group[0]["kept_whole"]
             total = sum(r["bytes"] for r in group)
             assert total == group[0]["whole_bytes"] + group[0]["in_place"] + (size - 1) * whole, (family, size)
+
+
+def test_export_of_a_model_sharded_over_four_processes(launched):
+    """Each tensor gathered in turn from 4 ranks' shards (one rank's empty) and written by rank 0 into files of
+    20 kB: the folder loads with from_pretrained and holds exactly the weights one process merges, tied (Qwen2)
+    and untied with LoRA (Llama), and Qwen3-MoE's experts with their adapters, written as a matrix per expert."""
+    with open(launched + "-export.json") as f:
+        exported = json.load(f)
+    assert sorted(exported) == ["llama", "qwen2", "qwen3_moe"]
+    for family, (folder, want) in exported.items():
+        assert export_differs(folder, torch.load(want)) is None, (family, export_differs(folder, torch.load(want)))
+        assert len(glob.glob(os.path.join(folder, "model-*-of-*.safetensors"))) > 1, family
+    with open(os.path.join(exported["qwen3_moe"][0], "model.safetensors.index.json")) as f:
+        assert "model.layers.0.mlp.experts.5.up_proj.weight" in json.load(f)["weight_map"]
 
 
 def test_tp_size_that_does_not_divide_the_processes_is_refused():

@@ -1,5 +1,6 @@
 """Tensor-parallel decoding against one rank, for tests/test_tensor_parallel.py: run under torchrun with gloo (4
-processes), it writes one JSON line per (family, group size, case) to the file named by its argument.
+processes), it writes one JSON line per (family, group size, case) to the file named by its argument. The same launch
+exports three models sharded over the 4 processes (`export`): the export's check at 4 processes.
 
 Every rank builds the same tiny model. Groups of 2 (ranks 0-1 and 2-3) and of 4 decode the same rows as one rank
 decoding alone with the whole layers; greedy tokens are compared with the model's own `generate` as well. Each rank
@@ -76,6 +77,39 @@ def respond(vocab):
     return answer
 
 
+def export(out_path, rank, world):
+    """Tied (Qwen2), untied (Llama, LoRA on every projection) and Qwen3-MoE (LoRA on its experts too; 6 experts over
+    4 ranks, so the last rank's shard is empty), each fully_shard-ed over the 4 processes and exported in files of at
+    most 20 kB; rank 0 writes {family: the folder, the merged whole weights' file} to `out_path`-export.json."""
+    import tempfile
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from layers import lora
+    from runs import export as run_export
+    mesh = init_device_mesh("cpu", (world,))
+    folder = tempfile.mkdtemp(prefix="export", dir=os.path.dirname(out_path)) if rank == 0 else None
+    saved = {}
+    for family, overrides, targets in (("qwen2", {}, None), ("llama", {}, "all"),
+                                       ("qwen3_moe", {"num_experts": 6}, "all")):
+        model, tok = architectures.tiny(family, **overrides)
+        if targets:
+            architectures.adapt(model, 4, targets)
+        want = lora.merge_lora_state_dict(model)  # the whole model's merged weights, as one process exports them
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        path = f"{folder}/{family}" if rank == 0 else None
+        run_export.export_model(model, tok, path, master=rank == 0, max_shard_bytes=20_000)
+        if rank == 0:
+            torch.save(want, f"{folder}/{family}.pt")
+            saved[family] = [path, f"{folder}/{family}.pt"]
+    if rank == 0:
+        with open(f"{out_path}-export.json", "w") as f:
+            json.dump(saved, f)
+
+
 def main(out_path):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,6 +164,7 @@ def main(out_path):
                 model.__dict__.pop("_static_decoder", None)
     with open(f"{out_path}.{rank}", "w") as f:
         f.write("\n".join(json.dumps(x) for x in lines))
+    export(out_path, rank, world)
     dist.barrier()
     dist.destroy_process_group()
 
