@@ -223,9 +223,9 @@ class Draw:
     def sliced(self, logits, keys, tp, vocab):
         """`whole` where each rank of a tensor-parallel group `tp` holds a slice of a vocabulary of `vocab` tokens
         (logits (n, V_r), its ids tp.span(vocab)): each rank scores its slice (the greedy logit, or logit / T plus each
-        token's own Gumbel noise) and the group keeps the first maximum (tensor_parallel.Slice.best_of_slices), the
-        draw of the whole vocabulary, ties to the lowest id as argmax breaks them. A filter needs every logit: the
-        slices are gathered whole instead."""
+        token's own Gumbel noise) and the group keeps the first maximum (layers/tensor_parallel.py's
+        `best_of_slices`), the draw of the whole vocabulary, ties to the lowest id as argmax breaks them. A filter
+        needs every logit: the slices are gathered whole instead."""
         if self.filtered():
             return self.whole(tp.gather_vocab(logits, vocab), keys)
         start = tp.span(vocab, even=False)[0]
@@ -842,9 +842,9 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
 def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
                   record_routing, keep_decoder):
     """This rank's rows of one batch decoded by its tensor-parallel group (`d.tp`): the group's rows gathered
-    (tensor_parallel.Slice.group_rows), sampled together on slices of the layers, and this rank's rows taken back,
-    as wide as they would be alone. Rows draw their own random numbers, so they sample what they would alone. With
-    an agent each rank answers its own rows' turns and the group shares the answers (Slice.group_respond)."""
+    (layers/tensor_parallel.py's `group_rows`), sampled together on slices of the layers, and this rank's rows taken
+    back, as wide as they would be alone. Rows draw their own random numbers, so they sample what they would alone. With
+    an agent each rank answers its own rows' turns and the group shares the answers (`group_respond`)."""
     tp, n = d.tp, prompt_ids.shape[0]
     ids, mask, seeds, pad = tp.group_rows(prompt_ids, prompt_mask, seeds, tokenizer.pad_token_id)
     turns = {} if agent is None else dict(respond=tp.group_respond(agent.responder(episodes), n),

@@ -34,7 +34,7 @@ class Dist:
     world_size: int
     device: torch.device
     mesh: object = None  # a 1-D DeviceMesh over all processes; None with one process
-    tp: object = None  # this rank's layers/tensor_parallel.Slice when the sampler decodes in groups (`tensor_parallel`)
+    tp: object = None  # this rank's share of a tensor-parallel group when the sampler decodes in groups (`tensor_parallel`)
 
     @property
     def master(self):  # only this process prints, logs and exports
@@ -67,7 +67,7 @@ def setup(device=None):
 def tensor_parallel(d, size):
     """Split the processes into groups of `size` consecutive ranks (0..size-1, size..2*size-1, ...), each of which
     decodes its ranks' rows together, every rank holding 1/size of each layer; d.tp becomes this rank's
-    layers/tensor_parallel.Slice. Every rank makes every group, in the same order, as torch.distributed asks."""
+    layers/tensor_parallel.py. Every rank makes every group, in the same order, as torch.distributed asks."""
     from layers.tensor_parallel import Slice
     if size == 1:
         d.tp = Slice()

@@ -47,9 +47,10 @@ class StaticDecoder:
     def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None,
                   device=None):
         """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
-        `tensor_parallel.Slice` (its share of every layer and of the vocabulary); dtype, device: the copies' (the
-        model's own head's by default; under tensor parallelism the sharded model's compute dtype and device, its
-        shards being where FSDP2 keeps them, host memory with CPU offload)."""
+        share of a tensor-parallel group (layers/tensor_parallel.py: its share of every layer and of the
+        vocabulary); dtype, device: the copies' (the model's own head's by default; under tensor parallelism the
+        sharded model's compute dtype and device, its shards being where FSDP2 keeps them, host memory with CPU
+        offload)."""
         dec = getattr(model, "_static_decoder", None)
         device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
@@ -77,7 +78,7 @@ class StaticDecoder:
         self.max_batch, self.max_len = max_batch, max_len
         # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows
         self.tp = tp  # transformer.decide has said that the model can be cut so
-        # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (Slice.kv_share)
+        # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (`kv_share`)
         self.config_kv = kv = cfg.num_key_value_heads
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // tp.size, max(1, kv // tp.size), a0.head_dim
         self.vocab = model.lm_head.weight.shape[0]
@@ -262,7 +263,8 @@ class StaticDecoder:
             if starts and window in starts:
                 kk, vv, mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
             b = q.shape[0]
-            return transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel).reshape(b, nh, hd)
+            out = transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel)
+            return out.reshape(b, nh, hd)
         return attend
 
     def _logits(self, x):
@@ -550,7 +552,7 @@ def _put(store, name, parts):
 
 class _Copies:
     """transformer.layer_params' tensors for the decoder's layer i: each weight as the layer applies it now (a LoRA
-    adapter's delta merged in: lora.applied_weight), cut to this rank's share (tensor_parallel.Slice.cut, by the
+    adapter's delta merged in: lora.applied_weight), cut to this rank's share (layers/tensor_parallel.py's `cut`, by the
     kind layer_params names), the pieces of a fused projection concatenated, copied into the decoder's store."""
 
     def __init__(self, dec, i):

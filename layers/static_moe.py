@@ -28,7 +28,7 @@ scaling * (x A_e^T) B_e^T, instead of merging all E experts at every step.
 Any other parametrization is read through the attribute (merged), as the
 model's own forward reads it.
 
-Tensor parallelism (layers/tensor_parallel.py): with a `Slice` of T > 1 ranks,
+Tensor parallelism (layers/tensor_parallel.py): with a group of T > 1 ranks,
 `MoE` holds its own copy of this rank's share instead, cut from the whole block
 when built and refreshed by `MoE.load`: every expert's intermediate dimension
 (and the shared expert's) split 1/T, the router replicated, so that every rank
@@ -249,7 +249,7 @@ class MoE:
     router logits and gates as its router computes them, each chosen expert's projections, the gate function,
     each output scaled by its gate and summed into the token's row in the hidden dtype.
 
-    tp: this rank's tensor_parallel.Slice. None or size 1: the parameters are read in place. Larger: the block
+    tp: this rank's share of a tensor-parallel group (layers/tensor_parallel.py). None or size 1: the parameters are read in place. Larger: the block
     must be whole when built; the MoE holds this rank's share (the router and the shared expert's gate whole,
     the expert and shared-expert intermediate dimensions cut 1/T, the down biases on rank 0 alone), __call__
     returns this rank's partial sum of the output, and `load` refreshes the share from the whole block.

@@ -21,7 +21,7 @@ A state cannot forget a token once absorbed: the decoder says so
 (`forgets_exactly`), and the sampler then looks at rows after every token, so
 that none samples past a stop.
 
-Tensor parallelism (`tp`, a layers/tensor_parallel.Slice of T ranks): a rank
+Tensor parallelism (`tp`, this rank's share of a group of T ranks, layers/tensor_parallel.py): a rank
 holds 1/T of the key heads and the value heads those key heads serve, with
 their slices of every projection (and of an adapter's factors), of the
 convolution's channels and of the states; the gated norm's weight, shared by
@@ -81,7 +81,7 @@ class DeltaNet:
     value_dim) float32: the recurrent matrix. Rows are batch rows, as the decoder's cache rows."""
 
     def __init__(self, module, max_batch, device, dtype, tp=None):
-        """tp: this rank's Slice of a tensor-parallel group (None: the whole layer); its sizes are the rank's."""
+        """tp: this rank's share of a tensor-parallel group (None: the whole layer); its sizes are the rank's."""
         m = module
         self.tp = tp = tp or WHOLE
         nk, nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim

@@ -224,7 +224,8 @@ def _refusal(model):
             return f"{where}: a {_layer_class(layer)} from {own_class(layer).__module__} among the {name}s"
         foreign = _foreign_module(layer)
         if foreign:
-            return f"{where}: {foreign[0]} is a {foreign[1].__name__} from {foreign[1].__module__}, which the family's row does not describe"
+            return (f"{where}: {foreign[0]} is a {foreign[1].__name__} from {foreign[1].__module__}, which the "
+                    f"family's row does not describe")
         m = layer.mlp
         if (kind == "linear_attention") != (not _attends(layer)):
             return f"{where}: layer type {kind!r} on a layer {'with' if _attends(layer) else 'without'} attention"
@@ -377,7 +378,7 @@ def layer_params(l, settings, fam, take):
     hold (split_gate: q_proj's rows are each head's query then its gate, split_gate rows each);
     take.linear(name, module, cut) -> one linear; take.tensor(name, t, cut) -> a tensor; take.table(name,
     [(norm, heads)]) -> head norms over their heads; take.moe(block), take.recurrent(module). `cut` names how
-    tensor parallelism cuts a weight (tensor_parallel.Slice.cut), which a whole decoder and training ignore.
+    tensor parallelism cuts a weight (layers/tensor_parallel.py's `cut`), which a whole decoder and training ignore.
     """
     a, m = getattr(l, "self_attn", None), l.mlp
     t = {slot: None if name is None else take.norm(slot, getattr(l, name), settings.eps[slot])
