@@ -185,17 +185,9 @@ def _expert_slices(mlp, layout, interleaved, tp):
     w_out = 1 if layout == "out_in" else 2  # gate_up's output dimension, down's input dimension
     gate_up, down = e.gate_up_proj.detach(), e.down_proj.detach()
     gu_bias, down_bias = getattr(e, "gate_up_proj_bias", None), getattr(e, "down_proj_bias", None)
-    if interleaved:
-        # gate and up alternate (g0, u0, g1, u1, ...): the 2I outputs seen as I (gate, up) pairs, and whole pairs
-        # cut, so the gate function finds each rank's gates and ups at the even and odd places it reads
-        def cut(t, dim):
-            return tp.part(t.unflatten(dim, (-1, 2)), dim, what).flatten(dim, dim + 1)
-    else:  # I gate outputs then I up outputs: each cut apart, this rank's gates then its ups
-        def cut(t, dim):
-            return tp.part(t, dim, what, groups=2)
-    out = {"gate_up": cut(gate_up, w_out), "down": tp.part(down, 3 - w_out, what)}
+    out = {"gate_up": tp.experts(gate_up, w_out, interleaved, what), "down": tp.part(down, 3 - w_out, what)}
     if gu_bias is not None:
-        out["gate_up_bias"] = cut(gu_bias.detach(), 1)
+        out["gate_up_bias"] = tp.experts(gu_bias.detach(), 1, interleaved, what)
     if down_bias is not None:
         out["down_bias"] = _own(tp.first(down_bias.detach()))
     return out
@@ -249,10 +241,11 @@ class MoE:
     router logits and gates as its router computes them, each chosen expert's projections, the gate function,
     each output scaled by its gate and summed into the token's row in the hidden dtype.
 
-    tp: this rank's share of a tensor-parallel group (layers/tensor_parallel.py). None or size 1: the parameters are read in place. Larger: the block
-    must be whole when built; the MoE holds this rank's share (the router and the shared expert's gate whole,
-    the expert and shared-expert intermediate dimensions cut 1/T, the down biases on rank 0 alone), __call__
-    returns this rank's partial sum of the output, and `load` refreshes the share from the whole block.
+    tp: this rank's share of a tensor-parallel group (layers/tensor_parallel.py). None or size 1: the parameters
+    are read in place. Larger: the block must be whole when built; the MoE holds this rank's share (the router and
+    the shared expert's gate whole, the expert and shared-expert intermediate dimensions cut 1/T, the down biases on
+    rank 0 alone), __call__ returns this rank's partial sum of the output, and `load` refreshes the share from the
+    whole block.
     """
 
     def __init__(self, mlp, tp=None):

@@ -85,28 +85,16 @@ class DeltaNet:
         m = module
         self.tp = tp = tp or WHOLE
         nk, nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-        if nk % tp.size or nv % tp.size:
-            raise ValueError(f"tensor parallelism over {tp.size} ranks: the Gated DeltaNet's key heads ({nk}) and "
-                             f"value heads ({nv}) must each divide by {tp.size}")
-        # contiguous shares: key head i serves value heads [i * nv/nk, (i + 1) * nv/nk) (the repeat_interleave of
-        # the model's rule and of _step), so a rank's nk/T key heads serve exactly its nv/T value heads
-        (k0, k1), (v0, v1) = tp.span(nk, "key heads"), tp.span(nv, "value heads")
-        self.nk, self.nv = k1 - k0, v1 - v0
+        # this rank's rows of each projection, in the model's coordinates (layers/tensor_parallel.py's delta_net_spans;
+        # the whole layer's with one rank): key head i serves value heads [i nv/nk, (i + 1) nv/nk), as the
+        # repeat_interleave of the model's rule and of _step
+        self.spans = tp.delta_net_spans(nk, nv, self.dk, self.dv)
+        (v0, v1), = self.spans["heads"]
+        self.nk, self.nv = nk // tp.size, v1 - v0
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = m.conv_kernel_size
         self.eps = m.norm.variance_epsilon
-        # this rank's spans in the model's coordinates: "qkv" its rows of in_proj_qkv (q, k and v each by heads),
-        # which are also its channels of the convolution; "values" its value heads' dv-wide rows of in_proj_z and
-        # columns of out_proj; "heads" its value heads (rows of in_proj_b and in_proj_a, A_log, dt_bias); "in" its
-        # rows of the four input projections stacked (an adapter's stacked B)
-        key, value = nk * self.dk, nv * self.dv
-        qkv = [(k0 * self.dk, k1 * self.dk), (key + k0 * self.dk, key + k1 * self.dk),
-               (2 * key + v0 * self.dv, 2 * key + v1 * self.dv)]
-        c = 2 * key + value
-        self.spans = {"qkv": qkv, "values": [(v0 * self.dv, v1 * self.dv)], "heads": [(v0, v1)],
-                      "in": qkv + [(c + v0 * self.dv, c + v1 * self.dv), (c + value + v0, c + value + v1),
-                                   (c + value + nv + v0, c + value + nv + v1)]}
         self.conv = torch.zeros(max_batch, self.conv_dim, self.kernel - 1, device=device, dtype=dtype)
         self.rec = torch.zeros(max_batch, self.nv, self.dk, self.dv, device=device, dtype=torch.float32)
         # the model's chunked delta rule for prefill (the function its own forward calls)

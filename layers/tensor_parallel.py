@@ -8,9 +8,10 @@ its heads and its intermediate columns whole, and its output projection gives a 
 one all-reduce after the attention and one after the MLP joins them. A bias of a row-sliced projection is added by
 rank 0 alone. The vocabulary is cut the same way: each rank holds rows of the embedding and of the head.
 
-Everything of tensor parallelism is here but the two sums in transformer.layer (`p.reduce`) and the experts' and
-recurrent heads' own cuts in layers/static_moe.py and layers/static_recurrent.py: `CUTS` and `Slice.cut`, how each
-kind of weight is cut (transformer.layer_params names the kind of each); `refusal`, what a model's sizes cannot be
+Everything of tensor parallelism is here but the two sums in transformer.layer (`p.reduce`): `CUTS` and
+`Slice.cut`, how each kind of a layer's weight is cut (transformer.layer_params names the kind of each), with
+`Slice.experts` and `Slice.delta_net_spans` for the MoE experts and the Gated DeltaNet heads (whose copies
+layers/static_moe.py and layers/static_recurrent.py hold); `refusal`, what a model's sizes cannot be
 cut into (transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functional collectives); the vocabulary
 (`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and
 answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after. With size 1
@@ -25,8 +26,9 @@ import torch
 # How each kind of weight is cut: transformer.layer_params names the kind of each of a layer's weights, and
 # `Slice.cut` cuts it. kind -> (the dimension cut, what it is, for an error). Besides these, "kv_heads" (the K/V
 # projections, by outputs, in shares of the K/V heads: `Slice.kv_share`) and "vocabulary" (the embedding's and the
-# head's rows, in ceil-sized shares, the last one shorter). The MoE experts and the Gated DeltaNet heads are cut
-# alike in layers/static_moe.py and layers/static_recurrent.py, which hold their own copies.
+# head's rows, in ceil-sized shares, the last one shorter). MoE experts are cut along their intermediate dimension
+# (`Slice.experts`), Gated DeltaNet layers by key and value heads (`Slice.delta_net_spans`); layers/static_moe.py
+# and layers/static_recurrent.py hold those copies.
 CUTS = {
     "heads": (0, "a projection into the query heads"),     # by outputs: q, the query's gate, a sink per head
     "kv_heads": (0, "the K/V projections"),
@@ -83,6 +85,33 @@ class Slice:
         """This rank's share of the bias of a weight cut as `kind` says: an "inputs" cut's bias is whole, added by
         rank 0 alone; the others' are cut as their weights' outputs."""
         return self.first(t) if kind == "inputs" else self.cut(t, kind, kv_heads)
+
+    def experts(self, t, dim, interleaved, what="the experts' intermediate size"):
+        """This rank's share of a fused gate-and-up weight (or bias) of the experts along its output dimension
+        `dim`: with `interleaved` gate and up alternate (g0, u0, g1, u1, ...: gpt-oss), and whole (gate, up) pairs
+        are cut, so the gate function finds this rank's gates and ups at the even and odd places it reads; else I
+        gate outputs come before I up outputs, each cut apart, this rank's gates then its ups."""
+        if interleaved:
+            return self.part(t.unflatten(dim, (-1, 2)), dim, what).flatten(dim, dim + 1)
+        return self.part(t, dim, what, groups=2)
+
+    def delta_net_spans(self, nk, nv, dk, dv):
+        """This rank's rows of a Gated DeltaNet layer (nk key heads of dk, nv value heads of dv), in the model's
+        coordinates, as lists of (start, stop): "qkv" its rows of in_proj_qkv (q, k and v each by heads), which are
+        also its channels of the convolution; "values" its value heads' dv-wide rows of in_proj_z and columns of
+        out_proj; "heads" its value heads (rows of in_proj_b and in_proj_a, A_log, dt_bias); "in" its rows of the
+        four input projections stacked (an adapter's stacked B). Contiguous shares: key head i serves value heads
+        [i nv/nk, (i + 1) nv/nk), so a rank's nk/T key heads serve exactly its nv/T value heads."""
+        if nk % self.size or nv % self.size:
+            raise ValueError(f"tensor parallelism over {self.size} ranks: the Gated DeltaNet's key heads ({nk}) and "
+                             f"value heads ({nv}) must each divide by {self.size}")
+        (k0, k1), (v0, v1) = self.span(nk, "key heads"), self.span(nv, "value heads")
+        key, value = nk * dk, nv * dv
+        qkv = [(k0 * dk, k1 * dk), (key + k0 * dk, key + k1 * dk), (2 * key + v0 * dv, 2 * key + v1 * dv)]
+        c = 2 * key + value
+        return {"qkv": qkv, "values": [(v0 * dv, v1 * dv)], "heads": [(v0, v1)],
+                "in": qkv + [(c + v0 * dv, c + v1 * dv), (c + value + v0, c + value + v1),
+                             (c + value + nv + v0, c + value + nv + v1)]}
 
     def kv_share(self, kv_heads):
         """The share of the K/V heads this rank holds, as a Slice over them: with fewer K/V heads than ranks, each
