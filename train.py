@@ -417,21 +417,21 @@ def sampling_logprobs(run, ids, mask, micro, route=None):
 
 def update(run, batch, advantages, step):
     """Reference log-probs, then mu passes over the batch, each one optimizer step per mini-batch
-    (steps_per_generation): the mini-batch's micro-batched loss and backward, clip, step.
+    (steps_per_generation): the mini-batch's micro-batched loss and backward (`backward_mini_batch`), then the
+    optimizer step (`optimizer_step`).
 
     Each mini-batch's loss is normalised by its own counts over all ranks, so an optimizer step's gradient is
     that of its mini-batch alone (with one mini-batch, the whole batch's). The old log-probs are those of the
-    weights that sampled. With one mini-batch, the first pass's forward is at those weights: its log-probs,
-    kept, are the old log-probs of the later passes. With several, mini-batch 2's first forward comes after an
-    optimizer step, so a forward without gradient takes every row's old log-probs first (as TRL then does).
-    Either way they are compared with the sampler's (`sampler_logprob_diff`). With sync_ref_model the
+    weights that sampled (`OldLogprobs`). With one mini-batch, the first pass's forward is at those weights: its
+    log-probs, kept, are the old log-probs of the later passes. With several, mini-batch 2's first forward comes
+    after an optimizer step, so a forward without gradient takes every row's old log-probs first (as TRL then
+    does). Either way they are compared with the sampler's (`sampler_logprob_diff`). With sync_ref_model the
     reference is mixed toward the policy after every ref_model_sync_steps-th optimizer step of the run; this
     step's reference log-probs were taken before (TRL takes them when it generates).
     Returns the sums and maxima behind the step's metrics (on this rank), the gradient norm and learning
     rate of the last optimizer step, and how many optimizer steps were skipped.
     """
-    cfg, d, policy = run.cfg, run.d, run.policy
-    objective = grpo.Objective.of(cfg)
+    cfg, d = run.cfg, run.d
     n_mini = cfg.steps_per_generation
     run.step_images = batch.images  # each forward below takes its micro-batch's rows of them
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
@@ -457,32 +457,20 @@ def update(run, batch, advantages, step):
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
         minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
     ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
-    old_logp, is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
-    # |trainer - sampler| log-prob over the counted tokens, summed and largest (at the weights that sampled)
-    lp_diff_sum = lp_diff_max = lp_diff_tokens = torch.zeros((), device=d.device)
-
-    def keep_old(j, i, mb, logp):  # log-probs at the weights that sampled: pi_old, compared with the sampler's
-        nonlocal lp_diff_sum, lp_diff_max, lp_diff_tokens
-        old_logp[j][i] = logp
-        mb_mask, sampler = loss_mask[mb.rows, :mb.t], batch.rollout.logprobs[mb.rows, :mb.t]
-        diff = (logp - sampler).abs() * mb_mask
-        lp_diff_sum, lp_diff_tokens = lp_diff_sum + diff.sum(), lp_diff_tokens + mb_mask.sum()
-        lp_diff_max = torch.maximum(lp_diff_max, diff.max())
-        if cfg.importance_sampling != "none":
-            is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
-                                                      cfg.importance_sampling_min, cfg.importance_sampling_max)
-
+    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device)
     threshold = [None] * n_mini  # each mini-batch's entropy quantile
     if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
         for j, micro in enumerate(minis):
             out = sampling_logprobs(run, ids, mask, micro, route)
             for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
-                keep_old(j, i, mb, logp)
+                old.keep(j, i, mb, logp)
             if cfg.top_entropy_quantile < 1:
                 threshold[j] = entropy_threshold(run, ids, mask, micro, loss_mask, [e for _, e in out])
     elif cfg.top_entropy_quantile < 1:
         threshold[0] = entropy_threshold(run, ids, mask, minis[0], loss_mask)
 
+    inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, route=route, advantages=advantages, num_sequences=N,
+                  sampler=batch.rollout.logprobs)
     skipped = 0
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
@@ -490,57 +478,98 @@ def update(run, batch, advantages, step):
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
                 "is_weight": 0.0, "kept": 0.0}
         for j, micro in enumerate(minis):
-            step_loss = step_entropy = 0.0  # this optimizer step's loss and entropy sum on this rank
-            objective = dataclasses.replace(objective, entropy_coef=entropy_bonus(run))
-            for i, mb in enumerate(micro):
-                logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                                       width=mb.width, compile_layers=cfg.compile_layers,
-                                       entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
-                                       routing=routes(route, mb), images=images_of(run, mb))
-                mb_mask = loss_mask[mb.rows, :mb.t]
-                if old_logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
-                    keep_old(j, i, mb, logp.detach())
-                keep = select_tokens(cfg, entropy, logp, batch.rollout.logprobs[mb.rows, :mb.t], advantages[mb.rows],
-                                     mb_mask, threshold[j])
-                loss, m = grpo.grpo_loss(logp, old_logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
-                                         advantages[mb.rows], mb_mask, objective, num_sequences=N,
-                                         num_tokens=num_tokens[j], is_weight=is_weight[j][i], keep=keep,
-                                         entropy=entropy)
-                # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
-                (loss * d.world_size).backward()
-                step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
-                sums["loss"] += loss.detach()
-                for k in ("kl", "clip_low", "clip_high"):
-                    sums[k] += m[k] * m["tokens"]
-                step_entropy += (entropy.detach() * mb_mask).sum()
-                sums["entropy"] += (entropy.detach() * mb_mask).sum()
-                sums["tokens"] += m["tokens"]
-                if is_weight[j][i] is not None:
-                    sums["is_weight"] += (is_weight[j][i] * mb_mask).sum()
-                if keep is not None:
-                    sums["kept"] += (keep * mb_mask).sum()
-            grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-            # a non-finite loss or gradient never reaches the weights: the step is skipped (and counted), on every
-            # rank alike (the loss summed over ranks)
-            loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
+            step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j],
+                                                          threshold[j], sums)
             opt_step = ((step - 1) * cfg.num_iterations + iteration) * n_mini + j  # the run's optimizer steps before
-            lr = set_hyperparameters(run.optimizer, cfg, opt_step)
-            if math.isfinite(grad_norm.item()) and math.isfinite(loss_sum):
-                run.optimizer.step()
-                run.bad_steps = 0
-            else:
-                skipped += 1
-                run.bad_steps += 1
-            run.optimizer.zero_grad(set_to_none=True)
-            # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so
-            # a resumed run syncs where an uninterrupted one does
-            if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
-                sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
+            grad_norm, lr, done = optimizer_step(run, opt_step, step_loss)
+            skipped += not done
             if cfg.use_adaptive_entropy:  # this optimizer step's mean entropy over every rank's counted tokens
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
-    sums["lp_diff_sum"], sums["lp_diff_tokens"] = lp_diff_sum, lp_diff_tokens
-    return sums, lp_diff_max, grad_norm, lr, skipped
+    sums["lp_diff_sum"], sums["lp_diff_tokens"] = old.diff_sum, old.diff_tokens
+    return sums, old.diff_max, grad_norm, lr, skipped
+
+
+class OldLogprobs:
+    """Each micro-batch's log-probs at the weights that sampled (pi_old), with the importance weights against the
+    sampler's log-probs where asked, and the running |trainer - sampler| log-prob over the counted tokens (summed,
+    and the largest)."""
+
+    def __init__(self, cfg, minis, loss_mask, sampler, device):
+        self.cfg, self.loss_mask, self.sampler = cfg, loss_mask, sampler
+        self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
+        self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
+
+    def keep(self, j, i, mb, logp):
+        cfg = self.cfg
+        self.logp[j][i] = logp
+        mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
+        diff = (logp - sampler).abs() * mb_mask
+        self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + mb_mask.sum()
+        self.diff_max = torch.maximum(self.diff_max, diff.max())
+        if cfg.importance_sampling != "none":
+            self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
+                                                           cfg.importance_sampling_min, cfg.importance_sampling_max)
+
+
+def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, threshold, sums):
+    """Mini-batch j's loss and backward, one micro-batch at a time; adds its micro-batches' metrics to `sums` and
+    returns this optimizer step's loss and entropy sums on this rank (on the device: nothing waits here)."""
+    cfg, d, policy = run.cfg, run.d, run.policy
+    ids, mask, loss_mask, advantages = inputs["ids"], inputs["mask"], inputs["loss_mask"], inputs["advantages"]
+    objective = dataclasses.replace(grpo.Objective.of(cfg), entropy_coef=entropy_bonus(run))
+    step_loss = step_entropy = 0.0
+    for i, mb in enumerate(micro):
+        logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
+                               width=mb.width, compile_layers=cfg.compile_layers,
+                               entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
+                               routing=routes(inputs["route"], mb), images=images_of(run, mb))
+        mb_mask = loss_mask[mb.rows, :mb.t]
+        if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
+            old.keep(j, i, mb, logp.detach())
+        keep = select_tokens(cfg, entropy, logp, inputs["sampler"][mb.rows, :mb.t], advantages[mb.rows], mb_mask,
+                             threshold)
+        is_weight = old.is_weight[j][i]
+        loss, m = grpo.grpo_loss(logp, old.logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
+                                 advantages[mb.rows], mb_mask, objective, num_sequences=inputs["num_sequences"],
+                                 num_tokens=num_tokens, is_weight=is_weight, keep=keep, entropy=entropy)
+        # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
+        (loss * d.world_size).backward()
+        step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
+        sums["loss"] += loss.detach()
+        for k in ("kl", "clip_low", "clip_high"):
+            sums[k] += m[k] * m["tokens"]
+        step_entropy += (entropy.detach() * mb_mask).sum()
+        sums["entropy"] += (entropy.detach() * mb_mask).sum()
+        sums["tokens"] += m["tokens"]
+        if is_weight is not None:
+            sums["is_weight"] += (is_weight * mb_mask).sum()
+        if keep is not None:
+            sums["kept"] += (keep * mb_mask).sum()
+    return step_loss, step_entropy
+
+
+def optimizer_step(run, opt_step, step_loss):
+    """The run's optimizer step number `opt_step` (0-based) after a mini-batch's backward: the gradient clipped, the
+    learning rate set, the step taken unless the loss or the gradient is not finite (then skipped and counted, on
+    every rank alike: the loss summed over ranks), the gradients zeroed, and with sync_ref_model the reference mixed
+    toward the policy. Returns (gradient norm, learning rate, whether the step was taken)."""
+    cfg, d, policy = run.cfg, run.d, run.policy
+    grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+    loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
+    lr = set_hyperparameters(run.optimizer, cfg, opt_step)
+    done = math.isfinite(grad_norm.item()) and math.isfinite(loss_sum)
+    if done:
+        run.optimizer.step()
+        run.bad_steps = 0
+    else:
+        run.bad_steps += 1
+    run.optimizer.zero_grad(set_to_none=True)
+    # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so a resumed
+    # run syncs where an uninterrupted one does
+    if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
+        sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
+    return grad_norm, lr, done
 
 
 def entropy_bonus(run):
