@@ -337,6 +337,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
             # so that none samples past one (the same on every rank: it depends on the model alone)
             check_every = 1
 
+    if draw is not None and options:
+        raise TypeError(f"sample: a draw and its fields {sorted(options)} given apart; put them in the Draw")
     draw = draw or Draw(**options)
     if vocab is not None:  # one token per row, with its log-prob
         pick = functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])

@@ -204,10 +204,10 @@ class Landing:
         """(total (n,), {function: (n,)}, {function: seconds summed over the groups}); a reward function's error is
         raised here, for the first group it failed on."""
         n = len(self.prompts)
-        if any(self.left.values()):  # every row of a sample call ends in it: a path that never said so is a bug
-            raise RuntimeError(f"rows {[r for r in range(n) if self.left[self.group[r]]]} never landed")
         total, parts, seconds = torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE), {}, {}
         try:
+            if any(self.left.values()):  # every row of a sample call ends in it: a path that never said so is a bug
+                raise RuntimeError(f"rows {[r for r in range(n) if self.left[self.group[r]]]} never landed")
             for rows, done in self.scored:
                 t, p, s = done.result()
                 total[rows] = t
