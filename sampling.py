@@ -328,22 +328,16 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
                              dtype=dtype)
         vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
-        if not steps.forgets_exactly and respond is not None and max_turns > 1:
-            check_every = 1  # recurrent layers (see below)
     else:
         steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill), False
-        if not steps.forgets_exactly and respond is not None and max_turns > 1:
-            # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
-            # so that none samples past one (the same on every rank: it depends on the model alone)
-            check_every = 1
-
+    if not steps.forgets_exactly and respond is not None and max_turns > 1:
+        # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
+        # so that none samples past one (the same on every rank: it depends on the model alone)
+        check_every = 1
     if draw is not None and options:
         raise TypeError(f"sample: a draw and its fields {sorted(options)} given apart; put them in the Draw")
-    draw = draw or Draw(**options)
-    if vocab is not None:  # one token per row, with its log-prob
-        pick = functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])
-    else:
-        pick = draw.whole
+    draw = draw or Draw(**options)  # one token per row, with its log-prob
+    pick = draw.whole if vocab is None else functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])
     try:
         waiting = _Waiting(prompt_ids, attn, positions, places)
         rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, pick,

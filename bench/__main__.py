@@ -331,7 +331,8 @@ def row_lines(name, what, results, found):
     print(f"{name}: done in {time.perf_counter() - t:.0f}s: {found(results)}", flush=True)
 
 
-def main(argv):
+def parse(argv):
+    """(args, device, settings, --train overrides, rows to run) of the command line; a bad one exits naming it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write all results to this path")
     parser.add_argument("--model", default="tiny", choices=list(MODELS))
@@ -370,6 +371,11 @@ def main(argv):
     unknown = only - set(ROWS)
     if unknown:
         parser.error(f"--only: unknown rows {sorted(unknown)} ({', '.join(ROWS)})")
+    return args, device, s, overrides, only
+
+
+def main(argv):
+    args, device, s, overrides, only = parse(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {k: None for k in ("sampler_speedup_vs_generate", "sampler_hf_forward_speedup_vs_generate",
                                  "compaction_speedup", "step_speedup_vs_trl", "logprob_memory_ratio",

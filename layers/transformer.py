@@ -794,6 +794,7 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
                 torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
     math = compiled_layer() if compiled else _layer
+    live = Live(spec.fam)  # the layers' own parameters, as each call finds them
     for layer, settings in zip(inner.layers, spec.layers):
         call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
         cos, sin = tables[settings.rope]
@@ -801,18 +802,18 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
         # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
-            x = checkpoint(call, math, x, cos, sin, mask, settings, spec.fam)
+            x = checkpoint(call, math, x, cos, sin, mask, settings, live)
         else:
-            x = call(math, x, cos, sin, mask, settings, spec.fam)
+            x = call(math, x, cos, sin, mask, settings, live)
     return _rms_norm(x, _norm_weight(inner.norm.weight, spec.fam), _eps(inner.norm), spec.fam.upcast)
 
 
-def _layer_on(layer, math, x, cos, sin, mask, settings, fam):
+def _layer_on(layer, math, x, cos, sin, mask, settings, live):
     """`math` (`_layer` or its compiled form) on this layer's parameters, as they are at the call: gathered,
     under FSDP, by the hooks around `_fsdp_layer_method`."""
     if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
         _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
-    return math(x, cos, sin, mask, layer_params(layer, settings, fam, Live(fam)))
+    return math(x, cos, sin, mask, layer_params(layer, settings, live.fam, live))
 
 
 def _fsdp_layer_method(layer):

@@ -210,6 +210,19 @@ def test_what_the_decoder_does_not_reproduce_falls_back_saying_why(name, overrid
     assert transformer.decide(model).sampler.startswith(why), transformer.decide(model).sampler
 
 
+def test_a_forks_layer_class_with_a_row_of_its_own_is_written_out(monkeypatch):
+    """A fork may key a family row by its own layer class: that class, and no other, then takes the row's path."""
+    model, _ = architectures.tiny("qwen3")
+    fork = type("ForkLayer", (type(model.model.layers[0]),), {})
+    for each in model.model.layers:
+        each.__class__ = fork
+    assert transformer.decide(model).sampler.startswith("ForkLayer: a layer class not in the family table")
+    monkeypatch.setitem(transformer.FAMILIES, fork, transformer.FAMILIES["Qwen3DecoderLayer"])
+    paths = transformer.decide(model)
+    assert paths.sampler is None and paths.training is None, paths
+    assert sampling.check_exact(model) is None
+
+
 class _ScaledAttention(torch.nn.Module):
     """A fork's change to Qwen3's attention: a learned scalar on its output (mixed into the class below)."""
 
