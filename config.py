@@ -153,6 +153,11 @@ class Config:
         # when a row ends, its place takes the next row waiting (a prefill into that place while the others decode
         # on), so long rows do not leave the batch drained. 0 = batches of generation_batch_size, one after another.
         # The same completions either way (each row draws from its own seed); the KV cache holds this many rows
+    max_staleness: int = setting(0, run=True, at_least=0)  # K > 0: while a step's last rows run on, the sampler
+        # decodes the prompts of the next K steps, and rows in flight keep their cache across the optimizer step
+        # (train.RolloutStream; docs/streaming.md). A step still trains its own prompts; a token is at most K steps
+        # older than the weights it trains, and its sampler log-prob is the loss's old log-prob. 0 = each step
+        # samples its rows with its own weights
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
         # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
         # it divides the number of processes. Same completions as 1, less memory per process while sampling
@@ -304,6 +309,9 @@ def validate(cfg, world_size=1):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
+    need(not cfg.max_staleness or (cfg.tp_size == 1 and not cfg.dynamic_sampling and not cfg.routing_replay),
+         "max_staleness", "decodes each process's rows alone on the written-out decoder, for a step of its own "
+         "prompts: not with tp_size > 1, dynamic_sampling or routing_replay")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

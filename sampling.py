@@ -55,6 +55,9 @@ class Rollout:
     # none was recorded: the completion's (N, T, layers, k) and the left-padded prompt's (N, P, layers, k)
     routing: torch.Tensor = field(default=None, metadata={"pad": -1})
     prompt_routing: torch.Tensor = field(default=None, metadata={"pad": -1, "side": "left"})
+    # (N, T) long, from a Stream only: the version of the weights (the training steps taken before) that drew each
+    # policy token; a row that decoded through a training step has tokens of two versions or more
+    versions: torch.Tensor = None
     # (N,) long: the decode iterations the row held a place in the batch (before it ended, and after until its place
     # was given to another row or compacted away); the policy's tokens over their sum is the share of the batch's
     # place-steps that did work (`slots_busy`)
@@ -340,8 +343,17 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     pick = draw.whole if vocab is None else functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])
     try:
         waiting = _Waiting(prompt_ids, attn, positions, places)
-        rollout = _decode(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, pick,
-                          keys, check_every, all_done, respond, max_turns, compact, device, waiting, on_end)
+        rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
+                     keys, on_end)
+        # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
+        # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times); rows streaming through
+        # fewer places take turns, each admitted at a check (list scheduling: at most the rows per place, plus one)
+        limit = max_new_tokens + (max_turns - 1) * (check_every - 1)
+        if places < n:
+            limit = (-(-n // places) + 1) * (limit + check_every)
+        _Loop(steps, rows, pick, check_every, compact).run(
+            lambda: all_done(torch.as_tensor(~rows.active, device=device)), limit)
+        rollout = rows.rollout()
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
@@ -360,15 +372,16 @@ class _StaticSteps:
     can be compacted out of the batch."""
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
-                 dtype=None):
+                 dtype=None, batch=None):
         self.p = ids.shape[1]
         # slot P + max_new: where finished rows write what they still decode; never attended
-        self.dec = StaticDecoder.for_model(model, ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
+        self.dec = StaticDecoder.for_model(model, batch or ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
                                            attention_kernel=attention_kernel, tp=tp, dtype=dtype,
                                            device=ids.device if tp.size > 1 else None)
         self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
         self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
-        self.first_logits = self.dec.prefill(ids, attn, positions)  # (N, V)
+        # (N, V); with no rows, every place is empty until rows are admitted
+        self.first_logits = self.dec.prefill(ids, attn, positions) if len(ids) else None
 
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
@@ -453,41 +466,57 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
     return None
 
 
-def _decode(steps, n, max_new, eos_ids, stop_sequences, pad_id, draw, keys, check_every, all_done, respond,
-            max_turns, compact, device, waiting, on_end=None):
-    """The loop behind `sample`. Each iteration draws a token for every row of the batch; at a check it finds the
-    rows that paused, asks for the environment's answers, ends rows, gives the places of ended rows to rows
-    `waiting` and, with none waiting, may compact the batch; then it feeds the batch: one decode step, or an extend
-    step where some rows take an answer or a new row's prompt. `_Rows` holds the rows' state."""
-    rows = _Rows(steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting, on_end)
-    # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
-    # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times); rows streaming through
-    # fewer places take turns, each admitted at a check (list scheduling: at most the rows per place, plus one)
-    limit = max_new + (max_turns - 1) * (check_every - 1)
-    if waiting.places < n:
-        limit = (-(-n // waiting.places) + 1) * (limit + check_every)
-    logits, it = steps.first_logits, 0
-    while True:
-        tok, col = rows.draw(logits, draw, keys)
-        it += 1
-        final, scheduled = it >= limit, it % check_every == 0
-        feeds = []
-        if scheduled or final or (rows.ptr[rows.live] >= max_new).any():
-            feeds = rows.check(tok) if len(rows.rows_h) else []
-            if final:
-                rows.finish(rows.rows_h[rows.active[rows.rows_h]], True)
+class _Loop:
+    """The loop behind `sample` and `Stream`. Each iteration draws a token for every row of the batch; at a check
+    it finds the rows that paused, asks for the environment's answers, ends rows, gives the places of ended rows to
+    rows waiting and, with none waiting, may compact the batch; then it feeds the batch: one decode step, or an
+    extend step where some rows take an answer or a new row's prompt. `_Rows` holds the rows' state.
+
+    `run(until, limit)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the
+    batch's active rows end, truncated). A run that stopped on `until` can be run again: it goes on from that
+    check with the logits it had (the next token of each row is drawn from them, by the weights that computed
+    them), and feeds the token drawn at the check on the steps' weights of then."""
+
+    def __init__(self, steps, rows, draw, check_every, compact):
+        self.steps, self.rows, self.draw, self.check_every, self.compact = steps, rows, draw, check_every, compact
+        self.logits, self.held = steps.first_logits, None  # held: (tok, col, feeds) of the check a run stopped at
+
+    def run(self, until, limit):
+        """True if the run ended at the limit, False if `until` stopped it."""
+        rows, it = self.rows, 0
+        if self.held is not None:
+            tok, col, feeds = self.held
+            self.held = None
+            self.logits = rows.feed(self.logits, *self._after_check(tok, col, feeds))
+        while True:
+            tok, col = rows.draw(self.logits, self.draw)
+            it += 1
+            final, scheduled = it >= limit, it % self.check_every == 0
+            feeds = []
+            if scheduled or final or (rows.ptr[rows.live] >= rows.max_new).any():
+                feeds = rows.check(tok) if len(rows.rows_h) else []
+                if final:
+                    rows.finish(rows.rows_h[rows.active[rows.rows_h]], True)
+                    rows.landed()
+                    return True
                 rows.landed()
-                break
-            rows.landed()
-            if scheduled and all_done(torch.as_tensor(~rows.active, device=device)):
-                break
-            if rows.waiting.rows:
-                feeds += rows.admit()
-            elif compact and len(rows.rows_h):
-                feeds, tok, col = rows.compact(feeds, tok, col)
-            rows.realign()
-        logits = rows.feed(logits, tok, col, feeds)
-    return rows.rollout()
+                if scheduled and until():
+                    self.held = tok, col, feeds
+                    return False
+                tok, col, feeds = self._after_check(tok, col, feeds)
+            self.logits = rows.feed(self.logits, tok, col, feeds)
+
+    def _after_check(self, tok, col, feeds):
+        """Places of ended rows to the rows waiting, or with none waiting the batch compacted; (tok, col, feeds) of
+        the batch as it is then."""
+        rows = self.rows
+        if rows.waiting.rows:
+            more, tok = rows.admit(tok)
+            feeds += more
+        elif self.compact and len(rows.rows_h):
+            feeds, tok, col = rows.compact(feeds, tok, col)
+        rows.realign()
+        return tok, col, feeds
 
 
 class _Waiting:
@@ -517,8 +546,10 @@ class _Rows:
     """
 
     def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
-                 on_end=None):
+                 keys, on_end=None):
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
+        self.keys = keys  # (n, max_new + 1) each row's random keys by completion position (row_keys)
+        self.tag = np.arange(n)  # what on_end and a Stream's caller call each row
         self.respond, self.max_turns = respond, max_turns
         self.spare = max_new  # the last column and cache position, where finished rows may write
         self.tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
@@ -540,9 +571,9 @@ class _Rows:
         self.uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
         self.live = self.rows_h.copy()  # the batch's active rows (global indices); they change only at checks
 
-    def draw(self, logits, draw, keys):
+    def draw(self, logits, draw):
         """A token for every batch row at its position: (tokens, their column: an int shared by all, or per row)."""
-        rows_h, rows, spare = self.rows_h, self.rows, self.spare
+        rows_h, rows, spare, keys = self.rows_h, self.rows, self.spare, self.keys
         self.held[rows_h] += 1
         if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
             return logits.new_zeros(0, dtype=torch.long), None
@@ -588,7 +619,7 @@ class _Rows:
         if self.ended:
             rows, self.ended = sorted(self.ended), []
             ids = self.tokens[torch.as_tensor(rows, device=self.device), :int(self.ptr[rows].max())].tolist()
-            self.on_end(rows, [row[:self.ptr[r]] for r, row in zip(rows, ids)])
+            self.on_end(self.tag[rows].tolist(), [row[:self.ptr[r]] for r, row in zip(rows, ids)])
 
     def check(self, tok):
         """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
@@ -672,18 +703,26 @@ class _Rows:
             self.turns[r] += 1
         return feeds
 
-    def admit(self):
-        """Give the batch places whose rows ended to the rows waiting, in order: each place forgets its row
-        (steps.admit) and its new row's prompt is fed as an environment's answer is. The feeds of those prompts."""
+    def admit(self, tok):
+        """Give the batch places whose rows ended, then places never used yet (up to `waiting.places`), to the rows
+        waiting, in order: each place forgets its row (steps.admit) and its new row's prompt is fed as an
+        environment's answer is. (The feeds of those prompts, the batch's tokens with a pad for each new place.)"""
         free = np.flatnonzero(~self.active[self.rows_h])[:len(self.waiting.rows)]
+        grow = min(self.waiting.places - len(self.rows_h), len(self.waiting.rows) - len(free))
+        if grow > 0:  # a Stream's batch before its places have all been taken
+            free = np.concatenate([free, len(self.rows_h) + np.arange(grow)])
+            self.rows_h = np.concatenate([self.rows_h, np.full(grow, -1)])
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(grow)])
+            self.feed_h = np.concatenate([self.feed_h, np.full(grow, -1)])
+            tok = torch.cat([tok, tok.new_full((grow,), self.pad_id)])
         if not len(free):
-            return []
+            return [], tok
         new = np.array([self.waiting.rows.pop(0) for _ in free])
         free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
         self.rows_h[free], self.rows[free_t] = new, new_t
         self.steps.admit(free_t, self.waiting.positions[new_t])
         self.device_state.clear()
-        return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))]
+        return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))], tok
 
     def compact(self, feeds, tok, col):
         """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
@@ -727,16 +766,140 @@ class _Rows:
         self.device_state.clear()
         return self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), int(self.feed_h.max()))
 
-    def rollout(self):
-        ptr, device = self.ptr, self.device
-        t = max(1, int(ptr.max()))
+    def rollout(self, rows=None):
+        """The Rollout of rows `rows` (an array of row indices; all by default), in that order."""
+        device = self.device
+        rows = np.arange(self.n) if rows is None else np.asarray(rows)
+        ptr = self.ptr[rows]
+        index = slice(None) if len(rows) == self.n and (rows == np.arange(self.n)).all() else \
+            torch.as_tensor(rows, device=device)
+        t = max(1, int(ptr.max()) if len(rows) else 1)
         real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
-        policy = real & (self.kind[:, :t] != ENVIRONMENT)
-        return Rollout(completion_ids=self.tokens[:, :t].masked_fill(~real, self.pad_id), completion_mask=real.long(),
-                       policy_mask=policy.long(), truncated=torch.as_tensor(self.truncated, device=device),
-                       logprobs=self.logps[:, :t].masked_fill(~policy, 0.0),
-                       turns=torch.as_tensor(self.turns, device=device),
-                       held_steps=torch.as_tensor(self.held, device=device))
+        policy = real & (self.kind[index, :t] != ENVIRONMENT)
+        return Rollout(completion_ids=self.tokens[index, :t].masked_fill(~real, self.pad_id),
+                       completion_mask=real.long(), policy_mask=policy.long(),
+                       truncated=torch.as_tensor(self.truncated[rows], device=device),
+                       logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
+                       turns=torch.as_tensor(self.turns[rows], device=device),
+                       held_steps=torch.as_tensor(self.held[rows], device=device))
+
+
+class Stream:
+    """Rows that decode across training steps, on the written-out decoder: the sampler of a run with
+    --max_staleness. Rows are added (`add`, a step's prompts, each row with its seed and a tag naming it) to a queue
+    that `places` decode places take in order; `run` decodes until the rows asked for have all ended and stops at
+    that check, the other rows in the middle of theirs; `take` hands rows out and frees them. Between runs the
+    trainer changes the weights: the next run copies them into the decoder (`StaticDecoder.load`, in place) and
+    the rows in flight go on with the cache they have. Each token is drawn from the logits of the weights of the
+    run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions), so the loss can take the
+    sampler's log-prob as the behaviour policy's.
+
+    A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
+    have (max_prompt_length). Rows sample what `sample` samples for them, one turn each, with no stop sequences
+    and no routing record; on_end(tags, ids) is `sample`'s, with the rows' tags."""
+
+    def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
+                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None):
+        self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
+        # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
+        # for are then found ended as soon as they can all have
+        self.draw, self.check_every, self.device, self.dtype = draw.whole, min(check_every, max_new_tokens), device, dtype
+        self.first_slot = prompt_width  # no row's prompt starts before this cache slot (the decoder reads from it)
+        self.cuda_graph, self.attention_kernel = cuda_graph, attention_kernel
+        prompts = torch.full((capacity, prompt_width), pad_id, dtype=torch.long, device=device)
+        self.waiting = _Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
+        self.waiting.rows = []
+        keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
+        self.tag_of = [None] * capacity  # each row index's tag
+        rows = self.rows = _Rows(None, capacity, max_new_tokens, eos_ids, (), pad_id, None, 1, device, self.waiting,
+                                 keys, on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)))
+        rows.rows_h, rows.rows, rows.feed_h = np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.long,
+                                                                                      device=device), rows.feed_h[:0]
+        rows.live = rows.rows_h.copy()
+        rows.active[:] = False
+        self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
+        self.slot = {}  # tag -> row index
+        self.version = 0  # the weights' version the last run decoded with
+        self.first_version = np.zeros(capacity, dtype=np.int64)
+        self.new_version_at = [[] for _ in range(capacity)]  # per row, the positions from which a next version drew
+        self.loop = None
+
+    def in_flight(self):
+        """The tags of the rows added and not taken."""
+        return list(self.slot)
+
+    def add(self, prompt_ids, prompt_mask, seeds, tags):
+        """Queue rows: left-padded prompts (k, S), S <= prompt_width, their seeds (k,) and tags (k hashables)."""
+        k, s = prompt_ids.shape
+        if s > self.width:
+            raise ValueError(f"prompts of {s} tokens in a stream of {self.width}-token prompts")
+        rows = self.rows
+        slots = np.flatnonzero(self.free & ~np.isin(np.arange(self.capacity), rows.rows_h))[:k]
+        if len(slots) < k:
+            raise RuntimeError(f"the stream holds {self.capacity} rows; {k} more do not fit")
+        at = torch.as_tensor(slots, device=self.device)
+        attn = F.pad(prompt_mask.long(), (self.width - s, 0))
+        self.waiting.ids[at] = F.pad(prompt_ids, (self.width - s, 0), value=rows.pad_id)
+        self.waiting.attn[at], self.waiting.positions[at] = attn, logprobs.position_ids_from_mask(attn)
+        rows.keys[at] = row_keys(seeds.to(self.device, torch.long)[:, None],
+                                 torch.arange(self.max_new + 1, device=self.device)[None, :])
+        rows.tokens[at], rows.logps[at], rows.kind[at] = rows.pad_id, 0.0, 0
+        for a in (rows.ptr, rows.turn_start, rows.checked, rows.held):
+            a[slots] = 0
+        rows.active[slots], rows.truncated[slots], rows.turns[slots] = True, False, 1
+        self.free[slots] = False
+        for r, tag in zip(slots, tags):
+            self.slot[tag], self.tag_of[r] = int(r), tag
+            self.first_version[r], self.new_version_at[r] = self.version, []
+        self.waiting.rows += [int(r) for r in slots]
+        self.first_slot = min(self.first_slot, self.width - int(prompt_mask.sum(1).max()))
+        if self.loop is not None:
+            self.loop.steps.dec.first_slot = self.first_slot
+
+    def run(self, model, tags, version=0, all_done=None):
+        """Decode on `model`'s weights (`version`: how many training steps made them) until the rows `tags` have all
+        ended, on every rank with `all_done` (sharding.all_done_fn: every rank runs the same iterations)."""
+        rows = self.rows
+        if version != self.version:  # what is drawn from here on is the next version's
+            for r in np.flatnonzero(~self.free & rows.active):
+                self.new_version_at[r].append(int(rows.ptr[r]))
+            self.version = version
+        if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
+            w = self.waiting
+            steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
+                                 self.attention_kernel, dtype=self.dtype, batch=self.places)
+            model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
+            steps.dec.first_slot = self.first_slot
+            rows.steps = steps
+            self.loop = _Loop(steps, rows, self.draw, self.check_every, compact=True)
+            self.loop.logits = torch.zeros(0, device=self.device)
+            self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
+        else:
+            self.loop.steps.dec.load(model)  # this version's weights, into the copies the cache was made with
+        needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
+        all_done = all_done or (lambda done: bool(done.all()))
+        # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
+        limit = (-(-self.capacity // self.places) + 2) * (self.max_new + self.check_every)
+        if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
+            raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
+
+    def take(self, tags):
+        """The Rollout of the ended rows `tags`, in that order, with each token's version; the rows are freed."""
+        slots = np.array([self.slot.pop(t) for t in tags], dtype=np.int64)
+        if self.rows.active[slots].any():
+            raise RuntimeError("a row taken from the stream has not ended")
+        rollout = self.rows.rollout(slots)
+        t = rollout.completion_ids.shape[1]
+        position = np.arange(t)
+        versions = np.stack([self.first_version[r] + sum((position >= at) for at in self.new_version_at[r])
+                             + np.zeros(t, dtype=np.int64) for r in slots]) if len(slots) else np.zeros((0, t))
+        rollout.versions = torch.as_tensor(versions, dtype=torch.long, device=self.device) * rollout.policy_mask
+        self.free[slots] = True
+        return rollout
+
+    def close(self):
+        """Free the decoder's copies and cache."""
+        self.loop = self.rows.steps = None
 
 
 # ----------------------------------------------------------------------------- rollouts and evaluation
@@ -802,6 +965,12 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped
     text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
     return rollout, text
+
+
+def decodes_written_out(model):
+    """Whether the run's decision (transformer.paths_of) lets `model` sample on the written-out decoder, whose places
+    take new rows (a vision-language model's never do)."""
+    return not vision.is_vision_model(model) and transformer.paths_of(model).samples_written_out()
 
 
 def _batch_size(policy, cfg, n, no_streaming):

@@ -137,6 +137,9 @@ def rollout(run, step, round=0):
     """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
     further draws of the step (other prompts, other random numbers)."""
     cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    if cfg.max_staleness:
+        run.stream = run.stream or RolloutStream(run)
+        return run.stream.batch(step)
     # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
     all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
@@ -155,6 +158,90 @@ def rollout(run, step, round=0):
                                              images=images, on_end=landing)
     run.policy.train()
     return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+
+
+class RolloutStream:
+    """--max_staleness=K: the sampler works ahead. While a step's last rows run on, the decode places free of them
+    take the rows of the next K steps' prompts; when the step's rows have all ended (on every rank), decoding stops
+    there, the step trains, and the next step's decoding goes on from where it stopped, on the new weights, the
+    rows in flight keeping their cache (sampling.Stream). No place waits for the longest row while rows are
+    queued, and rewards are computed as groups land (`Landing`), so a step waits only for what its own last rows
+    have left to decode.
+
+    A step trains its own prompts, those a synchronous step would: which groups a step gets does not depend on how
+    fast rows decoded, so a run at any world size trains what one process does. A row of step s starts at step
+    s - K at the earliest, so its tokens are at most K versions older than the weights that train them; each
+    token's version is recorded, and the loss takes the sampler's log-prob as the old log-prob of an older one
+    (`OldLogprobs`). No row is dropped or cut short for its age: dropping would favour short completions, cutting
+    would score unfinished ones. The stream is drained (nothing queued past it) at each checkpoint step and at
+    the last, and closed there: a resumed run starts where an uninterrupted one also starts afresh."""
+
+    def __init__(self, run):
+        cfg, d = run.cfg, run.d
+        self.run, self.queued, self.steps = run, 0, {}  # steps: step -> its rows' Batch fields, before sampling
+        self.n = cfg.prompts_per_step * cfg.num_generations // d.world_size  # rows per step on this rank
+        self.places = cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)
+        self.stream = None
+        why = ("an agent's turns" if run.agent is not None else "prompts with images" if run.images is not None else
+               None if sampling.decodes_written_out(run.policy.lm) else "a model that samples on its own forward")
+        if why:
+            raise ConfigError("max_staleness", f"needs rows that the written-out decoder samples one turn each; "
+                              f"this run has {why}: use --max_staleness=0")
+
+    def last_queued(self, step):
+        """The last step whose prompts are queued while `step` decodes: K ahead, but not past a checkpoint."""
+        cfg = self.run.cfg
+        drain = cfg.max_steps if not cfg.save_every else min(cfg.max_steps, -(-step // cfg.save_every) * cfg.save_every)
+        return min(step + cfg.max_staleness, drain)
+
+    def queue(self, step):
+        run, cfg, d, G = self.run, self.run.cfg, self.run.d, self.run.cfg.num_generations
+        rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, 0)
+        all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
+        N = len(all_rows)
+        mine = slice(d.rank * self.n, (d.rank + 1) * self.n)
+        fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
+        prompts, ids, attn, _, _ = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device)
+        seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]  # as `rollout`'s
+        landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
+        if self.stream is None:
+            self.stream = sampling.Stream(self.places, self.n * (cfg.max_staleness + 1) + self.places,
+                                          cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
+                                          run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
+                                          on_end=self.landed, attention_kernel=cfg.decode_attention_kernel)
+        self.stream.add(ids, attn, seeds, [(step, i) for i in range(self.n)])
+        self.steps[step] = (prompts, fields, mine, ids, attn, landing)
+        self.queued = step
+
+    def landed(self, tags, ids):
+        """The stream's on_end: rows that ended, to their step's Landing."""
+        for step in dict.fromkeys(s for s, _ in tags):
+            landing = self.steps[step][-1]
+            if landing is not None:
+                landing([i for s, i in tags if s == step], [x for (s, _), x in zip(tags, ids) if s == step])
+
+    def batch(self, step):
+        """The step's Batch: its rows decoded to their ends (with what was queued up to `last_queued` decoding
+        meanwhile), taken out of the stream."""
+        run, d = self.run, self.run.d
+        if self.queued < step and self.stream is not None:
+            raise RuntimeError(f"step {step}'s rows were never queued (the stream is at step {self.queued})")
+        for s in range(max(self.queued, step - 1) + 1, self.last_queued(step) + 1):
+            self.queue(s)
+        tags = [(step, i) for i in range(self.n)]
+        run.policy.eval()
+        t = time.time()
+        with sharding.gathered(run.policy):
+            run.policy(self.stream.run, tags, step - 1, sharding.all_done_fn(d))
+        self.wait = time.time() - t
+        run.policy.train()
+        rollout = self.stream.take(tags)
+        if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
+            self.stream.close()
+            self.stream = None
+        prompts, fields, mine, ids, attn, landing = self.steps.pop(step)
+        completions = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        return Batch(prompts, fields, mine, ids, attn, rollout, completions, landing=landing)
 
 
 def scores_on_land(run):
@@ -459,7 +546,10 @@ def update(run, batch, advantages, step):
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
         minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
     ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
-    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device)
+    stale = None  # (n, T) tokens drawn by weights before this step's (max_staleness): their old log-prob is the sampler's
+    if batch.rollout.versions is not None:
+        stale = (batch.rollout.versions < step - 1) & batch.rollout.policy_mask.bool()
+    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device, stale)
     threshold = [None] * n_mini  # each mini-batch's entropy quantile
     if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
         for j, micro in enumerate(minis):
@@ -495,19 +585,29 @@ def update(run, batch, advantages, step):
 class OldLogprobs:
     """Each micro-batch's log-probs at the weights that sampled (pi_old), with the importance weights against the
     sampler's log-probs where asked, and the running |trainer - sampler| log-prob over the counted tokens (summed,
-    and the largest)."""
+    and the largest).
 
-    def __init__(self, cfg, minis, loss_mask, sampler, device):
-        self.cfg, self.loss_mask, self.sampler = cfg, loss_mask, sampler
+    `stale` (n, T), with max_staleness: the tokens that weights older than this step's drew. The trainer cannot
+    compute their pi_old (those weights are gone); the sampler's log-prob is it, exactly, from the weights and
+    the cache that drew the token (the behaviour policy, as in PipelineRL and TRL's ZeroSync). The first pass's
+    ratio for them is then exp(train - sampler). They are left out of the trainer-sampler comparison, which
+    measures the arithmetic's agreement at equal weights."""
+
+    def __init__(self, cfg, minis, loss_mask, sampler, device, stale=None):
+        self.cfg, self.loss_mask, self.sampler, self.stale = cfg, loss_mask, sampler, stale
         self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
         self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
 
     def keep(self, j, i, mb, logp):
         cfg = self.cfg
-        self.logp[j][i] = logp
         mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
-        diff = (logp - sampler).abs() * mb_mask
-        self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + mb_mask.sum()
+        compared = mb_mask
+        if self.stale is not None:
+            stale = self.stale[mb.rows, :mb.t]
+            logp, compared = torch.where(stale, sampler, logp), mb_mask * ~stale
+        self.logp[j][i] = logp
+        diff = (logp - sampler).abs() * compared
+        self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
         self.diff_max = torch.maximum(self.diff_max, diff.max())
         if cfg.importance_sampling != "none":
             self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
@@ -671,6 +771,10 @@ def train_step(run, step):
     rollout = batch.rollout
     if rollout.held_steps is not None and int(rollout.held_steps.sum()):  # this rank's decode places at work
         metrics["slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()
+    if cfg.max_staleness:
+        metrics.update(staleness_metrics(run, rollout, step), generation_wait_s=run.stream.wait)
+    elif cfg.rollouts_in_flight:
+        metrics["generation_wait_s"] = t_gen
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
     if cfg.sync_ref_model:  # the reference's syncs so far in the run
@@ -683,6 +787,18 @@ def train_step(run, step):
             metrics["routing_replay_differ_ref"] = differ / max(1.0, decisions)
             run.ref_routing = [0.0, 0.0]
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
+
+
+def staleness_metrics(run, rollout, step):
+    """How many versions older than the step's weights (step - 1 training steps) the policy tokens trained are, mean
+    and largest, and how many rows have a token of an older version (`rows_carried`), over every rank."""
+    mask = rollout.policy_mask.bool()
+    age = (step - 1 - rollout.versions).masked_fill(~mask, 0)  # (n, T)
+    total, tokens, carried = sharding.all_reduce_sum(
+        [float(age.sum()), float(mask.sum()), float((age.amax(1) > 0).sum()) if age.numel() else 0.0], run.d)
+    oldest = sharding.all_gather_rows(torch.tensor([[float(age.max()) if age.numel() else 0.0]], device=run.d.device),
+                                      run.d).max().item()
+    return {"staleness_mean": total / max(tokens, 1.0), "staleness_max": oldest, "rows_carried": carried}
 
 
 # ----------------------------------------------------------------------------- the loop

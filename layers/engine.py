@@ -137,6 +137,9 @@ class StaticDecoder:
         self.unpadded = False
         self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
+        # no row holds anything in the slots before this one (a Stream's rows, whose prompts are left-padded to the
+        # longest a run may have): eager steps read the cache from here on, graphs from slot 0
+        self.first_slot = 0
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
         self.admissions = 0  # rows admitted into the places of rows that ended (`admit`)
         self.n_rows = None  # rows at the last prefill
@@ -246,10 +249,11 @@ class StaticDecoder:
             return transformer.attention(q.transpose(1, 2), kk, vv, masks[p.window], p).transpose(1, 2)
         return attend
 
-    def _decode_attention(self, write, keys, masks, starts):
+    def _decode_attention(self, write, keys, masks, starts, lo=0):
         """Decode: each layer's attention for one token per row, q (B, heads, hd), k, v (B, kv heads, hd). The query
         heads that share a KV head are grouped as the query axis, so grouped-query attention needs no copy of K/V
-        per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`)."""
+        per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`); keys
+        begin at slot `lo`."""
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         # SDPA on CUDA; else the split-KV Triton kernel (CUDA), or on a CPU its plain version, two batched matmuls,
         # which beat SDPA's setup cost at small CPU shapes
@@ -261,7 +265,7 @@ class StaticDecoder:
             window = p.window
             mask = masks[window]
             if starts and window in starts:
-                kk, vv, mask = kk[:, :, starts[window]:], vv[:, :, starts[window]:], None
+                kk, vv, mask = kk[:, :, starts[window] - lo:], vv[:, :, starts[window] - lo:], None
             b = q.shape[0]
             out = transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel)
             return out.reshape(b, nh, hd)
@@ -273,9 +277,9 @@ class StaticDecoder:
         z = F.linear(transformer._rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
         return z if self.head is None else self.head.apply(z)
 
-    def _windowed(self, mask, query_pos, kv_len, skip=()):
-        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [0, kv_len) within the
-        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len). The
+    def _windowed(self, mask, query_pos, kv_len, skip=(), lo=0):
+        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [lo, kv_len) within the
+        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len - lo). The
         windows in `skip` get none (their layers narrow by slots instead)."""
         masks = {None: mask}
         for w in self.windows:
@@ -285,7 +289,7 @@ class StaticDecoder:
             if kv_len <= w:  # no two tokens of these slots are a window apart
                 masks[w] = mask
                 continue
-            near = transformer._in_window(query_pos, self.pos[:query_pos.shape[0], :kv_len], w)[:, None]
+            near = transformer._in_window(query_pos, self.pos[:query_pos.shape[0], lo:kv_len], w)[:, None]
             masks[w] = near if mask is None else mask & near
         return masks
 
@@ -353,11 +357,12 @@ class StaticDecoder:
         to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form
         graphs capture, read on the device at replay; rows that took turns of different lengths)."""
         x = self._embed(self.tok_in[:b] if tok is None else tok)  # (b, H)
+        lo = 0 if tok is None else self.first_slot  # a graph's span starts at slot 0
         if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
             rows = self.row_index[:b]
             cos, sin = [c[rows, slot][:, None] for c in self.cos], [s[rows, slot][:, None] for s in self.sin]
             self.key_mask[rows, slot] = self.trues[:b]  # a device tensor: a Python True would be copied from the host
-            attn_mask = self.key_mask[:b, None, None, :kv_len]  # (b, 1, 1, L): broadcast over heads and queries
+            attn_mask = self.key_mask[:b, None, None, lo:kv_len]  # (b, 1, 1, L): broadcast over heads and queries
             query_pos = None if self.pos is None else self.pos[rows, slot][:, None]
         else:
             cos, sin = [c[:b, slot, None] for c in self.cos], [s[:b, slot, None] for s in self.sin]  # (b, 1, hd)
@@ -369,10 +374,10 @@ class StaticDecoder:
                 attn_mask = None
             else:
                 self.key_mask[:b, slot] = True
-                attn_mask = self.key_mask[:b, None, None, :kv_len]
+                attn_mask = self.key_mask[:b, None, None, lo:kv_len]
             query_pos = None if self.pos is None else self.pos[:b, slot, None]
         starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
-        masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts) if self.windows else {None: attn_mask}
+        masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts, lo=lo) if self.windows else {None: attn_mask}
 
         def write(i, k, v):  # (b, nkv, hd) each
             if torch.is_tensor(slot):
@@ -383,7 +388,7 @@ class StaticDecoder:
                 self.v_cache[i, :b, :, slot] = v
 
         def keys(i):
-            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+            return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
 
         def record(p, experts):  # (b, k): each row's experts at its slot
             if torch.is_tensor(slot):
@@ -393,7 +398,7 @@ class StaticDecoder:
 
         self.record_at = None if self.routes is None else record
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
-        return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts),
+        return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts, lo),
                                          lambda layer, h: layer.decode(h)))
 
     def _narrowed(self, slot, kv_len):
@@ -455,11 +460,11 @@ class StaticDecoder:
         real_rows, real_cols = valid.nonzero(as_tuple=True)
         real_slots = slots[real_rows, real_cols]
         self.key_mask[real_rows, real_slots] = True
-        kv_len = top + 1
-        key_slot = torch.arange(kv_len, device=ids.device)
+        kv_len, lo = top + 1, self.first_slot
+        key_slot = torch.arange(lo, kv_len, device=ids.device)
         # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
-        mask = self.key_mask[:b, None, None, :kv_len] & (key_slot <= slots[:, None, :, None])
-        masks = self._windowed(mask, self.pos[rows, slots], kv_len) if self.windows else {None: mask}
+        mask = self.key_mask[:b, None, None, lo:kv_len] & (key_slot <= slots[:, None, :, None])
+        masks = self._windowed(mask, self.pos[rows, slots], kv_len, lo=lo) if self.windows else {None: mask}
         cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
         sin = [s[rows, slots][:, :, None] for s in self.sin]
 
@@ -468,7 +473,7 @@ class StaticDecoder:
             self.v_cache[i, real_rows, :, real_slots] = vv.transpose(1, 2)[real_rows, real_cols]
 
         def keys(i):
-            return self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+            return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
 
         self.record_at = None if self.routes is None else \
             (lambda p, experts: self.routes.__setitem__(

@@ -60,6 +60,7 @@ class Run:
     step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
     ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
     paths: str = ""                     # which way the sampler and the training forward run the policy (the banner's)
+    stream: object = None               # train.RolloutStream of a run with max_staleness > 0, made at its first step
 
 
 def setup(cfg, d):
