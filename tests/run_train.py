@@ -7,7 +7,8 @@ With --runs, the runs go one after another in the same processes and process gro
 more than a tiny run); rank 0 prints `=== run OUT_DIR` before each, so that a test can split the output.
 
 Records, in out_dir:
-  tokens_rank<r>.jsonl   every rollout's sampled token ids on rank r, one line per step
+  tokens_rank<r>.jsonl   every rollout's sampled token ids on rank r, one line per step (with max_staleness, each
+                         step's rows as the stream hands them out)
   after_rank<r>.json     checks on the reference model and the policy once training is done
   logits.pt              (rank 0) the trained policy's logits on a fixed input, to compare with the export
   ref.pt                 (rank 0, with sync_ref_model) the reference's full weights at the end
@@ -107,11 +108,29 @@ def pause_often():
     return undo
 
 
+def stop_often():
+    """A stream's rows also end at any of the letters a-e: rows of a random tiny model then end at lengths from 1
+    to the limit, differently on each rank. Returns what undoes it."""
+    original = sampling.Stream.__init__
+
+    def init(self, places, capacity, prompt_width, max_new_tokens, eos_ids, *args, **kwargs):
+        original(self, places, capacity, prompt_width, max_new_tokens, list(eos_ids) + list(range(97, 102)), *args,
+                 **kwargs)
+    sampling.Stream.__init__ = init
+
+    def undo():
+        sampling.Stream.__init__ = original
+    return undo
+
+
 def main(argv):
     undo = lambda: None  # noqa: E731
     if "--pause_often" in argv:
         argv = [a for a in argv if a != "--pause_often"]
         undo = pause_often()
+    if "--stop_often" in argv:
+        argv = [a for a in argv if a != "--stop_often"]
+        undo = stop_often()
     try:
         run(argv)
     finally:
@@ -125,6 +144,10 @@ def run(argv):
 
     original_sample, original_check_exact, checking = sampling.sample, sampling.check_exact, [False]
 
+    def record(ids):
+        with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(ids.tolist()) + "\n")
+
     def recording_sample(*args, **kwargs):
         rollout = original_sample(*args, **kwargs)
         if not checking[0]:  # the start-up check's few tokens are no step's rollout
@@ -133,9 +156,15 @@ def run(argv):
                 n = ids.shape[0] // tp.size
                 ids = ids[tp.rank * n:(tp.rank + 1) * n, :int(rollout.completion_mask[tp.rank * n:(tp.rank + 1) * n]
                                                                 .sum(1).max())]
-            with open(os.path.join(out_dir, f"tokens_rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps(ids.tolist()) + "\n")
+            record(ids)
         return rollout
+
+    original_stream_batch = train.RolloutStream.batch
+
+    def recording_stream_batch(self, step):  # max_staleness: a step's rows come out of the stream
+        batch = original_stream_batch(self, step)
+        record(batch.rollout.completion_ids)
+        return batch
 
     def marked_check(*args, **kwargs):
         checking[0] = True
@@ -151,6 +180,7 @@ def run(argv):
         return original_check(policy, ref)
 
     sampling.sample, sampling.check_exact, sharding.check_same_placement = recording_sample, marked_check, spying_check
+    train.RolloutStream.batch = recording_stream_batch
     original_layer, layer_calls = transformer._layer_on, [0]
 
     def counting_layer(*args):  # the written-out training forward's layer, sharded or not
@@ -175,6 +205,7 @@ def run(argv):
             original_check_exact, original_check
         transformer._layer_on, sharding.teardown = original_layer, teardown
         engine.StaticDecoder.prefill = original_prefill
+        train.RolloutStream.batch = original_stream_batch
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode

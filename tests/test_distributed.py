@@ -21,10 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launches import RUN_TRAIN, launch, launch_runs, metrics, tokens  # noqa: E402
+import model_loading  # noqa: E402
 
 FLAGS = ["--log_every=1", "--keep_checkpoints=2", "--print_completions_every=0"]
 # the only metrics allowed to differ between runs (reward_time/<function> too)
-TIMING = {"step_time", "generation_time", "update_time", "reward_time", "tokens_per_s"}
+TIMING = {"step_time", "generation_time", "update_time", "reward_time", "tokens_per_s", "generation_wait_s"}
 
 
 def train_flags(out_dir, max_steps, save_every=2):
@@ -64,9 +65,14 @@ def checks(t):
                     f"--reward_funcs={t / 'uneven.py'}:uneven"],
         # a folder with safetensors weights: 2 processes each read their own shards (1 loads it whole)
         "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
+        # the sampler works a step ahead, rows in flight across the optimizer steps; prompts of 2 and 61 characters
+        # and completions cut at 1 to 12 tokens by the stop rule below (STALE_STOPS)
+        "stale": ["--max_steps=50", "--save_every=0", "--max_staleness=1", f"--dataset={t / 'uneven.jsonl'}",
+                  "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=12", "--stop_often"],
     }
 
 
+STALE_FLAGS = ["--max_staleness=1", "--max_completion_length=12", "--stop_often"]
 MINI_FLAGS = ["--save_every=2", "--steps_per_generation=2", "--num_iterations=2", "--micro_batch_tokens=60",
               "--top_entropy_quantile=0.5", "--sync_ref_model=true", "--ref_model_sync_steps=3"]
 
@@ -79,12 +85,14 @@ def runs(tmp_path_factory):
     (t / "uneven.py").write_text(UNEVEN_REWARD)
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
     save_weights(t / "saved")
-    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp")}
+    p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
+                                 "staleA", "staleB")}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
                  train_flags(p["B1"], 2, save_every=1),    # 2 steps, checkpoints at 1 and 2 (2 is damaged below)
-                 [f"--out_dir={p['mini1']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]],
+                 [f"--out_dir={p['mini1']}", "--max_steps=3", *MINI_FLAGS, *FLAGS],
+                 train_flags(p["staleA"], 4) + STALE_FLAGS, train_flags(p["staleB"], 2) + STALE_FLAGS],
              2: [train_flags(p["A2"], 4), train_flags(p["B2"], 2),
                  [f"--out_dir={p['mini2']}", "--max_steps=2", *MINI_FLAGS, *FLAGS],  # stopped, resumed below
                  [f"--out_dir={p['lopsided']}", "--max_steps=2", "--save_every=0", "--prompts_per_step=4",
@@ -113,7 +121,8 @@ def runs(tmp_path_factory):
     with open(shard_file, "r+b") as f:
         f.truncate(os.path.getsize(shard_file) // 2)
     then = {1: [train_flags(p["B1"], 4),
-                train_flags(p["C"], 3)],    # saved by 2 processes, resumed by 1
+                train_flags(p["C"], 3),     # saved by 2 processes, resumed by 1
+                train_flags(p["staleB"], 4) + STALE_FLAGS],
             2: [train_flags(p["B2"], 4),    # the same command to step 4
                 train_flags(p["D"], 3),     # saved by 1 process, resumed by 2
                 [f"--out_dir={p['mini2']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]]}
@@ -578,6 +587,37 @@ def test_multi_turn_rollouts_agree_across_ranks(runs):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # rows finished after different numbers of turns (within a rank and across the two)
     assert all(1 < x["turns"] < x["turns_max"] and x["tool_calls"] > 0.5 for x in metrics(two))
+
+
+def test_rows_in_flight_across_steps_train_as_one_process(runs):
+    """--max_staleness=1 for 50 steps: the sampler decodes the next step's rows while a step's last rows run on,
+    and keeps them in flight through the optimizer step. Rows end at different lengths on the two ranks (prompts
+    of 2 and 61 characters, completions of 1 to 12 tokens), every rank stops decoding at the same check, and 2
+    processes sample the same tokens, with the same rewards and losses, as 1."""
+    p, _ = runs
+    one, two = p["stale1"], p["stale2"]
+    assert len(tokens(one)) == 50 and tokens(one) == tokens(two)
+    pad = model_loading.build_byte_tokenizer().pad_token_id
+    lengths = [len([t for t in row if t != pad]) for step in tokens(two) for row in step]
+    assert min(lengths) < 4 and max(lengths) == 12, (min(lengths), max(lengths))
+    m1, m2 = metrics(one), metrics(two)
+    assert [m["reward"] for m in m1] == [m["reward"] for m in m2]
+    for a, b in zip(m1, m2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(abs(a["loss"]), abs(b["loss"])) + 1e-7, (a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        for k in ("rows_carried", "staleness_mean", "staleness_max"):
+            assert a[k] == b[k], k
+    assert all(m["staleness_max"] == 1 and m["rows_carried"] > 0 for m in m2[1:])  # every step but the first
+
+
+def test_rows_in_flight_resume_exactly(runs):
+    """--max_staleness=1 with checkpoints every 2 steps: the stream is drained at each checkpoint, so 2 steps,
+    a stop, and the same command again give every metric and every token of 4 steps straight."""
+    p, _ = runs
+    assert [m["step"] for m in metrics(p["staleB"])] == [1, 2, 3, 4]
+    assert_same_metrics(metrics(p["staleA"]), metrics(p["staleB"]))
+    assert tokens(p["staleA"]) == tokens(p["staleB"])
+    assert metrics(p["staleA"])[-1]["rows_carried"] > 0
 
 
 def test_dynamic_sampling_agrees_across_ranks(runs):

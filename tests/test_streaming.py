@@ -99,3 +99,181 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     run.weights[:] = [1.0]
     with pytest.raises(SystemExit, match=f"on completion {k}: "):
         train.score(run, train.rollout(run, 3), 3)
+
+
+# ----------------------------------------------------------------------------- rows in flight across steps
+
+
+def _letters(tok):
+    return tok(["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"] * 3, return_tensors="pt",
+               padding=True, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", _one_of_each_kind())
+def test_a_stream_samples_what_one_batch_samples(family):
+    """A Stream (--max_staleness's sampler) with rows added between runs, each run stopping when the rows asked
+    for have ended while others are in the middle of theirs: at unchanged weights every row samples what `sample`
+    samples for it in one batch. The places are fewer than the rows, prompts are left-padded wider than the
+    batch's, and rows are taken out of the order they were added in."""
+    import sampling
+    model, tok = architectures.tiny(family)
+    enc = _letters(tok)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[STOP_IDS] *= 2
+    n, pad = enc.input_ids.shape[0], tok.pad_token_id
+    seeds = torch.arange(n) * 7 + 3
+    whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=STOP_IDS,
+                            pad_id=pad, seeds=seeds)
+    ended = []
+    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, 24, STOP_IDS, pad, sampling.Draw(),
+                             torch.device("cpu"), on_end=lambda tags, ids: ended.extend(zip(tags, ids)))
+    half = n // 2
+    stream.add(enc.input_ids[:half], enc.attention_mask[:half], seeds[:half], list(range(half)))
+    parts = []
+    for version, (need, add) in enumerate([(range(0, 4), range(half, n)), (range(4, half), ()),
+                                           (range(n - 1, half - 1, -1), ())]):
+        if add:
+            stream.add(enc.input_ids[list(add)], enc.attention_mask[list(add)], seeds[list(add)], list(add))
+        stream.run(model, list(need), version)
+        parts.append((list(need), stream.take(list(need))))
+        assert (stream.rows.active[[stream.slot[t] for t in stream.in_flight()]]).any() or version == 2
+    assert not stream.in_flight()
+    order = [r for need, _ in parts for r in need]
+    got = sampling.cat_rollouts([r for _, r in parts], pad)
+    want = sampling.rollout_rows(whole, order)
+    lengths = want.completion_mask.sum(1)
+    assert lengths.unique().numel() > 3, lengths  # rows ended at many different steps
+    assert torch.equal(got.truncated, want.truncated)
+    for k in ("completion_ids", "completion_mask", "policy_mask"):  # the parts padded as wide as the widest
+        assert torch.equal(getattr(got, k)[:, :want.completion_ids.shape[1]], getattr(want, k)), k
+    torch.testing.assert_close(got.logprobs[:, :want.logprobs.shape[1]], want.logprobs, atol=2e-5, rtol=0)
+    # on_end: every row once, with its completion
+    assert sorted(t for t, _ in ended) == list(range(n))
+    assert all(ids == whole.completion_ids[t, :int(whole.completion_mask[t].sum())].tolist() for t, ids in ended)
+
+
+def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_logprob():
+    """A row in flight when the weights change goes on with its cache: the tokens after the change are drawn from
+    the new weights attending to K/V the old weights computed. Each token's recorded log-prob and version are those
+    of the weights that drew it: checked against a plain forward of the model's own, the prefix's cache computed
+    under the first weights, the rest under the second. A forward under the second weights alone differs (the
+    cache matters), so the check can fail."""
+    import sampling
+    from bench.longtail import EndAt
+    from transformers import DynamicCache
+    model, tok = architectures.tiny("qwen3")
+    enc = tok(["hello world>", "xyz", "the quick brown fox>"], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    seeds, limit = torch.tensor([11, 12, 13]), 24
+    ends = sampling.row_keys(seeds, torch.tensor([5, 6, 20]) - 1)  # rows 0 and 1 end early, row 2 runs on
+    stop = tok.eos_token_id
+    stream = sampling.Stream(3, 3, enc.input_ids.shape[1], limit, [stop], tok.pad_token_id, EndAt(ends=ends, stop=stop),
+                             torch.device("cpu"))
+    stream.add(enc.input_ids, enc.attention_mask, seeds, [0, 1, 2])
+    stream.run(model, [0, 1], 0)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    paused_at = int(stream.rows.ptr[stream.slot[2]])
+    assert 0 < paused_at < 19
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    stream.run(model, [2], 1)
+    row = stream.take([2])
+    length = int(row.completion_mask.sum())
+    assert length == 20
+    assert row.versions[0, :length].tolist() == [0] * paused_at + [1] * (length - paused_at)
+    prompt = enc.input_ids[2][enc.attention_mask[2].bool()][None]
+    ids = row.completion_ids[:, :length]
+    # the token drawn at the stop was fed after it, on the second weights: the prefix cache is the prompt and the
+    # tokens before it
+    fed_first = torch.cat([prompt, ids[:, :paused_at - 1]], 1)
+    with torch.no_grad():
+        model.load_state_dict(first)
+        cache = DynamicCache()
+        logits_a = model(fed_first, cache=cache, use_cache=True).logits[:, prompt.shape[1] - 1:]
+        model.load_state_dict(second)
+        logits_b = model(ids[:, paused_at - 1:length - 1], cache=cache, use_cache=True).logits
+        alone = model(torch.cat([prompt, ids[:, :length - 1]], 1)).logits[:, prompt.shape[1] - 1:]
+    want = torch.cat([logits_a, logits_b], 1).log_softmax(-1).gather(-1, ids[..., None])[0, :, 0]
+    alone = alone.log_softmax(-1).gather(-1, ids[..., None])[0, :, 0]
+    got = row.logprobs[0, :length]
+    # the last token is the stop EndAt puts in place of the drawn one: its log-prob is the drawn token's
+    torch.testing.assert_close(got[:-1], want[:-1], atol=1e-5, rtol=0)
+    assert (got[paused_at:-1] - alone[paused_at:-1]).abs().max() > 1e-3
+
+
+def _train_rollouts(tmp_path, name, flags, spy=None):
+    """The rollouts (and what `spy(run, batch, step)` returns for each) of a short in-process train.py run."""
+    import contextlib
+    import io
+
+    import train
+    seen, update = [], train.update
+
+    def spying(run, batch, advantages, step):
+        seen.append((batch.rollout, spy(run, batch, step) if spy else None))
+        return update(run, batch, advantages, step)
+    train.update = spying
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.main([f"--out_dir={tmp_path / name}", "--save_every=0", "--log_every=1",
+                        "--max_completion_length=16", *flags])
+    finally:
+        train.update = update
+    return seen
+
+
+def test_at_no_learning_rows_in_flight_sample_what_each_step_samples(tmp_path):
+    """With a learning rate too small to change a float32 weight, --max_staleness=1 samples every step's rows with
+    the tokens and log-probs of --max_staleness=0, while half of each step's rows were decoded through the step
+    before (their tokens carry older versions: from the second step on, each step's rows began a step early)."""
+    flags = ["--max_steps=5", "--lr=1e-30"]
+    now = _train_rollouts(tmp_path, "now", flags)
+    ahead = _train_rollouts(tmp_path, "ahead", flags + ["--max_staleness=1"])
+    for step, ((a, _), (b, _)) in enumerate(zip(now, ahead), 1):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        older = ((b.versions < step - 1) & b.policy_mask.bool()).any(1)
+        assert a.versions is None and (older.sum() > 0) == (step > 1), (step, older.sum())
+
+
+def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(tmp_path, monkeypatch):
+    """At staleness 1 with learning: in the first pass of each step the loss's old log-prob of a token an earlier
+    version drew is its sampler log-prob (the ratio is exp(train - behaviour)), and of any other token the
+    trainer's own forward (ratio 1), as at staleness 0."""
+    import grpo
+    import train
+    calls, loss = [], grpo.grpo_loss
+
+    def recording(logp, old_logp, *args, **kwargs):
+        calls.append((logp.detach().clone(), old_logp.clone()))
+        return loss(logp, old_logp, *args, **kwargs)
+    monkeypatch.setattr(grpo, "grpo_loss", recording)
+    micro, backward = [], train.backward_mini_batch
+
+    def keeping(run, j, mbs, *args):
+        micro.extend(mbs)
+        return backward(run, j, mbs, *args)
+    monkeypatch.setattr(train, "backward_mini_batch", keeping)
+    seen = _train_rollouts(tmp_path, "stale", ["--max_steps=4", "--max_staleness=1", "--lr=3e-3"])
+    assert len(calls) == len(micro)
+    stale_tokens = 0
+    steps = iter(range(1, 5))
+    k = 0
+    for rollout, _ in seen:
+        step, rows_done = next(steps), 0
+        while rows_done < rollout.completion_ids.shape[0]:
+            mb, (logp, old) = micro[k], calls[k]
+            k += 1
+            rows_done += len(mb.rows)
+            mask = rollout.policy_mask[mb.rows, :mb.t].bool()
+            stale = (rollout.versions[mb.rows, :mb.t] < step - 1) & mask
+            sampler = rollout.logprobs[mb.rows, :mb.t]
+            assert torch.equal(old[stale], sampler[stale])
+            assert torch.equal(old[mask & ~stale], logp[mask & ~stale])
+            stale_tokens += int(stale.sum())
+            if stale.any():  # the weights moved: the behaviour log-probs are not the trainer's
+                assert (logp[stale] - sampler[stale]).abs().max() > 1e-4
+    assert stale_tokens > 0
