@@ -60,7 +60,7 @@ from bench.common import MODELS, build_model_dir, free, medians
 from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.export import bench_export
 from bench.hostmem import bench_hostmem
-from bench.longtail import bench_longtail
+from bench.longtail import bench_longtail, bench_longtail_steps, step_modes
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
                          trl_version)
 
@@ -101,6 +101,9 @@ def settings_for(args, device):
         # longtail row: lt_places decode places, lt_rows_per_place times as many rows, ending at log-normal lengths
         # (median lt_median tokens, sigma lt_sigma) of at most lt_max_new_tokens
         lt_places=64 if gpu else 16, lt_rows_per_place=4, lt_max_new_tokens=512, lt_median=46, lt_sigma=1.0,
+        # and steps of lt_step_prompts x lt_step_generations such rows, a reward of lt_reward_ms per completion,
+        # lt_warmup_steps + lt_step_reps steps of each mode
+        lt_step_prompts=8, lt_step_generations=8, lt_reward_ms=20, lt_warmup_steps=2, lt_step_reps=6,
         # export row: a Qwen2 shape of ex_layers layers of hidden size ex_hidden, an ex_vocab vocabulary, untied
         ex_hidden=1024, ex_layers=24, ex_vocab=151936, ex_dtype="bfloat16", ex_processes="1,2,4",
         ex_methods="gather,stream,dcp",
@@ -440,6 +443,14 @@ def main(argv):
                                      f"places busy {r['longtail_batches_slots_busy']:.0%} / "
                                      f"{r['longtail_streaming_slots_busy']:.0%}"):
                 results.update(bench_longtail(path, s, device))
+            free(device)
+            with row_lines("longtail", f"steps of {s['lt_step_prompts']} x {s['lt_step_generations']} such rows, a "
+                           f"{s['lt_reward_ms']} ms reward per completion: (a) synchronous, (b) streaming, (c), (d) "
+                           f"the sampler 1 and 2 steps ahead", results,
+                           lambda r: ", ".join(f"({m[0]}) {r[f'longtail_{m}_vs_a']:.2f}x" for m in step_modes(s)) +
+                           " (a)'s steps/s; places busy " +
+                           " / ".join(f"{r[f'longtail_{m}_slots_busy']:.0%}" for m in step_modes(s))):
+                results.update(bench_longtail_steps(path, s, device, root))
             free(device)
         if "hostmem" in only:
             with row_lines("hostmem", f"a whole run's peak host memory per process at {s['hm_processes']} processes",

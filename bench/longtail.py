@@ -1,15 +1,21 @@
 """The bench's longtail row: rows that end at long-tailed lengths, decoded by the same number of places in batches
 one after another (the sampler's batches: each drains while its longest row runs on) and streaming through them
-(`--rollouts_in_flight`: a place whose row ended takes the next row), against those places decoding full rows."""
+(`--rollouts_in_flight`: a place whose row ended takes the next row), against those places decoding full rows.
+Then whole steps of train.py on such rows with a reward that takes 20 ms a completion, in four modes: (a) today's
+synchronous step, (b) rows streaming through a quarter as many places, scored as their groups land, (c) and (d)
+the same with the sampler working 1 and 2 steps ahead (--max_staleness)."""
 
 import dataclasses
 import math
 import random
+import time
 
 import torch
 
 import model_loading
 import sampling
+import sharding
+import train
 from bench.common import letter_prompts, load, medians
 
 
@@ -83,4 +89,79 @@ def bench_longtail(path, s, device):
     # iterations of full rows over the iterations the longest row alone needs, where it is longer (only rows carried
     # over to a later step, which this row does not run, go past that)
     out["longtail_bound_vs_full"] = min(1.0, full_length / max(lengths))
+    return out
+
+
+def slow_reward(prompts, completions, **_):
+    """A reward that takes lt_reward_ms a completion (a sandboxed program, a judge): scored one group at a time as
+    rows land, or the whole batch after the last row."""
+    time.sleep(slow_reward.seconds * len(completions))
+    return [float(len(c) % 3) for c in completions]
+
+
+def step_modes(s):
+    """{mode: train.py settings} of the four step modes, each against (a) in the same run."""
+    rows = s["lt_step_prompts"] * s["lt_step_generations"]
+    places = rows // s["lt_rows_per_place"]  # four times as many rows queued as places, by default
+    return {"a_sync": dict(rollouts_in_flight=0), "b_stream": dict(rollouts_in_flight=places),
+            "c_stale1": dict(rollouts_in_flight=places, max_staleness=1),
+            "d_stale2": dict(rollouts_in_flight=places, max_staleness=2)}
+
+
+class LongTailedStep:
+    """train.train_step on the bench's model, every row ending at its own long-tailed length (EndAt, keyed on the
+    run's own row seeds, so every mode's step s samples the same rows), scored by `slow_reward`."""
+
+    def __init__(self, path, s, device, root, mode, settings, steps):
+        cfg = train.Config(model=path, device=str(device), model_init_kwargs={"dtype": s["dtype"],
+                           "attn_implementation": "sdpa"}, task="next_letter", out_dir=f"{root}/{mode}",
+                           prompts_per_step=s["lt_step_prompts"], num_generations=s["lt_step_generations"],
+                           max_completion_length=s["lt_max_new_tokens"], max_prompt_length=32, beta=s["beta"],
+                           micro_batch_size=s["micro_batch"], lr=s["lr"], save_every=0, max_steps=steps,
+                           print_completions_every=0, check_model=False, **settings)
+        train.validate(cfg)
+        self.run = run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=device))
+        run.task.reward_funcs[:], run.weights[:] = [slow_reward], [1.0]
+        n = cfg.prompts_per_step * cfg.num_generations
+        seeds = torch.arange(n * steps, device=device) + (cfg.seed * 1_000_003 + 1) * n  # steps 1.. (train.rollout)
+        lengths = long_tailed_lengths(len(seeds), cfg.max_completion_length, s["lt_median"], s["lt_sigma"], seed=1)
+        self.ends = sampling.row_keys(seeds, torch.tensor(lengths, device=device) - 1)
+        self.stop, self.step_no, self.times, self.metrics = run.eos_ids[0], 0, [], []
+
+    def __call__(self):
+        self.step_no += 1
+        of = sampling.Draw.of
+        sampling.Draw.of = classmethod(lambda cls, cfg, temperature=None: EndAt(ends=self.ends, stop=self.stop))
+        try:
+            t = time.perf_counter()
+            metrics, _ = train.train_step(self.run, self.step_no)
+            self.times.append(time.perf_counter() - t)
+        finally:
+            sampling.Draw.of = of
+        self.metrics.append(metrics)
+
+
+def bench_longtail_steps(path, s, device, root):
+    """Steps/s, completion tokens/s and decode places busy of each mode, and each against (a)'s; the modes' steps
+    alternate, so a machine's drift touches all alike. A stream's first steps fill it: the first lt_warmup_steps
+    of each mode are not timed."""
+    slow_reward.seconds = s["lt_reward_ms"] / 1000
+    warm, reps = s["lt_warmup_steps"], s["lt_step_reps"]
+    modes = {m: LongTailedStep(path, s, device, root, m, kw, warm + reps + 4) for m, kw in step_modes(s).items()}
+    for i in range(warm + reps):
+        for step in modes.values():
+            step()
+    out = {}
+    for m, step in modes.items():
+        timed = step.metrics[warm:]
+        seconds = sum(step.times[warm:])
+        tokens = sum(x["completion_length"] for x in timed) * s["lt_step_prompts"] * s["lt_step_generations"]
+        out[f"longtail_{m}_steps_per_s"] = reps / seconds
+        out[f"longtail_{m}_tokens_per_s"] = tokens / seconds
+        out[f"longtail_{m}_slots_busy"] = sum(x.get("slots_busy", 0.0) for x in timed) / reps
+        out[f"longtail_{m}_reward"] = sum(x["reward"] for x in timed) / reps
+        if "generation_wait_s" in timed[0]:
+            out[f"longtail_{m}_generation_wait_s"] = sum(x["generation_wait_s"] for x in timed) / reps
+    for m in modes:
+        out[f"longtail_{m}_vs_a"] = out[f"longtail_{m}_steps_per_s"] / out["longtail_a_sync_steps_per_s"]
     return out

@@ -336,6 +336,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     # slices of the layers
     rows_total = cfg.prompts_per_step * cfg.num_generations // world
     rows = min(cfg.rollouts_in_flight or cfg.generation_batch_size or rows_total, rows_total)  # the decoder's
+    if cfg.max_staleness:  # a stream's places: the next steps' rows decode beside the step's own
+        rows = cfg.rollouts_in_flight or rows_total * (cfg.max_staleness + 1)
     length = cfg.max_prompt_length + cfg.max_completion_length + 1
     tp = cfg.tp_size
     # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
@@ -377,6 +379,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         block = tensor_bytes(list(biggest.parameters()), dtype=compute)
         tr.append(("two blocks gathered, one's gradient", 2 * block + tensor_bytes(
             [p for p in biggest.parameters() if p.requires_grad], dtype=compute)))
+    if cfg.max_staleness and dec is not None:  # the stream's decoder and its rows in flight wait through the step
+        tr += [(f"{name} (kept through the step: --max_staleness)", size) for name, size in decoder_bytes(dec).items()]
     kept, recomputed = activation_bytes(config, mb_rows * width, cb, cfg.gradient_checkpointing)
     tr.append((f"activations ({mb_rows} rows x {width} positions"
                f"{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))

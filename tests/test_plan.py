@@ -92,6 +92,21 @@ def test_kv_cache_and_weight_copies_equal_a_real_transformer(family):
         assert parts["weight copies"] == _bytes(model.parameters())
 
 
+def test_a_stream_holds_its_decoder_through_the_training_step():
+    """--max_staleness: the stream's places (every step's rows it decodes at once) are the decoder's rows, and its
+    weight copies and cache stay alive through the training step, on top of what a synchronous step holds there:
+    exactly the decoder of a real StaticDecoder of that many rows."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3", tok)
+    cfg = Config(prompts_per_step=3, num_generations=2, max_prompt_length=20, max_completion_length=50, device="cpu")
+    sync = plan.plan(cfg, config, world=1, device="cpu", gpu_gib=8, host_gib=8)
+    ahead = plan.plan(dataclasses.replace(cfg, max_staleness=2), config, world=1, device="cpu", gpu_gib=8, host_gib=8)
+    real = plan.decoder_bytes(StaticDecoder.for_model(_real(config), 6 * 3, 20 + 50 + 1, cuda_graph=False))
+    assert dict(ahead.phase("generation").parts)["KV cache"] == real["KV cache"]
+    extra = {k: v for k, v in ahead.phase("training").parts if k not in dict(sync.phase("training").parts)}
+    assert extra == {f"{k} (kept through the step: --max_staleness)": v for k, v in real.items()}
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing):
     """One process, float32 on CPU, a micro-batch of 8 rows of 64 + 192 positions: the plan's training total (the
