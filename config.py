@@ -158,6 +158,9 @@ class Config:
         # (train.RolloutStream; docs/design.md). A step still trains its own prompts; a token is at most K steps
         # older than the weights it trains, and its sampler log-prob is the loss's old log-prob. 0 = each step
         # samples its rows with its own weights
+    shared_prompts: bool = setting(False, run=False)  # a group's prompt computed once: the written-out decoder
+        # prefills each distinct prompt once and copies its cache to the group's rows. The same completions up to
+        # rounding
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
         # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
         # it divides the number of processes. Same completions as 1, less memory per process while sampling

@@ -261,7 +261,7 @@ class Turn(NamedTuple):
 def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, check_every=8,
            all_done=None, static_cache=True, compact=True, cuda_graph=True, keep_decoder=False,
            attention_kernel=False, stop_sequences=(), respond=None, max_turns=1, record_routing=False, images=None,
-           tp=None, dtype=None, in_flight=0, on_end=None, **options):
+           tp=None, dtype=None, in_flight=0, on_end=None, share_prompts=False, **options):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
     draw: how each token is drawn (`Draw`), or its fields as keywords (`options`: temperature, top_k, top_p).
@@ -297,6 +297,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once. on_end(rows, ids): called
     at each check with the rows that ended there (indices into the batch given) and their completions' token ids
     (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
+    share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
     """
     if all_done is None:
         all_done = lambda done: bool(done.all())  # noqa: E731
@@ -328,7 +329,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         places = in_flight if 0 < in_flight < n and replay is None else n
         steps = _StaticSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
                              cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
-                             dtype=dtype)
+                             dtype=dtype, share=share_prompts)
         vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
     else:
@@ -372,7 +373,7 @@ class _StaticSteps:
     can be compacted out of the batch."""
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
-                 dtype=None, batch=None):
+                 dtype=None, batch=None, share=False):
         self.p = ids.shape[1]
         # slot P + max_new: where finished rows write what they still decode; never attended
         self.dec = StaticDecoder.for_model(model, batch or ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
@@ -381,7 +382,7 @@ class _StaticSteps:
         self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
         self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         # (N, V); with no rows, every place is empty until rows are admitted
-        self.first_logits = self.dec.prefill(ids, attn, positions) if len(ids) else None
+        self.first_logits = self.dec.prefill(ids, attn, positions, share) if len(ids) else None
 
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
@@ -1000,6 +1001,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                             keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
                             record_routing=record_routing, in_flight=cfg.rollouts_in_flight,
                             on_end=on_end and (lambda rows, ids, s=s: on_end([r + s for r in rows], ids)),
+                            share_prompts=cfg.shared_prompts,
                             images=None if images is None else images.rows(rows), **turns))
     return parts
 
@@ -1019,7 +1021,7 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                      pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d),
                      keep_decoder=keep_decoder, attention_kernel=cfg.decode_attention_kernel,
                      record_routing=record_routing, tp=tp, dtype=dtype, in_flight=cfg.rollouts_in_flight * tp.size,
-                     **turns)
+                     share_prompts=cfg.shared_prompts, **turns)
     mine = rollout_rows(rollout, torch.arange(tp.rank * n, (tp.rank + 1) * n))
     if mine.prompt_routing is not None:  # this rank's own prompt width
         mine.prompt_routing = mine.prompt_routing[:, pad:]

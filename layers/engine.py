@@ -277,10 +277,11 @@ class StaticDecoder:
         z = F.linear(transformer._rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
         return z if self.head is None else self.head.apply(z)
 
-    def _windowed(self, mask, query_pos, kv_len, skip=(), lo=0):
+    def _windowed(self, mask, query_pos, kv_len, skip=(), lo=0, key_pos=None):
         """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [lo, kv_len) within the
-        window of query positions query_pos (b, Q); mask and the result broadcast as (b, 1, Q, kv_len - lo). The
-        windows in `skip` get none (their layers narrow by slots instead)."""
+        window of query positions query_pos (b, Q), the keys' positions those of `pos` (or `key_pos` (b, L)); mask and
+        the result broadcast as (b, 1, Q, kv_len - lo). The windows in `skip` get none (their layers narrow by slots
+        instead)."""
         masks = {None: mask}
         for w in self.windows:
             if w in skip:
@@ -289,45 +290,68 @@ class StaticDecoder:
             if kv_len <= w:  # no two tokens of these slots are a window apart
                 masks[w] = mask
                 continue
-            near = transformer._in_window(query_pos, self.pos[:query_pos.shape[0], lo:kv_len], w)[:, None]
+            keys = self.pos[:query_pos.shape[0], lo:kv_len] if key_pos is None else key_pos[:, lo:kv_len]
+            near = transformer._in_window(query_pos, keys, w)[:, None]
             masks[w] = near if mask is None else mask & near
         return masks
 
     @torch.no_grad()
-    def prefill(self, ids, attn, positions):
-        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
+    def prefill(self, ids, attn, positions, share=False):
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V).
+
+        share: rows with the same prompt (a group's G completions) run it once, and its K/V, recurrent states and
+        routing records are copied to each of them: the prefill's compute falls by the group size, the cache holds
+        the G copies as before (a row's slots stay its own to decode into)."""
         n, p = ids.shape
         self.n_rows = n
+        inverse = None
+        if share:
+            distinct, inverse = torch.unique(torch.cat([ids, attn.long()], 1), dim=0, return_inverse=True)
+            if distinct.shape[0] < n:  # the distinct prompts run, in torch.unique's order; row i is inverse[i]
+                ids, attn = distinct[:, :p], distinct[:, p:]
+                positions = (attn.cumsum(-1) - 1).clamp(min=0)  # as logprobs.position_ids_from_mask
+            else:
+                inverse = None
+        every = (lambda t: t) if inverse is None else (lambda t: t[inverse])  # noqa: E731  each row's of the run's
+        m = ids.shape[0]
         x = self._embed(ids)
         # rotary tables for every position a row will use: prompt positions, then the completion's
         last = positions[:, -1:]
         all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
+        rope = {}
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
-            cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see _rotate
+            cos_t[:n], sin_t[:n] = every(cos), every(transformer._signed_sin(sin))  # see _rotate
+            rope[key] = (cos_t[:n, :p, None], sin_t[:n, :p, None]) if inverse is None else \
+                (cos[:, :p, None], transformer._signed_sin(sin)[:, :p, None])
         if self.pos is not None:
-            self.pos[:n] = all_pos
+            self.pos[:n] = every(all_pos)
         self.key_mask[:n] = False
-        self.key_mask[:n, :p] = attn.bool()
+        self.key_mask[:n, :p] = every(attn.bool())
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
         self.unmarked = None
         self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
-        masks = self._windowed(transformer._padded_causal_mask(attn), positions, p)
+        masks = self._windowed(transformer._padded_causal_mask(attn), positions, p,
+                               key_pos=None if inverse is None else all_pos)
+        fresh = {}  # the layer's K/V of the rows run, which their attention reads
 
         def write(i, k, v):
-            self.k_cache[i, :n, :, :p] = k
-            self.v_cache[i, :n, :, :p] = v
+            self.k_cache[i, :n, :, :p] = every(k)
+            self.v_cache[i, :n, :, :p] = every(v)
+            fresh[i] = k, v
 
         def keys(i):
-            return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
+            return (self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]) if inverse is None else fresh.pop(i)
 
         self.record_at = None if self.routes is None else \
-            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(experts.view(n, p, -1)))
+            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(every(experts.view(m, p, -1))))
         real = attn.bool()
-        rope = {key: (c[:n, :p, None], s[:n, :p, None]) for key, c, s in zip(self.rotary_keys, self.cos, self.sin)}
         x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
-        return self._logits(x[:, -1])
+        if inverse is not None:
+            for layer in self.recurrent.values():
+                layer.compact(inverse)  # rows [0, N) take their prompt's states
+        return every(self._logits(x[:, -1]))
 
     @torch.no_grad()
     def admit(self, rows, positions):

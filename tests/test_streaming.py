@@ -277,3 +277,31 @@ def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(t
             if stale.any():  # the weights moved: the behaviour log-probs are not the trainer's
                 assert (logp[stale] - sampler[stale]).abs().max() > 1e-4
     assert stale_tokens > 0
+
+
+# ----------------------------------------------------------------------------- a group's prompt prefilled once
+
+
+@pytest.mark.parametrize("family", sorted(n for n, r in architectures.FAMILIES.items() if r.written_out))
+def test_a_groups_prompt_prefilled_once_samples_what_each_rows_own_prefill_does(family, monkeypatch):
+    """share_prompts: the prefill runs each distinct prompt once (4 of 12 rows here) and copies its K/V, recurrent
+    states and window positions to the group's rows; every row then samples the tokens it samples with a prefill
+    of its own, with its log-probs within float noise. A copy to the wrong row would change that row's tokens."""
+    import sampling
+    from layers import engine
+    model, tok = architectures.tiny(family)
+    text = [t for t in ["a>", "hello world>", "xyz", "the quick brown fox>"] for _ in range(3)]
+    text[4], text[5] = text[5], text[4]  # a group need not be contiguous
+    enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[STOP_IDS] *= 2
+    kw = dict(max_new_tokens=16, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, seeds=torch.arange(len(text)) * 5 + 1)
+    own = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    rows_run, embed = [], engine.StaticDecoder._embed
+    monkeypatch.setattr(engine.StaticDecoder, "_embed", lambda self, ids: (rows_run.append(ids.shape), embed(self, ids))[1])
+    shared = sampling.sample(model, enc.input_ids, enc.attention_mask, share_prompts=True, **kw)
+    assert rows_run[0] == (4, enc.input_ids.shape[1])  # the prefill: one row per distinct prompt
+    for k in ("completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(shared, k), getattr(own, k)), k
+    torch.testing.assert_close(shared.logprobs, own.logprobs, atol=1e-5, rtol=0)
+    assert own.completion_mask.sum(1).unique().numel() > 2  # rows of a group went their own ways

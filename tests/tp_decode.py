@@ -122,7 +122,9 @@ def main(out_path):
                 continue
             model, tok = architectures.tiny(family, **settings, **extra)
             vocab = model.config.vocab_size
-            enc = tok(["The quick brown fox", "hi", "abc def"], return_tensors="pt", padding=True)
+            prompts = {"": tok(["The quick brown fox", "hi", "abc def"], return_tensors="pt", padding=True),
+                       # a group's prompt prefilled once for its rows (share_prompts)
+                       "shared": tok(["hi", "The quick brown fox", "hi"], return_tensors="pt", padding=True)}
             runs = {
                 "greedy": dict(temperature=0.0, max_new_tokens=12, eos_ids=[tok.eos_token_id]),
                 "sampled": dict(temperature=0.9, max_new_tokens=16, eos_ids=list(range(97, 104)), check_every=4),
@@ -133,11 +135,14 @@ def main(out_path):
                 # the rows streaming through one place, the next taking it when a row ends
                 "streamed": dict(temperature=0.9, max_new_tokens=16, eos_ids=list(range(97, 104)), check_every=4,
                                  in_flight=1),
+                "shared": dict(temperature=0.9, max_new_tokens=16, eos_ids=list(range(97, 104)), check_every=4,
+                               share_prompts=True),
             }
             for case, kw in runs.items():
                 if case not in ("greedy", "turns") and family not in EVERY_CASE:
                     continue
                 kw = dict(kw, pad_id=tok.pad_token_id, seeds=torch.tensor([5, 6, 7]), keep_decoder=True)
+                enc = prompts.get(case, prompts[""])
                 whole = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
                 whole_bytes = model._static_decoder.weight_bytes()
                 ref = None
