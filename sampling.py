@@ -821,8 +821,7 @@ class Stream:
         self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
         self.slot = {}  # tag -> row index
         self.version = 0  # the weights' version the last run decoded with
-        self.first_version = np.zeros(capacity, dtype=np.int64)
-        self.new_version_at = [[] for _ in range(capacity)]  # per row, the positions from which a next version drew
+        self.versions = [[] for _ in range(capacity)]  # per row, (position, version): from there on, drawn by it
         self.loop = None
 
     def in_flight(self):
@@ -851,7 +850,7 @@ class Stream:
         self.free[slots] = False
         for r, tag in zip(slots, tags):
             self.slot[tag], self.tag_of[r] = int(r), tag
-            self.first_version[r], self.new_version_at[r] = self.version, []
+            self.versions[r] = [(0, self.version)]
         self.waiting.rows += [int(r) for r in slots]
         self.first_slot = min(self.first_slot, self.width - int(prompt_mask.sum(1).max()))
         if self.loop is not None:
@@ -861,9 +860,9 @@ class Stream:
         """Decode on `model`'s weights (`version`: how many training steps made them) until the rows `tags` have all
         ended, on every rank with `all_done` (sharding.all_done_fn: every rank runs the same iterations)."""
         rows = self.rows
-        if version != self.version:  # what is drawn from here on is the next version's
+        if version != self.version:  # what is drawn from here on is this version's
             for r in np.flatnonzero(~self.free & rows.active):
-                self.new_version_at[r].append(int(rows.ptr[r]))
+                self.versions[r].append((int(rows.ptr[r]), version))
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
@@ -890,11 +889,11 @@ class Stream:
         if self.rows.active[slots].any():
             raise RuntimeError("a row taken from the stream has not ended")
         rollout = self.rows.rollout(slots)
-        t = rollout.completion_ids.shape[1]
-        position = np.arange(t)
-        versions = np.stack([self.first_version[r] + sum((position >= at) for at in self.new_version_at[r])
-                             + np.zeros(t, dtype=np.int64) for r in slots]) if len(slots) else np.zeros((0, t))
-        rollout.versions = torch.as_tensor(versions, dtype=torch.long, device=self.device) * rollout.policy_mask
+        versions = np.zeros((len(slots), rollout.completion_ids.shape[1]), dtype=np.int64)
+        for row, r in zip(versions, slots):
+            for position, version in self.versions[r]:
+                row[position:] = version
+        rollout.versions = torch.as_tensor(versions, device=self.device) * rollout.policy_mask
         self.free[slots] = True
         return rollout
 

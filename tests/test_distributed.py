@@ -618,6 +618,8 @@ def test_rows_in_flight_resume_exactly(runs):
     assert_same_metrics(metrics(p["staleA"]), metrics(p["staleB"]))
     assert tokens(p["staleA"]) == tokens(p["staleB"])
     assert metrics(p["staleA"])[-1]["rows_carried"] > 0
+    # the stream drained at step 2 and a new one began at 3: its tokens' versions count the run's steps
+    assert [m["staleness_max"] for m in metrics(p["staleA"])] == [0, 1, 0, 1]
 
 
 def test_dynamic_sampling_agrees_across_ranks(runs):
