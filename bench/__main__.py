@@ -449,8 +449,10 @@ def main(argv):
                            f"the sampler 1 and 2 steps ahead", results,
                            lambda r: ", ".join(f"({m[0]}) {r[f'longtail_{m}_vs_a']:.2f}x" for m in step_modes(s)) +
                            " (a)'s steps/s; places busy " +
-                           " / ".join(f"{r[f'longtail_{m}_slots_busy']:.0%}" for m in step_modes(s))):
-                results.update(bench_longtail_steps(path, s, device, root))
+                           " / ".join(f"{r[f'longtail_{m}_slots_busy']:.0%}" for m in step_modes(s)) +
+                           "; decoding at " + " / ".join(f"{r[f'longtail_{m}_decode_vs_full']:.2f}x"
+                                                         for m in step_modes(s)) + " full rows' tokens/s"):
+                results.update(bench_longtail_steps(path, s, device, root, results["longtail_full_tokens_per_s"]))
             free(device)
         if "hostmem" in only:
             with row_lines("hostmem", f"a whole run's peak host memory per process at {s['hm_processes']} processes",

@@ -141,10 +141,12 @@ class LongTailedStep:
         self.metrics.append(metrics)
 
 
-def bench_longtail_steps(path, s, device, root):
+def bench_longtail_steps(path, s, device, root, full_tokens_per_s=None):
     """Steps/s, completion tokens/s and decode places busy of each mode, and each against (a)'s; the modes' steps
     alternate, so a machine's drift touches all alike. A stream's first steps fill it: the first lt_warmup_steps
-    of each mode are not timed."""
+    of each mode are not timed. With `full_tokens_per_s` (the decode row's places decoding full rows), each mode's
+    completion tokens over the seconds its steps waited for the sampler, against it: how near full rows the
+    long-tailed ones decode."""
     slow_reward.seconds = s["lt_reward_ms"] / 1000
     warm, reps = s["lt_warmup_steps"], s["lt_step_reps"]
     modes = {m: LongTailedStep(path, s, device, root, m, kw, warm + reps + 4) for m, kw in step_modes(s).items()}
@@ -160,8 +162,10 @@ def bench_longtail_steps(path, s, device, root):
         out[f"longtail_{m}_tokens_per_s"] = tokens / seconds
         out[f"longtail_{m}_slots_busy"] = sum(x.get("slots_busy", 0.0) for x in timed) / reps
         out[f"longtail_{m}_reward"] = sum(x["reward"] for x in timed) / reps
-        if "generation_wait_s" in timed[0]:
-            out[f"longtail_{m}_generation_wait_s"] = sum(x["generation_wait_s"] for x in timed) / reps
+        wait = sum(x.get("generation_wait_s", x["generation_time"]) for x in timed)
+        out[f"longtail_{m}_generation_wait_s"] = wait / reps
+        if full_tokens_per_s:
+            out[f"longtail_{m}_decode_vs_full"] = tokens / wait / full_tokens_per_s
     for m in modes:
         out[f"longtail_{m}_vs_a"] = out[f"longtail_{m}_steps_per_s"] / out["longtail_a_sync_steps_per_s"]
     return out
