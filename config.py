@@ -164,6 +164,9 @@ class Config:
         # experts the sampler chose (gates from the live router; R3, layers/routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
+    shared_prompts: bool = setting(False, run=False)  # the training forwards compute each group's prompt once: a
+        # micro-batch's rows with one prompt run as one sequence, each completion a branch; the same log-probs. Qwen3.5
+        # and vision-language models keep the padded forward (docs/performance.md)
     # tools and environments: multi-turn rollouts (environments/__init__.py; docs/agents.md)
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools
