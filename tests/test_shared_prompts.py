@@ -220,28 +220,40 @@ def test_split_micro_batches_keep_each_rows_share():
     assert sum((mb.width.completion for mb in halves), ()) == micro[0].width.completion
 
 
+def _another_branch(monkeypatch, family):
+    """Each branch sees another: the written-out masks take each branch's prompt keys past the prompt's end (there,
+    its sequence's first branch); the own forward's let every branch's tokens see the earlier branches'."""
+    if family == "gpt_oss":
+        form = logprobs.own_forward_tree_mask
+        monkeypatch.setattr(logprobs, "own_forward_tree_mask", lambda model, packed: form(model, logprobs.Packed(
+            **{**vars(packed), "segment": torch.where(packed.segment >= 0, -1, packed.segment)})))
+        return
+    attend = transformer.Tree.attend
+
+    def wrong(self, window):
+        mask = attend(self, window)
+        mask.branches[..., :self.prompt.shape[1]] = True
+        return mask
+    monkeypatch.setattr(transformer.Tree, "attend", wrong)
+
+
+def _no_window(monkeypatch, family):
+    """The sliding windows left out of the tree's masks."""
+    if family == "gpt_oss":
+        monkeypatch.setattr(transformer, "tree_windows", lambda model: {None: None})
+        return
+    attend = transformer.Tree.attend
+    monkeypatch.setattr(transformer.Tree, "attend", lambda self, window: attend(self, None))
+
+
+@pytest.mark.parametrize("fault", [_another_branch, _no_window], ids=["another branch", "no window"])
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
-def test_a_branch_seeing_another_branch_fails_the_comparison(family, monkeypatch):
-    """The tests' tolerance catches a wrong tree mask: the written-out one with each branch's prompt keys taken
-    past the prompt's end (there, its sequence's first branch), the own forward's with every branch's tokens visible
-    to the later branches. Both move the log-probs by far more than 1e-5."""
+def test_a_wrong_tree_mask_fails_the_comparison(family, fault, monkeypatch):
+    """The tests' tolerance catches a wrong tree mask, on the written-out layers (Gemma 3) and the own forward
+    (gpt-oss): a branch that sees another branch, or windows not applied, moves the log-probs by far more than 1e-5."""
     model, _ = architectures.tiny(family)
     padded = run(model, False, grad=False)[0]
-    if family == "gemma3":
-        attend = transformer.Tree.attend
-
-        def wrong(self, window):
-            mask = attend(self, window)
-            mask.branches[..., :self.prompt.shape[1]] = True
-            return mask
-        monkeypatch.setattr(transformer.Tree, "attend", wrong)
-    else:
-        form = logprobs.own_forward_tree_mask
-
-        def wrong(model, packed):
-            return form(model, logprobs.Packed(**{**vars(packed), "segment": torch.where(
-                packed.segment >= 0, -1, packed.segment)}))
-        monkeypatch.setattr(logprobs, "own_forward_tree_mask", wrong)
+    fault(monkeypatch, family)
     assert (run(model, True, grad=False)[0] - padded).abs().max() > 1e-2
 
 
@@ -279,3 +291,23 @@ def test_routing_replay_through_the_tree(prompts_routed, packs):
     replay.stop()
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
     assert packs[0].ids.shape[0] == (len(PROMPTS) if prompts_routed == "alike" else len(COUNTED))
+
+
+def test_a_training_step_with_shared_prompts(tmp_path):
+    """train.py's first step, micro-batches of half a group and of a token budget, through update: the same loss,
+    KL and gradient norm with and without --shared_prompts (later steps sample from weights that differ by rounding)."""
+    import json
+    import train
+    rows, threads = {}, torch.get_num_threads()
+    for flags in ([], ["--shared_prompts"], ["--shared_prompts", "--micro_batch_tokens=40"]):
+        out = str(tmp_path / f"run{len(rows)}")
+        train.main([f"--out_dir={out}", "--print_completions_every=0", "--max_steps=1", "--micro_batch_size=4",
+                    "--save_every=0", "--max_completion_length=8", *flags])
+        torch.set_num_threads(threads)  # as the other tests found it
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows[" ".join(flags)] = json.loads(f.readline())
+    want = rows[""]
+    assert want["grad_norm"] > 0 and want["kl"] == 0
+    for got in rows.values():
+        for k in ("loss", "kl", "grad_norm", "entropy", "reward"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
