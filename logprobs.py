@@ -6,6 +6,8 @@ chunk by chunk over the vocabulary with a hand-written backward, so the (tokens 
 whole. The head applies what the model applies to its final logits (layers/head.py: a scale, a softcap),
 as the sampler does.
 `micro_batches` packs a step's rows into forwards of equal cost (sorted by length, trimmed to the longest row).
+With --shared_prompts (`SharedPrompts`), the rows of a micro-batch that share a prompt run as one sequence, the
+prompt once and each completion a branch (`pack`), and the log-probs come back in the same (N, T) layout.
 
 Shapes: N completions, T completion length, V vocabulary.
 """

@@ -13,7 +13,8 @@ One concern in one file (past 650 lines on purpose): what the written-out layers
 - `layer` and `attention`: one decoder layer's arithmetic, written once. The training forward, prefill and decode
   call it and differ only in what they pass;
 - the training forward (`hidden_states`): the layers on the model's own parameters with autograd, under FSDP2
-  through a registered method per layer, compiled whole with `--compile_layers`.
+  through a registered method per layer, compiled whole with `--compile_layers`; over rows that share a prompt packed
+  as trees (`Tree`, --shared_prompts), its attention in two parts, and `tree_refusal` for the model's own forward.
 
 MoE blocks (layers/static_moe.py) read the model's experts in place; Gated DeltaNet layers
 (layers/static_recurrent.py) keep states per row. Families with either, or with a gated query, are written out
