@@ -110,11 +110,12 @@ def packs(monkeypatch):
     return seen
 
 
-# the paths: written-out layers (windows, softcap, head norms, offsets, scaled embeddings), the model's own forward
-# with a tree mask (MoE: sdpa; gpt-oss: eager, sinks, windows on one layer type), and a family that keeps the padded
-# forward (Qwen3.5's recurrent layers)
-FAMILIES = {"qwen3": "written-out", "gemma3": "written-out", "gemma2": "written-out", "mistral_window": "written-out",
-            "qwen3_moe": "own forward", "gpt_oss": "own forward", "qwen3_5": "padded"}
+# each family of the tests' table and its path: the written-out layers (windows, softcaps, head norms, offsets, scaled
+# embeddings, layers without rotary), the model's own forward with a tree mask (MoE: sdpa; gpt-oss: eager, sinks,
+# windows on one layer type), or the padded forward (Qwen3.5's recurrent layers)
+FAMILIES = {**{n: "written-out" for n in architectures.TRAINED_WRITTEN_OUT},
+            **{n: "own forward" for n in architectures.MOE},
+            **{n: "padded" for n, r in architectures.FAMILIES.items() if r.layers == "hybrid"}}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -138,6 +139,25 @@ def test_shared_prompts_equal_the_padded_forward(family, packs):
         assert (tree.segment == -1).sum() == sum(PROMPTS)
         rows = sum(len(mb.rows) for mb in padded[4])
         assert tree.positions_computed() < rows * padded[4][0].width
+
+
+@pytest.mark.parametrize("family", architectures.TRAINED_WRITTEN_OUT)
+def test_the_own_forward_takes_the_tree_on_dense_families_too(family, packs):
+    """A dense family trains on its own forward where the written-out layers do not apply (in training mode with
+    attention dropout): its forward takes the tree's 4-D mask (a mapping by layer type where windows differ) and
+    gives the padded log-probs."""
+    model, _ = architectures.tiny(family)
+    assert transformer.tree_refusal(model) is None
+    ids, mask, loss_mask, prompt_ids = batch()
+    out = []
+    for shared in (False, True):
+        (mb,) = logprobs.micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
+        with torch.no_grad():
+            logp = logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, fast_forward=False,
+                                                width=mb.width)[0]
+        out.append(torch.zeros(loss_mask.shape).index_put((mb.rows,), logp * loss_mask[mb.rows, :mb.t]))
+    assert len(packs) == 1
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
