@@ -336,6 +336,7 @@ class Packed:
     tree: transformer.Tree   # the same layout for the written-out attention
 
     def positions_computed(self):
+        """What the forward runs over, padding between the sequences included (as micro_batch_tokens counts it)."""
         return self.ids.numel()
 
 

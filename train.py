@@ -451,7 +451,8 @@ def update(run, batch, advantages, step):
     N = batch.prompt_ids.shape[0] * d.world_size // n_mini
     num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
                   for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
-    # in each, rows of similar length together, each micro-batch cut to the columns its rows use
+    # in each, rows of similar length together (with shared_prompts, each group's rows), each micro-batch cut to the
+    # columns its rows use
     minis = [[logprobs.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
               for mb in logprobs.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens,
                                                prompt_ids=batch.prompt_ids[r] if cfg.shared_prompts else None)]

@@ -299,8 +299,9 @@ def table(r, s):
             rows += [
                 (f"shared prompts, training phase ({label}), {shape}", fmt(r[f"shared_{name}_shared_s"], "s"),
                  fmt(r[f"shared_{name}_padded_s"], "s"), "padded rows", f"{r[f'shared_{name}_speedup']:.2f}x"),
-                (f"shared prompts, tensors kept for backward ({label})", fmt(r[f"shared_{name}_shared_saved_bytes"], "B"),
-                 fmt(r[f"shared_{name}_padded_saved_bytes"], "B"), "padded rows",
+                (f"shared prompts, tensors kept for backward ({label})",
+                 fmt(r[f"shared_{name}_shared_saved_bytes"], "B"), fmt(r[f"shared_{name}_padded_saved_bytes"], "B"),
+                 "padded rows",
                  f"{r[f'shared_{name}_saved_ratio']:.2f} (shared/padded)")]
             if has(f"shared_{name}_memory_ratio"):
                 rows.append((f"shared prompts, peak memory ({label})", fmt(r[f"shared_{name}_shared_peak_bytes"], "B"),

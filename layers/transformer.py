@@ -939,8 +939,9 @@ def tree_refusal(model):
     written-out training forward always can: `hidden_states(tree=...)`.) It can where the family table describes the
     model, so that its masks are known (every layer softmax attention, its sliding windows one per layer type), and
     its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE, Qwen2-MoE, gpt-oss), which
-    train on their own forward, and a dense family on it (in training mode with attention dropout). Not: Gated DeltaNet layers (Qwen3.5), whose recurrent state would have to fork at the
-    prompt's end; a model the table does not describe, whose forward may build its own masks."""
+    train on their own forward, and a dense family on it (in training mode with attention dropout). Not: Gated
+    DeltaNet layers (Qwen3.5), whose recurrent state would have to fork at the prompt's end; a model the table does
+    not describe, whose forward may build its own masks."""
     common = _refusal(model)
     if common is not None:
         return common

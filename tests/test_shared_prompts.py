@@ -40,7 +40,8 @@ def batch(seed=0):
     for n in PROMPTS:
         prompt = torch.randint(3, 250, (n,), generator=g)
         for _ in range(G):
-            ids.append(torch.cat([torch.zeros(p - n, dtype=torch.long), prompt, torch.randint(3, 250, (T,), generator=g)]))
+            completion = torch.randint(3, 250, (T,), generator=g)
+            ids.append(torch.cat([torch.zeros(p - n, dtype=torch.long), prompt, completion]))
             mask.append(torch.cat([torch.zeros(p - n), torch.ones(n + T)]))
     ids, mask = torch.stack(ids), torch.stack(mask).long()
     counted = torch.arange(T)[None] < torch.tensor(COUNTED)[:, None]
@@ -158,6 +159,21 @@ def test_the_own_forward_takes_the_tree_on_dense_families_too(family, packs):
         out.append(torch.zeros(loss_mask.shape).index_put((mb.rows,), logp * loss_mask[mb.rows, :mb.t]))
     assert len(packs) == 1
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_activation_checkpointing(family, packs):
+    """With each layer recomputed in backward (the tree's masks passed through the checkpoint), on the written-out
+    layers and the own forward: the gradients of the padded forward without it."""
+    import model_loading
+    model, _ = architectures.tiny(family)
+    model.train()
+    old, ref, _ = old_and_ref(model)
+    objective = grpo.Objective(beta=0.04, epsilon=0.2, max_completion_length=T)
+    padded = run(model, False, objective, old=old, ref=ref)
+    model_loading.enable_checkpointing(model)
+    assert_same(run(model, True, objective, old=old, ref=ref), padded)
+    assert packs
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
