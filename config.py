@@ -158,9 +158,6 @@ class Config:
         # (train.RolloutStream; docs/design.md). A step still trains its own prompts; a token is at most K steps
         # older than the weights it trains, and its sampler log-prob is the loss's old log-prob. 0 = each step
         # samples its rows with its own weights
-    shared_prompts: bool = setting(False, run=False)  # a group's prompt computed once: the written-out decoder
-        # prefills each distinct prompt once and copies its cache to the group's rows. The same completions up to
-        # rounding
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
         # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
         # it divides the number of processes. Same completions as 1, less memory per process while sampling
@@ -172,6 +169,11 @@ class Config:
         # experts the sampler chose (gates from the live router; R3, layers/routing.py); metric routing_replay_differ
     chat_template_kwargs: dict = setting(factory=dict, run=True)  # JSON object given to every chat-template
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
+    shared_prompts: bool = setting(False, run=False)  # each group's prompt computed once: the written-out decoder
+        # prefills each distinct prompt once and copies its cache to the group's rows, and the training forwards run a
+        # micro-batch's rows with one prompt as one sequence, each completion a branch (a tree mask). The same
+        # completions and log-probs up to rounding; Qwen3.5 and vision-language models train padded
+        # (docs/performance.md)
     # tools and environments: multi-turn rollouts (environments/__init__.py; docs/agents.md)
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools

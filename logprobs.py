@@ -6,6 +6,8 @@ chunk by chunk over the vocabulary with a hand-written backward, so the (tokens 
 whole. The head applies what the model applies to its final logits (layers/head.py: a scale, a softcap),
 as the sampler does.
 `micro_batches` packs a step's rows into forwards of equal cost (sorted by length, trimmed to the longest row).
+With --shared_prompts (`SharedPrompts`), the rows of a micro-batch that share a prompt run as one sequence, the
+prompt once and each completion a branch (`pack`), and the log-probs come back in the same (N, T) layout.
 
 Shapes: N completions, T completion length, V vocabulary.
 """
@@ -221,6 +223,10 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     `images`: the rows' vision.PromptImages (a vision-language model's prompts with images): the language model
     runs with their embeddings in place of the prompts' image tokens and their rotary positions (layers/vision.py), as
     in the sampler's prefill.
+    `width` a SharedPrompts (--shared_prompts; `micro_batches(prompt_ids=...)` makes them): the rows that share a
+    prompt run as one sequence, the prompt once and each completion a branch (`pack`), where `shares_prompts` says
+    the forward takes it and the rows are left-padded only, without images; elsewhere the padded forward above runs
+    with its `width`. The log-probs are the same either way, in the same (N, T) layout.
     """
     t = num_completion_tokens
     n, s = input_ids.shape
@@ -234,6 +240,14 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     pictures = None  # the prompts' image tokens, moved with their rows
     if images is not None and any(g.shape[0] for g in images.grid):
         pictures = vision.image_mask(model, input_ids, s - t, real)
+    if fast_forward is None:
+        fast_forward = transformer.paths_of(model).trains_written_out(model)  # the run's, decided at setup
+    if isinstance(width, SharedPrompts):  # --shared_prompts: each prompt once, where the forward takes a tree
+        if left_padded_only and pictures is None and shares_prompts(model, fast_forward):
+            hidden = _tree_hidden_states(model, input_ids, attention_mask, t, width.completion, fast_forward,
+                                         compile_layers, routing)
+            return _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad)
+        width = width.width  # else the padded forward, as without it
     if left_padded_only:
         if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
             cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s
@@ -253,8 +267,6 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
         routing_replay.of(model).replay(routing, real)
     elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
         routing_replay.attached(model).stop()
-    if fast_forward is None:
-        fast_forward = transformer.paths_of(model).trains_written_out(model)  # the run's, decided at setup
     if pictures is not None:
         rope, _ = vision.rope_positions(model, input_ids, pictures, images, real)
         hidden = vision.hidden_states(model, input_ids, pictures, images, attention_mask=mask, position_ids=rope,
@@ -269,6 +281,12 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     # (clamped: past `width` the last column stands in, for tokens the caller does not count)
     before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - lead[:, None]).clamp(0, hidden.shape[1] - 1)
     hidden = hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
+    return _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad)
+
+
+def _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad):
+    """The head over the hidden states (N * T, H) that predict targets (N, T): (log-probs, entropies), each (N, T)."""
+    n, t = targets.shape
     weight = model.get_output_embeddings().weight
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
     if fused is None:
@@ -276,6 +294,154 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
                                                 bool(fused), bool(entropy_grad), head_of(model))
     return logp.view(n, t), entropy.view(n, t)
+
+
+# ----------------------------------------------------------------------------- shared prompts
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """A micro-batch's rows under --shared_prompts, in place of `MicroBatch.width`: each row's completion positions
+    that count (1 + its last counted one; 0: none), in the micro-batch's row order, and the width of the padded
+    forward, for where the prompts cannot be shared (`completion_logprobs`)."""
+    completion: tuple
+    width: int
+
+    def rows(self, index):
+        """These rows' share (a slice or positions of the micro-batch's rows)."""
+        kept = self.completion[index] if isinstance(index, slice) else tuple(self.completion[i] for i in index)
+        return SharedPrompts(kept, self.width)
+
+
+def shares_prompts(model, written_out):
+    """Whether the training forward of `model` takes rows packed as trees: the written-out layers always (the dense
+    families), the model's own forward where `transformer.tree_refusal` finds nothing (the MoE families). The others
+    keep the padded forward: Qwen3.5 (Gated DeltaNet layers: their recurrent state would fork at the prompt's end),
+    vision-language models, and a model the family table does not describe."""
+    if vision.is_vision_model(model):
+        return False
+    return written_out or transformer.tree_refusal(model) is None
+
+
+@dataclass
+class Packed:
+    """A micro-batch's rows packed one sequence per distinct prompt (`pack`): the prompt's real tokens once, then each
+    of its rows' completions as a branch, the sequences padded at their end to the longest, L positions."""
+    ids: torch.Tensor        # (B, L)
+    positions: torch.Tensor  # (B, L) a prompt's from 0; a branch's from its prompt's end; 0 at padding
+    real: torch.Tensor       # (B, L) False at padding
+    source: torch.Tensor     # (B, L) each position's token in the micro-batch's (N * S) flattened
+    segment: torch.Tensor    # (B, L) -1 in a prompt, the row r in row r's branch, -2 at padding
+    before: torch.Tensor     # (N, T) the position (of B * L) whose hidden state predicts each completion token
+    tree: transformer.Tree   # the same layout for the written-out attention
+
+    def positions_computed(self):
+        """What the forward runs over, padding between the sequences included (as micro_batch_tokens counts it)."""
+        return self.ids.numel()
+
+
+def pack(input_ids, attention_mask, t, completion, routing=None):
+    """The rows input_ids (N, S), left-padded prompts then T = `t` completion tokens, packed as `Packed` trees.
+
+    Rows whose real prompt tokens are the same form a sequence (a group, or what of it is in the micro-batch); with
+    routing replay's `routing` (N, S, layers, k), rows whose prompts' recorded experts differ too are apart (a
+    prompt computed once routes once: as the sampler routed it in each of its rows, where they agree). Row r's
+    branch holds its completion tokens up to its last counted one, not included (completion[r] - 1 of them: the last
+    predicts nothing): its first completion token is predicted by the prompt's last position, its j-th by its branch's
+    (j - 1)-th. Past completion[r] (tokens the caller does not count) the branch's last position stands in.
+    """
+    n, s = input_ids.shape
+    p, dev = s - t, input_ids.device
+    real_prompt = attention_mask[:, :p].bool()
+    key = torch.where(real_prompt, input_ids[:, :p], -1)
+    if routing is not None:
+        key = torch.cat([key, torch.where(real_prompt[..., None, None], routing[:, :p], -2).flatten(1)], 1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    prompt_len = real_prompt.sum(1).tolist()
+    rows_of = {}  # prompt -> its rows, in order of first appearance
+    for r, g in enumerate(group.tolist()):
+        rows_of.setdefault(g, []).append(r)
+    rows_of = list(rows_of.values())
+    branch = [max(0, min(c, t) - 1) for c in completion]  # tokens in each row's branch
+    length = max(prompt_len[rows[0]] + sum(branch[r] for r in rows) for rows in rows_of)
+    src, pos, seg = [], [], []
+    seq, start = [0] * n, [0] * n  # each row's sequence and where its branch starts there
+    for b, rows in enumerate(rows_of):
+        pl = prompt_len[rows[0]]
+        first = rows[0] * s + p - pl  # the prompt's first real token in the flattened rows
+        parts = [(torch.arange(first, first + pl), torch.arange(pl), torch.full((pl,), -1))]
+        at = pl
+        for r in rows:
+            seq[r], start[r] = b, at
+            parts.append((torch.arange(r * s + p, r * s + p + branch[r]), torch.arange(pl, pl + branch[r]),
+                          torch.full((branch[r],), r)))
+            at += branch[r]
+        pad = length - at
+        parts.append((torch.full((pad,), first), torch.zeros(pad, dtype=torch.long), torch.full((pad,), -2)))
+        for out, i in ((src, 0), (pos, 1), (seg, 2)):
+            out.append(torch.cat([part[i] for part in parts]))
+    src, pos, seg = (torch.stack(x).to(dev) for x in (src, pos, seg))  # (B, L)
+    nseq = src.shape[0]
+    prompt_len = torch.tensor([prompt_len[rows[0]] for rows in rows_of], device=dev)  # (B,)
+    seq, start, branch = (torch.tensor(x, device=dev) for x in (seq, start, branch))  # (N,)
+    base = seq * length  # each row's sequence's first position, flattened
+    pm, cm = int(prompt_len.max()), int(branch.max())
+    i, c = torch.arange(pm, device=dev), torch.arange(cm, device=dev)
+    prompt = torch.arange(nseq, device=dev)[:, None] * length + i  # (B, Pm)
+    in_branch = c < branch[:, None]                                 # (N, Cm)
+    branches = torch.where(in_branch, (base + start)[:, None] + c, base[:, None])
+    # where each position's attention output lands in cat(prompt block (B * Pm), branch block (N * Cm))
+    inverse = torch.zeros(nseq * length, dtype=torch.long, device=dev)
+    in_prompt = i < prompt_len[:, None]
+    inverse[prompt[in_prompt]] = torch.arange(nseq * pm, device=dev).view(nseq, pm)[in_prompt]
+    inverse[branches[in_branch]] = nseq * pm + torch.arange(n * cm, device=dev).view(n, cm)[in_branch]
+    j = torch.arange(t, device=dev)
+    last_prompt = base + prompt_len[seq] - 1
+    before = torch.where((j[None] == 0) | (branch[:, None] == 0), last_prompt[:, None],
+                         (base + start - 1)[:, None] + torch.minimum(j[None], branch[:, None]))
+    tree = transformer.Tree(prompt, prompt_len, branches if cm else None, seq, inverse)
+    return Packed(input_ids.reshape(-1)[src], pos, seg != -2, src, seg, before, tree)
+
+
+def own_forward_tree_mask(model, packed):
+    """The tree's attention mask for the model's own forward, as its attention takes a prepared 4-D mask: (B, 1, L, L)
+    True where a position attends (sdpa), or 0 there and the dtype's lowest elsewhere (eager); a dict of them by layer
+    type where windows differ (`transformer.tree_windows`). A position attends to the real positions before it in
+    its prompt and its own branch, within its layer's window counted in positions; padding to itself."""
+    seg, pos = packed.segment, packed.positions
+    length = seg.shape[1]
+    i = torch.arange(length, device=seg.device)
+    attends = ((i[None, None] <= i[None, :, None]) & packed.real[:, None]
+               & ((seg[:, None] == -1) | (seg[:, None] == seg[:, :, None])))
+    attends = attends | torch.eye(length, dtype=torch.bool, device=seg.device)
+
+    def form(window):
+        allowed = attends if window is None else attends & (pos[:, :, None] - pos[:, None] < window)
+        allowed = allowed[:, None]
+        if model.config._attn_implementation == "eager":  # added to the scores
+            return torch.zeros(allowed.shape, dtype=model.dtype, device=seg.device).masked_fill(
+                ~allowed, torch.finfo(model.dtype).min)
+        return allowed
+    windows = transformer.tree_windows(model)
+    if list(windows) == [None]:
+        return form(windows[None])
+    return {kind: form(w) for kind, w in windows.items()}
+
+
+def _tree_hidden_states(model, input_ids, attention_mask, t, completion, written_out, compile_layers, routing):
+    """The final hidden states (N * T, H) that predict each row's completion tokens, through `pack`'s trees."""
+    packed = pack(input_ids, attention_mask, t, completion, routing)
+    if routing is not None:  # each packed token's recorded experts; padding routes live
+        flat = routing.reshape(-1, *routing.shape[2:])[packed.source]
+        routing_replay.of(model).replay(torch.where(packed.real[..., None, None], flat, -1), packed.real)
+    elif routing_replay.attached(model) is not None:
+        routing_replay.attached(model).stop()
+    if written_out:
+        hidden = hidden_states(model, packed.ids, None, packed.positions, compiled=compile_layers, tree=packed.tree)
+    else:
+        hidden = model.base_model(input_ids=packed.ids, attention_mask=own_forward_tree_mask(model, packed),
+                                  position_ids=packed.positions, use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[packed.before.reshape(-1)]
 
 
 @dataclass
@@ -286,14 +452,14 @@ class MicroBatch:
     t: int              # completion positions kept: per-token (N, T) tensors are read as x[rows, :t]
     width: int          # positions the forward runs once each row's padding is moved to its end: the longest
                         # real prompt + counted completion of these rows, less its last token (which predicts
-                        # nothing); completion_logprobs(width=...)
+                        # nothing); completion_logprobs(width=...). With shared prompts a SharedPrompts
 
     def take(self, *sequences):
         """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
         return tuple(x[self.rows, self.cols] for x in sequences)
 
 
-def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0):
+def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0, prompt_ids=None):
     """Split a batch into micro-batches that spend little compute on padding.
 
     attention_mask (N, P + T) over left-padded prompts then completions;
@@ -312,7 +478,10 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     A micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as
     keep rows x width within it (a row longer than that alone): the forward's
     activations then stay about the same size whether completions are short or long.
+    `prompt_ids` (N, P), the left-padded prompts: --shared_prompts (`shared_micro_batches`).
     """
+    if prompt_ids is not None:
+        return shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids)
     t_all = num_completion_tokens
     p = attention_mask.shape[1] - t_all
     prompt_len = attention_mask[:, :p].long().sum(1)
@@ -344,6 +513,58 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     return out
 
 
+def shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids):
+    """`micro_batches` for rows that share prompts: each micro-batch's width is a SharedPrompts, and a group's rows
+    (the rows with the same real prompt tokens) stay together where they can.
+
+    Groups go longest first (the positions their tree computes: the prompt once plus each row's completion up to its
+    last counted token, less that token), and each group's rows longest first. `size` cuts that order every `size`
+    rows: as many micro-batches as without sharing (ranks under FSDP run as many forwards), a group split only where
+    it holds more rows than room is left, each part then computing the prompt once. With `max_tokens`, a micro-batch
+    takes rows while the positions its forward computes stay within it: its sequences (one per prompt) times the
+    longest sequence, the padding between them included (a row longer than that alone). A micro-batch keeps every
+    prompt column its rows use, so rows of one group keep equal prompts.
+    """
+    t_all = num_completion_tokens
+    p = attention_mask.shape[1] - t_all
+    real_prompt = attention_mask[:, :p].bool()
+    prompt_len = real_prompt.sum(1).tolist()
+    position = torch.arange(1, t_all + 1, device=token_mask.device)
+    completion_len = ((token_mask > 0) * position).amax(1).tolist()  # 1 + the last counted position; 0 if none
+    group = torch.unique(torch.where(real_prompt, prompt_ids, -1), dim=0, return_inverse=True)[1].tolist()
+    members = {}
+    for i, g in enumerate(group):
+        members.setdefault(g, []).append(i)
+
+    def branch(i):  # positions a row's branch computes
+        return max(0, completion_len[i] - 1)
+    groups = sorted(members.values(), key=lambda rows: -(prompt_len[rows[0]] + sum(branch(i) for i in rows)))
+    order = [i for rows in groups for i in sorted(rows, key=lambda i: -completion_len[i])]
+
+    def computed(rows):  # sequences x the longest one
+        seqs = {}
+        for i in rows:
+            seqs[group[i]] = seqs.get(group[i], prompt_len[i]) + branch(i)
+        return len(seqs) * max(seqs.values())
+
+    def micro_batch(rows):
+        t = max(1, max(completion_len[i] for i in rows))
+        start = max(0, min(p - 1, p - max(prompt_len[i] for i in rows)))
+        need = max(prompt_len[i] + completion_len[i] if completion_len[i] else 0 for i in rows)
+        shared = SharedPrompts(tuple(completion_len[i] for i in rows), max(1, need - 1))
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, shared)
+
+    out, rows = [], []
+    for i in order:
+        if rows and (len(rows) >= size if max_tokens <= 0 else computed(rows + [i]) > max_tokens):
+            out.append(micro_batch(rows))
+            rows = []
+        rows.append(i)
+    if rows:
+        out.append(micro_batch(rows))
+    return out
+
+
 def split_micro_batches(micro, count):
     """`micro` split further until there are `count` micro-batches: the one with the most rows is halved.
 
@@ -358,8 +579,10 @@ def split_micro_batches(micro, count):
         half = len(mb.rows) // 2
         if half == 0:
             raise ValueError(f"split_micro_batches: {count} micro-batches asked of fewer rows")
-        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t, mb.width),
-                      MicroBatch(mb.rows[half:], mb.cols, mb.t, mb.width)]
+        widths = [mb.width.rows(slice(None, half)), mb.width.rows(slice(half, None))] \
+            if isinstance(mb.width, SharedPrompts) else [mb.width] * 2
+        micro[i:i] = [MicroBatch(mb.rows[:half], mb.cols, mb.t, widths[0]),
+                      MicroBatch(mb.rows[half:], mb.cols, mb.t, widths[1])]
     return micro
 
 

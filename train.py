@@ -538,9 +538,11 @@ def update(run, batch, advantages, step):
     N = batch.prompt_ids.shape[0] * d.world_size // n_mini
     num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
                   for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
-    # in each, rows of similar length together, each micro-batch cut to the columns its rows use
+    # in each, rows of similar length together (with shared_prompts, each group's rows), each micro-batch cut to the
+    # columns its rows use
     minis = [[logprobs.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
-              for mb in logprobs.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+              for mb in logprobs.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens,
+                                               prompt_ids=batch.prompt_ids[r] if cfg.shared_prompts else None)]
              for r in rows]
     if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)

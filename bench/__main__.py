@@ -10,6 +10,7 @@
     python -m bench --only hostmem        # peak host memory per process at 1, 2, 4 processes (CPU, minutes)
     python -m bench --only export         # each process's memory rise while the trained model is written out
     python -m bench --only families       # decode against model.generate for each model family
+    python -m bench --only shared         # the training phase with each group's prompt computed once vs padded rows
     python -m bench --only families,trainfwd --set fam_shapes=real   # the same at published shapes (GPU)
 
 Rows:
@@ -34,6 +35,10 @@ Rows:
   export   (not run by default; CPU, minutes) the export of a sharded model at 1, 2 and 4 processes: how far each
            process's resident memory rises and how long it takes, gathered whole on rank 0 and save_pretrained,
            one tensor at a time (runs/export.py), torch.distributed.checkpoint's Hugging Face writer
+  shared   (not run by default) the training phase of one group (a 512-token prompt, G = 8 completions of 128
+           tokens) with its prompt computed once (--shared_prompts) vs the padded rows: time, tensors kept for
+           backward, peak memory and positions computed, on the written-out layers and the model's own forward; and
+           the attention alone: causal SDPA over padded rows, one tree mask, the two-part SDPA, FlexAttention
   exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)
@@ -61,6 +66,7 @@ from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.export import bench_export
 from bench.hostmem import bench_hostmem
 from bench.longtail import bench_longtail, bench_longtail_steps, step_modes
+from bench.shared import bench_shared
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
                          trl_version)
 
@@ -107,6 +113,9 @@ def settings_for(args, device):
         # export row: a Qwen2 shape of ex_layers layers of hidden size ex_hidden, an ex_vocab vocabulary, untied
         ex_hidden=1024, ex_layers=24, ex_vocab=151936, ex_dtype="bfloat16", ex_processes="1,2,4",
         ex_methods="gather,stream,dcp",
+        # shared row: sh_prompts groups of sh_generations completions of sh_completion_len tokens after a prompt of
+        # sh_prompt_len, micro-batches of sh_micro_batch rows
+        sh_prompts=1, sh_generations=8, sh_prompt_len=512, sh_completion_len=128, sh_micro_batch=8,
         temperature=1.0, top_k=0, top_p=1.0, warmup=args.warmup, reps=args.reps,
     )
     return s
@@ -287,6 +296,30 @@ def table(r, s):
             (f"unit-test rewards/s, pool of {r['exec_workers']}", f"{r['exec_rewards_per_s']:.1f}",
              f"{r['exec_naive_rewards_per_s']:.1f}", "code + asserts in one plain process",
              f"{r['exec_rewards_ratio_vs_naive']:.2f}x")]
+    if has("shared_written_out_speedup"):
+        shape = f"{s['sh_prompt_len']}-token prompt, G = {s['sh_generations']} x {s['sh_completion_len']}"
+        for name, label in (("written_out", "written-out layers"), ("own_forward", "model's own forward")):
+            rows += [
+                (f"shared prompts, training phase ({label}), {shape}", fmt(r[f"shared_{name}_shared_s"], "s"),
+                 fmt(r[f"shared_{name}_padded_s"], "s"), "padded rows", f"{r[f'shared_{name}_speedup']:.2f}x"),
+                (f"shared prompts, tensors kept for backward ({label})",
+                 fmt(r[f"shared_{name}_shared_saved_bytes"], "B"), fmt(r[f"shared_{name}_padded_saved_bytes"], "B"),
+                 "padded rows",
+                 f"{r[f'shared_{name}_saved_ratio']:.2f} (shared/padded)")]
+            if has(f"shared_{name}_memory_ratio"):
+                rows.append((f"shared prompts, peak memory ({label})", fmt(r[f"shared_{name}_shared_peak_bytes"], "B"),
+                             fmt(r[f"shared_{name}_padded_peak_bytes"], "B"), "padded rows",
+                             f"{r[f'shared_{name}_memory_ratio']:.2f} (shared/padded)"))
+        rows.append(("shared prompts, positions computed", fmt(r["shared_positions_shared"]),
+                     fmt(r["shared_positions_padded"]), "padded rows", f"{r['shared_positions_ratio']:.2f}x fewer"))
+        a = r["shared_attention_ms"]
+        rows.append(("attention alone, fwd + bwd: two-part SDPA / one tree mask" +
+                     (" / flex" if "flex" in a else ""),
+                     " / ".join(f"{a[k]:.1f} ms" for k in ("two-part", "one tree mask", "flex") if k in a),
+                     f"{a['padded causal']:.1f} ms", "causal SDPA, padded rows",
+                     f"{a['padded causal'] / a['two-part']:.2f}x"))
+        if r.get("shared_flex_error"):
+            rows.append(("attention alone, FlexAttention", "did not run", "", "", r["shared_flex_error"][:90]))
     tables = [markdown(("measure", "ours", "baseline", "baseline is", "ratio"), rows)] if rows else []
     if r.get("families"):
         tables.append(family_table(r, s))
@@ -322,7 +355,7 @@ def markdown(head, rows):
 
 
 ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail",
-        "export")
+        "export", "shared")
 
 
 @contextlib.contextmanager
@@ -453,6 +486,15 @@ def main(argv):
                            "; decoding at " + " / ".join(f"{r[f'longtail_{m}_decode_vs_full']:.2f}x"
                                                          for m in step_modes(s)) + " full rows' tokens/s"):
                 results.update(bench_longtail_steps(path, s, device, root, results["longtail_full_tokens_per_s"]))
+            free(device)
+        if "shared" in only:
+            with row_lines("shared", f"the training phase with each prompt computed once vs the padded rows, "
+                           f"{s['sh_prompt_len']}-token prompt, G = {s['sh_generations']} x {s['sh_completion_len']}, "
+                           f"{reps} runs each", results,
+                           lambda r: f"{r['shared_written_out_speedup']:.2f}x faster, "
+                                     f"{r['shared_positions_ratio']:.2f}x fewer positions; the prefill "
+                                     f"{r['shared_prefill_speedup']:.2f}x faster"):
+                results.update(bench_shared(path, s, device))
             free(device)
         if "hostmem" in only:
             with row_lines("hostmem", f"a whole run's peak host memory per process at {s['hm_processes']} processes",

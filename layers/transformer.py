@@ -13,7 +13,8 @@ One concern in one file (past 650 lines on purpose): what the written-out layers
 - `layer` and `attention`: one decoder layer's arithmetic, written once. The training forward, prefill and decode
   call it and differ only in what they pass;
 - the training forward (`hidden_states`): the layers on the model's own parameters with autograd, under FSDP2
-  through a registered method per layer, compiled whole with `--compile_layers`.
+  through a registered method per layer, compiled whole with `--compile_layers`; over rows that share a prompt packed
+  as trees (`Tree`, --shared_prompts), its attention in two parts, and `tree_refusal` for the model's own forward.
 
 MoE blocks (layers/static_moe.py) read the model's experts in place; Gated DeltaNet layers
 (layers/static_recurrent.py) keep states per row. Families with either, or with a gated query, are written out
@@ -761,7 +762,7 @@ def _one_fsdp_group(layer):
                                                      if m is not layer)
 
 
-def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
+def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False, tree=None):
     """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the
@@ -775,6 +776,8 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     recomputed, with the same checkpoint function. compiled: each layer's
     arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
     by the layers of one kind.
+    tree: rows that share a prompt packed as one sequence each (`Tree`, --shared_prompts); attention_mask is then
+    None, position_ids continue from each prompt's end in every branch, and the layers run eagerly (not compiled).
     """
     inner = model.model
     spec = _spec(model)
@@ -784,15 +787,19 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     for key in {s.rope for s in spec.layers} - {None}:
         cos, sin = _rotary(inner.rotary_emb, spec.fam, x, position_ids, key)  # (N, S, head_dim)
         tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
-    masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
-    s = input_ids.shape[1]
-    for w in {st.window for st in spec.layers} - {None}:
-        if s <= w:  # no two positions of a row are a window apart
-            masks[w] = masks[None]
-        else:
-            base = masks[None] if masks[None] is not None else \
-                torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-            masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
+    windows = {st.window for st in spec.layers}
+    if tree is not None:  # each window's masks over the tree's prompts and branches; the layers eager
+        masks, compiled = {w: tree.attend(w) for w in windows}, False
+    else:
+        masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
+        s = input_ids.shape[1]
+        for w in windows - {None}:
+            if s <= w:  # no two positions of a row are a window apart
+                masks[w] = masks[None]
+            else:
+                base = masks[None] if masks[None] is not None else \
+                    torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+                masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
     math = compiled_layer() if compiled else _layer
     live = Live(spec.fam)  # the layers' own parameters, as each call finds them
     for layer, settings in zip(inner.layers, spec.layers):
@@ -846,11 +853,126 @@ def _layer(x, cos, sin, mask, p):
 
 def _self_attention(q, k, v, mask, p):
     """`attention` of a training layer's q (B, S, heads, hd), k, v (B, S, kv heads, hd) over the same positions,
-    mask None: causal (no padding). Grouped-query attention by SDPA's enable_gqa, which needs no copies of K/V,
-    but on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy."""
+    mask None: causal (no padding); a TreeMask: rows packed as trees (`_tree_attention`). Grouped-query attention
+    by SDPA's enable_gqa, which needs no copies of K/V, but on CUDA the kernel that takes a mask (memory-efficient)
+    lacks it, so masked CUDA calls copy."""
+    if isinstance(mask, TreeMask):
+        return _tree_attention(q, k, v, mask, p)
     o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p, causal=mask is None,
                   gqa=mask is None or not q.is_cuda)
     return o.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- shared prompts: one tree per prompt
+
+
+@dataclasses.dataclass
+class Tree:
+    """Rows that share a prompt, packed as one sequence each (logprobs.py's `pack`, --shared_prompts): the prompt
+    once, then each row's completion as a branch, its positions continuing from the prompt's end (every token keeps
+    the position it has in its own row). The training forward runs the sequences as a (B, L) batch; the indices here
+    point into its B * L positions, flattened.
+
+    Each completion attends to its prompt and to its own branch, never to another branch. `_tree_attention` computes
+    that as two SDPA calls with boolean masks instead of one (L, L) mask that is mostly false: the prompts attend
+    causally among themselves, (B, Pm) queries; each branch's tokens, (R, Cm) queries, attend to their sequence's
+    prompt and their own branch's earlier tokens, (Pm + Cm) keys. The prompt's keys and values are shared by its
+    branches, so its gradient sums over them by autograd. Entries past a prompt's or a branch's length are padding:
+    they index a real position, no real query attends them, and their outputs are never read.
+    """
+    prompt: torch.Tensor      # (B, Pm) each sequence's prompt positions, in order (padded)
+    prompt_len: torch.Tensor  # (B,)
+    branch: torch.Tensor      # (R, Cm) each branch's positions, in order (padded); None when no branch has a token
+    group: torch.Tensor       # (R,) the sequence whose prompt each branch continues
+    inverse: torch.Tensor     # (B * L,) where each position's output is in cat(prompt block, branch block), flattened
+
+    def attend(self, window):
+        """The masks of the layers with this sliding window (None: full attention), a TreeMask. The window counts
+        positions, as in a row alone: a branch's token at j sees the prompt's last `window - 1 - j` tokens."""
+        pm, dev = self.prompt.shape[1], self.prompt.device
+        i = torch.arange(pm, device=dev)
+        prompts = None  # causal
+        if window is not None and pm > window:
+            prompts = (i[None] <= i[:, None]) & (i[:, None] - i[None] < window)
+        branches = None
+        if self.branch is not None:
+            r, cm = self.branch.shape
+            c = torch.arange(cm, device=dev)
+            start = self.prompt_len[self.group][:, None, None]  # (R, 1, 1) the position of each branch's first token
+            to_prompt = i[None, None] < start                    # (R, 1, Pm)
+            to_branch = c[None] <= c[:, None]                    # (Cm, Cm) causal within the branch
+            if window is not None:
+                to_prompt = to_prompt & (start + c[None, :, None] - i[None, None] < window)  # (R, Cm, Pm)
+                to_branch = to_branch & (c[:, None] - c[None] < window)
+            branches = torch.cat([to_prompt.expand(r, cm, pm), to_branch.expand(r, cm, cm)], -1)[:, None]
+        return TreeMask(self, prompts, branches)
+
+
+@dataclasses.dataclass
+class TreeMask:
+    """A Tree with the masks of one sliding window: prompts (Pm, Pm) or None for causal; branches (R, 1, Cm, Pm + Cm)
+    over each branch's prompt keys then its own."""
+    tree: Tree
+    prompts: torch.Tensor
+    branches: torch.Tensor
+
+
+def _tree_attention(q, k, v, mask, p):
+    """`attention` over a Tree's sequences: q (B, L, heads, hd), k, v (B, L, kv heads, hd) -> (B, L, heads, hd)."""
+    tree, shape = mask.tree, q.shape
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (B * L, heads, hd)
+
+    def block(x, index):  # (n, heads, len, hd): the positions of `index` (n, len), in attention's layout
+        return x[index].transpose(1, 2)
+    kp, vp = block(k, tree.prompt), block(v, tree.prompt)
+    out = [attention(block(q, tree.prompt), kp, vp, mask.prompts, p, causal=mask.prompts is None,
+                     gqa=mask.prompts is None or not q.is_cuda)]
+    if tree.branch is not None:  # each branch's keys: its prompt's, then its own
+        kb = torch.cat([kp[tree.group], block(k, tree.branch)], 2)
+        vb = torch.cat([vp[tree.group], block(v, tree.branch)], 2)
+        out.append(attention(block(q, tree.branch), kb, vb, mask.branches, p, gqa=not q.is_cuda))
+    return torch.cat([o.transpose(1, 2).flatten(0, 1) for o in out])[tree.inverse].view(shape)
+
+
+def tree_refusal(model):
+    """Why the model's own forward cannot take rows packed as trees (--shared_prompts), None where it can. (The
+    written-out training forward always can: `hidden_states(tree=...)`.) It can where the family table describes the
+    model, so that its masks are known (every layer softmax attention, its sliding windows one per layer type), and
+    its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE, Qwen2-MoE, gpt-oss), which
+    train on their own forward, and a dense family on it (in training mode with attention dropout). Not: Gated
+    DeltaNet layers (Qwen3.5), whose recurrent state would have to fork at the prompt's end; a model the table does
+    not describe, whose forward may build its own masks."""
+    common = _refusal(model)
+    if common is not None:
+        return common
+    layers = model.model.layers
+    if any(not _attends(layer) for layer in layers):
+        return "recurrent layers (Gated DeltaNet), whose state would have to fork at the prompt's end"
+    if _layer_family(layers[0]).gated_query:
+        return f"{_layer_class(layers[0])}: a gated query, its own forward not checked with a tree's mask"
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r}, which may not take a 4-D mask as given"
+    if tree_windows(model) is None:
+        return "sliding windows that differ between layers of one layer type"
+    return None
+
+
+def tree_windows(model):
+    """The sliding windows of the model's own forward for a tree's masks: {None: window} where every layer has the
+    same (None: full attention), else {layer type: window} (the mapping the forward looks its masks up in); None
+    where layers of one type differ."""
+    windows = _windows(model, _layer_family(model.model.layers[0]))
+    if len(set(windows)) == 1:
+        return {None: windows[0]}
+    kinds = getattr(model.config, "layer_types", None)
+    if not kinds or len(kinds) != len(windows):
+        return None
+    out = {}
+    for kind, w in zip(kinds, windows):
+        if out.setdefault(kind, w) != w:
+            return None
+    return out
 
 
 _COMPILED = {}

@@ -1,0 +1,183 @@
+"""The bench's shared row: the training phase with each group's prompt computed once (--shared_prompts) against the
+padded rows, each computing its prompt again (today's forward).
+
+A group of G completions of one long prompt (512 tokens, 128-token completions, G = 8 on either device), every
+completion token counted: the forward and backward of one micro-batch set (`logprobs.micro_batches`, then
+`completion_logprobs`, `grpo_loss` and backward per micro-batch, as train.backward_mini_batch runs them), on the
+written-out layers (the bench model's path) and on the model's own forward (the MoE families' path). Reported: the
+time of each (median of alternated runs), on CUDA the peak memory above what was held before, and the bytes of the
+tensors kept for backward (the largest micro-batch's, parameters aside: exact on any device), the positions the forward
+computes (G(P + C - 1) padded, P + G(C - 1) shared: a completion's last token predicts nothing), and the log-probs'
+largest difference. Also the attention alone, per layer
+shape, as the choice of mask implementation was made: SDPA causal over the padded rows, SDPA with one boolean tree mask
+over the packed sequence, the two-part SDPA the written-out layers use (transformer.Tree), and FlexAttention where
+it runs forward and backward on this device.
+"""
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import grpo
+import logprobs
+import model_loading
+from bench.common import load, medians
+from bench.step import MEMORY_METHOD, peak_bytes
+
+
+def groups_batch(s, vocab, device):
+    """(ids, mask, loss mask, prompt ids): sh_prompts groups of sh_generations rows, random tokens, every completion
+    token counted."""
+    g = torch.Generator().manual_seed(0)
+    n, p, t = s["sh_prompts"] * s["sh_generations"], s["sh_prompt_len"], s["sh_completion_len"]
+    prompts = torch.randint(3, vocab, (s["sh_prompts"], p), generator=g).repeat_interleave(s["sh_generations"], 0)
+    ids = torch.cat([prompts, torch.randint(3, vocab, (n, t), generator=g)], 1).to(device)
+    mask = torch.ones_like(ids)
+    return ids, mask, torch.ones(n, t, device=device), ids[:, :p]
+
+
+def training_phase(model, ids, mask, loss_mask, micro, t, written_out, saved=None):
+    """One micro-batch set's forward and backward; the (N, T) log-probs. `saved` (a list): each micro-batch's bytes
+    of tensors kept for backward, the model's parameters aside, appended."""
+    n = ids.shape[0]
+    adv = torch.linspace(-1, 1, n, device=ids.device)
+    out = torch.zeros(loss_mask.shape, device=ids.device)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for mb in micro:
+        kept = {}
+
+        def keep(x):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in params:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            logp, _ = logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, fast_forward=written_out,
+                                                   width=mb.width)
+            loss, _ = grpo.grpo_loss(logp, logp.detach(), None, adv[mb.rows], loss_mask[mb.rows, :mb.t],
+                                     grpo.Objective(beta=0.0, max_completion_length=t), num_sequences=n,
+                                     num_tokens=loss_mask.sum())
+        loss.backward()
+        out[mb.rows, :mb.t] = logp.detach()
+        if saved is not None:
+            saved.append(sum(kept.values()))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def positions(ids, mask, micro):
+    """The positions a micro-batch set's forward computes: rows x width padded, each tree's sequences shared."""
+    total = 0
+    for mb in micro:
+        if isinstance(mb.width, logprobs.SharedPrompts):
+            total += logprobs.pack(*mb.take(ids, mask), mb.t, mb.width.completion).positions_computed()
+        else:
+            total += len(mb.rows) * mb.width
+    return total
+
+
+def attention_alone(s, model, device):
+    """Forward and backward of one layer's attention at the row's shapes (the model's heads and head size), in ms:
+    causal SDPA over the G padded rows, one SDPA with the (L, L) boolean tree mask, the two-part SDPA, FlexAttention."""
+    cfg = model.config
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    p, c, g = s["sh_prompt_len"], s["sh_completion_len"] - 1, s["sh_generations"]
+    dtype = getattr(torch, s["dtype"])
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_()
+    q, k, v = rand(g, heads, p + c, hd), rand(g, kv, p + c, hd), rand(g, kv, p + c, hd)
+    length = p + g * c
+    qt, kt, vt = rand(1, heads, length, hd), rand(1, kv, length, hd), rand(1, kv, length, hd)
+    seg = torch.cat([torch.full((p,), -1), torch.arange(g).repeat_interleave(c)]).to(device)
+    i = torch.arange(length, device=device)
+    tree = (i[None] <= i[:, None]) & ((seg[None] == -1) | (seg[None] == seg[:, None]))
+    qp, kp, vp = rand(1, heads, p, hd), rand(1, kv, p, hd), rand(1, kv, p, hd)
+    qb, kb, vb = rand(g, heads, c, hd), rand(g, kv, c, hd), rand(g, kv, c, hd)
+    branch = torch.cat([torch.ones(c, p, dtype=torch.bool), torch.ones(c, c, dtype=torch.bool).tril()], 1).to(device)
+
+    def padded():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def one_mask():
+        F.scaled_dot_product_attention(qt, kt, vt, attn_mask=tree, enable_gqa=True).sum().backward()
+
+    def two_part():
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        keys, values = torch.cat([kp.expand(g, -1, -1, -1), kb], 2), torch.cat([vp.expand(g, -1, -1, -1), vb], 2)
+        (o.sum() + F.scaled_dot_product_attention(qb, keys, values, attn_mask=branch, enable_gqa=True).sum()).backward()
+    runs = {"padded causal": padded, "one tree mask": one_mask, "two-part": two_part}
+    flex_error = None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def tree_mod(b, h, qi, ki):
+            return (ki <= qi) & ((seg[ki] == -1) | (seg[ki] == seg[qi]))
+        block = create_block_mask(tree_mod, 1, 1, length, length, device=str(device))
+        compiled = torch.compile(flex_attention)
+
+        def flex():
+            compiled(qt, kt, vt, block_mask=block, enable_gqa=True).sum().backward()
+        flex()
+        runs["flex"] = flex
+    except Exception as e:  # noqa: BLE001 (any failure is reported, not raised: on CPU its backward is missing)
+        flex_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    med = medians(runs, s, device)
+    return {k: v * 1e3 for k, v in med.items()}, flex_error
+
+
+def prefill(model, prompt_ids, s, device):
+    """The sampler's prefill of the group's rows (`StaticDecoder.prefill`), each row's prompt run vs each distinct
+    prompt run once and its cache copied to its rows (share); the first logits' largest difference."""
+    from layers.engine import StaticDecoder
+    model = model.eval()
+    n, p = prompt_ids.shape
+    dec = StaticDecoder.for_model(model, n, p + s["sh_completion_len"] + 1, cuda_graph=False)
+    attn = torch.ones_like(prompt_ids)
+    positions = logprobs.position_ids_from_mask(attn)
+    runs = {k: (lambda share=share: dec.prefill(prompt_ids, attn, positions, share=share))
+            for k, share in (("rows", False), ("shared", True))}
+    diff = (runs["rows"]() - runs["shared"]()).abs().max().item()
+    med = medians(runs, s, device)
+    model.__dict__.pop("_static_decoder", None)
+    model.train()
+    return {"shared_prefill_rows_s": med["rows"], "shared_prefill_shared_s": med["shared"],
+            "shared_prefill_speedup": med["rows"] / med["shared"], "shared_prefill_logits_max_diff": diff}
+
+
+def bench_shared(path, s, device):
+    tokenizer = model_loading.load_tokenizer(path)
+    model = load(path, s, device).train()
+    ids, mask, loss_mask, prompt_ids = groups_batch(s, len(tokenizer), device)
+    t = s["sh_completion_len"]
+    micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"]),
+             "shared": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
+    out = {"shared_positions_padded": positions(ids, mask, micro["padded"]),
+           "shared_positions_shared": positions(ids, mask, micro["shared"])}
+    out["shared_positions_ratio"] = out["shared_positions_padded"] / out["shared_positions_shared"]
+    for path_name, written_out in (("written_out", True), ("own_forward", False)):
+        runs = {k: (lambda m=m: training_phase(model, ids, mask, loss_mask, m, t, written_out))
+                for k, m in micro.items()}
+        saved = {k: [] for k in micro}
+        a, b = (training_phase(model, ids, mask, loss_mask, m, t, written_out, saved[k]) for k, m in micro.items())
+        out[f"shared_{path_name}_logprob_max_diff"] = (a - b).abs().max().item()
+        out[f"shared_{path_name}_padded_saved_bytes"] = max(saved["padded"])
+        out[f"shared_{path_name}_shared_saved_bytes"] = max(saved["shared"])
+        out[f"shared_{path_name}_saved_ratio"] = max(saved["shared"]) / max(saved["padded"])
+        med = medians(runs, s, device)
+        out.update({f"shared_{path_name}_padded_s": med["padded"], f"shared_{path_name}_shared_s": med["shared"],
+                    f"shared_{path_name}_speedup": med["padded"] / med["shared"]})
+        if device.type == "cuda":  # on a CPU the resident set keeps what the run before freed: not measurable here
+            peaks = {k: statistics.median(peak_bytes(fn, device) for _ in range(2)) for k, fn in runs.items()}
+            out.update({f"shared_{path_name}_padded_peak_bytes": peaks["padded"],
+                        f"shared_{path_name}_shared_peak_bytes": peaks["shared"],
+                        f"shared_{path_name}_memory_ratio": peaks["shared"] / peaks["padded"]})
+    out.update(prefill(model, prompt_ids, s, device))
+    attention, flex_error = attention_alone(s, model, device)
+    out["shared_attention_ms"] = attention
+    out["shared_flex_error"] = flex_error
+    out["shared_memory_method"] = (MEMORY_METHOD["cuda"] if device.type == "cuda" else "no peak on a CPU (the "
+                                   "resident set keeps what the previous run freed); tensors kept for backward only")
+    return out
