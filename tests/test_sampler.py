@@ -180,7 +180,8 @@ def test_sampler_stops_once_every_row_is_done(model, tokenizer):
 
 
 def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
-    """sampling.generate a few rows at a time: the same completions (own seeds), padded to the longest batch."""
+    """sampling.generate a few rows at a time: the same completions (own seeds), padded to the longest batch; and
+    with the run's shared_prompts (the 3 copies of each prompt prefilled once) too."""
     import types
 
     import sampling
@@ -194,16 +195,18 @@ def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
     with torch.no_grad():  # EOS likely, not certain: rows stop at varied lengths, batches after varied steps
         model.get_output_embeddings().weight[eos[0]] *= 5
     out = {}
-    for size, places in ((0, 0), (4, 0), (0, 4)):  # (4, 0): batches of 4; (0, 4): rows streaming through 4 places
+    # (4, 0): batches of 4; (0, 4): rows streaming through 4 places; "shared": one prefill per distinct prompt
+    for size, places, shared in ((0, 0, False), (4, 0, False), (0, 4, False), (0, 0, True)):
         cfg = types.SimpleNamespace(max_completion_length=9, top_k=0, top_p=1.0, generation_batch_size=size,
-                                    rollouts_in_flight=places, decode_attention_kernel=False)
-        out[size, places] = sampling.generate(policy, tokenizer, ids, mask, seeds, sampling.Draw(), cfg, d, eos)
-    whole, batched, streamed = out[0, 0][0], out[4, 0][0], out[0, 4][0]
-    assert out[0, 4][1] == out[0, 0][1]
-    for k in ("completion_ids", "completion_mask", "policy_mask", "truncated", "turns"):
-        assert torch.equal(getattr(streamed, k), getattr(whole, k)), k
-    torch.testing.assert_close(streamed.logprobs, whole.logprobs, atol=1e-5, rtol=0)
-    out = {size: out[size, 0] for size in (0, 4)}
+                                    rollouts_in_flight=places, decode_attention_kernel=False, shared_prompts=shared)
+        out[size, places, shared] = sampling.generate(policy, tokenizer, ids, mask, seeds, sampling.Draw(), cfg, d, eos)
+    whole, batched = out[0, 0, False][0], out[4, 0, False][0]
+    for other in (out[0, 4, False], out[0, 0, True]):
+        assert other[1] == out[0, 0, False][1]
+        for k in ("completion_ids", "completion_mask", "policy_mask", "truncated", "turns"):
+            assert torch.equal(getattr(other[0], k), getattr(whole, k)), k
+        torch.testing.assert_close(other[0].logprobs, whole.logprobs, atol=1e-5, rtol=0)
+    out = {size: out[size, 0, False] for size in (0, 4)}
     assert out[0][1] == out[4][1]  # the text
     lengths = whole.completion_mask.sum(1)
     assert lengths.unique().numel() > 2 and whole.truncated.any() != whole.truncated.all()
