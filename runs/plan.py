@@ -381,9 +381,24 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
             [p for p in biggest.parameters() if p.requires_grad], dtype=compute)))
     if cfg.max_staleness and dec is not None:  # the stream's decoder and its rows in flight wait through the step
         tr += [(f"{name} (kept through the step: --max_staleness)", size) for name, size in decoder_bytes(dec).items()]
-    kept, recomputed = activation_bytes(config, mb_rows * width, cb, cfg.gradient_checkpointing)
-    tr.append((f"activations ({mb_rows} rows x {width} positions"
-               f"{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))
+    positions, shape, tree = mb_rows * width, f"{mb_rows} rows x {width} positions", 0
+    if cfg.shared_prompts and _shares_prompts(model):  # each group's prompt once, its rows' completions as branches
+        p, c = cfg.max_prompt_length, cfg.max_completion_length
+        trees = -(-mb_rows // cfg.num_generations)
+        positions, shape = trees * p + mb_rows * c, f"{trees} prompt(s) of {p} + {mb_rows} x {c} positions"
+        # per attention layer, what the branches' attention keeps besides on a CPU: the probabilities SDPA's math
+        # kernel keeps under a mask, (rows, heads, C, P + C); with the branches' copies of their prompt's keys
+        # (not counted) within 15% of what autograd keeps (tests/test_plan.py)
+        text, heads, kv, hd = _attention_dims(config)
+        tree = mb_rows * c * (p + c) * heads * cb if device == "cpu" else 0
+        kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        tree *= 1 if cfg.gradient_checkpointing else sum(k != "linear_attention" for k in kinds)
+    kept, recomputed = activation_bytes(config, positions, cb, cfg.gradient_checkpointing)
+    if cfg.gradient_checkpointing:
+        recomputed += tree
+    else:
+        kept += tree
+    tr.append((f"activations ({shape}{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))
     if recomputed:
         tr.append(("one layer recomputed in backward", recomputed))
     head_kept, head_transient = logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)
@@ -396,6 +411,13 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
                 int(gpu_gib * GiB), int(host_gib * GiB), notes,
                 lengths=(cfg.max_prompt_length, cfg.max_completion_length))
+
+
+def _shares_prompts(model):
+    """Whether --shared_prompts packs this model's training rows as trees (logprobs.shares_prompts)."""
+    import logprobs
+    from layers import transformer
+    return logprobs.shares_prompts(model, transformer.decide(model).trains_written_out(model))
 
 
 # ----------------------------------------------------------------------------- what would make it fit

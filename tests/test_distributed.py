@@ -67,6 +67,9 @@ def checks(t):
         "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
         # the sampler works a step ahead, rows in flight across the optimizer steps; prompts of 2 and 61 characters
         # and completions cut at 1 to 12 tokens by the stop rule below (STALE_STOPS)
+        # each group's prompt computed once, in the prefill and in training, under a token budget
+        "shared": ["--max_steps=2", "--save_every=0", f"--dataset={t / 'uneven.jsonl'}", "--micro_batch_tokens=200",
+                   "--gradient_checkpointing=true", "--shared_prompts"],
         "stale": ["--max_steps=50", "--save_every=0", "--max_staleness=1", f"--dataset={t / 'uneven.jsonl'}",
                   "--prompts_per_step=4", "--num_generations=4", "--max_completion_length=12", "--stop_often"],
     }
@@ -608,6 +611,19 @@ def test_rows_in_flight_across_steps_train_as_one_process(runs):
         for k in ("rows_carried", "staleness_mean", "staleness_max"):
             assert a[k] == b[k], k
     assert all(m["staleness_max"] == 1 and m["rows_carried"] > 0 for m in m2[1:])  # every step but the first
+
+
+def test_shared_prompts_train_as_one_process(runs):
+    """--shared_prompts (one prefill per distinct prompt, each group's prompt once in training) with a token budget:
+    2 processes sample and train as 1, and as the padded path does (the budget check's run, same settings)."""
+    p, _ = runs
+    one, two = p["shared1"], p["shared2"]
+    assert tokens(one) == tokens(two) == tokens(p["budget1"])[:2]
+    for a, b, padded in zip(metrics(one), metrics(two), metrics(p["budget1"])):
+        assert a["reward"] == b["reward"] == padded["reward"]
+        for x in (b, padded):
+            assert a["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-7)
+            assert a["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
 def test_rows_in_flight_resume_exactly(runs):

@@ -107,16 +107,18 @@ def test_a_stream_holds_its_decoder_through_the_training_step():
     assert extra == {f"{k} (kept through the step: --max_staleness)": v for k, v in real.items()}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing):
+@pytest.mark.parametrize("checkpointing,shared", [(False, False), (True, False), (False, True)])
+def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing, shared):
     """One process, float32 on CPU, a micro-batch of 8 rows of 64 + 192 positions: the plan's training total (the
     policy's state, the reference, activations, the log-prob head) against the real state's bytes plus the bytes
-    autograd keeps for backward over the micro-batch's forward and head (completion_logprobs)."""
+    autograd keeps for backward over the micro-batch's forward and head (completion_logprobs). With shared_prompts
+    the rows are 4 groups of 2 and the forward runs each prompt once (4 x 64 + 8 x 192 positions)."""
     tok = model_loading.build_byte_tokenizer()
     config = architectures.config("qwen3", tok, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
                                   head_dim=32)
     cfg = Config(prompts_per_step=4, num_generations=2, micro_batch_size=8, max_prompt_length=64,
-                 max_completion_length=192, gradient_checkpointing=checkpointing, beta=0.04, device="cpu")
+                 max_completion_length=192, gradient_checkpointing=checkpointing, beta=0.04, device="cpu",
+                 shared_prompts=shared)
     p = plan.plan(cfg, config, world=1, device="cpu", gpu_gib=8, host_gib=8)
     model = _real(config)
     if checkpointing:
@@ -125,11 +127,13 @@ def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing)
     ref = model_loading.build_reference_model(model, cfg.beta)
     optimizer = make_optimizer(model.parameters(), cfg)
     ids = torch.randint(3, 250, (8, 64 + 192))
+    ids[1::2, :64] = ids[::2, :64]  # 4 groups of 2 rows, each group's rows one prompt
     mask = torch.ones_like(ids)
     params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    (mb,) = logprobs.micro_batches(mask, torch.ones(8, 192), 192, 8, prompt_ids=ids[:, :64] if shared else None)
 
     def forward():
-        return logprobs.completion_logprobs(model, ids, mask, 192)[0]
+        return logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, width=mb.width)[0]
     seen = {}
 
     def pack(t):
