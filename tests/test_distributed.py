@@ -65,6 +65,10 @@ def checks(t):
                     f"--reward_funcs={t / 'uneven.py'}:uneven"],
         # a folder with safetensors weights: 2 processes each read their own shards (1 loads it whole)
         "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
+        # the same folder with LoRA's adapters (added on meta before sharding) and no reference model
+        "lora_weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}", "--lora_rank=8"],
+        # a Qwen3-MoE folder (a matrix per expert in the files) whose policy and reference record and replay routing
+        "replay_weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'moe'}", "--routing_replay"],
         # the sampler works a step ahead, rows in flight across the optimizer steps; prompts of 2 and 61 characters
         # and completions cut at 1 to 12 tokens by the stop rule below (STALE_STOPS)
         "stale": ["--max_steps=50", "--save_every=0", "--max_staleness=1", f"--dataset={t / 'uneven.jsonl'}",
@@ -85,6 +89,7 @@ def runs(tmp_path_factory):
     (t / "uneven.py").write_text(UNEVEN_REWARD)
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
     save_weights(t / "saved")
+    save_moe_weights(t / "moe")
     p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
                                  "staleA", "staleB")}
     for name in checks(t):
@@ -644,3 +649,46 @@ def test_dynamic_sampling_when_one_rank_holds_no_kept_group(runs):
     p, _ = runs
     for m in metrics(p["lopsided"]):
         assert m["dynamic/groups_kept"] == 4 and m["dynamic/rounds"] >= 2 and m["frac_reward_zero_std"] == 0
+
+
+def test_sharded_loading_with_lora_trains_as_one_process(runs):
+    """--lora_rank=8 on a folder with safetensors weights: 2 processes add the adapters to the model on the meta
+    device, shard it and read their own shards, their adapters the values one process's add_lora gives them;
+    they train as 1 process that loads the model whole. No reference is built (the policy without adapters)."""
+    p, out = runs
+    assert "each process read its own shards" in out["lora_weights2"]
+    assert "the whole model in each process" in out["lora_weights1"]
+    assert "LoRA rank 8" in out["lora_weights2"] and "reference: the policy without adapters" in out["lora_weights2"]
+    one, two = metrics(p["lora_weights1"]), metrics(p["lora_weights2"])
+    assert [m["step"] for m in two] == [1, 2]
+    assert tokens(p["lora_weights1"]) == tokens(p["lora_weights2"])
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+    assert two[1]["kl"] > 0  # the adapters moved the policy away from the base model, its reference
+    reports = [json.load(open(os.path.join(p["lora_weights2"], f"after_rank{r}.json"))) for r in (0, 1)]
+    assert all(r["sharded"] for r in reports)
+    assert not reports[0]["policy_changed"]  # the base weights stay the files'
+
+
+def test_sharded_loading_with_routing_replay_trains_as_one_process(runs):
+    """--routing_replay on a Qwen3-MoE folder: 2 processes wrap the routers of the policy and of the reference on
+    the meta device, shard both and read their own shards; each model records and replays for itself, and the
+    run trains as 1 process that loads the model whole (the reference's routing differing from the sampled
+    choice as often)."""
+    p, out = runs
+    assert "each process read its own shards" in out["replay_weights2"]
+    assert "the whole model in each process" in out["replay_weights1"]
+    one, two = metrics(p["replay_weights1"]), metrics(p["replay_weights2"])
+    assert [m["step"] for m in two] == [1, 2]
+    assert tokens(p["replay_weights1"]) == tokens(p["replay_weights2"])
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+        for k in ("routing_replay_differ", "routing_replay_differ_ref"):
+            assert b[k] == pytest.approx(a[k], abs=1e-6), k
+    assert two[1]["kl"] > 0 and two[1]["routing_replay_differ_ref"] > 0  # the reference replayed, for itself
