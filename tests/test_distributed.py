@@ -417,7 +417,8 @@ sys.path.insert(0, sys.argv[1] + "/tests")
 import torch
 from transformers import AutoModelForCausalLM
 import logprobs, model_loading, sharding, train
-from runs import export as run_export, setup as run_setup
+from layers import lora
+from runs import export as run_export, setup as run_setup, weights
 d = sharding.setup("cpu")
 filled = []  # what each model held when fill_shards was given it: were all its parameters still on meta?
 original_fill = model_loading.fill_shards
@@ -425,6 +426,10 @@ def recording_fill(root, path, device):
     filled.append(all(p.device.type == "meta" for p in root.parameters()))
     return original_fill(root, path, device)
 model_loading.fill_shards = recording_fill
+import safetensors, test_weight_files
+reads = []  # (name, bytes) of every tensor read from a weights file (test_weight_files.Reads, without pytest)
+real_open = safetensors.safe_open
+safetensors.safe_open = lambda *a, **k: test_weight_files._Handle(real_open(*a, **k), reads)
 report = {}
 for name in sys.argv[3:]:
     path = f"{sys.argv[2]}/{name}"
@@ -435,7 +440,27 @@ for name in sys.argv[3:]:
         cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", f"--ref_bf16={bf16}"])
         _, policy, ref = run_setup.load_models(cfg, d, "cpu")
         runs[bf16] = (policy, ref)
-    r = {"meta_before_fill": filled[:], "tied": policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight}
+    # with LoRA: its adapters added on meta; each rank's shards are its chunks of one process's model and adapters
+    # (add_lora from the same seed), read from at most its share of the files plus one tensor
+    whole_lora = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
+    lora.add_lora(whole_lora, 4, 8.0, "all")
+    cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", "--lora_rank=4", "--lora_alpha=8"])
+    torch.manual_seed(0)
+    reads.clear()
+    _, lora_policy, lora_ref = run_setup.load_models(cfg, d, "cpu")
+    r = {}
+    want = dict(whole_lora.named_parameters())
+    mine = dict(lora_policy.lm.named_parameters())
+    stored = weights.tensors(path)
+    r["lora"] = {"ref": lora_ref is not None, "names": sorted(mine) == sorted(want),
+                 "adapters": sum(n.endswith("lora_A") for n in mine),
+                 "exact": all(torch.equal(p.to_local(), torch.chunk(want[n].detach(), d.world_size)[d.rank])
+                              for n, p in mine.items()),
+                 "read": sum(b for _, b in reads), "stored": sum(torch.Size(s).numel() * t.itemsize for s, t, _ in stored.values()),
+                 "largest": max(torch.Size(s).numel() * t.itemsize for s, t, _ in stored.values())}
+    del lora_policy
+    r.update({"meta_before_fill": filled[:], "tied": policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight})
     filled.clear()
     policy, ref = runs[False]
     # each rank's own shard of each weight is exactly its chunk (dim 0) of the weight in the files
@@ -520,12 +545,15 @@ def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
     script = tmp_path / "load.py"
     script.write_text(SHARDED_LOAD_WORKER)
     out = launch(str(script), [ROOT, str(tmp_path), "tied", "untied", "moe"], 2, timeout=240)
-    assert out.count("loaded in ") == 6 and "the whole model in each process" not in out, out[-3000:]
+    assert out.count("loaded in ") == 9 and "the whole model in each process" not in out, out[-3000:]
     reports = [json.load(open(tmp_path / f"report_rank{r}.json")) for r in (0, 1)]
     for rank, report in enumerate(reports):
         for name, r in report.items():
             assert r["tied"] == (name == "tied")
-            assert r["meta_before_fill"] == [True] * 4, name  # policy and reference, twice
+            assert r["meta_before_fill"] == [True] * 5, name  # policy and reference, twice; the LoRA policy
+            lo = r["lora"]
+            assert lo["names"] and lo["exact"] and not lo["ref"] and lo["adapters"] > 0, (name, rank, lo)
+            assert 0 < lo["read"] <= lo["stored"] / 2 + lo["largest"], (name, rank, lo)
             for label in ("policy", "ref", "ref_bf16"):
                 assert r[label]["exact"], (name, label, rank)
                 assert r[label]["fraction"] == pytest.approx(0.5, abs=0.02), (name, label)
