@@ -16,12 +16,14 @@ the trainer shards it, and `fill_shards` reads only this process's slices of eac
 
 import contextlib
 import os
+import re
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedTokenizerFast)
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
+from layers import lora
 from runs import weights
 
 TINY = "tiny"  # the model name that means "build the tiny byte-level model"
@@ -441,13 +443,20 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
+_PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original$")  # a weight under torch's parametrize
+
+
 def _stored_names(model, files):
     """({name in the files: parameter}, {parameter name: (parameter, source)}) for every parameter of `model`, or
     why the files cannot fill it. A tied parameter (lm_head sharing the embeddings) is one tensor under one of its
-    names; a MoE block's fused experts may be stored a matrix per expert or in MXFP4 (runs/weights.py's sources)."""
+    names; a MoE block's fused experts may be stored a matrix per expert or in MXFP4 (runs/weights.py's sources).
+    LoRA's adapters are not in the files (lora.init_adapters gives them their values); an expert weight they adapt
+    is kept under `parametrizations.<name>.original`, stored under its plain name."""
+    adapters = {id(p) for m in lora.lora_modules(model).values() for p in (m.lora_A, m.lora_B)}
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), (p, []))[1].append(name)
+        if id(p) not in adapters:
+            names.setdefault(id(p), (p, []))[1].append(_PARAMETRIZED.sub(r".\1", name))
     out, assembled = {}, {}
     for p, aliases in names.values():
         stored = next((n for n in aliases if n in files), None)
@@ -464,11 +473,12 @@ def _stored_names(model, files):
     return out, assembled
 
 
-def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False):
+def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False, adapt=None):
     """(model with its parameters on meta and its buffers real, None), or (None, why not) where this folder's
     weights cannot be read shard by shard: no weight files (a hub id not in the cache: give model_folder's
     answer), `.bin` files in torch.save's old format, or names and shapes the model does not have. `dtype`
-    overrides model_init_kwargs' (the reference in bfloat16); "auto" is the files' own. A quantization other
+    overrides model_init_kwargs' (the reference in bfloat16); "auto" is the files' own. `adapt(model)` changes
+    the model on meta before its names are matched with the files' (LoRA's adapters). A quantization other
     than MXFP4 raises ValueError."""
     kwargs = _init_kwargs(model_init_kwargs, "cpu")
     path = resolve_model_path(name_or_path)
@@ -505,6 +515,8 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
         kwargs["dtype"] = resolve_dtype(str(saved).replace("torch.", ""))
     with parameters_on_meta():
         model = auto_class.from_config(config, **kwargs)
+    if adapt is not None:
+        adapt(model)
     problem = _stored_names(model, files)
     if isinstance(problem, str):
         return None, problem
@@ -518,7 +530,9 @@ def fill_shards(root, path, device):
     folder's weight files: each process reads only its own slice of each weight; the files' dtype is cast to the
     parameters'. Safetensors tensors stored as the model holds them go through torch.distributed.checkpoint's
     Hugging Face reader (safetensors' sliced reads); the rest (`.bin` files, experts stored a matrix per expert or
-    in MXFP4) through runs/weights.py's `fill_rows`, which reads the same rows."""
+    in MXFP4) through runs/weights.py's `fill_rows`, which reads the same rows. LoRA's adapters, which are not in
+    the files, then take the values add_lora gives them on a real model (lora.init_adapters: the global random
+    generator's next numbers, the same on every process)."""
     import torch.distributed.checkpoint as dcp
 
     buffers = {n: b.detach().clone() for n, b in root.named_buffers()}  # to_empty would leave them uninitialised
@@ -533,6 +547,7 @@ def fill_shards(root, path, device):
         else:
             assembled.update({n: (p, ("tensor", n)) for n, p in state.items()})
         weights.fill_rows(assembled, files, path)
+    lora.init_adapters(root.lm)
     return root
 
 

@@ -37,9 +37,14 @@ class LoRALinear(nn.Module):
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as PEFT does
+        self.init_a(self.lora_A)
         self.scaling = alpha / rank
         self.enabled = True
+        self.order = 0  # its place among add_lora's adapters: the order they draw their A in (init_adapters)
+
+    @staticmethod
+    def init_a(a):
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's default init, as PEFT does
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)
@@ -114,10 +119,15 @@ class LoRAExperts(nn.Module):
         kw = dict(dtype=weight.dtype, device=weight.device)
         self.lora_A = nn.Parameter(torch.empty(experts, rank, self.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(experts, self.out_features, rank, **kw))
-        bound = 1 / math.sqrt(self.in_features)  # LoRALinear's A init (kaiming uniform, a=sqrt(5)), expert by expert
-        nn.init.uniform_(self.lora_A, -bound, bound)
+        self.init_a(self.lora_A)
         self.scaling = alpha / rank
         self.enabled = True
+        self.order = 0  # its place among add_lora's adapters: the order they draw their A in (init_adapters)
+
+    @staticmethod
+    def init_a(a):
+        bound = 1 / math.sqrt(a.shape[-1])  # LoRALinear's A init (kaiming uniform, a=sqrt(5)), expert by expert
+        nn.init.uniform_(a, -bound, bound)
 
     def delta(self, a, b):
         """What merging adds to the weight, (E, ., .) in its layout, from `a` and `b` (this module's or copies)."""
@@ -215,6 +225,9 @@ def add_lora(model, rank, alpha, target_modules):
     of an nn.Linear or an expert weight anywhere in the model; "all" may be one
     of them. An entry that matches nothing is an error. Returns the names
     adapted. Call it before sharding, so fully_shard wraps the adapted blocks.
+    On a model whose parameters are on the meta device (sharded loading), the
+    adapters are on meta too: `init_adapters` gives them their values once
+    the model has storage, the values they would have had here.
     A vision-language model's adapters go on its language model only: its
     vision tower (whose MLPs share the names) stays as it is.
     """
@@ -256,13 +269,46 @@ def add_lora(model, rank, alpha, target_modules):
             weight = getattr(parent, attribute)
             adapter = LoRAExperts(weight, rank, alpha, transposed=getattr(parent, "is_transposed", False))
             parametrize.register_parametrization(parent, attribute, adapter)
+            adapter.order = len(adapted)
             if id(parent) not in cached:
                 _merge_once_per_forward(parent)
                 cached.add(id(parent))
         else:
-            setattr(parent, attribute, LoRALinear(getattr(parent, attribute), rank, alpha))
+            adapter = LoRALinear(getattr(parent, attribute), rank, alpha)
+            adapter.order = len(adapted)
+            setattr(parent, attribute, adapter)
         adapted.append(name)
     return adapted
+
+
+def init_adapters(model):
+    """Give the adapters of a model built on the meta device and sharded (or whole) the values add_lora gives them
+    on a real model at this point of the random stream: each A drawn whole on the CPU from the global generator,
+    in the order add_lora made them, of which this process keeps its own rows (FSDP2 shards dim 0 in chunks of
+    ceil(n / W) rows); each B zero. Every process draws every A (the adapters are small beside the weights), so
+    each holds its chunk of exactly the tensor one process would hold whole."""
+    with torch.no_grad():
+        for adapter in sorted(lora_modules(model).values(), key=lambda m: m.order):
+            a = adapter.lora_A
+            whole = torch.empty(a.shape, dtype=a.dtype)
+            adapter.init_a(whole)
+            _local(a).copy_(_own_rows(whole, a))
+            _local(adapter.lora_B).zero_()
+
+
+def _local(p):
+    """This process's shard of a parameter (a DTensor's local tensor), or the parameter itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _own_rows(whole, p):
+    """The rows of `whole` that this process's shard of `p` holds: FSDP2's dim-0 chunk of its rank."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or whole.dim() == 0:
+        return whole
+    rows = -(-whole.shape[0] // mesh.size())
+    first = mesh.get_local_rank() * rows
+    return whole[first:first + rows]
 
 
 def lora_modules(model):

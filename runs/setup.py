@@ -165,10 +165,11 @@ def load_models(cfg, d, load_device):
     """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded.
 
     Several processes and a local folder of safetensors weights: each process builds the model with its
-    parameters on the meta device, shards it, and reads only its own shards from the files, the reference too
-    (`_load_sharded`); about P/W bytes per process where the whole model would be P. Otherwise (one process, the
-    tiny model and other folders without weights, hub ids, LoRA, routing replay, vision-language models) the
-    whole model is built in each process, the reference copied from it, and both sharded after."""
+    parameters on the meta device (with LoRA's adapters, and routing replay's routers wrapped), shards it, and
+    reads only its own shards from the files, the reference too (`_load_sharded`); about P/W bytes per process
+    where the whole model would be P. Otherwise (one process, the tiny model and other folders without weights,
+    hub ids not in the cache, vision-language models) the whole model is built in each process, the reference
+    copied from it, and both sharded after."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model
@@ -176,13 +177,13 @@ def load_models(cfg, d, load_device):
     if d.master:
         print(f"loading {cfg.model} on {load_device} ...", flush=True)
     start = time.perf_counter()
-    # LoRA adds its adapters before sharding, routing replay wraps the routers before sharding: both load whole
-    sharded = d.world_size > 1 and cfg.model != model_loading.TINY and not cfg.lora_rank and not cfg.routing_replay
+    sharded = d.world_size > 1 and cfg.model != model_loading.TINY
     try:
         path = model_loading.model_folder(path, cfg.model_init_kwargs)  # a hub id: its folder in the cache, if there
         tokenizer = model_loading.load_tokenizer(path)
         empty, why = model_loading.empty_model(path, cfg.model_init_kwargs, gradient_checkpointing=
-                                               cfg.gradient_checkpointing) if sharded else (None, None)
+                                               cfg.gradient_checkpointing, adapt=functools.partial(add_adapters, cfg)
+                                               ) if sharded else (None, None)
         if empty is None:
             policy = model_loading.load_model(path, cfg.model_init_kwargs, load_device, seed=cfg.seed,
                                               gradient_checkpointing=cfg.gradient_checkpointing)
@@ -224,23 +225,35 @@ def check_tp_size(cfg, path):
         raise ConfigError("tp_size", why)
 
 
-def _load_whole(cfg, d, policy):
-    """The policy (loaded whole) with its adapters, checked, its reference copied from it, both sharded."""
-    if cfg.lora_rank:  # adapters only; the reference is then the policy with them switched off
+def add_adapters(cfg, model):
+    """LoRA's adapters on `model` (whole, or on the meta device before sharding) when --lora_rank asks for them:
+    adapters only are trained, and the reference is then the policy with them switched off."""
+    if cfg.lora_rank:
         try:
-            lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+            lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
         except ValueError as e:
             raise ConfigError("lora_target_modules", str(e).removeprefix("lora_target_modules: ")) from e
+
+
+def replay_routing(cfg, models):
+    """With --routing_replay, each model's routers wrapped to record and replay for that model alone."""
+    if cfg.routing_replay:
+        try:
+            for model in models:
+                routing.of(model)
+        except ValueError as e:
+            raise ConfigError("routing_replay", e) from e
+
+
+def _load_whole(cfg, d, policy):
+    """The policy (loaded whole) with its adapters, checked, its reference copied from it, both sharded."""
+    add_adapters(cfg, policy)
     check_model(cfg, d, policy)  # with the adapters (zero at start): the paths the run takes
     ref = model_loading.build_reference_model(policy, 0 if cfg.lora_rank else cfg.beta)
     if ref is not None and cfg.ref_bf16:
         ref.to(torch.bfloat16)
-    if cfg.routing_replay:  # after the reference is copied: each model's routers record and replay for it alone
-        try:
-            for model in (policy, ref) if ref is not None else (policy,):
-                routing.of(model)
-        except ValueError as e:
-            raise ConfigError("routing_replay", e) from e
+    # after the reference is copied: each model's routers record and replay for it alone
+    replay_routing(cfg, (policy, ref) if ref is not None else (policy,))
     warn_low_precision(cfg, d, policy)
     supported = not cfg.compile_layers or transformer.decide(policy).trains_written_out(policy.train())  # as it trains
     if not supported and d.master:
@@ -255,7 +268,10 @@ def _load_whole(cfg, d, policy):
 
 def _load_sharded(cfg, d, path, empty):
     """The policy and the reference, each built on the meta device, sharded as sharding.shard does, then filled
-    with this process's shards from the folder's files; the start-up check runs on the sharded policy."""
+    with this process's shards from the folder's files; the start-up check runs on the sharded policy. LoRA's
+    adapters were added on meta (`empty_model`'s adapt) and take their values in the fill, as add_lora gives
+    them on a whole model; with LoRA there is no reference (the policy with its adapters off)."""
+    replay_routing(cfg, (empty,))
     policy = sharding.shard(sharding.Root(empty), d, cfg.mixed_precision, cfg.cpu_offload)
     model_loading.fill_shards(policy, path, d.device).train()
     check_model(cfg, d, policy, sharded=True)
@@ -265,9 +281,10 @@ def _load_sharded(cfg, d, path, empty):
             warn_not_compiled()
     sharding.free_gathered(policy)
     ref = None
-    if cfg.beta > 0:  # from the same files, not copied from the policy: no process ever holds either whole
+    if cfg.beta > 0 and not cfg.lora_rank:  # from the same files, not copied from the policy: no process holds either
         lm, _ = model_loading.empty_model(path, cfg.model_init_kwargs, dtype=torch.bfloat16 if cfg.ref_bf16 else None)
         lm.requires_grad_(False)
+        replay_routing(cfg, (lm,))
         ref = sharding.shard(sharding.Root(lm), d, cfg.mixed_precision, cfg.cpu_offload)
         model_loading.fill_shards(ref, path, d.device).eval()
         sharding.check_same_placement(policy, ref)

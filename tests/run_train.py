@@ -28,9 +28,10 @@ import grpo  # noqa: E402
 import sampling  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
-from layers import engine, transformer  # noqa: E402
+from layers import engine, routing, transformer  # noqa: E402
 import train  # noqa: E402
 from launches import export_differs  # noqa: E402
+from runs import setup as run_setup  # noqa: E402
 
 LOGITS_INPUT = torch.arange(3, 40).view(1, -1)  # any ids below the tiny vocabulary size
 MAX_NEW = 10
@@ -179,7 +180,16 @@ def run(argv):
         seen["policy"], seen["ref"] = policy, ref
         return original_check(policy, ref)
 
+    original_load = run_setup.load_models
+
+    def spying_load(*args, **kwargs):  # a run without a reference (LoRA, beta 0) meets no check_same_placement
+        tokenizer, policy, ref = original_load(*args, **kwargs)
+        seen.setdefault("policy", policy)
+        seen.setdefault("ref", ref)
+        return tokenizer, policy, ref
+
     sampling.sample, sampling.check_exact, sharding.check_same_placement = recording_sample, marked_check, spying_check
+    run_setup.load_models = spying_load
     train.RolloutStream.batch = recording_stream_batch
     original_layer, layer_calls = transformer._layer_on, [0]
 
@@ -206,26 +216,31 @@ def run(argv):
         transformer._layer_on, sharding.teardown = original_layer, teardown
         engine.StaticDecoder.prefill = original_prefill
         train.RolloutStream.batch = original_stream_batch
+        run_setup.load_models = original_load
 
     policy, ref = seen["policy"], seen["ref"]
     # the reference: still the initial weights, on the policy's device and mesh, in eval mode
     cfg = train.parse_config(argv)
     initial_dir = os.path.join(out_dir, "tiny_model_init") if cfg.model == model_loading.TINY else cfg.model
     initial = model_loading.load_model(initial_dir, cfg.model_init_kwargs, "cpu", seed=cfg.seed).state_dict()
-    ref_full, policy_full = gathered(ref), gathered(policy)
+    ref_full, policy_full = gathered(ref) if ref is not None else None, gathered(policy)
     report = {}
     if rank == 0:
         # the run's export, gathered a tensor at a time from the shards: exactly the trained weights
         report["export_differs"] = export_differs(os.path.join(out_dir, "model"), policy_full)
-        report["ref_unchanged"] = all(torch.equal(ref_full[k], initial[k]) for k in initial)
+        if ref is not None:
+            report["ref_unchanged"] = all(torch.equal(ref_full[k], initial[k]) for k in initial)
         if cfg.sync_ref_model:  # the reference training mixed the policy into, to compare across world sizes
             torch.save(ref_full, os.path.join(out_dir, "ref.pt"))
         report["policy_changed"] = any(not torch.equal(policy_full[k], initial[k]) for k in initial)
+    if ref is not None:
+        report.update({
+            "ref_eval": not ref.training,
+            "ref_no_grad": not any(p.requires_grad for p in ref.parameters()),
+            "same_placement": sharding.placement(ref) == sharding.placement(policy),
+            "ref_devices": sorted({str(p.device) for p in ref.parameters()}),
+        })
     report.update({
-        "ref_eval": not ref.training,
-        "ref_no_grad": not any(p.requires_grad for p in ref.parameters()),
-        "same_placement": sharding.placement(ref) == sharding.placement(policy),
-        "ref_devices": sorted({str(p.device) for p in ref.parameters()}),
         "policy_devices": sorted({str(p.device) for p in policy.parameters()}),
         "sharded": d.world_size > 1 and all(hasattr(p, "device_mesh") for p in policy.parameters()),
         "written_out_layer_calls": layer_calls[0],
@@ -233,6 +248,8 @@ def run(argv):
     })
     with open(os.path.join(out_dir, f"after_rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    if routing.attached(policy.lm) is not None:  # routers left replaying the last training forward's choice
+        routing.attached(policy.lm).stop()
     with torch.no_grad():
         logits = policy(lambda lm, ids: lm(input_ids=ids).logits, LOGITS_INPUT)
     if rank == 0:

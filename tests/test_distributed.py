@@ -65,6 +65,10 @@ def checks(t):
                     f"--reward_funcs={t / 'uneven.py'}:uneven"],
         # a folder with safetensors weights: 2 processes each read their own shards (1 loads it whole)
         "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
+        # the same folder with LoRA's adapters (added on meta before sharding) and no reference model
+        "lora_weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}", "--lora_rank=8"],
+        # a Qwen3-MoE folder (a matrix per expert in the files) whose policy and reference record and replay routing
+        "replay_weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'moe'}", "--routing_replay"],
         # the sampler works a step ahead, rows in flight across the optimizer steps; prompts of 2 and 61 characters
         # and completions cut at 1 to 12 tokens by the stop rule below (STALE_STOPS)
         # each group's prompt computed once, in the prefill and in training, under a token budget
@@ -88,6 +92,7 @@ def runs(tmp_path_factory):
     (t / "uneven.py").write_text(UNEVEN_REWARD)
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
     save_weights(t / "saved")
+    save_moe_weights(t / "moe")
     p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
                                  "staleA", "staleB")}
     for name in checks(t):
@@ -415,7 +420,8 @@ sys.path.insert(0, sys.argv[1] + "/tests")
 import torch
 from transformers import AutoModelForCausalLM
 import logprobs, model_loading, sharding, train
-from runs import export as run_export, setup as run_setup
+from layers import lora
+from runs import export as run_export, setup as run_setup, weights
 d = sharding.setup("cpu")
 filled = []  # what each model held when fill_shards was given it: were all its parameters still on meta?
 original_fill = model_loading.fill_shards
@@ -423,6 +429,10 @@ def recording_fill(root, path, device):
     filled.append(all(p.device.type == "meta" for p in root.parameters()))
     return original_fill(root, path, device)
 model_loading.fill_shards = recording_fill
+import safetensors, test_weight_files
+reads = []  # (name, bytes) of every tensor read from a weights file (test_weight_files.Reads, without pytest)
+real_open = safetensors.safe_open
+safetensors.safe_open = lambda *a, **k: test_weight_files._Handle(real_open(*a, **k), reads)
 report = {}
 for name in sys.argv[3:]:
     path = f"{sys.argv[2]}/{name}"
@@ -433,7 +443,27 @@ for name in sys.argv[3:]:
         cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", f"--ref_bf16={bf16}"])
         _, policy, ref = run_setup.load_models(cfg, d, "cpu")
         runs[bf16] = (policy, ref)
-    r = {"meta_before_fill": filled[:], "tied": policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight}
+    # with LoRA: its adapters added on meta; each rank's shards are its chunks of one process's model and adapters
+    # (add_lora from the same seed), read from at most its share of the files plus one tensor
+    whole_lora = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
+    lora.add_lora(whole_lora, 4, 8.0, "all")
+    cfg = train.parse_config([f"--model={path}", f"--out_dir={sys.argv[2]}/out", "--lora_rank=4", "--lora_alpha=8"])
+    torch.manual_seed(0)
+    reads.clear()
+    _, lora_policy, lora_ref = run_setup.load_models(cfg, d, "cpu")
+    r = {}
+    want = dict(whole_lora.named_parameters())
+    mine = dict(lora_policy.lm.named_parameters())
+    stored = weights.tensors(path)
+    r["lora"] = {"ref": lora_ref is not None, "names": sorted(mine) == sorted(want),
+                 "adapters": sum(n.endswith("lora_A") for n in mine),
+                 "exact": all(torch.equal(p.to_local(), torch.chunk(want[n].detach(), d.world_size)[d.rank])
+                              for n, p in mine.items()),
+                 "read": sum(b for _, b in reads), "stored": sum(torch.Size(s).numel() * t.itemsize for s, t, _ in stored.values()),
+                 "largest": max(torch.Size(s).numel() * t.itemsize for s, t, _ in stored.values())}
+    del lora_policy
+    r.update({"meta_before_fill": filled[:], "tied": policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight})
     filled.clear()
     policy, ref = runs[False]
     # each rank's own shard of each weight is exactly its chunk (dim 0) of the weight in the files
@@ -518,12 +548,15 @@ def test_sharded_loading_reads_each_ranks_own_shards(tmp_path):
     script = tmp_path / "load.py"
     script.write_text(SHARDED_LOAD_WORKER)
     out = launch(str(script), [ROOT, str(tmp_path), "tied", "untied", "moe"], 2, timeout=240)
-    assert out.count("loaded in ") == 6 and "the whole model in each process" not in out, out[-3000:]
+    assert out.count("loaded in ") == 9 and "the whole model in each process" not in out, out[-3000:]
     reports = [json.load(open(tmp_path / f"report_rank{r}.json")) for r in (0, 1)]
     for rank, report in enumerate(reports):
         for name, r in report.items():
             assert r["tied"] == (name == "tied")
-            assert r["meta_before_fill"] == [True] * 4, name  # policy and reference, twice
+            assert r["meta_before_fill"] == [True] * 5, name  # policy and reference, twice; the LoRA policy
+            lo = r["lora"]
+            assert lo["names"] and lo["exact"] and not lo["ref"] and lo["adapters"] > 0, (name, rank, lo)
+            assert 0 < lo["read"] <= lo["stored"] / 2 + lo["largest"], (name, rank, lo)
             for label in ("policy", "ref", "ref_bf16"):
                 assert r[label]["exact"], (name, label, rank)
                 assert r[label]["fraction"] == pytest.approx(0.5, abs=0.02), (name, label)
@@ -660,3 +693,46 @@ def test_dynamic_sampling_when_one_rank_holds_no_kept_group(runs):
     p, _ = runs
     for m in metrics(p["lopsided"]):
         assert m["dynamic/groups_kept"] == 4 and m["dynamic/rounds"] >= 2 and m["frac_reward_zero_std"] == 0
+
+
+def test_sharded_loading_with_lora_trains_as_one_process(runs):
+    """--lora_rank=8 on a folder with safetensors weights: 2 processes add the adapters to the model on the meta
+    device, shard it and read their own shards, their adapters the values one process's add_lora gives them;
+    they train as 1 process that loads the model whole. No reference is built (the policy without adapters)."""
+    p, out = runs
+    assert "each process read its own shards" in out["lora_weights2"]
+    assert "the whole model in each process" in out["lora_weights1"]
+    assert "LoRA rank 8" in out["lora_weights2"] and "reference: the policy without adapters" in out["lora_weights2"]
+    one, two = metrics(p["lora_weights1"]), metrics(p["lora_weights2"])
+    assert [m["step"] for m in two] == [1, 2]
+    assert tokens(p["lora_weights1"]) == tokens(p["lora_weights2"])
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+    assert two[1]["kl"] > 0  # the adapters moved the policy away from the base model, its reference
+    reports = [json.load(open(os.path.join(p["lora_weights2"], f"after_rank{r}.json"))) for r in (0, 1)]
+    assert all(r["sharded"] for r in reports)
+    assert not reports[0]["policy_changed"]  # the base weights stay the files'
+
+
+def test_sharded_loading_with_routing_replay_trains_as_one_process(runs):
+    """--routing_replay on a Qwen3-MoE folder: 2 processes wrap the routers of the policy and of the reference on
+    the meta device, shard both and read their own shards; each model records and replays for itself, and the
+    run trains as 1 process that loads the model whole (the reference's routing differing from the sampled
+    choice as often)."""
+    p, out = runs
+    assert "each process read its own shards" in out["replay_weights2"]
+    assert "the whole model in each process" in out["replay_weights1"]
+    one, two = metrics(p["replay_weights1"]), metrics(p["replay_weights2"])
+    assert [m["step"] for m in two] == [1, 2]
+    assert tokens(p["replay_weights1"]) == tokens(p["replay_weights2"])
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+        for k in ("routing_replay_differ", "routing_replay_differ_ref"):
+            assert b[k] == pytest.approx(a[k], abs=1e-6), k
+    assert two[1]["kl"] > 0 and two[1]["routing_replay_differ_ref"] > 0  # the reference replayed, for itself

@@ -87,9 +87,10 @@ class _Slice:
         return t
 
 
-def load_as_ranks(folder, monkeypatch, world=2, **kwargs):
+def load_as_ranks(folder, monkeypatch, world=2, adapt=None, seed=0, **kwargs):
     """[(this rank's shards {name: tensor}, the bytes it read, the largest tensor's bytes)] for each rank, the
-    policy built on meta, sharded as the trainer does and filled from the folder's files."""
+    policy built on meta (`adapt`ed there: LoRA's adapters), sharded as the trainer does and filled from the
+    folder's files, the global random generator seeded with `seed` before each rank's load."""
     import torch.distributed.checkpoint as dcp
     # the fake group's collectives carry nothing: each rank plans its reads alone, as it does in a real group
     monkeypatch.setattr(dcp, "load", functools.partial(dcp.load, no_dist=True))
@@ -99,7 +100,8 @@ def load_as_ranks(folder, monkeypatch, world=2, **kwargs):
     out = []
     for rank in range(world):
         with as_rank(rank, world) as d:
-            empty, why = model_loading.empty_model(folder, kwargs)
+            torch.manual_seed(seed)
+            empty, why = model_loading.empty_model(folder, kwargs, adapt=adapt)
             assert why is None, why
             root = sharding.shard(sharding.Root(empty), d, "fp32")
             reads.log.clear()
@@ -113,12 +115,12 @@ def stored_bytes(folder):
     return sum(torch.Size(s).numel() * d.itemsize for s, d, _ in weights.tensors(folder).values())
 
 
-def check_shards(folder, whole, monkeypatch, world=2):
+def check_shards(folder, whole, monkeypatch, world=2, adapt=None):
     """Each rank holds exactly its dim-0 chunk of every weight of `whole` (the whole-loading path's model) and read
     at most its share of the files' bytes plus one tensor."""
     total = stored_bytes(folder)
     want = dict(whole.named_parameters())
-    for rank, (shards, read, largest) in enumerate(load_as_ranks(folder, monkeypatch, world)):
+    for rank, (shards, read, largest) in enumerate(load_as_ranks(folder, monkeypatch, world, adapt)):
         assert shards.keys() == want.keys()
         for n, mine in shards.items():
             assert torch.equal(mine, torch.chunk(want[n].detach(), world)[rank]), (n, rank)
@@ -303,3 +305,27 @@ def test_other_quantizations_are_refused_in_one_line(tmp_path, method):
         with pytest.raises(ValueError, match=f"quant_method '{method}' is not supported") as e:
             load(folder)
         assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_lora_adapters_load_shard_by_shard_as_on_the_whole_model(tmp_path, monkeypatch, family):
+    """LoRA's adapters added to the model on meta before sharding (every linear layer of the decoder, and a MoE
+    model's fused experts through a parametrization): each rank reads at most its share of the files plus one
+    tensor, as without adapters, and holds exactly its chunk of every base weight and of every adapter as
+    add_lora gives them on the whole model from the same seed (A drawn in add_lora's order, B zero)."""
+    import architectures
+    from layers import lora
+    model, tokenizer = tiny_qwen2(tie_word_embeddings=False) if family == "qwen2" else architectures.tiny(family)
+    folder = save(tmp_path / family, model, tokenizer)
+    adapt = functools.partial(lora.add_lora, rank=4, alpha=8, target_modules="all")
+    whole = model_loading.load_model(folder)
+    torch.manual_seed(0)
+    adapted = adapt(whole)
+    assert any(".experts." in n for n in adapted) == (family == "qwen3_moe")
+    adapters = [n for n, _ in whole.named_parameters() if n.endswith(("lora_A", "lora_B"))]
+    assert len(adapters) == 2 * len(adapted)
+    assert all(whole.get_parameter(n).abs().sum() > 0 for n in adapters if n.endswith("lora_A"))
+    check_shards(folder, whole, monkeypatch, adapt=adapt)
