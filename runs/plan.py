@@ -300,7 +300,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
     vision = getattr(config, "vision_config", None) is not None
     # (a MoE block's experts are read from their fused tensor or from a matrix per expert, shard by shard too)
-    if world > 1 and not cfg.lora_rank and not cfg.routing_replay and not vision:
+    if world > 1 and not vision:  # LoRA's adapters and routing replay's routers are added on the meta model
         load_parts = [("policy shards", tensor_bytes(params, world))] + (
             [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
         notes.append(f"loading: each process reads its own shards from a folder of safetensors or .bin weights (a hub "
@@ -310,8 +310,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
         then = ", then the reference as a copy of it" if reference else \
             " (no reference copy: " + ("beta 0)" if cfg.beta == 0 else "LoRA's is the policy without its adapters)")
-        notes.append(f"loading: every process builds the whole model in host memory{then}, then shards (LoRA, "
-                     f"routing replay and vision models load so)" if world > 1 else
+        notes.append(f"loading: every process builds the whole model in host memory{then}, then shards "
+                     f"(vision-language models load so)" if world > 1 else
                      f"loading: the one process builds the model on its device{then}")
     import model_loading
     if model_loading.quantization(config):
