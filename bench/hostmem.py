@@ -51,7 +51,8 @@ def bench_hostmem(s, root):
         out = os.path.join(root, f"hostmem_{n}")
         args = ["train.py", f"--model={path}", f"--max_steps={s['hm_steps']}", "--beta=0.04", f"--out_dir={out}",
                 "--resume=never", "--save_every=0", "--print_completions_every=0", "--device=cpu",
-                f"--max_prompt_length={s['hm_prompt_len']}", f"--tp_size={n}"]
+                f"--max_prompt_length={s['hm_prompt_len']}", f"--tp_size={n}",
+                *([f"--lora_rank={s['hm_lora']}"] if s["hm_lora"] else [])]
         launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={n}"]
         r = subprocess.run([sys.executable, "-c", _PEAK, *launcher, *args], cwd=ROOT, env=env, capture_output=True,
