@@ -1,8 +1,9 @@
 """The sampler: completions for left-padded prompts on the (sharded) policy, one or several turns each.
 
 One concern in one file (past 650 lines on purpose): the decode loop and what drives it (rows paused and
-resumed, answers appended, compaction, the draws) share one state; a step's rollout and held-out evaluation
-beside it are the loop's only callers.
+resumed, answers appended, compaction, admission, the draws) share one state; a step's rollout, a `Stream` of rows
+across steps and held-out evaluation beside it are the loop's only callers. What a rollout holds (`Rollout`) is in
+rollouts.py.
 
 `sample` is one decode loop over a KV cache. Each step either decodes one
 token per row or, where rows paused for an environment, appends the
@@ -12,115 +13,27 @@ The loop runs on either of two ways to run a step: `_StaticSteps`
 (engine.StaticDecoder: the layers of the families it lists written
 out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
 the model's own forward with masks of our own, for every other model). `generate` runs it on the gathered
-weights of the policy for a step's rollout, `evaluate` on held-out prompts.
+weights of the policy for a step's rollout, `evaluate` on held-out prompts. `_Loop.run` stops at a check when
+asked and goes on from it later: `Stream` keeps rows decoding across training steps (--max_staleness).
 """
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import environments
 import logprobs
 import rewards
 import sharding
-from environments import responses
+from rollouts import Rollout, cat_rollouts, completion_id_lists, reward_context, reward_fields, rollout_rows
 from layers import hf_decoder, routing, transformer, vision
 from layers.engine import StaticDecoder
 from layers.tensor_parallel import WHOLE
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
-
-
-@dataclass
-class Rollout:
-    """The sampled trajectories: every (N, T) field is padded on the right, every field has one row per completion.
-
-    A field added here is carried through `cat_rollouts` without more code: (N, T, ...) fields are padded
-    along T with 0 (or with their metadata's pad value, on its side), (N,) fields concatenated; an optional
-    field is None in every part or in none.
-    """
-    completion_ids: torch.Tensor = field(metadata={"pad": "pad_id"})  # (N, T) the policy's tokens and the
-                                   # environment's answers in order, pad after the end
-    completion_mask: torch.Tensor  # (N, T) 1 for every real token (the policy's and the environment's), 0 for padding
-    policy_mask: torch.Tensor      # (N, T) 1 for the tokens the policy sampled: the only ones the loss trains on
-    truncated: torch.Tensor        # (N,) True when the length limit cut the trajectory before it ended
-    logprobs: torch.Tensor         # (N, T) float32 log-prob of each sampled token (temperature applied), 0 elsewhere
-    turns: torch.Tensor            # (N,) long: the policy's turns, 1 + the environment's answers
-    # with routing replay (layers/routing.py), the experts each token was routed to when it was fed, int16, -1 where
-    # none was recorded: the completion's (N, T, layers, k) and the left-padded prompt's (N, P, layers, k)
-    routing: torch.Tensor = field(default=None, metadata={"pad": -1})
-    prompt_routing: torch.Tensor = field(default=None, metadata={"pad": -1, "side": "left"})
-    # (N, T) long, from a Stream only: the version of the weights (the training steps taken before) that drew each
-    # policy token; a row that decoded through a training step has tokens of two versions or more
-    versions: torch.Tensor = None
-    # (N,) long: the decode iterations the row held a place in the batch (before it ended, and after until its place
-    # was given to another row or compacted away); the policy's tokens over their sum is the share of the batch's
-    # place-steps that did work (`slots_busy`)
-    held_steps: torch.Tensor = None
-
-    def to(self, device):
-        return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in dataclasses.fields(self)})
-
-
-def _map(x, fn):
-    return None if x is None else fn(x)
-
-
-def completion_id_lists(rollout):
-    """Each trajectory's token ids without padding (the policy's and an environment's), as reward functions
-    get them (`completion_ids`, as in TRL)."""
-    return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool())]
-
-
-def reward_fields(fields, completion_ids, episodes, tokenizer=None, prompts=None, completions=None):
-    """What reward functions get of each completion besides its prompt and text: the row's data, the
-    trajectory's ids (lists, `completion_id_lists`), with an agent the conversation and the environment, and with
-    the tokenizer the completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
-    out = {**fields, "completion_ids": completion_ids}
-    if episodes is not None:
-        out.update(environments.episode_fields(episodes))
-    if tokenizer is not None:
-        out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes, completions))
-    return out
-
-
-def reward_context(cfg, step):
-    """The run-level keywords every reward function gets besides the data (rewards.score_completions)."""
-    return {"step": step, "max_completion_length": cfg.max_completion_length,
-            "soft_punish_cache": getattr(cfg, "soft_punish_cache", 0)}
-
-
-def cat_rollouts(rollouts, pad_id):
-    """One Rollout of the rows of several, in order; shorter completions padded on the right."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    out = {}
-    for f in dataclasses.fields(Rollout):
-        parts = [getattr(r, f.name) for r in rollouts]
-        if parts[0] is None:
-            out[f.name] = None
-            continue
-        if parts[0].dim() >= 2:
-            value = pad_id if f.metadata.get("pad") == "pad_id" else f.metadata.get("pad", 0)
-            t = max(x.shape[1] for x in parts)
-            left = f.metadata.get("side") == "left"
-            # F.pad's widths run from the last dimension back: (0, 0) for each dimension after the second
-            parts = [F.pad(x, (0, 0) * (x.dim() - 2) + ((t - x.shape[1], 0) if left else (0, t - x.shape[1])),
-                           value=value) for x in parts]
-        out[f.name] = torch.cat(parts)
-    return Rollout(**out)
-
-
-def rollout_rows(rollout, index):
-    """The Rollout of rows `index` (a list or tensor of row numbers) of `rollout`, in that order."""
-    index = torch.as_tensor(index, dtype=torch.long, device=rollout.completion_ids.device)
-    return Rollout(**{f.name: _map(getattr(rollout, f.name), lambda x: x[index.to(x.device)])
-                      for f in dataclasses.fields(Rollout)})
 
 
 # ----------------------------------------------------------------------------- tokens

@@ -20,7 +20,6 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 from runs import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
 from sandbox import executor  # no heavy imports either: its settings are checked with the others
@@ -77,6 +76,7 @@ try:
     from runs import export as run_export
     from runs import log as run_log
     from runs.setup import setup  # the models, task, tools and optimizer of a run
+    import rollouts
     import sampling
     import sharding
 except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer's traceback
@@ -118,21 +118,6 @@ def set_hyperparameters(optimizer, cfg, opt_step):
 # ----------------------------------------------------------------------------- the step
 
 
-@dataclass
-class Batch:
-    """One step's rows on this rank: prompts, their data and the sampled completions."""
-    prompts: list                       # (n,) prompt text as the policy saw it
-    fields: dict                        # {column: (n,) values}: the rows' other data, for the reward functions
-    mine: slice                         # this rank's rows of the step's N = P * G
-    prompt_ids: torch.Tensor            # (n, S) left-padded
-    prompt_mask: torch.Tensor           # (n, S)
-    rollout: sampling.Rollout           # completion ids (n, T), masks, log-probs, truncation, turns
-    completions: list                   # (n,) completion text: the whole trajectory, tool calls and results included
-    episodes: list = None               # (n,) environments.Episode: each rollout's conversation, with tools
-    images: object = None               # vision.PromptImages of the rows' prompts (a vision-language model's), or None
-    landing: object = None              # Landing: the rewards of the groups scored as they landed, or None
-
-
 def rollout(run, step, round=0):
     """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
     further draws of the step (other prompts, other random numbers)."""
@@ -157,7 +142,7 @@ def rollout(run, step, round=0):
                                              run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
                                              images=images, on_end=landing)
     run.policy.train()
-    return Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+    return rollouts.Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
 
 
 class RolloutStream:
@@ -241,7 +226,7 @@ class RolloutStream:
             self.stream = None
         prompts, fields, mine, ids, attn, landing = self.steps.pop(step)
         completions = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        return Batch(prompts, fields, mine, ids, attn, rollout, completions, landing=landing)
+        return rollouts.Batch(prompts, fields, mine, ids, attn, rollout, completions, landing=landing)
 
 
 def scores_on_land(run):
@@ -279,11 +264,11 @@ class Landing:
     def _score(self, rows):
         run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
         completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
-        fields = sampling.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
+        fields = rollouts.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
                                         run.tokenizer, prompts, completions)
         seconds = {}
         total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, prompts, completions, fields,
-                                                 seconds=seconds, context=sampling.reward_context(run.cfg, self.step),
+                                                 seconds=seconds, context=rollouts.reward_context(run.cfg, self.step),
                                                  rows=rows)
         return total, parts, seconds
 
@@ -358,8 +343,8 @@ def share_rows(run, rounds, rows):
     d = run.d
     n = len(rows) // d.world_size
     held = [(k, r, i - d.rank * n) for k, (r, i) in enumerate(rows) if d.rank * n <= i < (d.rank + 1) * n]
-    local = cat_scored(rounds, run.tokenizer.pad_token_id)  # round r's row i at r * n + i
-    piece = take_rows(local, [r * n + i for _, r, i in held], slice(0, n))
+    local = rollouts.cat_scored(rounds, run.tokenizer.pad_token_id)  # round r's row i at r * n + i
+    piece = rollouts.take_rows(local, [r * n + i for _, r, i in held], slice(0, n))
     if d.world_size == 1:
         return piece
     batch, total, parts = piece
@@ -369,45 +354,13 @@ def share_rows(run, rounds, rows):
                                  [dataclasses.replace(e, env=None, tools={}) for e in batch.episodes]),
              total.cpu(), {k: v.cpu() for k, v in parts.items()})
     pieces = sharding.all_gather_objects(([k for k, _, _ in held], piece), d)
-    whole = cat_scored([p for _, p in pieces], run.tokenizer.pad_token_id)
+    whole = rollouts.cat_scored([p for _, p in pieces], run.tokenizer.pad_token_id)
     at = {k: j for j, k in enumerate(k for ks, _ in pieces for k in ks)}  # a step row's place in `whole`
     mine = slice(d.rank * n, (d.rank + 1) * n)
-    batch, total, parts = take_rows(whole, [at[k] for k in range(mine.start, mine.stop)], mine)
+    batch, total, parts = rollouts.take_rows(whole, [at[k] for k in range(mine.start, mine.stop)], mine)
     batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(d.device), batch.prompt_mask.to(d.device)
     batch.rollout = batch.rollout.to(d.device)
     return batch, total.to(rounds[0][1].device), {k: v.to(rounds[0][1].device) for k, v in parts.items()}
-
-
-def cat_scored(scored, pad_id):
-    """One scored batch of the rows of several (batch, total, parts), in order: prompts left-padded, completions
-    right-padded to the widest."""
-    batches = [b for b, _, _ in scored]
-    S = max(b.prompt_ids.shape[1] for b in batches)
-    left = lambda x, value: torch.nn.functional.pad(x, (S - x.shape[1], 0), value=value)  # noqa: E731
-    batch = Batch(prompts=sum((b.prompts for b in batches), []),
-                  fields={k: sum((b.fields[k] for b in batches), []) for k in batches[0].fields},
-                  mine=None,
-                  prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
-                  prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in batches]),
-                  rollout=sampling.cat_rollouts([b.rollout for b in batches], pad_id),
-                  completions=sum((b.completions for b in batches), []),
-                  episodes=None if batches[0].episodes is None else sum((b.episodes for b in batches), []))
-    return (batch, torch.cat([t for _, t, _ in scored]),
-            {k: torch.cat([p[k] for _, _, p in scored]) for k in scored[0][2]})
-
-
-def take_rows(scored, rows, mine):
-    """Rows `rows` (a list) of a scored batch, as the batch `mine` of a step: (batch, total, parts)."""
-    batch, total, parts = scored
-    index = torch.tensor(rows, dtype=torch.long)
-    on = lambda x: x[index.to(x.device)]  # noqa: E731
-    return (Batch(prompts=[batch.prompts[i] for i in rows], mine=mine,
-                  fields={k: [v[i] for i in rows] for k, v in batch.fields.items()},
-                  prompt_ids=on(batch.prompt_ids), prompt_mask=on(batch.prompt_mask),
-                  rollout=sampling.rollout_rows(batch.rollout, index),
-                  completions=[batch.completions[i] for i in rows],
-                  episodes=None if batch.episodes is None else [batch.episodes[i] for i in rows]),
-            on(total), {k: on(v) for k, v in parts.items()})
 
 
 def score(run, batch, step):
@@ -422,11 +375,11 @@ def score(run, batch, step):
         if batch.landing is not None:  # scored as the groups landed: what is left is the wait for the last ones
             total, parts, seconds = batch.landing.result()
         else:
-            fields = sampling.reward_fields(batch.fields, sampling.completion_id_lists(batch.rollout), batch.episodes,
+            fields = rollouts.reward_fields(batch.fields, rollouts.completion_id_lists(batch.rollout), batch.episodes,
                                             run.tokenizer, batch.prompts, batch.completions)
             total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
                                                      batch.completions, fields, seconds=seconds,
-                                                     context=sampling.reward_context(run.cfg, step))
+                                                     context=rollouts.reward_context(run.cfg, step))
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     times = [time.time() - t] + list(seconds.values())

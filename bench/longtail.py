@@ -13,6 +13,7 @@ import time
 import torch
 
 import model_loading
+import rollouts
 import sampling
 import sharding
 import train
@@ -58,7 +59,7 @@ def bench_longtail(path, s, device):
     common = dict(max_new_tokens=limit, eos_ids=[stop], pad_id=tokenizer.pad_token_id, draw=draw)
 
     def batches():  # the synchronous sampler's way: `places` rows at a time, each batch until its longest row ends
-        return sampling.cat_rollouts([
+        return rollouts.cat_rollouts([
             sampling.sample(model, enc.input_ids[a:a + places], enc.attention_mask[a:a + places],
                             seeds=seeds[a:a + places], **common) for a in range(0, n, places)], tokenizer.pad_token_id)
 

@@ -15,6 +15,7 @@ import environments  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import model_loading  # noqa: E402
+import rollouts  # noqa: E402
 import sampling  # noqa: E402
 import sharding  # noqa: E402
 from layers import engine, transformer  # noqa: E402
@@ -191,11 +192,11 @@ def test_gradient_counts_policy_tokens_only(tmp_path):
 
 
 def test_rollout_fields_survive_concatenation():
-    a = sampling.Rollout(*(torch.ones(2, 3, dtype=torch.long),) * 3, torch.zeros(2, dtype=torch.bool),
+    a = rollouts.Rollout(*(torch.ones(2, 3, dtype=torch.long),) * 3, torch.zeros(2, dtype=torch.bool),
                          torch.ones(2, 3), torch.full((2,), 2))
-    b = sampling.Rollout(*(torch.ones(1, 5, dtype=torch.long),) * 3, torch.ones(1, dtype=torch.bool),
+    b = rollouts.Rollout(*(torch.ones(1, 5, dtype=torch.long),) * 3, torch.ones(1, dtype=torch.bool),
                          torch.ones(1, 5), torch.full((1,), 3))
-    c = sampling.cat_rollouts([a, b], pad_id=7)
+    c = rollouts.cat_rollouts([a, b], pad_id=7)
     assert c.completion_ids[0].tolist() == [1, 1, 1, 7, 7] and c.policy_mask[0].tolist() == [1, 1, 1, 0, 0]
     assert c.turns.tolist() == [2, 2, 3] and c.truncated.tolist() == [False, False, True]
 

@@ -13,6 +13,7 @@ import architectures  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from layers import routing  # noqa: E402
+import rollouts  # noqa: E402
 import sampling  # noqa: E402
 from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
@@ -144,13 +145,13 @@ def test_routing_rows_survive_cat_and_selection():
         enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
         parts.append(sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
                                      pad_id=tok.pad_token_id, record_routing=True))
-    both = sampling.cat_rollouts(parts, tok.pad_token_id)
+    both = rollouts.cat_rollouts(parts, tok.pad_token_id)
     assert both.routing.shape[:2] == (3, 9) and both.prompt_routing.shape[:2] == (3, parts[0].prompt_routing.shape[1])
     assert torch.equal(both.routing[:2, :5], parts[0].routing) and (both.routing[:2, 5:] == -1).all()
     p = parts[1].prompt_routing.shape[1]
     assert torch.equal(both.prompt_routing[2, -p:], parts[1].prompt_routing[0])
     assert (both.prompt_routing[2, :-p] == -1).all()
-    picked = sampling.rollout_rows(both, [2, 0])
+    picked = rollouts.rollout_rows(both, [2, 0])
     assert torch.equal(picked.routing[1], both.routing[0])
 
 

@@ -115,6 +115,7 @@ def test_a_stream_samples_what_one_batch_samples(family):
     for have ended while others are in the middle of theirs: at unchanged weights every row samples what `sample`
     samples for it in one batch. The places are fewer than the rows, prompts are left-padded wider than the
     batch's, and rows are taken out of the order they were added in."""
+    import rollouts
     import sampling
     model, tok = architectures.tiny(family)
     enc = _letters(tok)
@@ -139,8 +140,8 @@ def test_a_stream_samples_what_one_batch_samples(family):
         assert (stream.rows.active[[stream.slot[t] for t in stream.in_flight()]]).any() or version == 2
     assert not stream.in_flight()
     order = [r for need, _ in parts for r in need]
-    got = sampling.cat_rollouts([r for _, r in parts], pad)
-    want = sampling.rollout_rows(whole, order)
+    got = rollouts.cat_rollouts([r for _, r in parts], pad)
+    want = rollouts.rollout_rows(whole, order)
     lengths = want.completion_mask.sum(1)
     assert lengths.unique().numel() > 3, lengths  # rows ended at many different steps
     assert torch.equal(got.truncated, want.truncated)
