@@ -115,19 +115,37 @@ def test_a_stream_samples_what_one_batch_samples(family):
     for have ended while others are in the middle of theirs: at unchanged weights every row samples what `sample`
     samples for it in one batch. The places are fewer than the rows, prompts are left-padded wider than the
     batch's, and rows are taken out of the order they were added in."""
+    stream_against_one_batch(family, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", _one_of_each_kind())
+def test_a_stream_on_cuda_graphs_samples_what_one_batch_samples(family):
+    """The same on CUDA, float32 with TF32 off, the stream's decode steps replayed as CUDA graphs (their spans
+    start at slot 0 whatever the stream's first slot) against the one batch's."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        stream_against_one_batch(family, torch.device("cuda"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def stream_against_one_batch(family, device):
     import rollouts
     import sampling
     model, tok = architectures.tiny(family)
-    enc = _letters(tok)
+    model.to(device)
+    enc = _letters(tok).to(device)
     with torch.no_grad():
         model.get_output_embeddings().weight[STOP_IDS] *= 2
     n, pad = enc.input_ids.shape[0], tok.pad_token_id
-    seeds = torch.arange(n) * 7 + 3
+    seeds = torch.arange(n, device=device) * 7 + 3
     whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=STOP_IDS,
                             pad_id=pad, seeds=seeds)
     ended = []
-    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, 24, STOP_IDS, pad, sampling.Draw(),
-                             torch.device("cpu"), on_end=lambda tags, ids: ended.extend(zip(tags, ids)))
+    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, 24, STOP_IDS, pad, sampling.Draw(), device,
+                             on_end=lambda tags, ids: ended.extend(zip(tags, ids)))
     half = n // 2
     stream.add(enc.input_ids[:half], enc.attention_mask[:half], seeds[:half], list(range(half)))
     parts = []
