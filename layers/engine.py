@@ -364,14 +364,15 @@ class StaticDecoder:
         self.admissions += rows.numel()
         self.unpadded = False  # the places' first slots are padding now: decode reads the mask
         self.narrow_from = None  # rows at other positions: slots no longer align across rows
-        p = positions.shape[1]
-        all_pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(self.max_len - p, device=self.device)], 1)
+        p, lo = positions.shape[1], self.first_slot  # no row holds a token before `first_slot`: no table there
+        all_pos = torch.cat([positions[:, lo:],
+                             positions[:, -1:] + 1 + torch.arange(self.max_len - p, device=self.device)], 1)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, probe, all_pos, key)
-            cos_t[rows], sin_t[rows] = cos, transformer._signed_sin(sin)
+            cos_t[rows, lo:], sin_t[rows, lo:] = cos, transformer._signed_sin(sin)
         if self.pos is not None:
-            self.pos[rows] = all_pos
+            self.pos[rows, lo:] = all_pos
         self.key_mask[rows] = False
         for layer in self.recurrent.values():
             layer.reset(rows)
