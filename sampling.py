@@ -710,14 +710,17 @@ class Stream:
 
     A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
     have (max_prompt_length). Rows sample what `sample` samples for them, one turn each, with no stop sequences
-    and no routing record; on_end(tags, ids) is `sample`'s, with the rows' tags."""
+    and no routing record; on_end(tags, ids) is `sample`'s, with the rows' tags. tp: as `sample`'s, a
+    tensor-parallel group's share: every rank of the group adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
-                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None):
+                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None):
         self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
         # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
         # for are then found ended as soon as they can all have
-        self.draw, self.check_every, self.device, self.dtype = draw.whole, min(check_every, max_new_tokens), device, dtype
+        self.draw, self.check_every, self.device, self.dtype = draw, min(check_every, max_new_tokens), device, dtype
+        self.tp = tp if tp is not None and tp.size > 1 else None  # a tensor-parallel group's share: its ranks all
+        # hold the same rows and decode them together on slices of the layers (as `sample`'s tp)
         self.first_slot = prompt_width  # no row's prompt starts before this cache slot (the decoder reads from it)
         self.cuda_graph, self.attention_kernel = cuda_graph, attention_kernel
         prompts = torch.full((capacity, prompt_width), pad_id, dtype=torch.long, device=device)
@@ -780,11 +783,14 @@ class Stream:
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
             steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
-                                 self.attention_kernel, dtype=self.dtype, batch=self.places)
+                                 self.attention_kernel, dtype=self.dtype, batch=self.places,
+                                 tp=self.tp or WHOLE)
             model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             steps.dec.first_slot = self.first_slot
             rows.steps = steps
-            self.loop = _Loop(steps, rows, self.draw, self.check_every, compact=True)
+            pick = self.draw.whole if self.tp is None else \
+                functools.partial(self.draw.sliced, tp=self.tp, vocab=steps.dec.vocab)
+            self.loop = _Loop(steps, rows, pick, self.check_every, compact=True)
             self.loop.logits = torch.zeros(0, device=self.device)
             self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
         else:

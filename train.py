@@ -165,7 +165,10 @@ class RolloutStream:
         cfg, d = run.cfg, run.d
         self.run, self.queued, self.steps = run, 0, {}  # steps: step -> its rows' Batch fields, before sampling
         self.n = cfg.prompts_per_step * cfg.num_generations // d.world_size  # rows per step on this rank
-        self.places = cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)
+        # a tensor-parallel group's ranks decode the group's rows together, each holding all of them
+        self.tp = d.tp if getattr(d, "tp", None) is not None and d.tp.size > 1 else None
+        self.group = self.tp.size if self.tp else 1
+        self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
         self.stream = None
         why = ("an agent's turns" if run.agent is not None else "prompts with images" if run.images is not None else
                None if sampling.decodes_written_out(run.policy.lm) else "a model that samples on its own forward")
@@ -190,11 +193,16 @@ class RolloutStream:
         seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]  # as `rollout`'s
         landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
         if self.stream is None:
-            self.stream = sampling.Stream(self.places, self.n * (cfg.max_staleness + 1) + self.places,
+            dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
+            self.stream = sampling.Stream(self.places, self.n * self.group * (cfg.max_staleness + 1) + self.places,
                                           cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
                                           run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
-                                          on_end=self.landed, attention_kernel=cfg.decode_attention_kernel)
-        self.stream.add(ids, attn, seeds, [(step, i) for i in range(self.n)])
+                                          on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
+                                          dtype=dtype, tp=self.tp)
+        group_ids, group_attn, group_seeds = ids, attn, seeds
+        if self.tp:  # the group's rows, rank r's n at r * n (tensor_parallel.group_rows)
+            group_ids, group_attn, group_seeds, _ = self.tp.group_rows(ids, attn, seeds, run.tokenizer.pad_token_id)
+        self.stream.add(group_ids, group_attn, group_seeds, [(step, i) for i in range(self.n * self.group)])
         self.steps[step] = (prompts, fields, mine, ids, attn, landing)
         self.queued = step
 
@@ -213,7 +221,7 @@ class RolloutStream:
             raise RuntimeError(f"step {step}'s rows were never queued (the stream is at step {self.queued})")
         for s in range(max(self.queued, step - 1) + 1, self.last_queued(step) + 1):
             self.queue(s)
-        tags = [(step, i) for i in range(self.n)]
+        tags = [(step, i) for i in range(self.n * self.group)]
         run.policy.eval()
         t = time.time()
         with sharding.gathered(run.policy):
@@ -221,6 +229,13 @@ class RolloutStream:
         self.wait = time.time() - t
         run.policy.train()
         rollout = self.stream.take(tags)
+        if self.tp:  # this rank's own rows, as wide as its longest
+            rollout = rollouts.rollout_rows(rollout, torch.arange(self.tp.rank * self.n, (self.tp.rank + 1) * self.n))
+            width = max(1, int(rollout.completion_mask.sum(1).max()))
+            rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name)[:, :width]
+                                                      for f in dataclasses.fields(rollout)
+                                                      if getattr(rollout, f.name) is not None
+                                                      and getattr(rollout, f.name).dim() >= 2})
         if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
             self.stream.close()
             self.stream = None

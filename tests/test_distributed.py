@@ -94,7 +94,7 @@ def runs(tmp_path_factory):
     save_weights(t / "saved")
     save_moe_weights(t / "moe")
     p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
-                                 "staleA", "staleB")}
+                                 "staleA", "staleB", "stale_tp")}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
@@ -108,7 +108,9 @@ def runs(tmp_path_factory):
                   *FLAGS],
                  [f"--out_dir={p['offload']}", *checks(t)["weights"], "--cpu_offload", *FLAGS],
                  # the two decode their rows together on halves of the layers (layers/tensor_parallel.py)
-                 [f"--out_dir={p['tp']}", *checks(t)["weights"], "--tp_size=2", *FLAGS]]}
+                 [f"--out_dir={p['tp']}", *checks(t)["weights"], "--tp_size=2", *FLAGS],
+                 # and so with the sampler a step ahead, for the first 10 of the staleness check's 50 steps
+                 [f"--out_dir={p['stale_tp']}", *checks(t)["stale"], "--max_steps=10", "--tp_size=2", *FLAGS]]}
     for name, flags in checks(t).items():
         for w in (1, 2):
             first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
@@ -657,6 +659,19 @@ def test_shared_prompts_train_as_one_process(runs):
         for x in (b, padded):
             assert a["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-7)
             assert a["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+def test_rows_in_flight_in_a_tensor_parallel_group_train_as_one_process(runs):
+    """--max_staleness=1 --tp_size=2: the group's two ranks hold all its rows in one stream and decode them on
+    halves of the layers, each taking its own rows back; the first 10 steps sample, score and train as one process
+    does (its 50-step run's first 10: rows of step s start during step s - 1 in both)."""
+    p, _ = runs
+    one, group = p["stale1"], p["stale_tp"]
+    assert len(tokens(group)) == 10 and tokens(group) == tokens(one)[:10]
+    for a, b in zip(metrics(one), metrics(group)):
+        assert a["reward"] == b["reward"] and a["rows_carried"] == b["rows_carried"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(abs(a["loss"]), abs(b["loss"])) + 1e-7, (a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
 def test_rows_in_flight_resume_exactly(runs):
