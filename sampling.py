@@ -460,7 +460,7 @@ class _Rows:
     """
 
     def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
-                 keys, on_end=None):
+                 keys, on_end=None, first=None):
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
         self.keys = keys  # (n, max_new + 1) each row's random keys by completion position (row_keys)
         self.tag = np.arange(n)  # what on_end and a Stream's caller call each row
@@ -473,8 +473,10 @@ class _Rows:
         self.truncated, self.turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
         self.turn_start, self.checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
-        self.rows_h, self.rows = np.arange(waiting.places), torch.arange(waiting.places, device=device)
-        self.feed_h = np.full(waiting.places, -1, dtype=np.int64)
+        # the batch starts with rows 0 .. first - 1 (`first`: every place, unless a Stream starts it empty)
+        first = waiting.places if first is None else first
+        self.rows_h, self.rows = np.arange(first), torch.arange(first, device=device)
+        self.feed_h = np.full(first, -1, dtype=np.int64)
         self.held = np.zeros(n, dtype=np.int64)
         self.on_end, self.ended = on_end, []  # rows ended since the last check, for on_end
         self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
@@ -729,11 +731,8 @@ class Stream:
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag
         rows = self.rows = _Rows(None, capacity, max_new_tokens, eos_ids, (), pad_id, None, 1, device, self.waiting,
-                                 keys, on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)))
-        rows.rows_h, rows.rows, rows.feed_h = np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.long,
-                                                                                      device=device), rows.feed_h[:0]
-        rows.live = rows.rows_h.copy()
-        rows.active[:] = False
+                                 keys, on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
+        rows.active[:] = False  # no row yet: `add` starts each
         self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
         self.slot = {}  # tag -> row index
         self.version = 0  # the weights' version the last run decoded with
@@ -940,10 +939,15 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                      keep_decoder=keep_decoder, attention_kernel=cfg.decode_attention_kernel,
                      record_routing=record_routing, tp=tp, dtype=dtype, in_flight=cfg.rollouts_in_flight * tp.size,
                      share_prompts=cfg.shared_prompts, **turns)
+    return group_share(rollout, tp, n, pad)
+
+
+def group_share(rollout, tp, n, pad=0):
+    """This rank's n rows of a tensor-parallel group's rollout (rank r's at r * n), as wide as its longest completion,
+    as they would be alone; its prompt routing without the `pad` columns the group's wider prompts added."""
     mine = rollout_rows(rollout, torch.arange(tp.rank * n, (tp.rank + 1) * n))
     if mine.prompt_routing is not None:  # this rank's own prompt width
         mine.prompt_routing = mine.prompt_routing[:, pad:]
-    # as wide as this rank's longest completion, as it would be alone
     width = int(mine.completion_mask.sum(1).max()) if n else 0
     trim = {f.name: getattr(mine, f.name) for f in dataclasses.fields(Rollout)}
     for k, v in trim.items():

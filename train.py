@@ -121,10 +121,24 @@ def set_hyperparameters(optimizer, cfg, opt_step):
 def rollout(run, step, round=0):
     """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
     further draws of the step (other prompts, other random numbers)."""
-    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    cfg, d = run.cfg, run.d
     if cfg.max_staleness:
         run.stream = run.stream or RolloutStream(run)
         return run.stream.batch(step)
+    prompts, fields, mine, ids, attn, episodes, images, seeds = step_rows(run, step, round)
+    landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
+    run.policy.eval()
+    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, sampling.Draw.of(cfg), cfg, d,
+                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
+                                             images=images, on_end=landing)
+    run.policy.train()
+    return rollouts.Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+
+
+def step_rows(run, step, round=0):
+    """This rank's rows of the step's prompts, G of each: (prompts, fields, mine, ids, attn, episodes, images,
+    seeds), `mine` the rank's slice of the step's N rows."""
+    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
     # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
     all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
@@ -136,13 +150,7 @@ def rollout(run, step, round=0):
                                                                run.agent, run.images)
     # row seeds are global row indices, so any world size samples the same completions
     seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
-    landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
-    run.policy.eval()
-    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, sampling.Draw.of(cfg), cfg, d,
-                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
-                                             images=images, on_end=landing)
-    run.policy.train()
-    return rollouts.Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+    return prompts, fields, mine, ids, attn, episodes, images, seeds
 
 
 class RolloutStream:
@@ -183,14 +191,8 @@ class RolloutStream:
         return min(step + cfg.max_staleness, drain)
 
     def queue(self, step):
-        run, cfg, d, G = self.run, self.run.cfg, self.run.d, self.run.cfg.num_generations
-        rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, 0)
-        all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
-        N = len(all_rows)
-        mine = slice(d.rank * self.n, (d.rank + 1) * self.n)
-        fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
-        prompts, ids, attn, _, _ = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device)
-        seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N)[mine]  # as `rollout`'s
+        run, cfg, d = self.run, self.run.cfg, self.run.d
+        prompts, fields, mine, ids, attn, _, _, seeds = step_rows(run, step)  # as a synchronous step's
         landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
         if self.stream is None:
             dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
@@ -229,13 +231,8 @@ class RolloutStream:
         self.wait = time.time() - t
         run.policy.train()
         rollout = self.stream.take(tags)
-        if self.tp:  # this rank's own rows, as wide as its longest
-            rollout = rollouts.rollout_rows(rollout, torch.arange(self.tp.rank * self.n, (self.tp.rank + 1) * self.n))
-            width = max(1, int(rollout.completion_mask.sum(1).max()))
-            rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name)[:, :width]
-                                                      for f in dataclasses.fields(rollout)
-                                                      if getattr(rollout, f.name) is not None
-                                                      and getattr(rollout, f.name).dim() >= 2})
+        if self.tp:  # this rank's own rows
+            rollout = sampling.group_share(rollout, self.tp, self.n)
         if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
             self.stream.close()
             self.stream = None
@@ -707,7 +704,7 @@ def peak_memory(d):
 def train_step(run, step):
     """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
-    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    cfg, d = run.cfg, run.d
     t0 = time.time()
     executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
     memory = {}
