@@ -259,14 +259,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         waiting = _Waiting(prompt_ids, attn, positions, places)
         rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
                      keys, on_end)
-        # a rank-independent bound: a row is active for at most max_new iterations, plus what it re-samples after
-        # each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times); rows streaming through
-        # fewer places take turns, each admitted at a check (list scheduling: at most the rows per place, plus one)
-        limit = max_new_tokens + (max_turns - 1) * (check_every - 1)
-        if places < n:
-            limit = (-(-n // places) + 1) * (limit + check_every)
         _Loop(steps, rows, pick, check_every, compact).run(
-            lambda: all_done(torch.as_tensor(~rows.active, device=device)), limit)
+            lambda: all_done(torch.as_tensor(~rows.active, device=device)),
+            _iterations(n, places, max_new_tokens, max_turns, check_every))
         rollout = rows.rollout()
         if replay is not None:
             rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
@@ -278,6 +273,15 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
             replay.stop()
         if isinstance(steps, _StaticSteps) and not keep_decoder:  # give the memory back before training needs it
             model.__dict__.pop("_static_decoder", None)
+
+
+def _iterations(n, places, max_new, max_turns, check_every):
+    """A rank-independent bound on a `sample` call's iterations: a row is active for at most max_new of them, plus
+    what it re-samples after each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times);
+    rows streaming through fewer places take turns, each admitted at a check (list scheduling: at most the rows per
+    place, plus one)."""
+    limit = max_new + (max_turns - 1) * (check_every - 1)
+    return limit if places >= n else (-(-n // places) + 1) * (limit + check_every)
 
 
 class _StaticSteps:

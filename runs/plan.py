@@ -383,16 +383,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
         tr += [(f"{name} (kept through the step: --max_staleness)", size) for name, size in decoder_bytes(dec).items()]
     positions, shape, tree = mb_rows * width, f"{mb_rows} rows x {width} positions", 0
     if cfg.shared_prompts and _shares_prompts(model):  # each group's prompt once, its rows' completions as branches
-        p, c = cfg.max_prompt_length, cfg.max_completion_length
-        trees = -(-mb_rows // cfg.num_generations)
-        positions, shape = trees * p + mb_rows * c, f"{trees} prompt(s) of {p} + {mb_rows} x {c} positions"
-        # per attention layer, what the branches' attention keeps besides on a CPU: the probabilities SDPA's math
-        # kernel keeps under a mask, (rows, heads, C, P + C); with the branches' copies of their prompt's keys
-        # (not counted) within 15% of what autograd keeps (tests/test_plan.py)
-        text, heads, kv, hd = _attention_dims(config)
-        tree = mb_rows * c * (p + c) * heads * cb if device == "cpu" else 0
-        kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        tree *= 1 if cfg.gradient_checkpointing else sum(k != "linear_attention" for k in kinds)
+        positions, shape, tree = _trees(cfg, config, mb_rows, cb, device)
     kept, recomputed = activation_bytes(config, positions, cb, cfg.gradient_checkpointing)
     if cfg.gradient_checkpointing:
         recomputed += tree
@@ -411,6 +402,20 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
                 int(gpu_gib * GiB), int(host_gib * GiB), notes,
                 lengths=(cfg.max_prompt_length, cfg.max_completion_length))
+
+
+def _trees(cfg, config, mb_rows, cb, device):
+    """A micro-batch of `mb_rows` rows packed as trees (--shared_prompts): (positions computed, their description,
+    the bytes the branches' attention keeps besides: on a CPU the probabilities SDPA's math kernel keeps under a
+    mask, (rows, heads, C, P + C) per attention layer, one layer's with checkpointing). With the branches' copies
+    of their prompt's keys not counted, within 15% of what autograd keeps (tests/test_plan.py)."""
+    p, c = cfg.max_prompt_length, cfg.max_completion_length
+    trees = -(-mb_rows // cfg.num_generations)
+    text, heads, _, _ = _attention_dims(config)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    layers = 1 if cfg.gradient_checkpointing else sum(k != "linear_attention" for k in kinds)
+    probabilities = mb_rows * c * (p + c) * heads * cb * layers if device == "cpu" else 0
+    return trees * p + mb_rows * c, f"{trees} prompt(s) of {p} + {mb_rows} x {c} positions", probabilities
 
 
 def _shares_prompts(model):

@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launches import RUN_TRAIN, launch, launch_runs, metrics, tokens  # noqa: E402
+from launches import launch, launch_runs, metrics, tokens  # noqa: E402
 import model_loading  # noqa: E402
 
 FLAGS = ["--log_every=1", "--keep_checkpoints=2", "--print_completions_every=0"]
