@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import environments
+import rewards
 from environments import responses
 
 
@@ -74,6 +75,15 @@ def reward_context(cfg, step):
             "soft_punish_cache": getattr(cfg, "soft_punish_cache", 0)}
 
 
+def score_batch(batch, reward_funcs, weights, tokenizer, context, seconds=None):
+    """The rewards of a Batch's completions, each function given what `reward_fields` says:
+    rewards.score_completions' (total (n,), {function: (n,)}); `seconds` collects each function's time."""
+    fields = reward_fields(batch.fields, completion_id_lists(batch.rollout), batch.episodes, tokenizer, batch.prompts,
+                           batch.completions)
+    return rewards.score_completions(reward_funcs, weights, batch.prompts, batch.completions, fields,
+                                     seconds=seconds, context=context)
+
+
 def cat_rollouts(rollouts, pad_id):
     """One Rollout of the rows of several, in order; shorter completions padded on the right."""
     if len(rollouts) == 1:
@@ -100,6 +110,24 @@ def rollout_rows(rollout, index):
     index = torch.as_tensor(index, dtype=torch.long, device=rollout.completion_ids.device)
     return Rollout(**{f.name: _map(getattr(rollout, f.name), lambda x: x[index.to(x.device)])
                       for f in dataclasses.fields(Rollout)})
+
+
+@dataclass
+class Rows:
+    """A batch's rows on this rank before they are sampled: each prompt's G rows, with their seeds."""
+    prompts: list                       # (n,) prompt text as the policy sees it
+    fields: dict                        # {column: (n,) values}: the rows' other data, for the reward functions
+    mine: slice                         # this rank's rows of all the processes' rows
+    prompt_ids: torch.Tensor            # (n, S) left-padded
+    prompt_mask: torch.Tensor           # (n, S)
+    seeds: torch.Tensor                 # (n,) long: each row's random numbers (sampling.row_keys)
+    episodes: list = None               # (n,) environments.Episode with an agent, else None
+    images: object = None               # vision.PromptImages of the rows' prompts, or None
+
+    def sampled(self, rollout, completions, landing=None):
+        """The Batch of these rows with their sampled `rollout` and its text."""
+        return Batch(self.prompts, self.fields, self.mine, self.prompt_ids, self.prompt_mask, rollout, completions,
+                     self.episodes, self.images, landing)
 
 
 @dataclass

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import logprobs
-import rewards
 import sharding
-from rollouts import Rollout, cat_rollouts, completion_id_lists, reward_context, reward_fields, rollout_rows
+from rollouts import Rollout, Rows, cat_rollouts, reward_context, rollout_rows, score_batch
 from layers import hf_decoder, routing, transformer, vision
 from layers.engine import StaticDecoder
 from layers.tensor_parallel import WHOLE
@@ -715,13 +714,16 @@ class Stream:
     sampler's log-prob as the behaviour policy's.
 
     A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
-    have (max_prompt_length). Rows sample what `sample` samples for them, one turn each, with no stop sequences
-    and no routing record; on_end(tags, ids) is `sample`'s, with the rows' tags. tp: as `sample`'s, a
-    tensor-parallel group's share: every rank of the group adds, runs and takes the same rows."""
+    have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
+    max_turns, stop_sequences and on_end are `sample`'s, with the rows' tags where `sample` gives row numbers
+    (a Turn's `row` is its row's tag). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group
+    adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
-                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None):
+                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
+                 max_turns=1, stop_sequences=()):
         self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
+        self.max_turns = max_turns
         # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
         # for are then found ended as soon as they can all have
         self.draw, self.check_every, self.device, self.dtype = draw, min(check_every, max_new_tokens), device, dtype
@@ -734,8 +736,10 @@ class Stream:
         self.waiting.rows = []
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag
-        rows = self.rows = _Rows(None, capacity, max_new_tokens, eos_ids, (), pad_id, None, 1, device, self.waiting,
-                                 keys, on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
+        by_tag = respond and (lambda turns: respond([t._replace(row=self.tag_of[t.row]) for t in turns]))
+        rows = self.rows = _Rows(None, capacity, max_new_tokens, eos_ids, stop_sequences, pad_id, by_tag, max_turns,
+                                 device, self.waiting, keys,
+                                 on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
         rows.active[:] = False  # no row yet: `add` starts each
         self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
         self.slot = {}  # tag -> row index
@@ -789,6 +793,8 @@ class Stream:
                                  self.attention_kernel, dtype=self.dtype, batch=self.places,
                                  tp=self.tp or WHOLE)
             model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
+            if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
+                self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)
             steps.dec.first_slot = self.first_slot
             rows.steps = steps
             pick = self.draw.whole if self.tp is None else \
@@ -801,7 +807,7 @@ class Stream:
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-        limit = (-(-self.capacity // self.places) + 2) * (self.max_new + self.check_every)
+        limit = _iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
         if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
             raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
 
@@ -851,6 +857,34 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     prompts, episodes = agent.start(rows[mine])
     enc = encode_prompts(tokenizer, prompts, cfg, device)
     return prompts, enc.input_ids, enc.attention_mask, episodes, None
+
+
+def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
+    """This rank's rows.Rows of `prompt_rows` (dataset rows, every rank's), G of each in order: row i is prompt
+    i // G. Where the rows do not split evenly over the processes, the last rank's share is padded with copies
+    of the last row, seed included (they sample alike; the caller drops them), so every rank samples as many
+    rows and makes the same collectives. Seeds are seed_of(global row indices): any world size samples the
+    same completions."""
+    count = len(prompt_rows) * G
+    per_rank = -(-count // d.world_size)
+    index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
+    mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
+    every = [prompt_rows[i // G] for i in index]
+    fields = {k: [r[k] for r in every][mine] for k in prompt_rows[0] if k != "prompt"}
+    prompts, ids, attn, episodes, pictures = start_rows(every, mine, tokenizer, cfg, d.device, agent, images)
+    seeds = seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
+    return Rows(prompts, fields, mine, ids, attn, seeds, episodes, pictures)
+
+
+def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, record_routing=False, on_end=None):
+    """The rollouts.Batch of `rows` (rollouts.Rows), each sampled by `generate` in eval mode."""
+    was_training = policy.training
+    policy.eval()
+    rollout, completions = generate(policy, tokenizer, rows.prompt_ids, rows.prompt_mask, rows.seeds, draw, cfg, d,
+                                    eos_ids, agent, rows.episodes, record_routing=record_routing, images=rows.images,
+                                    on_end=on_end)
+    policy.train(was_training)
+    return rows.sampled(rollout, completions)
 
 
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None,
@@ -961,18 +995,12 @@ def group_share(rollout, tp, n, pad=0):
 
 
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
-    """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each.
-
-    The rows are split over the processes (the last rank's share padded with
-    copies of the last row, dropped again), and the scores gathered: every rank
-    samples the same number of rows, so all of them make the same collectives.
-    """
-    device = d.device
+    """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each. The
+    rows are made, sampled and scored as a step's are (`rows_of`, `sample_rows`, rollouts.score_batch), with seeds
+    of their own, and the scores gathered from every rank (`rows_of`'s padding rows dropped)."""
     rows = task.eval_rows
     if not rows:
         return {}
-    was_training = policy.training
-    policy.eval()
     results = {}
     for label, G, draw in (("greedy", 1, Draw.of(cfg, 0.0)), ("sampled", cfg.num_generations, Draw.of(cfg))):
         totals, correct = [], []
@@ -980,20 +1008,11 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
         for start in range(0, len(rows), cfg.prompts_per_step):
             chunk = rows[start:start + cfg.prompts_per_step]
             count = len(chunk) * G
-            per_rank = -(-count // d.world_size)
-            # row i is prompt i // G; the padding rows copy the last row, seed included, so they sample alike
-            index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
-            mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
-            fields = {k: [chunk[i // G][k] for i in index[mine]] for k in chunk[0] if k != "prompt"}
-            prompts, ids, attn, episodes, pictures = start_rows([chunk[i // G] for i in index], mine, tokenizer,
-                                                                cfg, device, agent, images)
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
-            seeds = torch.tensor(index[mine], device=device) + start * G + (cfg.seed + 7) * 1_000_003
-            rollout, completions = generate(policy, tokenizer, ids, attn, seeds, draw, cfg, d, eos_ids,
-                                            agent, episodes, images=pictures)
-            scored = reward_fields(fields, completion_id_lists(rollout), episodes, tokenizer, prompts, completions)
-            total, parts = rewards.score_completions(task.reward_funcs, weights, prompts, completions, scored,
-                                                     context=reward_context(cfg, step))
+            base = start * G + (cfg.seed + 7) * 1_000_003
+            batch = sample_rows(policy, tokenizer, rows_of(chunk, G, d, tokenizer, cfg, lambda i: i + base, agent,
+                                                           images), draw, cfg, d, eos_ids, agent)
+            total, parts = score_batch(batch, task.reward_funcs, weights, tokenizer, reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():
                 comp.setdefault(k, []).append(sharding.all_gather_rows(v, d)[:count])
@@ -1006,7 +1025,6 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             results[f"eval/accuracy{suffix}"] = torch.cat(correct).float().mean().item()
         if label == "sampled":
             results.update({f"eval/reward/{k}": torch.cat(v).nanmean().item() for k, v in comp.items()})
-    policy.train(was_training)
     return results
 
 

@@ -121,36 +121,25 @@ def set_hyperparameters(optimizer, cfg, opt_step):
 def rollout(run, step, round=0):
     """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
     further draws of the step (other prompts, other random numbers)."""
-    cfg, d = run.cfg, run.d
+    cfg = run.cfg
     if cfg.max_staleness:
         run.stream = run.stream or RolloutStream(run)
         return run.stream.batch(step)
-    prompts, fields, mine, ids, attn, episodes, images, seeds = step_rows(run, step, round)
-    landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
-    run.policy.eval()
-    sampled, completions = sampling.generate(run.policy, run.tokenizer, ids, attn, seeds, sampling.Draw.of(cfg), cfg, d,
-                                             run.eos_ids, run.agent, episodes, record_routing=cfg.routing_replay,
-                                             images=images, on_end=landing)
-    run.policy.train()
-    return rollouts.Batch(prompts, fields, mine, ids, attn, sampled, completions, episodes, images, landing)
+    rows = step_rows(run, step, round)
+    landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
+    batch = sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(cfg), cfg, run.d, run.eos_ids,
+                                 run.agent, record_routing=cfg.routing_replay, on_end=landing)
+    batch.landing = landing
+    return batch
 
 
 def step_rows(run, step, round=0):
-    """This rank's rows of the step's prompts, G of each: (prompts, fields, mine, ids, attn, episodes, images,
-    seeds), `mine` the rank's slice of the step's N rows."""
-    cfg, d, G = run.cfg, run.d, run.cfg.num_generations
+    """This rank's rows (rollouts.Rows) of the step's prompts, G of each."""
+    cfg, G = run.cfg, run.cfg.num_generations
     # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
-    all_rows = [r for r in rows for _ in range(G)]                                  # (N,) grouped by prompt
-    N = len(all_rows)
-    n = N // d.world_size
-    mine = slice(d.rank * n, (d.rank + 1) * n)
-    fields = {k: [r[k] for r in all_rows][mine] for k in rows[0] if k != "prompt"}
-    prompts, ids, attn, episodes, images = sampling.start_rows(all_rows, mine, run.tokenizer, cfg, d.device,
-                                                               run.agent, run.images)
-    # row seeds are global row indices, so any world size samples the same completions
-    seeds = (torch.arange(N, device=d.device) + (cfg.seed * 1_000_003 + step) * N + round * 0x9E3779B9)[mine]
-    return prompts, fields, mine, ids, attn, episodes, images, seeds
+    base = (cfg.seed * 1_000_003 + step) * len(rows) * G + round * 0x9E3779B9
+    return sampling.rows_of(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base, run.agent, run.images)
 
 
 class RolloutStream:
@@ -178,10 +167,11 @@ class RolloutStream:
         self.group = self.tp.size if self.tp else 1
         self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
         self.stream = None
-        why = ("an agent's turns" if run.agent is not None else "prompts with images" if run.images is not None else
+        self.respond = {}  # with an agent, step -> the responder of its rows' episodes (over the group's rows)
+        why = ("prompts with images" if run.images is not None else
                None if sampling.decodes_written_out(run.policy.lm) else "a model that samples on its own forward")
         if why:
-            raise ConfigError("max_staleness", f"needs rows that the written-out decoder samples one turn each; "
+            raise ConfigError("max_staleness", f"needs rows that the written-out decoder samples; "
                               f"this run has {why}: use --max_staleness=0")
 
     def last_queued(self, step):
@@ -192,21 +182,37 @@ class RolloutStream:
 
     def queue(self, step):
         run, cfg, d = self.run, self.run.cfg, self.run.d
-        prompts, fields, mine, ids, attn, _, _, seeds = step_rows(run, step)  # as a synchronous step's
-        landing = Landing(run, step, prompts, fields, mine.start) if scores_on_land(run) else None
+        rows = step_rows(run, step)  # as a synchronous step's
+        landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
         if self.stream is None:
             dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
+            turns = {} if run.agent is None else dict(respond=self.answer, max_turns=run.agent.max_turns,
+                                                      stop_sequences=run.agent.stop_sequences)
             self.stream = sampling.Stream(self.places, self.n * self.group * (cfg.max_staleness + 1) + self.places,
                                           cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
                                           run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
                                           on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
-                                          dtype=dtype, tp=self.tp)
-        group_ids, group_attn, group_seeds = ids, attn, seeds
+                                          dtype=dtype, tp=self.tp, **turns)
+        if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
+            respond = run.agent.responder(rows.episodes)
+            self.respond[step] = self.tp.group_respond(respond, self.n) if self.tp else respond
+        group_ids, group_attn, group_seeds = rows.prompt_ids, rows.prompt_mask, rows.seeds
         if self.tp:  # the group's rows, rank r's n at r * n (tensor_parallel.group_rows)
-            group_ids, group_attn, group_seeds, _ = self.tp.group_rows(ids, attn, seeds, run.tokenizer.pad_token_id)
+            group_ids, group_attn, group_seeds, _ = self.tp.group_rows(group_ids, group_attn, group_seeds,
+                                                                       run.tokenizer.pad_token_id)
         self.stream.add(group_ids, group_attn, group_seeds, [(step, i) for i in range(self.n * self.group)])
-        self.steps[step] = (prompts, fields, mine, ids, attn, landing)
+        self.steps[step] = (rows, landing)
         self.queued = step
+
+    def answer(self, turns):
+        """The stream's respond: turns of rows of several steps (each Turn's row a (step, row) tag), each step's
+        answered by its rows' responder, in step order (under tensor parallelism each call is a collective that the
+        group's ranks, pausing alike, make in the same order)."""
+        answers = {}
+        for step in sorted(dict.fromkeys(s for (s, _), _, _ in turns)):
+            mine = [t for t in turns if t.row[0] == step]
+            answers.update(zip((t.row for t in mine), self.respond[step]([t._replace(row=t.row[1]) for t in mine])))
+        return [answers[t.row] for t in turns]
 
     def landed(self, tags, ids):
         """The stream's on_end: rows that ended, to their step's Landing."""
@@ -236,9 +242,12 @@ class RolloutStream:
         if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
             self.stream.close()
             self.stream = None
-        prompts, fields, mine, ids, attn, landing = self.steps.pop(step)
+        rows, landing = self.steps.pop(step)
+        if run.agent is not None:  # each conversation's last turn, which no tool answered
+            self.respond.pop(step)
+            run.agent.finish(rows.episodes, rollout)
         completions = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        return rollouts.Batch(prompts, fields, mine, ids, attn, rollout, completions, landing=landing)
+        return rows.sampled(rollout, completions, landing)
 
 
 def scores_on_land(run):
@@ -387,11 +396,8 @@ def score(run, batch, step):
         if batch.landing is not None:  # scored as the groups landed: what is left is the wait for the last ones
             total, parts, seconds = batch.landing.result()
         else:
-            fields = rollouts.reward_fields(batch.fields, rollouts.completion_id_lists(batch.rollout), batch.episodes,
-                                            run.tokenizer, batch.prompts, batch.completions)
-            total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, batch.prompts,
-                                                     batch.completions, fields, seconds=seconds,
-                                                     context=rollouts.reward_context(run.cfg, step))
+            total, parts = rollouts.score_batch(batch, run.task.reward_funcs, run.weights, run.tokenizer,
+                                                rollouts.reward_context(run.cfg, step), seconds)
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     times = [time.time() - t] + list(seconds.values())

@@ -4,6 +4,7 @@ while the other rows keep theirs. Each row must sample what it samples with ever
 seed), one turn and several, on each kind of layer a place is emptied and refilled for: attention over a KV
 cache (with sliding windows), MoE blocks, Gated DeltaNet states."""
 
+import json
 import os
 import sys
 
@@ -110,12 +111,14 @@ def _letters(tok):
 
 
 @pytest.mark.parametrize("family", _one_of_each_kind())
-def test_a_stream_samples_what_one_batch_samples(family):
+@pytest.mark.parametrize("turns", [1, 3])
+def test_a_stream_samples_what_one_batch_samples(family, turns):
     """A Stream (--max_staleness's sampler) with rows added between runs, each run stopping when the rows asked
     for have ended while others are in the middle of theirs: at unchanged weights every row samples what `sample`
-    samples for it in one batch. The places are fewer than the rows, prompts are left-padded wider than the
-    batch's, and rows are taken out of the order they were added in."""
-    stream_against_one_batch(family, torch.device("cpu"))
+    samples for it in one batch, one turn or several (an environment answering rows' pauses, as an agent's tools
+    do). The places are fewer than the rows, prompts are left-padded wider than the batch's, and rows are taken
+    out of the order they were added in."""
+    stream_against_one_batch(family, torch.device("cpu"), turns)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -131,7 +134,7 @@ def test_a_stream_on_cuda_graphs_samples_what_one_batch_samples(family):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def stream_against_one_batch(family, device):
+def stream_against_one_batch(family, device, turns=1):
     import rollouts
     import sampling
     model, tok = architectures.tiny(family)
@@ -141,11 +144,16 @@ def stream_against_one_batch(family, device):
         model.get_output_embeddings().weight[STOP_IDS] *= 2
     n, pad = enc.input_ids.shape[0], tok.pad_token_id
     seeds = torch.arange(n, device=device) * 7 + 3
-    whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=STOP_IDS,
-                            pad_id=pad, seeds=seeds)
+    # several turns: row r's k-th pause is answered with (r % 3) + 2k tokens (each call its own record of pauses)
+    asked = {"whole": [], "stream": []}
+    respond = (lambda name: answering(lambda r, k: (r % 3) + 2 * k, asked[name])) if turns > 1 else (lambda _: None)
+    longest = 24 * turns  # room for the answers
+    whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=longest, eos_ids=STOP_IDS,
+                            pad_id=pad, seeds=seeds, respond=respond("whole"), max_turns=turns)
     ended = []
-    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, 24, STOP_IDS, pad, sampling.Draw(), device,
-                             on_end=lambda tags, ids: ended.extend(zip(tags, ids)))
+    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, longest, STOP_IDS, pad, sampling.Draw(), device,
+                             on_end=lambda tags, ids: ended.extend(zip(tags, ids)), respond=respond("stream"),
+                             max_turns=turns)
     half = n // 2
     stream.add(enc.input_ids[:half], enc.attention_mask[:half], seeds[:half], list(range(half)))
     parts = []
@@ -162,7 +170,9 @@ def stream_against_one_batch(family, device):
     want = rollouts.rollout_rows(whole, order)
     lengths = want.completion_mask.sum(1)
     assert lengths.unique().numel() > 3, lengths  # rows ended at many different steps
-    assert torch.equal(got.truncated, want.truncated)
+    assert torch.equal(got.truncated, want.truncated) and torch.equal(got.turns, want.turns)
+    if turns > 1:  # the environment was asked the same turns, of the rows the stream's tags name
+        assert (want.turns > 1).sum() > 3 and sorted(asked["stream"]) == sorted(asked["whole"])
     for k in ("completion_ids", "completion_mask", "policy_mask"):  # the parts padded as wide as the widest
         assert torch.equal(getattr(got, k)[:, :want.completion_ids.shape[1]], getattr(want, k)), k
     torch.testing.assert_close(got.logprobs[:, :want.logprobs.shape[1]], want.logprobs, atol=2e-5, rtol=0)
@@ -256,6 +266,65 @@ def test_at_no_learning_rows_in_flight_sample_what_each_step_samples(tmp_path):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         older = ((b.versions < step - 1) & b.policy_mask.bool()).any(1)
         assert a.versions is None and (older.sum() > 0) == (step > 1), (step, older.sum())
+
+
+COUNTER = '''class Counter:
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def bump(self, k: int) -> str:
+        """Bump.
+
+        Args:
+            k: by how much
+        """
+        self.n += k
+        return str(self.n)
+
+    def get_reward(self):
+        return float(self.n)
+'''
+
+
+def test_an_agents_rows_stream_through_steps(tmp_path, monkeypatch):
+    """--max_staleness=1 with an environment's tools (each row an episode whose turns its tools answer): at no
+    learning every step's rows have --max_staleness=0's tokens, turns and conversations, and the environment
+    scores them alike, while rows of the next step decode during each step. A tiny random model writes no tool
+    call: here a turn ends at any of 40 common bytes, and a row's first two turns call bump(k=1)."""
+    import environments
+    import model_loading
+    from tasks import vault
+    init, read = environments.Agent.__init__, environments.Agent.read_turn
+
+    def pausing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.stop_sequences = [[b] for b in range(97, 137)]
+
+    def calling(self, ep, ids, before):
+        message, calls = read(self, ep, ids, before)
+        return message, calls or ([("bump", {"k": 1})] if ep.turns < 2 else [])
+    monkeypatch.setattr(environments.Agent, "__init__", pausing)
+    monkeypatch.setattr(environments.Agent, "read_turn", calling)
+    env = tmp_path / "counter.py"
+    env.write_text(COUNTER)
+    model = model_loading.write_tiny_model(str(tmp_path / "m"), chat_template=vault.TINY_TOOL_TEMPLATE,
+                                           extra_tokens=vault.TINY_TOOL_TOKENS)
+    flags = [f"--model={model}", f"--environment={env}:Counter", "--max_steps=3", "--lr=1e-30",
+             "--prompts_per_step=2", "--num_generations=4"]
+    spy = lambda run, batch, step: [e.messages for e in batch.episodes]  # noqa: E731
+    now = _train_rollouts(tmp_path, "now", flags, spy)
+    ahead = _train_rollouts(tmp_path, "ahead", flags + ["--max_staleness=1"], spy)
+    assert len(now) == len(ahead) == 3
+    for step, ((a, chats_a), (b, chats_b)) in enumerate(zip(now, ahead), 1):
+        for k in ("completion_ids", "completion_mask", "policy_mask", "turns"):
+            assert torch.equal(getattr(a, k), getattr(b, k)), (step, k)
+        assert chats_a == chats_b  # each conversation with its last turn written (Agent.finish) as the policy's
+        assert [sum(m["role"] == "assistant" for m in chat) for chat in chats_b] == b.turns.tolist()
+        assert bool(((b.versions < step - 1) & b.policy_mask.bool()).any()) == (step > 1)
+    rewards = [[json.loads(line)["reward/Counter"] for line in open(tmp_path / name / "metrics.jsonl")]
+               for name in ("now", "ahead")]
+    assert rewards[0] == rewards[1]
+    assert sum(int((r.turns > 1).sum()) for r, _ in ahead) > 6  # rows took turns the environment answered
 
 
 def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(tmp_path, monkeypatch):
