@@ -124,7 +124,7 @@ def rollout(run, step, round=0):
     cfg = run.cfg
     if cfg.max_staleness:
         run.stream = run.stream or RolloutStream(run)
-        return run.stream.batch(step)
+        return run.stream.batch(step, round)
     rows = step_rows(run, step, round)
     landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
     batch = sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(cfg), cfg, run.d, run.eos_ids,
@@ -160,14 +160,15 @@ class RolloutStream:
 
     def __init__(self, run):
         cfg, d = run.cfg, run.d
-        self.run, self.queued, self.steps = run, 0, {}  # steps: step -> its rows' Batch fields, before sampling
+        # steps: (step, round) -> its rows (rollouts.Rows) and their Landing, while they are in the stream
+        self.run, self.queued, self.steps = run, 0, {}
         self.n = cfg.prompts_per_step * cfg.num_generations // d.world_size  # rows per step on this rank
         # a tensor-parallel group's ranks decode the group's rows together, each holding all of them
         self.tp = d.tp if getattr(d, "tp", None) is not None and d.tp.size > 1 else None
         self.group = self.tp.size if self.tp else 1
         self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
         self.stream = None
-        self.respond = {}  # with an agent, step -> the responder of its rows' episodes (over the group's rows)
+        self.respond = {}  # with an agent, (step, round) -> the responder of its rows' episodes (the group's rows)
         why = ("prompts with images" if run.images is not None else
                None if sampling.decodes_written_out(run.policy.lm) else "a model that samples on its own forward")
         if why:
@@ -180,9 +181,11 @@ class RolloutStream:
         drain = cfg.max_steps if not cfg.save_every else min(cfg.max_steps, -(-step // cfg.save_every) * cfg.save_every)
         return min(step + cfg.max_staleness, drain)
 
-    def queue(self, step):
+    def queue(self, step, round=0):
+        """Add the rows of the step's prompts (of dynamic sampling's `round`) to the stream."""
         run, cfg, d = self.run, self.run.cfg, self.run.d
-        rows = step_rows(run, step)  # as a synchronous step's
+        rows = step_rows(run, step, round)  # as a synchronous step's
+        key = (step, round)
         landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
         if self.stream is None:
             dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
@@ -195,41 +198,46 @@ class RolloutStream:
                                           dtype=dtype, tp=self.tp, **turns)
         if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
             respond = run.agent.responder(rows.episodes)
-            self.respond[step] = self.tp.group_respond(respond, self.n) if self.tp else respond
+            self.respond[key] = self.tp.group_respond(respond, self.n) if self.tp else respond
         group_ids, group_attn, group_seeds = rows.prompt_ids, rows.prompt_mask, rows.seeds
         if self.tp:  # the group's rows, rank r's n at r * n (tensor_parallel.group_rows)
             group_ids, group_attn, group_seeds, _ = self.tp.group_rows(group_ids, group_attn, group_seeds,
                                                                        run.tokenizer.pad_token_id)
-        self.stream.add(group_ids, group_attn, group_seeds, [(step, i) for i in range(self.n * self.group)])
-        self.steps[step] = (rows, landing)
-        self.queued = step
+        self.stream.add(group_ids, group_attn, group_seeds, [(key, i) for i in range(self.n * self.group)])
+        self.steps[key] = (rows, landing)
+        self.queued = max(self.queued, step)
 
     def answer(self, turns):
-        """The stream's respond: turns of rows of several steps (each Turn's row a (step, row) tag), each step's
-        answered by its rows' responder, in step order (under tensor parallelism each call is a collective that the
-        group's ranks, pausing alike, make in the same order)."""
+        """The stream's respond: turns of rows of several steps (each Turn's row a ((step, round), row) tag), each
+        step's answered by its rows' responder, in step order (under tensor parallelism each call is a collective
+        that the group's ranks, pausing alike, make in the same order)."""
         answers = {}
-        for step in sorted(dict.fromkeys(s for (s, _), _, _ in turns)):
-            mine = [t for t in turns if t.row[0] == step]
-            answers.update(zip((t.row for t in mine), self.respond[step]([t._replace(row=t.row[1]) for t in mine])))
+        for key in sorted(dict.fromkeys(k for (k, _), _, _ in turns)):
+            mine = [t for t in turns if t.row[0] == key]
+            answers.update(zip((t.row for t in mine), self.respond[key]([t._replace(row=t.row[1]) for t in mine])))
         return [answers[t.row] for t in turns]
 
     def landed(self, tags, ids):
         """The stream's on_end: rows that ended, to their step's Landing."""
-        for step in dict.fromkeys(s for s, _ in tags):
-            landing = self.steps[step][-1]
+        for key in dict.fromkeys(k for k, _ in tags):
+            landing = self.steps[key][-1]
             if landing is not None:
-                landing([i for s, i in tags if s == step], [x for (s, _), x in zip(tags, ids) if s == step])
+                landing([i for k, i in tags if k == key], [x for (k, _), x in zip(tags, ids) if k == key])
 
-    def batch(self, step):
+    def batch(self, step, round=0):
         """The step's Batch: its rows decoded to their ends (with what was queued up to `last_queued` decoding
-        meanwhile), taken out of the stream."""
+        meanwhile), taken out of the stream. round > 0: dynamic sampling's further draw of the step, queued now
+        (whether it is needed is known once the round before has been scored), the next steps' rows decoding
+        beside it."""
         run, d = self.run, self.run.d
         if self.queued < step and self.stream is not None:
             raise RuntimeError(f"step {step}'s rows were never queued (the stream is at step {self.queued})")
         for s in range(max(self.queued, step - 1) + 1, self.last_queued(step) + 1):
             self.queue(s)
-        tags = [(step, i) for i in range(self.n * self.group)]
+        key = (step, round)
+        if key not in self.steps:
+            self.queue(step, round)
+        tags = [(key, i) for i in range(self.n * self.group)]
         run.policy.eval()
         t = time.time()
         with sharding.gathered(run.policy):
@@ -242,9 +250,9 @@ class RolloutStream:
         if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
             self.stream.close()
             self.stream = None
-        rows, landing = self.steps.pop(step)
+        rows, landing = self.steps.pop(key)
         if run.agent is not None:  # each conversation's last turn, which no tool answered
-            self.respond.pop(step)
+            self.respond.pop(key)
             run.agent.finish(rows.episodes, rollout)
         completions = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return rows.sampled(rollout, completions, landing)

@@ -162,8 +162,8 @@ def run(argv):
 
     original_stream_batch = train.RolloutStream.batch
 
-    def recording_stream_batch(self, step):  # max_staleness: a step's rows come out of the stream
-        batch = original_stream_batch(self, step)
+    def recording_stream_batch(self, step, round=0):  # max_staleness: a step's rows come out of the stream
+        batch = original_stream_batch(self, step, round)
         record(batch.rollout.completion_ids)
         return batch
 

@@ -60,9 +60,10 @@ def checks(t):
                  "--max_completion_length=8", "--save_every=0", "--reward_model=tiny"],
         "turns": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=48",
                   "--pause_often"],
+        # with the sampler a step ahead: a step's rounds join its stream, the next step's rows decoding beside them
         "dynamic": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=24",
                     "--pause_often", "--prompts_per_step=4", "--dynamic_sampling", "--max_generation_rounds=3",
-                    f"--reward_funcs={t / 'uneven.py'}:uneven"],
+                    f"--reward_funcs={t / 'uneven.py'}:uneven", "--max_staleness=1"],
         # a folder with safetensors weights: 2 processes each read their own shards (1 loads it whole)
         "weights": ["--max_steps=2", "--save_every=0", f"--model={t / 'saved'}"],
         # the same folder with LoRA's adapters (added on meta before sharding) and no reference model
@@ -678,8 +679,9 @@ def test_rows_in_flight_resume_exactly(runs):
 
 
 def test_dynamic_sampling_agrees_across_ranks(runs):
-    """Dynamic sampling on the vault task (tool turns, each rank padding its own prompts): the groups kept lie on
-    both ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does.
+    """Dynamic sampling on the vault task (tool turns, each rank padding its own prompts), the sampler a step ahead
+    (--max_staleness=1: an agent's rows and a step's further rounds in the stream): the groups kept lie on both
+    ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does.
     The reward (UNEVEN_REWARD) is constant on about half the prompts: their groups carry no signal."""
     p, _ = runs
     one, two = p["dynamic1"], p["dynamic2"]

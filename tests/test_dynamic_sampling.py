@@ -15,8 +15,9 @@ def uneven_reward(prompts, completions, **_):
 
 
 def setup(tmp_path, **settings):
-    cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=4, num_generations=4,
-                       max_completion_length=4, dynamic_sampling=True, save_every=0, max_steps=1, **settings)
+    cfg = train.Config(**{**dict(device="cpu", out_dir=str(tmp_path), prompts_per_step=4, num_generations=4,
+                                 max_completion_length=4, dynamic_sampling=True, save_every=0, max_steps=1),
+                          **settings})
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     run.task.reward_funcs[:] = [uneven_reward]
     run.weights[:] = [1.0]
@@ -62,6 +63,28 @@ def test_draw_keeps_the_first_groups_with_a_signal_as_a_naive_loop_does(tmp_path
             assert kept == P
     if rounds == 1:  # what it kept is what the plain step would train on, in another order
         assert metrics["dynamic/groups_filled"] > 0
+
+
+def _rows(batch, total):
+    return [(batch.prompts[i], batch.rollout.completion_ids[i][batch.rollout.completion_mask[i] > 0].tolist(),
+             total[i].item()) for i in range(len(batch.prompts))]
+
+
+def test_the_sampler_ahead_draws_the_rounds_a_synchronous_step_draws(tmp_path):
+    """--max_staleness=1: a step's further round is queued once the round before it has been scored, while the next
+    step's rows decode in the stream; at unchanged weights the step keeps the groups, completions and rewards that
+    the synchronous step keeps, after as many rounds."""
+    # completions of up to 12 tokens: rows of several lengths, so the stream's places turn over
+    sync = setup(tmp_path / "sync", max_generation_rounds=6, max_steps=3, max_completion_length=12)
+    ahead = setup(tmp_path / "ahead", max_generation_rounds=6, max_steps=3, max_completion_length=12, max_staleness=1)
+    rounds = []
+    for step in (1, 2, 3):
+        want, got = train.draw(sync, step), train.draw(ahead, step)
+        assert _rows(got[0], got[1]) == _rows(want[0], want[1]), step
+        assert got[4] == want[4]
+        rounds.append(got[4]["dynamic/rounds"])
+        assert ahead.stream.stream is None or ahead.stream.queued == step + 1  # the next step's rows were queued
+    assert max(rounds) > 1, rounds
 
 
 def test_a_step_trains_on_groups_with_a_signal_while_rounds_remain(tmp_path):
