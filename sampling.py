@@ -306,8 +306,8 @@ class _StaticSteps:
             return self.dec.decode(tok, self.p + cols)
         return self.dec.decode(tok, cols + self.p, self.p + int(cols_h.max()))
 
-    def extend(self, ids, valid, start, top):
-        return self.dec.extend(ids, valid, start + self.p, self.p + top)
+    def extend(self, ids, valid, start, top, batch_rows=None):
+        return self.dec.extend(ids, valid, start + self.p, self.p + top, batch_rows)
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends + self.p)
@@ -672,6 +672,9 @@ class _Rows:
             return logits[:0]
         if not feeds:
             return self.steps.decode(tok, col, self.feed_h)
+        long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
+        if long and len(long) < len(self.rows_h) and isinstance(self.steps, _StaticSteps):
+            feeds = self._feed_heads(long, feeds)
         k = max(len(b) for _, _, b in feeds)
         ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
         valid = torch.zeros_like(ids, dtype=torch.bool)
@@ -684,6 +687,23 @@ class _Rows:
             start[i], self.feed_h[i] = first, first + len(block) - 1
         self.device_state.clear()
         return self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), int(self.feed_h.max()))
+
+    def _feed_heads(self, long, feeds):
+        """Feed the blocks of `long` (a new row's prompt, an environment's answer) but their last tokens, on their
+        batch rows alone: an extend step computes each of its rows' widest block, so the batch's other rows would
+        compute that width for their one token. The feeds left: every row's one token (a block's last)."""
+        k = max(len(block) for _, _, block in long) - 1
+        ids = torch.full((len(long), k), self.pad_id, dtype=torch.long, device=self.device)
+        valid = torch.zeros_like(ids, dtype=torch.bool)
+        for j, (_, _, block) in enumerate(long):
+            ids[j, :len(block) - 1] = torch.tensor(block[:-1], device=self.device)
+            valid[j, :len(block) - 1] = True
+        start = np.array([first for _, first, _ in long])
+        top = max(first + len(block) - 2 for _, first, block in long)
+        self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), top,
+                          torch.as_tensor([i for i, _, _ in long], device=self.device))
+        rest = {i: (i, first + len(block) - 1, block[-1:]) for i, first, block in long}
+        return [rest.get(i, (i, first, block)) for i, first, block in feeds]
 
     def rollout(self, rows=None):
         """The Rollout of rows `rows` (an array of row indices; all by default), in that order."""

@@ -468,44 +468,47 @@ class StaticDecoder:
         return out[:n]
 
     @torch.no_grad()
-    def extend(self, ids, valid, start, top):
+    def extend(self, ids, valid, start, top, batch_rows=None):
         """Append a block of tokens to each live row's cache and return the logits after each row's last one.
 
         ids, valid (b, K): row i's new tokens are ids[i, :valid[i].sum()] (at least one), written to slots
         start[i], start[i] + 1, ... (start (b,) a tensor); `top` (host int) is the largest slot written. Each
         new token attends to its row's real cache slots before it and to the row's new tokens up to itself:
         the prefill of an environment's answer in the middle of decoding, with nothing before it recomputed.
+        batch_rows (b,): the batch rows the blocks are for (a tensor; default the first b), the others untouched.
         """
         self._mark()
         self.narrow_from = None  # rows' blocks of different lengths: slots no longer align across rows
         b, k = ids.shape
-        rows = self.row_index[:b, None].expand(b, k)
+        at = slice(0, b) if batch_rows is None else batch_rows  # the cache rows read and written
+        rows = (self.row_index[:b] if batch_rows is None else batch_rows)[:, None].expand(b, k)
         slots = start[:, None] + torch.arange(k, device=ids.device)  # (b, K)
         slots = torch.where(valid, slots, start[:, None])  # padding columns read a real slot, write nothing
         real_rows, real_cols = valid.nonzero(as_tuple=True)
         real_slots = slots[real_rows, real_cols]
-        self.key_mask[real_rows, real_slots] = True
+        cache_rows = real_rows if batch_rows is None else batch_rows[real_rows]
+        self.key_mask[cache_rows, real_slots] = True
         kv_len, lo = top + 1, self.first_slot
         key_slot = torch.arange(lo, kv_len, device=ids.device)
         # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
-        mask = self.key_mask[:b, None, None, lo:kv_len] & (key_slot <= slots[:, None, :, None])
+        mask = self.key_mask[at, None, None, lo:kv_len] & (key_slot <= slots[:, None, :, None])
         masks = self._windowed(mask, self.pos[rows, slots], kv_len, lo=lo) if self.windows else {None: mask}
         cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
         sin = [s[rows, slots][:, :, None] for s in self.sin]
 
         def write(i, kk, vv):  # (b, nkv, K, hd): only the real tokens' K/V reach the cache
-            self.k_cache[i, real_rows, :, real_slots] = kk.transpose(1, 2)[real_rows, real_cols]
-            self.v_cache[i, real_rows, :, real_slots] = vv.transpose(1, 2)[real_rows, real_cols]
+            self.k_cache[i, cache_rows, :, real_slots] = kk.transpose(1, 2)[real_rows, real_cols]
+            self.v_cache[i, cache_rows, :, real_slots] = vv.transpose(1, 2)[real_rows, real_cols]
 
         def keys(i):
-            return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
+            return self.k_cache[i, at, :, lo:kv_len], self.v_cache[i, at, :, lo:kv_len]
 
         self.record_at = None if self.routes is None else \
             (lambda p, experts: self.routes.__setitem__(
-                (real_rows, real_slots, p.moe_row), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
+                (cache_rows, real_slots, p.moe_row), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
         x = self._layers(self._embed(ids), rope, self._block_attention(write, keys, masks),
-                         lambda layer, h: layer.extend(h, valid))  # (b, K, H)
+                         lambda layer, h: layer.extend(h, valid, at))  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
 

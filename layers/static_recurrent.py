@@ -233,12 +233,14 @@ class DeltaNet:
         self.rec[:bsz].copy_(rec)
         return out
 
-    def extend(self, h, valid):
+    def extend(self, h, valid, rows=None):
         """h (b, K, H) a block of tokens per row, valid (b, K) the real ones: the output (b, K, H), each row's
-        states moved by its real tokens only, a token at a time."""
+        states moved by its real tokens only, a token at a time. rows: the batch rows (a slice or a tensor (b,));
+        default the first b."""
         bsz, width, _ = h.shape
+        rows = slice(0, bsz) if rows is None else rows
         mixed, z, b, a = self._split(h)
-        conv, rec = self.conv[:bsz], self.rec[:bsz]
+        conv, rec = self.conv[rows], self.rec[rows]
         outs = []
         for c in range(width):
             out, new_conv, new_rec = self._step(mixed[:, c], z[:, c], b[:, c], a[:, c], conv, rec)
@@ -246,6 +248,6 @@ class DeltaNet:
             conv = torch.where(real[:, None, None], new_conv, conv)
             rec = torch.where(real[:, None, None, None], new_rec, rec)
             outs.append(out)
-        self.conv[:bsz] = conv
-        self.rec[:bsz] = rec
+        self.conv[rows] = conv
+        self.rec[rows] = rec
         return torch.stack(outs, 1)

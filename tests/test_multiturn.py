@@ -80,8 +80,10 @@ def test_multi_turn_rollout_reads_what_one_forward_reads(arch):
 
 
 def test_answers_are_prefilled_once():
-    """Each answer goes through the decoder once, as a block appended to the rows that paused (with at most the
-    token that ended the turn); the prompt is prefilled once and never again."""
+    """Each answer goes through the decoder once (with at most the token that ended the turn): all but its last
+    token as a block on the rows that paused alone, then its last token in step with the other rows' one token
+    each, so the batch never computes an answer's width for rows that feed one token; the prompt is prefilled
+    once and never again."""
     model, tok = tiny_model()
     enc = prompts(tok)
     calls = {"prefill": 0, "extend": []}
@@ -91,9 +93,9 @@ def test_answers_are_prefilled_once():
         calls["prefill"] += 1
         return real_prefill(self, *a, **k)
 
-    def extend(self, ids, valid, start, top):
-        calls["extend"].append(valid.sum(1).tolist())
-        return real_extend(self, ids, valid, start, top)
+    def extend(self, ids, valid, start, top, batch_rows=None):
+        calls["extend"].append((valid.sum(1).tolist(), batch_rows is not None))
+        return real_extend(self, ids, valid, start, top, batch_rows)
     engine.StaticDecoder.prefill, engine.StaticDecoder.extend = prefill, extend
     try:
         log = []
@@ -102,9 +104,11 @@ def test_answers_are_prefilled_once():
         engine.StaticDecoder.prefill, engine.StaticDecoder.extend = real_prefill, real_extend
     answered = int((r.turns - 1).sum())
     assert calls["prefill"] == 1 and answered >= 3
-    fed = [n for step in calls["extend"] for n in step if n > 1]  # rows fed an answer (others: their one token)
+    heads = [n for fed, alone in calls["extend"] if alone for n in fed]  # the answers but their last tokens
+    assert len(heads) == answered and all(n >= 1 for n in heads)
+    assert all(max(fed) == 1 for fed, alone in calls["extend"] if not alone)  # then one token per row
     answer_tokens = int((r.completion_mask - r.policy_mask).sum())
-    assert len(fed) == answered and answer_tokens <= sum(fed) <= answer_tokens + answered
+    assert answer_tokens <= sum(heads) + answered <= answer_tokens + answered
     # respond saw each row's completion so far, and where its latest turn began
     for row, ids, start in log:
         assert ids == r.completion_ids[row, :len(ids)].tolist() and 0 <= start < len(ids)
