@@ -290,7 +290,7 @@ class _StaticSteps:
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
                  dtype=None, batch=None, share=False):
-        self.p = ids.shape[1]
+        self.p, self.share = ids.shape[1], share  # share: rows of one prompt run it once, in prefill and admission
         # slot P + max_new: where finished rows write what they still decode; never attended
         self.dec = StaticDecoder.for_model(model, batch or ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
                                            attention_kernel=attention_kernel, tp=tp, dtype=dtype,
@@ -308,6 +308,10 @@ class _StaticSteps:
 
     def extend(self, ids, valid, start, top, batch_rows=None):
         return self.dec.extend(ids, valid, start + self.p, self.p + top, batch_rows)
+
+    def copy_rows(self, src, dst, first, last):
+        """Batch rows dst take the cache of rows src from completion position `first` to `last` (included)."""
+        self.dec.copy_rows(src, dst, self.p + first, self.p + last + 1)
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends + self.p)
@@ -673,7 +677,7 @@ class _Rows:
         if not feeds:
             return self.steps.decode(tok, col, self.feed_h)
         long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
-        if long and len(long) < len(self.rows_h) and isinstance(self.steps, _StaticSteps):
+        if long and isinstance(self.steps, _StaticSteps) and (len(long) < len(self.rows_h) or self.steps.share):
             feeds = self._feed_heads(long, feeds)
         k = max(len(b) for _, _, b in feeds)
         ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
@@ -691,19 +695,51 @@ class _Rows:
     def _feed_heads(self, long, feeds):
         """Feed the blocks of `long` (a new row's prompt, an environment's answer) but their last tokens, on their
         batch rows alone: an extend step computes each of its rows' widest block, so the batch's other rows would
-        compute that width for their one token. The feeds left: every row's one token (a block's last)."""
-        k = max(len(block) for _, _, block in long) - 1
-        ids = torch.full((len(long), k), self.pad_id, dtype=torch.long, device=self.device)
+        compute that width for their one token. The feeds left: every row's one token (a block's last). With the
+        steps' `share`, a new row whose prompt another row runs now, or (without recurrent layers, whose states
+        move on) a live row holds, takes a copy of that row's prompt cache instead of running it (its prompt's last
+        token it feeds itself)."""
+        rest = {i: (i, first + len(block) - 1, block[-1:]) for i, first, block in long}
+        share = getattr(self.steps, "share", False)
+        copies, runs, alone = [], ({} if not share else self._held_prompts({i for i, _, _ in long})), []
+        for i, first, block in long:
+            # first < 0: a new row's prompt (`admit`); every prompt ends at the slot before completion position 0
+            key = (first, tuple(block)) if first < 0 and share else None
+            if key in runs:
+                copies.append((runs[key], i, first))
+                continue
+            if key is not None:
+                runs[key] = i
+            alone.append((i, first, block))
+        if not alone:  # every new row's prompt is held by a live row
+            self.steps.copy_rows(*(torch.as_tensor([c[j] for c in copies], device=self.device) for j in (0, 1)),
+                                 min(c[2] for c in copies), -2)
+            return [rest.get(i, (i, first, block)) for i, first, block in feeds]
+        k = max(len(block) for _, _, block in alone) - 1
+        ids = torch.full((len(alone), k), self.pad_id, dtype=torch.long, device=self.device)
         valid = torch.zeros_like(ids, dtype=torch.bool)
-        for j, (_, _, block) in enumerate(long):
+        for j, (_, _, block) in enumerate(alone):
             ids[j, :len(block) - 1] = torch.tensor(block[:-1], device=self.device)
             valid[j, :len(block) - 1] = True
-        start = np.array([first for _, first, _ in long])
-        top = max(first + len(block) - 2 for _, first, block in long)
+        start = np.array([first for _, first, _ in alone])
+        top = max(first + len(block) - 2 for _, first, block in alone)
         self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), top,
-                          torch.as_tensor([i for i, _, _ in long], device=self.device))
-        rest = {i: (i, first + len(block) - 1, block[-1:]) for i, first, block in long}
+                          torch.as_tensor([i for i, _, _ in alone], device=self.device))
+        if copies:  # each prompt's slots but its last (the slots before them: empty in both rows)
+            src, dst = (torch.as_tensor([c[j] for c in copies], device=self.device) for j in (0, 1))
+            self.steps.copy_rows(src, dst, min(c[2] for c in copies), -2)
         return [rest.get(i, (i, first, block)) for i, first, block in feeds]
+
+    def _held_prompts(self, fed):
+        """{(first, prompt tokens): batch row} of the live rows not fed now, whose caches hold their prompts, where a
+        new row may copy them: none with recurrent layers (a live row's state is past its prompt)."""
+        if self.steps.dec.recurrent:
+            return {}
+        live = [b for b in range(len(self.rows_h)) if b not in fed and self.active[self.rows_h[b]]]
+        held = {}
+        for b, prompt in zip(live, self.waiting.prompts(self.rows_h[live]) if live else []):
+            held.setdefault((-len(prompt), tuple(prompt)), b)
+        return held
 
     def rollout(self, rows=None):
         """The Rollout of rows `rows` (an array of row indices; all by default), in that order."""
@@ -735,15 +771,15 @@ class Stream:
 
     A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
     have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
-    max_turns, stop_sequences and on_end are `sample`'s, with the rows' tags where `sample` gives row numbers
-    (a Turn's `row` is its row's tag). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group
+    max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where `sample` gives
+    row numbers (a Turn's `row` is its row's tag). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group
     adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
-                 max_turns=1, stop_sequences=()):
+                 max_turns=1, stop_sequences=(), share_prompts=False):
         self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
-        self.max_turns = max_turns
+        self.max_turns, self.share = max_turns, share_prompts
         # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
         # for are then found ended as soon as they can all have
         self.draw, self.check_every, self.device, self.dtype = draw, min(check_every, max_new_tokens), device, dtype
@@ -811,7 +847,7 @@ class Stream:
             w = self.waiting
             steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
                                  self.attention_kernel, dtype=self.dtype, batch=self.places,
-                                 tp=self.tp or WHOLE)
+                                 tp=self.tp or WHOLE, share=self.share)
             model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
                 self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)

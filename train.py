@@ -195,7 +195,7 @@ class RolloutStream:
                                           cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
                                           run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
                                           on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
-                                          dtype=dtype, tp=self.tp, **turns)
+                                          dtype=dtype, tp=self.tp, share_prompts=cfg.shared_prompts, **turns)
         if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
             respond = run.agent.responder(rows.episodes)
             self.respond[key] = self.tp.group_respond(respond, self.n) if self.tp else respond

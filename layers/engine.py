@@ -377,6 +377,18 @@ class StaticDecoder:
         for layer in self.recurrent.values():
             layer.reset(rows)
 
+    @torch.no_grad()
+    def copy_rows(self, src, dst, lo, hi):
+        """Batch rows dst (a tensor) take the cache slots [lo, hi) of rows src, with their recurrent states and
+        routing records: rows admitted with the same prompt, which one of them ran (sampling's shared admission)."""
+        self.k_cache[:, dst, :, lo:hi] = self.k_cache[:, src, :, lo:hi]
+        self.v_cache[:, dst, :, lo:hi] = self.v_cache[:, src, :, lo:hi]
+        self.key_mask[dst, lo:hi] = self.key_mask[src, lo:hi]
+        if self.routes is not None:
+            self.routes[dst, lo:hi] = self.routes[src, lo:hi]
+        for layer in self.recurrent.values():
+            layer.copy_rows(src, dst)
+
     def _decode_body(self, b, slot, kv_len, tok=None):
         """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go
         to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form

@@ -158,6 +158,11 @@ class DeltaNet:
         self.conv[rows] = 0
         self.rec[rows] = 0
 
+    def copy_rows(self, src, dst):
+        """Batch rows dst (a tensor) take the states of rows src."""
+        self.conv[dst] = self.conv[src]
+        self.rec[dst] = self.rec[src]
+
     def compact(self, keep):
         k = keep.numel()
         self.conv[:k] = self.conv[keep]

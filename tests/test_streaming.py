@@ -393,3 +393,42 @@ def test_a_groups_prompt_prefilled_once_samples_what_each_rows_own_prefill_does(
         assert torch.equal(getattr(shared, k), getattr(own, k)), k
     torch.testing.assert_close(shared.logprobs, own.logprobs, atol=1e-5, rtol=0)
     assert own.completion_mask.sum(1).unique().numel() > 2  # rows of a group went their own ways
+
+
+@pytest.mark.parametrize("family", _one_of_each_kind())
+def test_a_groups_prompt_admitted_once_samples_what_each_rows_own_prefill_does(family, monkeypatch):
+    """A Stream with share_prompts (--max_staleness with --shared_prompts): of the rows of one prompt admitted
+    together, one runs it, on its place alone, and the others take a copy of its cache (K/V, recurrent states,
+    routing records); without recurrent layers a row admitted later copies the prompt from a live row of its
+    group. Every row then samples the tokens of one batch without sharing, log-probs within float noise. A copy
+    to the wrong place, or a state not copied, would change the rows' tokens."""
+    import sampling
+    from layers import engine
+    model, tok = architectures.tiny(family)
+    text = ["a>", "hello world>", "xyz", "the quick brown fox>"] * 3  # the first 6 places: 2 prompts twice
+    enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[STOP_IDS] *= 2
+    n, seeds = len(text), torch.arange(len(text)) * 5 + 1
+    own = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=16, eos_ids=STOP_IDS,
+                          pad_id=tok.pad_token_id, seeds=seeds)
+    heads, copied, extend = [], [], engine.StaticDecoder.extend
+    monkeypatch.setattr(engine.StaticDecoder, "extend", lambda self, ids, valid, start, top, batch_rows=None: (
+        heads.append(0 if batch_rows is None else batch_rows.numel()), extend(self, ids, valid, start, top, batch_rows))[1])
+    copy_rows = engine.StaticDecoder.copy_rows
+    monkeypatch.setattr(engine.StaticDecoder, "copy_rows", lambda self, src, dst, lo, hi: (
+        copied.append(dst.numel()), copy_rows(self, src, dst, lo, hi))[1])
+    stream = sampling.Stream(6, n, enc.input_ids.shape[1] + 3, 16, STOP_IDS, tok.pad_token_id, sampling.Draw(),
+                             torch.device("cpu"), share_prompts=True)
+    stream.add(enc.input_ids, enc.attention_mask, seeds, list(range(n)))
+    stream.run(model, list(range(n)))
+    got = stream.take(list(range(n)))
+    assert sum(heads) + sum(copied) == n  # every row admitted: run once, or copied
+    recurrent = architectures.FAMILIES[family].layers == "hybrid"
+    assert sum(copied) >= 2 and (recurrent or len(copied) > 1), copied  # later: from live rows (none recurrent)
+    assert torch.equal(got.truncated, own.truncated)
+    for k in ("completion_ids", "completion_mask"):
+        assert torch.equal(getattr(got, k)[:, :own.completion_ids.shape[1]], getattr(own, k)), k
+    # float noise: a prompt's K/V computed in a batch of other rows or of one (as stream_against_one_batch)
+    torch.testing.assert_close(got.logprobs[:, :own.logprobs.shape[1]], own.logprobs, atol=2e-5, rtol=0)
+    assert own.completion_mask.sum(1).unique().numel() > 2  # rows of a group went their own ways
