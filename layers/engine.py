@@ -504,7 +504,8 @@ class StaticDecoder:
         key_slot = torch.arange(lo, kv_len, device=ids.device)
         # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
         mask = self.key_mask[at, None, None, lo:kv_len] & (key_slot <= slots[:, None, :, None])
-        masks = self._windowed(mask, self.pos[rows, slots], kv_len, lo=lo) if self.windows else {None: mask}
+        masks = self._windowed(mask, self.pos[rows, slots], kv_len, lo=lo, key_pos=None if batch_rows is None else
+                               self.pos[batch_rows]) if self.windows else {None: mask}
         cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
         sin = [s[rows, slots][:, :, None] for s in self.sin]
 
