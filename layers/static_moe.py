@@ -209,8 +209,8 @@ def _expert_share(experts, name, dim, cut, tp):
     w = cut(chain.original.detach(), dim)
     if not lo.enabled:
         return w
-    inputs = dim != (2 if lo.transposed else 1)  # the weight's output dimension: (E, in, out) or (E, out, in)
-    # B's outputs are its dim 1, A's inputs its dim 2
+    inputs = dim != (2 if lo.transposed else 1)  # its outputs' dim: 2 of (E, in, out), 1 of (E, out, in)
+    # the factor cut alike: B (E, out, r) along its dim 1, A (E, r, in) along its dim 2
     return w + lora.part_delta(lo, lo.lora_A.detach(), lo.lora_B.detach(), lambda t: cut(t, 2 if inputs else 1),
                                inputs, tp.whole)
 
@@ -226,7 +226,7 @@ def _shared_slices(mlp, tp):
         def part(t):
             return tp.part(t, dim, what)
         if is_shard(m.weight):
-            return lora.applied_part(m, part, dim == 1, lambda t: tp.whole(t))
+            return lora.applied_part(m, part, dim == 1, tp.whole)
         return part(lora.applied_weight(m))
 
     out = {"shared_gate_up": torch.cat([applied(m, 0) for m in (s.gate_proj, s.up_proj)]),

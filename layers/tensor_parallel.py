@@ -262,8 +262,8 @@ def _fetch(t, dim, wants, me, group, device=None, dtype=None):
     empty). What rank m holds of a span is the rows of its shard the span covers (dim 0), or its shard's columns of
     the span (another dim); each rank sends each other rank those pieces of its shard, cast to `dtype` (as FSDP2
     casts before its gather), in one all_to_all_single over the mesh's group (gloo and NCCL both take uneven
-    splits). A rank holds its shard, the pieces it sends (about one slice: W / T ranks take each slice) and the
-    pieces it receives (its slice), never t whole."""
+    splits). A rank holds its shard, the pieces it sends (for a slice, about one slice: W / T ranks take each) and
+    those it receives (its spans): never t whole, unless its spans are all of t (`Slice.whole`)."""
     local = t.to_local()
     device, dtype = device or local.device, dtype or local.dtype
     n, ranks = t.shape[0], len(wants)
