@@ -18,12 +18,6 @@ from layers import kernels, lora, static_moe, static_recurrent, transformer
 from layers.tensor_parallel import WHOLE
 
 
-def _whole(t, device):
-    """t whole on `device`: a DTensor shard gathered (a collective: every rank calls it for the same tensors in
-    order), first moved to the device where FSDP2 keeps it in host memory (CPUOffloadPolicy)."""
-    return t.to(device).full_tensor() if transformer._any_dtensor([t]) else t.to(device)
-
-
 class StaticDecoder:
     """The decoder of a model `_reproduced` admits, over a preallocated KV cache, on its own copy of the weights.
 
@@ -76,8 +70,10 @@ class StaticDecoder:
         self.fam = fam = spec.fam
         self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
-        # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows
-        self.tp = tp  # transformer.decide has said that the model can be cut so
+        # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows;
+        # transformer.decide has said that the model can be cut so. Slices cut from FSDP2's shards come in the
+        # copies' dtype and device (`to`, which two Slices do not compare)
+        self.tp = dataclasses.replace(tp, to=(self.device, self.dtype))
         # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (`kv_share`)
         self.config_kv = kv = cfg.num_key_value_heads
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // tp.size, max(1, kv // tp.size), a0.head_dim
@@ -105,7 +101,7 @@ class StaticDecoder:
         self.windows = sorted({s.window for s in spec.layers} - {None})
         kw = dict(device=self.device, dtype=self.dtype)
         self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
-                                                       tp=tp if tp.size > 1 else None)
+                                                       tp=self.tp if tp.size > 1 else None)
                           for i, l in enumerate(layers) if not transformer._attends(l)}
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
@@ -147,13 +143,16 @@ class StaticDecoder:
     @torch.no_grad()
     def load(self, model):
         """Copy the model's weights in, layer by layer (transformer.layer_params, its tensors as `_Copies` takes them:
-        fused, this rank's slices); under FSDP2 each layer is gathered just for its copy. The first load allocates
-        the copies, later ones copy into the same tensors, which captured graphs hold."""
+        fused, this rank's slices). Under FSDP2 a whole decoder gathers each layer just for its copy; a sliced one
+        cuts each rank's slices from the layer's shards (layers/tensor_parallel.py's `Slice.take`), so that no rank
+        holds a whole layer. The first load allocates the copies, later ones copy into the same tensors, which
+        captured graphs hold."""
         if self.w is None:
             self.w = ([{} for _ in model.model.layers], {})
         p = []
         for i, (l, settings) in enumerate(zip(model.model.layers, self.settings)):
-            gather = transformer._is_sharded(l)  # transformer.decide let it through: it gathers itself
+            # transformer.decide let it through: it gathers itself
+            gather = self.tp.size == 1 and transformer._is_sharded(l)
             if gather:
                 l.unshard()  # a collective: every rank loads the same layers in the same order
             p.append(transformer.layer_params(l, settings, self.fam, _Copies(self, i)))
@@ -163,15 +162,16 @@ class StaticDecoder:
         self._load_root(model)
 
     def _load_root(self, model):
-        """The embedding, final norm and head: this rank's vocabulary rows of the embedding and head, a sharded
-        root's tensors gathered one at a time; a tied head is the embedding's copy."""
+        """The embedding, final norm and head: this rank's vocabulary rows of the embedding and head (a sharded
+        root's cut from its shards, the final norm gathered whole); a tied head is the embedding's copy."""
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         tied = embed is head or (not transformer._any_dtensor([embed]) and head.data_ptr() == embed.data_ptr())
         norm = model.model.norm.weight
         if self.tp.size > 1:
-            embed = self.tp.cut(_whole(embed, self.device), "vocabulary").to(self.dtype)
-            head = embed if tied else self.tp.cut(_whole(head, self.device), "vocabulary").to(self.dtype)
-            norm = _whole(norm, self.device).to(self.dtype)
+            to = dict(device=self.device, dtype=self.dtype)
+            embed = self.tp.cut(embed, "vocabulary").to(**to)
+            head = embed if tied else self.tp.cut(head, "vocabulary").to(**to)
+            norm = self.tp.whole(norm).to(**to)
         root = self.w[1]
         _put(root, "embed", [embed])
         _put(root, "norm", [transformer._norm_weight(norm, self.fam)])
@@ -599,42 +599,53 @@ def _put(store, name, parts):
 class _Copies:
     """transformer.layer_params' tensors for the decoder's layer i: each weight as the layer applies it now (a LoRA
     adapter's delta merged in: lora.applied_weight), cut to this rank's share (layers/tensor_parallel.py's `cut`, by the
-    kind layer_params names), the pieces of a fused projection concatenated, copied into the decoder's store."""
+    kind layer_params names), the pieces of a fused projection concatenated, copied into the decoder's store. A
+    sharded layer's weights are FSDP2 shards: each is cut from them (`Slice.take`), and its norms gathered whole."""
 
     def __init__(self, dec, i):
         self.dec, self.i, self.store, self.tp = dec, i, dec.w[0][i], dec.tp
 
     def norm(self, name, module, eps):
-        return _put(self.store, name, [transformer._norm_weight(module.weight, self.dec.fam)]), eps
+        return _put(self.store, name, [transformer._norm_weight(self.tp.whole(module.weight), self.dec.fam)]), eps
+
+    def _applied(self, module, cut, kv=None):
+        """This rank's share of the weight `module` applies now. Whole: merged, then cut. Shards: cut first, the
+        adapter's delta from the same cut of the factor on the cut's side (B by outputs, A by inputs), the other
+        factor gathered whole (r rows or columns: small)."""
+        def part(t):
+            return self.tp.cut(t, cut, kv)
+        if transformer._any_dtensor([module.weight]):
+            return lora.applied_part(module, part, cut == "inputs", self.tp.whole)
+        return part(lora.applied_weight(module))
 
     def linears(self, name, modules, cuts, split_gate=None):
         """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then
         its gate, split_gate rows each: the queries first, the gates after the others (see transformer._qkv)."""
-        W, kv = lora.applied_weight, self.dec.config_kv
-        weights = [W(m) for m in modules]
+        kv = self.dec.config_kv
+        weights = [self._applied(m, cut, kv) for m, cut in zip(modules, cuts)]
         if all(m.bias is None for m in modules):
             biases = None
         else:
             biases = [m.bias if m.bias is not None else
                       torch.zeros(m.out_features, device=self.dec.device, dtype=self.dec.dtype) for m in modules]
         if split_gate:  # no bias: transformer.decide refuses a gated query with one
+            # cut by heads, a share of q_proj is whole heads, each its query then its gate: split as the whole is
             weights = transformer._query_parts(weights[0], split_gate, weights[1:])
-            cuts = (cuts[0], *cuts[1:], cuts[0])
-        w = _put(self.store, name, [self.tp.cut(t, cut, kv) for t, cut in zip(weights, cuts)])
+        w = _put(self.store, name, weights)
         b = None if biases is None else \
             _put(self.store, name + "_b", [self.tp.bias(t, cut, kv) for t, cut in zip(biases, cuts)])
         return [(w, b)]
 
     def linear(self, name, module, cut):
         bias = self.tp.bias(module.bias, cut)
-        return (_put(self.store, name, [self.tp.cut(lora.applied_weight(module), cut)]),
+        return (_put(self.store, name, [self._applied(module, cut)]),
                 None if bias is None else _put(self.store, name + "_b", [bias]))
 
     def tensor(self, name, t, cut):
         return _put(self.store, name, [self.tp.cut(t, cut)])
 
     def table(self, name, norms):
-        return _put(self.store, name, [transformer._norm_weight(n.weight, self.dec.fam).expand(heads, -1)
+        return _put(self.store, name, [transformer._norm_weight(self.tp.whole(n.weight), self.dec.fam).expand(heads, -1)
                                        for n, heads in norms])
 
     def moe(self, block):

@@ -74,21 +74,45 @@ def applied_weight(module):
     return w
 
 
-def stacked_low_rank(modules):
+def applied_part(module, part, inputs=False, whole=lambda t: t):
+    """part(applied_weight(module)), computed from parts: `part` cuts a tensor along the weight's outputs (its
+    rows), or with `inputs` along its inputs (its columns). The weight's part plus the adapter's delta from the same
+    part of B (by outputs) or of A (by inputs) and the other factor whole (`whole` of it: a factor gathered from
+    its shards), so that the weight is never merged, or held, whole: for a weight that is an FSDP2 shard. The rows of
+    B A are those of B times A (the columns, B times A's columns: `part_delta`), so the values are the whole merge's,
+    cut."""
+    w = part(module.weight.detach())
+    if type(module) is LoRALinear and module.enabled:
+        w = w + part_delta(module, module.lora_A.detach(), module.lora_B.detach(), part, inputs, whole).to(w.dtype)
+    return w
+
+
+def part_delta(adapter, a, b, part, inputs, whole):
+    """part(adapter.delta(a, b)) from a part of one factor (`applied_part`; LoRAExperts' too). By inputs the product is
+    taken transposed, (A' B'), each factor's last two dims swapped, and swapped back: its long side (the outputs) then
+    stays where it is in the whole product. On a CPU a narrow B A[:, cols] can take another kernel than the whole
+    B A and round otherwise (measured: 8 columns of 32 did), while the transposed product gives the whole's bits."""
+    if inputs:
+        return adapter.delta(whole(b).mT, part(a).mT).mT
+    return adapter.delta(whole(a), part(b))
+
+
+def stacked_low_rank(modules, read=lambda t: t.detach()):
     """The adapters of linear layers whose outputs are concatenated, as one low-rank pair: (A (R, in), B (sum of
     the outputs, R)), each adapter's scaling folded into its block of B, zeros where a layer has no adapter or its
-    adapter is off; None when none is a LoRALinear. x A^T B^T is each layer's low-rank term, side by side."""
+    adapter is off; None when none is a LoRALinear. x A^T B^T is each layer's low-rank term, side by side. read: how a
+    factor is read (gathered whole from its shards where they are FSDP2's)."""
     adapted = [m for m in modules if type(m) is LoRALinear]
     if not adapted:
         return None
-    a = torch.cat([m.lora_A.detach() for m in adapted])
+    a = torch.cat([read(m.lora_A) for m in adapted])
     b = torch.zeros(sum(m.out_features for m in modules), a.shape[0], dtype=a.dtype, device=a.device)
     row = col = 0
     for m in modules:
         if type(m) is LoRALinear:
             r = m.lora_A.shape[0]
             if m.enabled:
-                b[row:row + m.out_features, col:col + r] = m.lora_B.detach() * m.scaling
+                b[row:row + m.out_features, col:col + r] = read(m.lora_B) * m.scaling
             col += r
         row += m.out_features
     return a, b

@@ -29,15 +29,18 @@ Any other parametrization is read through the attribute (merged), as the
 model's own forward reads it.
 
 Tensor parallelism (layers/tensor_parallel.py): with a group of T > 1 ranks,
-`MoE` holds its own copy of this rank's share instead, cut from the whole block
+`MoE` holds its own copy of this rank's share instead, cut from the block
 when built and refreshed by `MoE.load`: every expert's intermediate dimension
 (and the shared expert's) split 1/T, the router replicated, so that every rank
 routes alike and returns a partial sum of the block's output for the caller to
-all-reduce. LoRA on the experts is merged into that copy when it is loaded.
+all-reduce. LoRA on the experts is merged into that copy when it is loaded. A
+block sharded by FSDP2 is never gathered: each rank's share is cut from the
+shards (`Slice.take`), the adapters merged into the share from the matching
+cut of their factors.
 
 Routing replay (layers/routing.py) records the experts chosen here: `MoE.__call__`
 returns them, and the decoder keeps them per cache slot.
-Of the project it imports lora alone (what an adapted linear layer is).
+Of the project it imports lora (what an adapted linear layer is) and tensor_parallel (what a shard is).
 """
 
 import torch
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from layers import lora
+from layers.tensor_parallel import is_shard
 
 
 def _qwen_router(router):
@@ -180,12 +184,12 @@ class _Held:
 
 def _expert_slices(mlp, layout, interleaved, tp):
     """This rank's share of the experts, name -> a new tensor in the model's layout (None: a bias only rank 0
-    adds). An adapted weight is read through its attribute, which merges the adapter."""
+    adds). An adapted weight is read through its attribute, which merges the adapter (`_expert_share`)."""
     e, what = mlp.experts, "the MoE's intermediate size"
     w_out = 1 if layout == "out_in" else 2  # gate_up's output dimension, down's input dimension
-    gate_up, down = e.gate_up_proj.detach(), e.down_proj.detach()
     gu_bias, down_bias = getattr(e, "gate_up_proj_bias", None), getattr(e, "down_proj_bias", None)
-    out = {"gate_up": tp.experts(gate_up, w_out, interleaved, what), "down": tp.part(down, 3 - w_out, what)}
+    out = {"gate_up": _expert_share(e, "gate_up_proj", w_out, lambda t, d: tp.experts(t, d, interleaved, what), tp),
+           "down": _expert_share(e, "down_proj", 3 - w_out, lambda t, d: tp.part(t, d, what), tp)}
     if gu_bias is not None:
         out["gate_up_bias"] = tp.experts(gu_bias.detach(), 1, interleaved, what)
     if down_bias is not None:
@@ -193,27 +197,58 @@ def _expert_slices(mlp, layout, interleaved, tp):
     return out
 
 
+def _expert_share(experts, name, dim, cut, tp):
+    """cut(w, dim): this rank's share of the fused expert weight `name` as the experts apply it now, w whole. A
+    LoRAExperts adapter on an FSDP2 shard: the base weight cut from its shards, plus the delta of the matching cut of
+    the factor on the cut's side (B (E, out, r) by its outputs, A (E, r, in) by its inputs) and the other factor
+    gathered whole (r wide: small), so that no rank merges or holds the whole weight."""
+    chain = getattr(experts.parametrizations, name, None) if parametrize.is_parametrized(experts, name) else None
+    lo = chain[0] if chain is not None and len(chain) == 1 else None
+    if lo is None or not hasattr(lo, "lora_A") or not is_shard(chain.original):
+        return cut(getattr(experts, name).detach(), dim)  # merged by the attribute's read, then cut
+    w = cut(chain.original.detach(), dim)
+    if not lo.enabled:
+        return w
+    inputs = dim != (2 if lo.transposed else 1)  # its outputs' dim: 2 of (E, in, out), 1 of (E, out, in)
+    # the factor cut alike: B (E, out, r) along its dim 1, A (E, r, in) along its dim 2
+    return w + lora.part_delta(lo, lo.lora_A.detach(), lo.lora_B.detach(), lambda t: cut(t, 2 if inputs else 1),
+                               inputs, tp.whole)
+
+
 def _shared_slices(mlp, tp):
     """This rank's share of Qwen2-MoE's shared expert: gate and up fused into one (2I/T, H) weight (this rank's
     gate rows, then its up rows, as `_silu_halves` reads them), down cut by its inputs, and the shared expert's
-    gate replicated (sigmoid(gate(h)) scales every rank's partial sum alike). Adapters merged."""
+    gate replicated (sigmoid(gate(h)) scales every rank's partial sum alike). Adapters merged (an FSDP2 shard's into
+    its cut: lora.applied_part)."""
     s, g, what = mlp.shared_expert, mlp.shared_expert_gate, "the shared expert's intermediate size"
-    out = {"shared_gate_up": torch.cat([tp.part(lora.applied_weight(m), 0, what) for m in (s.gate_proj, s.up_proj)]),
-           "shared_down": tp.part(lora.applied_weight(s.down_proj), 1, what),
-           "shared_gate": lora.applied_weight(g).clone()}
+
+    def applied(m, dim):
+        def part(t):
+            return tp.part(t, dim, what)
+        if is_shard(m.weight):
+            return lora.applied_part(m, part, dim == 1, tp.whole)
+        return part(lora.applied_weight(m))
+
+    out = {"shared_gate_up": torch.cat([applied(m, 0) for m in (s.gate_proj, s.up_proj)]),
+           "shared_down": applied(s.down_proj, 1),
+           "shared_gate": _own(lora.applied_part(g, tp.whole, whole=tp.whole))}  # whole, gathered if sharded
     if s.gate_proj.bias is not None or s.up_proj.bias is not None:
-        out["shared_gate_up_bias"] = torch.cat([tp.part(_bias(m), 0, what) for m in (s.gate_proj, s.up_proj)])
+        out["shared_gate_up_bias"] = torch.cat([tp.part(_bias(m, tp), 0, what) for m in (s.gate_proj, s.up_proj)])
     if s.down_proj.bias is not None:
         out["shared_down_bias"] = _own(tp.first(s.down_proj.bias.detach()))
     if g.bias is not None:
-        out["shared_gate_bias"] = g.bias.detach().clone()
+        out["shared_gate_bias"] = _own(tp.whole(g.bias.detach()))
     return out
 
 
-def _bias(linear):
-    """A linear layer's bias, zeros where it has none (its partner in a fused pair has one)."""
+def _bias(linear, tp):
+    """A linear layer's bias, zeros where it has none (its partner in a fused pair has one; in the dtype and on the
+    device of the shares cut from FSDP2's shards where the weight is one)."""
     w = linear.weight
-    return linear.bias.detach() if linear.bias is not None else w.new_zeros(w.shape[0])
+    if linear.bias is not None:
+        return linear.bias.detach()
+    device, dtype = tp.to if is_shard(w) and tp.to else (w.device, w.dtype)
+    return torch.zeros(w.shape[0], device=device, dtype=dtype)
 
 
 def _own(t):
@@ -242,10 +277,10 @@ class MoE:
     each output scaled by its gate and summed into the token's row in the hidden dtype.
 
     tp: this rank's share of a tensor-parallel group (layers/tensor_parallel.py). None or size 1: the parameters
-    are read in place. Larger: the block must be whole when built; the MoE holds this rank's share (the router and
-    the shared expert's gate whole, the expert and shared-expert intermediate dimensions cut 1/T, the down biases on
-    rank 0 alone), __call__ returns this rank's partial sum of the output, and `load` refreshes the share from the
-    whole block.
+    are read in place. Larger: the block must be whole or FSDP2-sharded when built (never gathered: the shares are
+    then cut from its shards); the MoE holds this rank's share (the router and the shared expert's gate whole, the
+    expert and shared-expert intermediate dimensions cut 1/T, the down biases on rank 0 alone), __call__ returns
+    this rank's partial sum of the output, and `load` refreshes the share from the block.
     """
 
     def __init__(self, mlp, tp=None):
@@ -256,7 +291,9 @@ class MoE:
         self.route = router_fn(self.router)
         experts = mlp.experts
         self.k = self.router.top_k
-        self.n_experts = experts.gate_up_proj.shape[0]
+        base = experts.parametrizations.gate_up_proj.original if \
+            parametrize.is_parametrized(experts, "gate_up_proj") else experts.gate_up_proj  # not merged to be measured
+        self.n_experts = base.shape[0]
         self.gate_fn = _silu_halves if gate_fn is None else gate_fn(experts)
         self.layout, self.interleaved = layout, gate_fn is _gpt_oss_gate  # its gate reads gate and up interleaved
         self.experts = experts
@@ -274,11 +311,11 @@ class MoE:
         # 16 bytes): probed apart
         factors = [t for w in (self.gate_up, self.down) if w.lora for t in (w.lora.lora_A, w.lora.lora_B)]
         self.grouped_lora = self.grouped and all(_probe_grouped(t.detach().transpose(1, 2)) for t in factors)
-        self.expert_ids = torch.arange(self.n_experts, device=experts.gate_up_proj.device)
+        self.expert_ids = torch.arange(self.n_experts, device=self.gate_up.base().device)
 
     def load(self, mlp):
-        """Copy this rank's share of `mlp` (the same block, whole: gathered if sharded) into the tensors the MoE
-        holds, in place (a captured CUDA graph reads them); nothing to do when it reads the block in place.
+        """Copy this rank's share of `mlp` (the same block, whole, or sharded: cut from its shards) into the tensors
+        the MoE holds, in place (a captured CUDA graph reads them); nothing to do when it reads the block in place.
         Adapters on the experts or the shared expert are merged as they are now: load again after they change,
         or after one is switched on or off."""
         if self.tp is None:
@@ -286,8 +323,8 @@ class MoE:
         with torch.no_grad():
             router = getattr(mlp, _block_spec(mlp)[0])
             bias = getattr(router, "bias", None)
-            share = {"router": router.weight.detach().clone(),
-                     "router_bias": None if bias is None else bias.detach().clone(),
+            share = {"router": _own(self.tp.whole(router.weight.detach())),
+                     "router_bias": _own(None if bias is None else self.tp.whole(bias.detach())),
                      **_expert_slices(mlp, self.layout, self.interleaved, self.tp)}
             if getattr(mlp, "shared_expert", None) is not None:
                 share.update(_shared_slices(mlp, self.tp))

@@ -104,18 +104,26 @@ class DeltaNet:
 
     def _mine(self, m):
         """This rank's slices of the layer's tensors (the whole ones with one rank): (the input projections' pieces
-        in the fused order, the other tensors, the adapters' low-rank pairs)."""
+        in the fused order, the other tensors, the adapters' low-rank pairs). An FSDP2-sharded layer's are cut from
+        its shards (tensor_parallel's `Slice.take`: each rank names its spans as a function of its Slice), its gated
+        norm and its adapters' factors gathered whole (small: r rows or columns each), then cut here."""
+        tp, sizes = self.tp, (m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+
+        def rows(t, name, dim=0, j=None):  # its spans `name` of t, or the j-th of them alone
+            return tp.take(t, dim, lambda s: s.delta_net_spans(*sizes)[name][slice(j, None if j is None else j + 1)])
+
         sp = self.spans
         parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
-        pieces = [p.weight.narrow(0, a, b - a) for p, name in zip(parts, ("qkv", "values", "heads", "heads"))
-                  for a, b in sp[name]]
+        pieces = [rows(p.weight, name, j=j) for p, name in zip(parts, ("qkv", "values", "heads", "heads"))
+                  for j in range(len(sp[name]))]
         conv_b = m.conv1d.bias
-        own = {"out": _rows(m.out_proj.weight, sp["values"], 1), "conv": _rows(m.conv1d.weight[:, 0], sp["qkv"]),
-               "conv_b": None if conv_b is None else _rows(conv_b, sp["qkv"]), "A_log": _rows(m.A_log, sp["heads"]),
-               "dt_bias": _rows(m.dt_bias, sp["heads"]), "norm": m.norm.weight}
+        own = {"out": rows(m.out_proj.weight, "values", 1), "conv": rows(m.conv1d.weight, "qkv")[:, 0],
+               "conv_b": None if conv_b is None else rows(conv_b, "qkv"), "A_log": rows(m.A_log, "heads"),
+               "dt_bias": rows(m.dt_bias, "heads"), "norm": tp.whole(m.norm.weight)}
         # an adapter's A reads the whole input and B writes the outputs: the input projections keep their rows of
         # B, out_proj its columns of A (its B, applied to a partial sum, is linear, so the ranks' terms add up)
-        in_lr, out_lr = lora.stacked_low_rank(parts), lora.stacked_low_rank([m.out_proj])
+        read = lambda t: tp.whole(t.detach())  # noqa: E731
+        in_lr, out_lr = lora.stacked_low_rank(parts, read), lora.stacked_low_rank([m.out_proj], read)
         low_rank = {"in_lr": None if in_lr is None else (in_lr[0], _rows(in_lr[1], sp["in"])),
                     "out_lr": None if out_lr is None else (_rows(out_lr[0], sp["values"], 1), out_lr[1])}
         return pieces, own, low_rank

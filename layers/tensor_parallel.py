@@ -16,9 +16,17 @@ cut into (transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functi
 (`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and
 answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after. With size 1
 every slice is the whole tensor and `reduce` is the identity. It imports nothing of the project.
+
+Slices from FSDP2's shards. Every cut is a list of spans along one dimension, a function of the rank's Slice
+(`pieces`, `Slice.take`), so that any rank can say what any other rank takes. A weight that is an FSDP2 shard (a
+DTensor split by rows over the processes) is then cut without being gathered: each rank sends every other rank the
+rows (or row-pieces) of its shard that the other's spans cover, in one all-to-all (`_fetch`), and holds only its own
+slice, never the whole tensor, let alone the whole layer. Small tensors (norms, routers, an adapter's factor on the
+side a cut leaves whole) are gathered whole, one at a time (`Slice.whole`).
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -39,10 +47,13 @@ CUTS = {
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-    """This rank's place in its tensor-parallel group: rank in [0, size), the process group (None: size 1)."""
+    """This rank's place in its tensor-parallel group: rank in [0, size), the process group (None: size 1). to:
+    (device, dtype) of the slices cut from FSDP2's shards, as FSDP2's gather would give them (the decoder's); it
+    names no place in the group, so two Slices that differ in it alone are equal."""
     rank: int = 0
     size: int = 1
     group: object = None
+    to: tuple = dataclasses.field(default=None, compare=False)
 
     def span(self, n, what="a dimension", even=True):
         """(start, stop) of this rank's share of n. even: n must split into `size` equal shares (heads,
@@ -56,17 +67,54 @@ class Slice:
             step = -(-n // self.size)
         return min(n, self.rank * step), min(n, (self.rank + 1) * step)
 
+    def pieces(self, n, what="a dimension", groups=1):
+        """This rank's spans [(start, stop)] of a dimension of n that holds `groups` pieces one after another (gate
+        then up, as torch.chunk splits them), each cut apart: its share of each piece, in order."""
+        step = max(1, -(-n // groups))
+        return [tuple(lo + x for x in self.span(min(step, n - lo), what)) for lo in range(0, n, step)]
+
+    def take(self, t, dim, spans, copy=False):
+        """This rank's spans of t along dim, concatenated in order, where spans(Slice) -> [(start, stop)] says what
+        any rank of the group takes (a function of that rank's Slice). t whole: narrowed here (a view where there is
+        one span, unless `copy`). t an FSDP2 shard: a collective over its mesh, whose ranks take the same tensors in
+        the same order (`_fetch`): this rank receives its spans, cast and moved as `to` says, and None where it
+        takes nothing."""
+        if not is_shard(t):
+            parts = [t.narrow(dim, a, b - a) for a, b in spans(self)]
+            return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone() if copy else parts[0]
+        from torch.distributed.tensor import Shard
+        mesh = t.device_mesh
+        if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):  # another layout: gathered whole, this tensor alone
+            return self.take(self.whole(t), dim, spans, copy)
+        me = mesh.get_local_rank()
+        if me % self.size != self.rank:
+            raise ValueError(f"rank {me} of the mesh is not rank {self.rank} of its tensor-parallel group: groups "
+                             f"must be consecutive ranks of the FSDP2 mesh (sharding.tensor_parallel)")
+        # the groups are consecutive ranks of the mesh: its rank m is rank m % size of its group
+        wants = [spans(dataclasses.replace(self, rank=m % self.size)) for m in range(mesh.size())]
+        device, dtype = self.to or (None, None)
+        return _fetch(t, dim % t.dim(), wants, me, mesh.get_group(), device, dtype)
+
+    def whole(self, t):
+        """t whole: a small tensor (a norm, a router, an adapter's factor), gathered from its shards where it is an
+        FSDP2 shard (a collective), cast and moved as `to` says; t itself where it is whole."""
+        if not is_shard(t):
+            return t
+        from torch.distributed.tensor import Shard
+        if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),):  # every rank takes every row
+            device, dtype = self.to or (None, None)
+            return _fetch(t, 0, [[(0, t.shape[0])]] * t.device_mesh.size(), t.device_mesh.get_local_rank(),
+                          t.device_mesh.get_group(), device, dtype)
+        device, dtype = self.to or (None, None)
+        return t.to(device=device or t.device, dtype=dtype or t.dtype).full_tensor()
+
     def part(self, t, dim=0, what="a dimension", groups=1):
         """This rank's share of t along dim, a new contiguous tensor. groups: dim holds that many equal pieces
         one after another (gate then up, q then its gate), each cut apart and the shares concatenated."""
         if t is None:
             return None
-        pieces = t.chunk(groups, dim) if groups > 1 else (t,)
-        out = []
-        for piece in pieces:
-            a, b = self.span(piece.shape[dim], what)
-            out.append(piece.narrow(dim, a, b - a))
-        return torch.cat(out, dim) if len(out) > 1 else out[0].clone()
+        n = t.shape[dim]
+        return self.take(t, dim, lambda s: s.pieces(n, what, groups), copy=True)
 
     def cut(self, t, kind, kv_heads=None):
         """This rank's share of the weight t, cut as `kind` says (`CUTS`; None: whole); kv_heads: the model's K/V
@@ -74,12 +122,13 @@ class Slice:
         if self.size == 1 or t is None or kind is None:
             return t
         if kind == "vocabulary":
-            a, b = self.span(t.shape[0], even=False)
-            return t[a:b]
-        if kind == "kv_heads":
-            return self.kv_share(kv_heads).part(t, 0, CUTS[kind][1])
+            n = t.shape[0]
+            return self.take(t, 0, lambda s: [s.span(n, even=False)])
         dim, what = CUTS[kind]
-        return self.part(t, dim, what)
+        n = t.shape[dim]
+        if kind == "kv_heads":
+            return self.take(t, dim, lambda s: s.kv_share(kv_heads).pieces(n, what), copy=True)
+        return self.take(t, dim, lambda s: s.pieces(n, what), copy=True)
 
     def bias(self, t, kind, kv_heads=None):
         """This rank's share of the bias of a weight cut as `kind` says: an "inputs" cut's bias is whole, added by
@@ -91,8 +140,9 @@ class Slice:
         `dim`: with `interleaved` gate and up alternate (g0, u0, g1, u1, ...: gpt-oss), and whole (gate, up) pairs
         are cut, so the gate function finds this rank's gates and ups at the even and odd places it reads; else I
         gate outputs come before I up outputs, each cut apart, this rank's gates then its ups."""
+        n = t.shape[dim]
         if interleaved:
-            return self.part(t.unflatten(dim, (-1, 2)), dim, what).flatten(dim, dim + 1)
+            return self.take(t, dim, lambda s: [(2 * a, 2 * b) for a, b in s.pieces(n // 2, what)], copy=True)
         return self.part(t, dim, what, groups=2)
 
     def delta_net_spans(self, nk, nv, dk, dv):
@@ -130,8 +180,12 @@ class Slice:
         return self.reduce(x)
 
     def first(self, t):
-        """t on rank 0, None on the others: the bias of a row-sliced projection, added once to the sum."""
-        return t if self.rank == 0 else None
+        """t on rank 0, None on the others: the bias of a row-sliced projection, added once to the sum (an FSDP2
+        shard: sent whole to the groups' ranks 0, a collective)."""
+        if t is None or not is_shard(t):
+            return t if self.rank == 0 else None
+        n = t.shape[0]
+        return self.take(t, 0, lambda s: [(0, n)] if s.rank == 0 else [])
 
     def reduce(self, x):
         """The sum of x over the group (an all-reduce); x itself with one rank."""
@@ -189,6 +243,79 @@ class Slice:
         import torch.distributed._functional_collectives as funcol
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name before torch 2.13
         return gather(x.contiguous(), 0, self.group)
+
+
+def is_shard(t):
+    """True for a DTensor: a weight of an FSDP2-sharded module outside a gather."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fetch(t, dim, wants, me, group, device=None, dtype=None):
+    """Mesh rank me's spans wants[me] of the DTensor t along dim, concatenated in order, None where it wants none;
+    wants[m]: the spans [(start, stop)] of every rank m of t's mesh (each rank passes the same list).
+
+    t is split by rows as FSDP2 splits it (torch.chunk's shares: ceil(n / ranks) rows each, the last ones shorter or
+    empty). What rank m holds of a span is the rows of its shard the span covers (dim 0), or its shard's columns of
+    the span (another dim); each rank sends each other rank those pieces of its shard, cast to `dtype` (as FSDP2
+    casts before its gather), in one all_to_all_single over the mesh's group (gloo and NCCL both take uneven
+    splits). A rank holds its shard, the pieces it sends (for a slice, about one slice: W / T ranks take each) and
+    those it receives (its spans): never t whole, unless its spans are all of t (`Slice.whole`)."""
+    local = t.to_local()
+    device, dtype = device or local.device, dtype or local.dtype
+    n, ranks = t.shape[0], len(wants)
+    step = -(-n // ranks)
+    held = [(min(n, m * step), min(n, (m + 1) * step)) for m in range(ranks)]
+    if local.shape[0] != held[me][1] - held[me][0]:
+        raise ValueError(f"a shard of {local.shape[0]} rows where FSDP2's split of {n} rows over {ranks} ranks gives "
+                         f"{held[me][1] - held[me][0]}")
+
+    def piece(m, span):
+        """(rows of t, columns along dim or None) of what rank m holds of span; its shape."""
+        (a, b), (r0, r1) = span, held[m]
+        rows, cols = ((max(a, r0), max(a, r0, min(b, r1))), None) if dim == 0 else ((r0, r1), (a, b))
+        shape = [rows[1] - rows[0], *t.shape[1:]]
+        if cols:
+            shape[dim] = b - a
+        return rows, cols, shape
+
+    sends = [[piece(me, s) for s in wants[m]] for m in range(ranks)]  # to each rank, in its spans' order
+    recvs = [[piece(m, s) for s in wants[me]] for m in range(ranks)]  # from each rank, in this rank's spans' order
+    size = lambda pieces: sum(math.prod(shape) for _, _, shape in pieces)  # noqa: E731
+    send = torch.empty(sum(map(size, sends)), device=device, dtype=dtype)
+    at = 0
+    for rows, cols, shape in (p for pieces in sends for p in pieces if math.prod(p[2])):
+        src = local.narrow(0, rows[0] - held[me][0], rows[1] - rows[0])
+        src = src if cols is None else src.narrow(dim, cols[0], cols[1] - cols[0])
+        send[at:at + src.numel()].view(shape).copy_(src)
+        at += src.numel()
+    recv = torch.empty(sum(map(size, recvs)), device=device, dtype=dtype)
+    import torch.distributed as dist
+    dist.all_to_all_single(recv, send, [size(p) for p in recvs], [size(p) for p in sends], group=group)
+    del send
+    mine = wants[me]
+    if not mine:
+        return None
+    shape = list(t.shape)
+    shape[dim] = sum(b - a for a, b in mine)
+    if len(mine) == 1:  # the ranks' pieces of one span, in rank order, are its rows one after another
+        return recv.view(shape)
+    out, at = torch.empty(shape, device=device, dtype=dtype), 0
+    for m in range(ranks):
+        offset = 0  # where each span begins along dim
+        for (a, b), (rows, cols, piece_shape) in zip(mine, recvs[m]):
+            k = math.prod(piece_shape)
+            if not k:
+                offset += b - a
+                continue
+            into = out.narrow(dim, offset + (rows[0] - a if dim == 0 else 0), piece_shape[dim])
+            into = into if dim == 0 else into.narrow(0, rows[0], rows[1] - rows[0])
+            into.copy_(recv[at:at + k].view(piece_shape))
+            at, offset = at + k, offset + b - a
+    return out
 
 
 def refusal(config, vocab, size, whole_projection_norms=False):

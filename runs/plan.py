@@ -347,8 +347,10 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                                                           cfg.lora_target_modules) if compute != param_dtype
                                                else model, rows * tp, length, tp)
     gen = [part for part in state if part[0] != "gradients"]  # freed after each optimizer step (set_to_none)
-    if sharded and tp > 1:  # the root's tensors gathered one at a time, each sliced, freed
-        gen.append(("largest root tensor gathered, for its slice", max(tensor_bytes([p]) for p in root)))
+    if sharded and tp > 1:  # each tensor's slice cut from the shards, one tensor at a time (Slice.take): no whole
+        # layer or root tensor; at most about three slices at once: sent, received, and an adapter's delta added
+        slice_bytes = max(-(-p.numel() // tp) for p in params) * cb
+        gen.append(("largest tensor's slice cut from the shards, x3", 3 * slice_bytes))
     elif sharded:
         gen.append(("root group gathered", tensor_bytes(root, dtype=compute)))
     if dec is not None:

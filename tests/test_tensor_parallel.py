@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import architectures
+import tp_decode
 from launches import ROOT, export_differs, launch
 
 SCRIPT = os.path.join(ROOT, "tests", "tp_decode.py")
@@ -92,6 +93,41 @@ def test_each_rank_holds_its_share_of_the_weights(decoded):
             whole, first = group[0]["kept_whole"]
             total = sum(r["bytes"] for r in group)
             assert total == group[0]["whole_bytes"] + group[0]["in_place"] + (size - 1) * whole, (family, size)
+
+
+@pytest.fixture(scope="module")
+def sharded(launched):
+    rows = [json.loads(line) for path in sorted(glob.glob(launched + "-sharded.*")) for line in open(path)
+            if line.strip()]
+    assert {r["rank"] for r in rows} == {0, 1, 2, 3}
+    return rows
+
+
+def test_slices_cut_from_fsdp_shards_are_those_of_the_whole_layers(sharded):
+    """Models fully_shard-ed over the 4 processes (tp_decode.SHARDED, LoRA on every layer: biases, a gated query, a
+    Gated DeltaNet layer, fused and interleaved experts, a shared expert, K/V heads held on two ranks at T = 4): every
+    copy of every rank's decoder, cut from the shards, is bit for bit the one cut from the whole model, in float32
+    and in bf16 by FSDP2's mixed precision."""
+    for r in sharded:
+        assert r["differ"] == [], (r["family"], r["dtype"], r["size"], r["rank"], r["differ"])
+    assert {(r["family"], r["size"]) for r in sharded} == {(f, t) for f in tp_decode.SHARDED for t in (2, 4)}
+
+
+def test_no_rank_materializes_a_whole_layer_or_the_whole_embedding(sharded):
+    """While a decoder loads its slices from the shards, no tensor any rank allocates is as large as a whole layer
+    (what FSDP2's `unshard` gathers) or, for the root, as the whole embedding (what `full_tensor` gathers); and none but
+    the copies it keeps is as large as its layer's largest weight: what a rank sends and receives is its piece of one
+    tensor, about 1/T of it (the vocabulary's shares are ceil(V / T) rows; a rank of each of the W / T groups takes
+    each share, so a rank may send W / T rows more)."""
+    for r in sharded:
+        where = (r["family"], r["dtype"], r["size"], r["rank"])
+        row, ranks = r["embed_bytes"] // r["vocab"], 4
+        for layer, n, kept in r["made"]:
+            if layer == "root":
+                assert n <= (-(-r["vocab"] // r["size"]) + ranks // r["size"]) * row < r["embed_bytes"], (where, n)
+            else:
+                assert n < min(r["layer_bytes"]), (where, layer, n)
+                assert kept or n < r["largest"][layer], (where, layer, n)
 
 
 def test_export_of_a_model_sharded_over_four_processes(launched):

@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +111,109 @@ def export(out_path, rank, world):
             json.dump(saved, f)
 
 
+# FSDP2-sharded models, LoRA on every layer they adapt, whose slices are cut from the shards (`sharded_copies`): family
+# -> (settings, dtypes). At the tests' default of 2 K/V heads, T = 4 holds each K/V head on two ranks
+SHARDED = {
+    # biases on q/k/v, o and the MLP; LoRA on each projection; bf16 by FSDP2's mixed precision too
+    "llama": ({}, (torch.float32, torch.bfloat16)),
+    "qwen3_moe": ({}, (torch.float32,)),  # LoRA on the fused experts too
+    "gpt_oss": ({}, (torch.float32,)),  # interleaved gate/up, expert biases, sinks
+    "qwen2_moe": ({}, (torch.float32,)),  # a shared expert and its gate
+    # a gated query and a Gated DeltaNet layer
+    "qwen3_5": (dict(architectures.FAMILIES["qwen3_5"].tp, num_hidden_layers=2,
+                     layer_types=["linear_attention", "full_attention"]), (torch.float32,)),
+}
+
+
+class Materialized(TorchDispatchMode):
+    """What the ops run under it allocate: every new plain tensor (an op's return that aliases none of its inputs),
+    its bytes by `where` (a layer's index, or "root"). A DTensor is the global view of a shard, not memory: its
+    local tensor is what counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.where, self.made = None, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = out if isinstance(out, (tuple, list)) else [out]
+        for ret, t in zip(func._schema.returns, returns):
+            if ret.alias_info is None and type(t) is torch.Tensor:
+                self.made.append((self.where, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return out
+
+
+def copies(dec):
+    """name -> each tensor of a decoder's weight copies: its layers' (a MoE block's share, a recurrent layer's), the
+    root's."""
+    out = {f"root.{k}": v for k, v in dec.w[1].items()}
+    for i, d in enumerate(dec.w[0]):
+        for k, v in d.items():
+            out.update({f"{i}.moe.{n}": t for n, t in v.held.items()} if k == "moe" else {f"{i}.{k}": v})
+    for i, r in dec.recurrent.items():
+        for k, v in r.w.items():
+            pairs = enumerate(v) if isinstance(v, tuple) else [(None, v)]
+            out.update({f"{i}.rec.{k}" + ("" if j is None else f".{j}"): t for j, t in pairs})
+    return out
+
+
+def sharded_copies(rank, world, groups):
+    """For each model of `SHARDED`, fully_shard-ed over the 4 processes (float32 master weights; bf16 by FSDP2's
+    mixed precision where listed), each group's decoder loaded from the shards: the names of the copies that differ
+    (bits, dtype) from those of the same group's decoder loaded from the whole model in that dtype, and the bytes of
+    every tensor the load allocates, with the whole layers' and the embedding's for scale."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from layers import engine, transformer
+    mesh = init_device_mesh("cpu", (world,))
+    lines = []
+    for family, (settings, dtypes) in SHARDED.items():
+        model, _ = architectures.tiny(family, **settings)
+        architectures.adapt(model, 4, "all")
+        for dtype in dtypes:
+            whole = copy.deepcopy(model).to(dtype)  # what FSDP2's gather gives each layer, in the decoder's dtype
+            sharded = copy.deepcopy(model)
+            mp = MixedPrecisionPolicy(param_dtype=dtype if dtype != torch.float32 else None)
+            for layer in sharded.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(sharded, mesh=mesh, mp_policy=mp)
+            size = dtype.itemsize
+            layer_bytes = [sum(p.numel() for p in layer.parameters()) * size for layer in whole.model.layers]
+            largest = [max(p.numel() for p in layer.parameters()) * size for layer in whole.model.layers]
+            for t, tp in groups.items():
+                want = engine.StaticDecoder(whole, 4, 64, tp=tp, dtype=dtype)
+                want.load(whole)
+                got = engine.StaticDecoder(sharded, 4, 64, tp=tp, dtype=dtype, device=torch.device("cpu"))
+                seen = Materialized()
+                params, root = transformer.layer_params, engine.StaticDecoder._load_root
+
+                def marked(layer, *args):
+                    seen.where = list(sharded.model.layers).index(layer)
+                    return params(layer, *args)
+
+                def marked_root(dec, m):
+                    seen.where = "root"
+                    return root(dec, m)
+                transformer.layer_params, engine.StaticDecoder._load_root = marked, marked_root
+                try:
+                    with seen:
+                        got.load(sharded)
+                finally:
+                    transformer.layer_params, engine.StaticDecoder._load_root = params, root
+                a, b = copies(want), copies(got)
+                differ = sorted(k for k in a.keys() | b.keys() if (a.get(k) is None) != (b.get(k) is None) or
+                                a.get(k) is not None and (a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])))
+                kept = {v.untyped_storage().data_ptr() for v in b.values() if v is not None}
+                lines.append(dict(family=family, dtype=str(dtype), size=t, rank=rank, differ=differ,
+                                  made=[(w, n, ptr in kept) for w, ptr, n in seen.made],
+                                  layer_bytes=layer_bytes, largest=largest, vocab=model.config.vocab_size,
+                                  embed_bytes=whole.model.embed_tokens.weight.numel() * size))
+    return lines
+
+
 def main(out_path):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -169,6 +273,8 @@ def main(out_path):
                 model.__dict__.pop("_static_decoder", None)
     with open(f"{out_path}.{rank}", "w") as f:
         f.write("\n".join(json.dumps(x) for x in lines))
+    with open(f"{out_path}-sharded.{rank}", "w") as f:
+        f.write("\n".join(json.dumps(x) for x in sharded_copies(rank, world, groups)))
     export(out_path, rank, world)
     dist.barrier()
     dist.destroy_process_group()
