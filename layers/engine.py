@@ -3,7 +3,9 @@
 It holds the weight copies the sampler decodes on (fused q/k/v and gate/up, a rank's slices under tensor
 parallelism), the cache and its masks, prefill, one-token decode, the append of an environment's answer, the
 compaction of finished rows, routing records and the CUDA graphs of decode steps. What each layer computes is
-layers/transformer.py's `layer`; this file decides what it attends to and where it writes.
+layers/transformer.py's `layer`; this file decides what it attends to and where it writes. One concern, the
+decoder's state: the cache, its masks and the copies are read and written by every method here, and splitting
+them would pass that state between files.
 
 Of the project it imports layers/transformer.py, layers/kernels.py (the optional Triton decode attention),
 layers/lora.py, layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py.

@@ -70,7 +70,9 @@ def test_space_separated_run_from_the_command_line(tmp_path):
     assert [r["step"] for r in rows(out)] == [1, 2]
     lines = p.stdout.splitlines()
     assert any(line.startswith("step 1/2 |") and "eta" in line for line in lines)
-    assert all(len(line) <= 120 for line in lines if out not in line), max(lines, key=len)  # paths aside
+    # paths aside, and a long step's time split (runs/log.py lets it pass the width: a loaded machine's step)
+    assert all(len(line) <= 120 for line in lines if out not in line and "(generation" not in line), \
+        max(lines, key=len)
     assert any(line.startswith("device cpu") for line in lines)  # the banner
     assert any(line.startswith("saved ") for line in lines) and any(line.startswith("exported ") for line in lines)
 
@@ -369,8 +371,11 @@ def test_a_slow_reward_function_shows_in_reward_time_and_the_eta(tmp_path, capsy
     lines = [line for line in capsys_out if line.startswith("step ")]
     # what a loaded machine cannot change: the printed scoring time is at least the sleep, the logged one to 0.01
     # (alone, "(rewards 0.31s)"; in a long step's split, "rewards 0.31s" beside the generation and the update)
-    printed = [float(re.search(r"\brewards (\d+\.\d+)s", line).group(1)) for line in lines]
-    assert all(p >= 0.3 and abs(p - r["reward_time"]) <= 0.006 for p, r in zip(printed, logged)), (printed, lines)
+    # (a step that a loaded machine made longer than 5 times the sleep shows it only in a long step's split)
+    shown = [(re.search(r"\brewards (\d+\.\d+)s", line), r) for line, r in zip(lines, logged)]
+    assert all(m is not None for m, r in shown if r["reward_time"] >= 0.2 * r["step_time"]), lines
+    printed = [(float(m.group(1)), r) for m, r in shown if m is not None]
+    assert printed and all(p >= 0.3 and abs(p - r["reward_time"]) <= 0.006 for p, r in printed), (printed, lines)
     # the ETA counts the scoring: after step 1, 2 steps left, each at least as long as step 1's scoring
     minutes, seconds = re.search(r"eta (\d+):(\d\d)$", lines[0]).groups()
     assert 60 * int(minutes) + int(seconds) >= max(1, round(2 * logged[0]["reward_time"])), lines[0]
