@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from layers import vision
 from layers import routing as routing_replay
+from layers import static_recurrent
 from layers.head import head_of
 from layers import transformer
 from layers.transformer import hidden_states
@@ -315,9 +316,9 @@ class SharedPrompts:
 
 def shares_prompts(model, written_out):
     """Whether the training forward of `model` takes rows packed as trees: the written-out layers always (the dense
-    families), the model's own forward where `transformer.tree_refusal` finds nothing (the MoE families). The others
-    keep the padded forward: Qwen3.5 (Gated DeltaNet layers: their recurrent state would fork at the prompt's end),
-    vision-language models, and a model the family table does not describe."""
+    families), the model's own forward where `transformer.tree_refusal` finds nothing (the MoE families, Qwen3.5 with
+    its Gated DeltaNet states forked at each prompt's end). The others keep the padded forward: vision-language
+    models, and a model the family table does not describe."""
     if vision.is_vision_model(model):
         return False
     return written_out or transformer.tree_refusal(model) is None
@@ -406,7 +407,8 @@ def pack(input_ids, attention_mask, t, completion, routing=None):
 def own_forward_tree_mask(model, packed):
     """The tree's attention mask for the model's own forward, as its attention takes a prepared 4-D mask: (B, 1, L, L)
     True where a position attends (sdpa), or 0 there and the dtype's lowest elsewhere (eager); a dict of them by layer
-    type where windows differ (`transformer.tree_windows`). A position attends to the real positions before it in
+    type where windows differ (`transformer.tree_windows`), or where Gated DeltaNet layers take the tree itself
+    (`static_recurrent.Fork`). A position attends to the real positions before it in
     its prompt and its own branch, within its layer's window counted in positions; padding to itself."""
     seg, pos = packed.segment, packed.positions
     length = seg.shape[1]
@@ -423,6 +425,13 @@ def own_forward_tree_mask(model, packed):
                 ~allowed, torch.finfo(model.dtype).min)
         return allowed
     windows = transformer.tree_windows(model)
+    recurrent = transformer.recurrent_modules(model)
+    if recurrent:  # Gated DeltaNet layers (Qwen3.5) take the tree's layout in place of a mask, and fork their states
+        for module in recurrent:
+            static_recurrent.take_forks(module)
+        kinds = set(model.config.layer_types) - {"linear_attention"}
+        return {"linear_attention": static_recurrent.Fork(packed.tree),
+                **{kind: form(windows.get(kind, windows.get(None))) for kind in kinds}}
     if list(windows) == [None]:
         return form(windows[None])
     return {kind: form(w) for kind, w in windows.items()}
