@@ -870,8 +870,10 @@ def _self_attention(q, k, v, mask, p):
 class Tree:
     """Rows that share a prompt, packed as one sequence each (logprobs.py's `pack`, --shared_prompts): the prompt
     once, then each row's completion as a branch, its positions continuing from the prompt's end (every token keeps
-    the position it has in its own row). The training forward runs the sequences as a (B, L) batch; the indices here
-    point into its B * L positions, flattened.
+    the position it has in its own row). The training forward runs the sequences back to back in one row, without
+    padding between them (the written-out layers), or as a (B, L) batch each padded to the longest (the model's own
+    forward, whose 4-D mask would otherwise cover every sequence's positions against every other's); the indices here
+    point into its positions, flattened, whichever the layout: the attention reads them by index.
 
     Each completion attends to its prompt and to its own branch, never to another branch. `_tree_attention` computes
     that as two SDPA calls with boolean masks instead of one (L, L) mask that is mostly false: the prompts attend

@@ -31,10 +31,10 @@ G = 3                     # completions per prompt
 COUNTED = (7, 3, 0, 6, 7, 1, 5, 2, 7)  # each row's completion tokens up to its last counted one (0: none)
 
 
-def batch(seed=0):
+def batch(seed=0, distinct=False):
     """(ids, mask, loss_mask, prompt_ids): len(PROMPTS) groups of G rows, left-padded prompts then T completion tokens;
     the loss mask counts each row's first COUNTED tokens, less an environment's answer (tokens 2-3) inside the longer
-    ones: a second turn of the policy after it."""
+    ones: a second turn of the policy after it. `distinct`: each row's last prompt token its own (no row shares)."""
     g = torch.Generator().manual_seed(seed)
     p = max(PROMPTS)
     ids, mask = [], []
@@ -45,17 +45,19 @@ def batch(seed=0):
             ids.append(torch.cat([torch.zeros(p - n, dtype=torch.long), prompt, completion]))
             mask.append(torch.cat([torch.zeros(p - n), torch.ones(n + T)]))
     ids, mask = torch.stack(ids), torch.stack(mask).long()
+    if distinct:
+        ids[:, p - 1] = torch.arange(3, 3 + ids.shape[0])
     counted = torch.arange(T)[None] < torch.tensor(COUNTED)[:, None]
     environment = (torch.arange(T)[None] >= 2) & (torch.arange(T)[None] < 4) & (torch.tensor(COUNTED)[:, None] > 4)
     return ids, mask, (counted & ~environment).float(), ids[:, :p]
 
 
 def run(model, shared, objective=None, size=16, max_tokens=0, entropy_grad=False, ref=None, old=None, seed=0,
-        grad=True):
+        grad=True, distinct=False):
     """The step's micro-batched forward and backward as train.backward_mini_batch runs it: per-token log-probs and
     entropies (N, T), zero where not counted, the loss summed over micro-batches, each parameter's gradient, and the
     micro-batches."""
-    ids, mask, loss_mask, prompt_ids = batch(seed)
+    ids, mask, loss_mask, prompt_ids = batch(seed, distinct)
     n = ids.shape[0]
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
     micro = logprobs.micro_batches(mask, loss_mask, T, size, max_tokens, prompt_ids=prompt_ids if shared else None)
@@ -154,10 +156,30 @@ def test_shared_prompts_equal_the_padded_forward(family, packs, monkeypatch):
     shared = run(model, True, objective, old=old, ref=ref)
     assert_same(shared, padded)
     tree = packs[0]
-    assert tree.ids.shape[0] == len(PROMPTS)  # one sequence per prompt
+    assert tree.tree.prompt.shape[0] == len(PROMPTS)  # one sequence per prompt
     assert (tree.segment == -1).sum() == sum(PROMPTS)
     rows = sum(len(mb.rows) for mb in padded[4])
     assert tree.positions_computed() < rows * padded[4][0].width
+    # the written-out layers take the sequences back to back in one row, the own forward one row each
+    assert tree.ids.shape[0] == (1 if path == "written-out" else len(PROMPTS))
+    assert tree.real.all() == (path == "written-out")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_rows_that_share_no_prompt_run_back_to_back(family, packs):
+    """Rows whose prompts all differ (each its own tree: a prompt and one branch) run back to back in one row on the
+    written-out layers, without padding, positions restarting at each row, and give the padded rows' log-probs and
+    gradients."""
+    model, _ = architectures.tiny(family)
+    model.train()
+    objective = grpo.Objective(beta=0.0, epsilon=0.2, max_completion_length=T)
+    old = run(model, False, grad=False, distinct=True)[0]
+    padded, shared = (run(model, s, objective, old=old, distinct=True) for s in (False, True))
+    assert_same(shared, padded)
+    tree = packs[0]
+    assert tree.tree.prompt.shape[0] == len(COUNTED) and tree.ids.shape[0] == 1 and tree.real.all()
+    assert tree.positions_computed() == sum(PROMPTS[i // G] + max(0, c - 1) for i, c in enumerate(COUNTED))
+    assert (tree.positions == 0).sum() == len(COUNTED)  # each row's positions from 0
 
 
 @pytest.mark.parametrize("family", architectures.TRAINED_WRITTEN_OUT)
