@@ -200,6 +200,38 @@ def packing(model, s, vocab, device):
     return out
 
 
+SHARED_FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5")  # one per path: see `families`
+
+
+def families(s, device):
+    """The training phase of the row's group, padded and shared, on a random model of a family per path of
+    tests/architectures.py (the tests' configs, hidden 64): Qwen3 (the written-out layers), Qwen3-MoE (its own
+    forward, sdpa), gpt-oss (its own forward, eager attention with sinks and a window) and Qwen3.5 (its own forward;
+    Gated DeltaNet layers forked at the prompt's end). {family: {padded_s, shared_s, speedup, logprob_max_diff}}."""
+    import os
+    import sys
+    tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    import architectures
+    from layers import transformer
+    out, t = {}, s["sh_completion_len"]
+    for name in SHARED_FAMILIES:
+        model, tok = architectures.tiny(name)
+        model.to(device=device, dtype=getattr(torch, s["dtype"])).train()
+        written_out = transformer.decide(model).trains_written_out(model)
+        ids, mask, loss_mask, prompt_ids = groups_batch(s, len(tok), device)
+        micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"]),
+                 "shared": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
+        runs = {k: (lambda m=m: training_phase(model, ids, mask, loss_mask, m, t, written_out))
+                for k, m in micro.items()}
+        diff = (runs["padded"]() - runs["shared"]()).abs().max().item()
+        med = medians(runs, s, device)
+        out[name] = {"padded_s": med["padded"], "shared_s": med["shared"], "speedup": med["padded"] / med["shared"],
+                     "logprob_max_diff": diff, "path": "written-out" if written_out else "own forward"}
+    return out
+
+
 def bench_shared(path, s, device):
     tokenizer = model_loading.load_tokenizer(path)
     model = load(path, s, device).train()
@@ -228,6 +260,7 @@ def bench_shared(path, s, device):
                         f"shared_{path_name}_shared_peak_bytes": peaks["shared"],
                         f"shared_{path_name}_memory_ratio": peaks["shared"] / peaks["padded"]})
     out.update(packing(model, s, len(tokenizer), device))
+    out["shared_families"] = families(s, device)
     out.update(prefill(model, prompt_ids, s, device))
     attention, flex_error = attention_alone(s, model, device)
     out["shared_attention_ms"] = attention
