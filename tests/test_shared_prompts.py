@@ -364,6 +364,37 @@ def test_families_that_keep_the_padded_forward():
     assert logprobs.shares_prompts(model, transformer.decide(model).trains_written_out(model))
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["a row per tree", "back to back"])
+def test_the_fork_gives_each_row_alone(flat, monkeypatch):
+    """`static_recurrent.fork` on one Gated DeltaNet module against the module's own forward over each row alone: the
+    prompt's outputs and each branch's, for prompts shorter than the convolution's kernel (1 and 2 tokens: its
+    tail is partly zeros) and longer, branches of 0 to 6 tokens."""
+    token_by_token(monkeypatch)
+    model, _ = architectures.tiny("qwen3_5")
+    m = model.model.layers[0].linear_attn
+    prompts, completion, t = (1, 2, 9), (7, 1, 4, 7, 0, 5), 6
+    g = torch.Generator().manual_seed(0)
+    ids, mask = [], []
+    for n in prompts:
+        prompt = torch.randint(3, 250, (n,), generator=g)
+        for _ in range(2):
+            ids.append(torch.cat([torch.zeros(max(prompts) - n, dtype=torch.long), prompt,
+                                  torch.randint(3, 250, (t,), generator=g)]))
+            mask.append((torch.arange(ids[-1].shape[0]) >= max(prompts) - n).long())
+    ids, mask = torch.stack(ids), torch.stack(mask)
+    packed = logprobs.pack(ids, mask, t, completion, flat=flat)
+    table = torch.randn(256, m.hidden_size, generator=g)  # each token's hidden state, as an embedding gives it
+    with torch.no_grad():
+        out = static_recurrent.fork(m, table[ids.reshape(-1)][packed.source], packed.tree).flatten(0, 1)
+        for r in range(ids.shape[0]):
+            alone = m(table[ids[r][mask[r].bool()]][None])[0]  # (prompt + t, H)
+            pl, branch = prompts[r // 2], (packed.segment.flatten() == r).nonzero()[:, 0]
+            torch.testing.assert_close(out[branch], alone[pl:pl + len(branch)], rtol=1e-5, atol=1e-5)
+            seq = packed.tree.group[r]
+            torch.testing.assert_close(out[packed.tree.prompt[seq, :pl]], alone[:pl], rtol=1e-5, atol=1e-5)
+            assert len(branch) == max(0, min(completion[r], t) - 1)
+
+
 def _zero_initial_state(monkeypatch):
     """Each branch's delta rule from zero, not from its prompt's final state."""
     rule = static_recurrent._chunk_rule
