@@ -171,9 +171,9 @@ class Config:
         # rendering (prompts, tools, tool results, reward-model inputs), e.g. '{"enable_thinking": false}'
     shared_prompts: bool = setting(False, run=False)  # each group's prompt computed once: the written-out decoder
         # prefills each distinct prompt once and copies its cache to the group's rows, and the training forwards run a
-        # micro-batch's rows with one prompt as one sequence, each completion a branch (a tree mask). The same
-        # completions and log-probs up to rounding; Qwen3.5 and vision-language models train padded
-        # (docs/performance.md)
+        # micro-batch's rows with one prompt as one tree, each completion a branch (Qwen3.5's recurrent state forked
+        # at the prompt's end), the trees back to back without padding on the written-out layers. The same
+        # completions and log-probs up to rounding; vision-language models train padded (docs/performance.md)
     # tools and environments: multi-turn rollouts (environments/__init__.py; docs/agents.md)
     tools: str = setting("", run=True)  # functions the policy may call, comma-separated file.py:name or module:name
     environment: str = setting("", run=True)  # file.py:Class, one instance per rollout; its public methods are tools

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from layers import vision
 from layers import routing as routing_replay
+from layers import static_recurrent
 from layers.head import head_of
 from layers import transformer
 from layers.transformer import hidden_states
@@ -315,9 +316,9 @@ class SharedPrompts:
 
 def shares_prompts(model, written_out):
     """Whether the training forward of `model` takes rows packed as trees: the written-out layers always (the dense
-    families), the model's own forward where `transformer.tree_refusal` finds nothing (the MoE families). The others
-    keep the padded forward: Qwen3.5 (Gated DeltaNet layers: their recurrent state would fork at the prompt's end),
-    vision-language models, and a model the family table does not describe."""
+    families), the model's own forward where `transformer.tree_refusal` finds nothing (the MoE families, Qwen3.5 with
+    its Gated DeltaNet states forked at each prompt's end). The others keep the padded forward: vision-language
+    models, and a model the family table does not describe."""
     if vision.is_vision_model(model):
         return False
     return written_out or transformer.tree_refusal(model) is None
@@ -326,7 +327,8 @@ def shares_prompts(model, written_out):
 @dataclass
 class Packed:
     """A micro-batch's rows packed one sequence per distinct prompt (`pack`): the prompt's real tokens once, then each
-    of its rows' completions as a branch, the sequences padded at their end to the longest, L positions."""
+    of its rows' completions as a branch; the sequences padded at their end to the longest, L positions (B, L), or
+    back to back in one row without padding (1, L), `pack(flat=True)`."""
     ids: torch.Tensor        # (B, L)
     positions: torch.Tensor  # (B, L) a prompt's from 0; a branch's from its prompt's end; 0 at padding
     real: torch.Tensor       # (B, L) False at padding
@@ -336,11 +338,11 @@ class Packed:
     tree: transformer.Tree   # the same layout for the written-out attention
 
     def positions_computed(self):
-        """What the forward runs over, padding between the sequences included (as micro_batch_tokens counts it)."""
+        """What the forward runs over, padding between the sequences included."""
         return self.ids.numel()
 
 
-def pack(input_ids, attention_mask, t, completion, routing=None):
+def pack(input_ids, attention_mask, t, completion, routing=None, flat=False):
     """The rows input_ids (N, S), left-padded prompts then T = `t` completion tokens, packed as `Packed` trees.
 
     Rows whose real prompt tokens are the same form a sequence (a group, or what of it is in the micro-batch); with
@@ -349,6 +351,9 @@ def pack(input_ids, attention_mask, t, completion, routing=None):
     branch holds its completion tokens up to its last counted one, not included (completion[r] - 1 of them: the last
     predicts nothing): its first completion token is predicted by the prompt's last position, its j-th by its branch's
     (j - 1)-th. Past completion[r] (tokens the caller does not count) the branch's last position stands in.
+    `flat`: the sequences back to back in one row, without the padding that makes them as long as the longest (the
+    written-out layers: their attention reads the prompts and branches by index, whatever the layout; the model's own
+    forward takes a (B, 1, L, L) mask, whose cost would grow with the square of all the sequences together).
     """
     n, s = input_ids.shape
     p, dev = s - t, input_ids.device
@@ -363,7 +368,9 @@ def pack(input_ids, attention_mask, t, completion, routing=None):
         rows_of.setdefault(g, []).append(r)
     rows_of = list(rows_of.values())
     branch = [max(0, min(c, t) - 1) for c in completion]  # tokens in each row's branch
-    length = max(prompt_len[rows[0]] + sum(branch[r] for r in rows) for rows in rows_of)
+    lengths = [prompt_len[rows[0]] + sum(branch[r] for r in rows) for rows in rows_of]
+    length = max(lengths)
+    offset = [sum(lengths[:b]) if flat else b * length for b in range(len(rows_of))]  # each sequence's first position
     src, pos, seg = [], [], []
     seq, start = [0] * n, [0] * n  # each row's sequence and where its branch starts there
     for b, rows in enumerate(rows_of):
@@ -376,22 +383,23 @@ def pack(input_ids, attention_mask, t, completion, routing=None):
             parts.append((torch.arange(r * s + p, r * s + p + branch[r]), torch.arange(pl, pl + branch[r]),
                           torch.full((branch[r],), r)))
             at += branch[r]
-        pad = length - at
+        pad = 0 if flat else length - at
         parts.append((torch.full((pad,), first), torch.zeros(pad, dtype=torch.long), torch.full((pad,), -2)))
         for out, i in ((src, 0), (pos, 1), (seg, 2)):
             out.append(torch.cat([part[i] for part in parts]))
-    src, pos, seg = (torch.stack(x).to(dev) for x in (src, pos, seg))  # (B, L)
-    nseq = src.shape[0]
+    src, pos, seg = (torch.cat(x)[None].to(dev) if flat else torch.stack(x).to(dev) for x in (src, pos, seg))
+    nseq, total = len(rows_of), src.numel()
     prompt_len = torch.tensor([prompt_len[rows[0]] for rows in rows_of], device=dev)  # (B,)
+    offset = torch.tensor(offset, device=dev)
     seq, start, branch = (torch.tensor(x, device=dev) for x in (seq, start, branch))  # (N,)
-    base = seq * length  # each row's sequence's first position, flattened
+    base = offset[seq]  # each row's sequence's first position, flattened
     pm, cm = int(prompt_len.max()), int(branch.max())
     i, c = torch.arange(pm, device=dev), torch.arange(cm, device=dev)
-    prompt = torch.arange(nseq, device=dev)[:, None] * length + i  # (B, Pm)
+    prompt = (offset[:, None] + i).clamp(max=total - 1)  # (B, Pm); past a prompt's end, any real position
     in_branch = c < branch[:, None]                                 # (N, Cm)
     branches = torch.where(in_branch, (base + start)[:, None] + c, base[:, None])
     # where each position's attention output lands in cat(prompt block (B * Pm), branch block (N * Cm))
-    inverse = torch.zeros(nseq * length, dtype=torch.long, device=dev)
+    inverse = torch.zeros(total, dtype=torch.long, device=dev)
     in_prompt = i < prompt_len[:, None]
     inverse[prompt[in_prompt]] = torch.arange(nseq * pm, device=dev).view(nseq, pm)[in_prompt]
     inverse[branches[in_branch]] = nseq * pm + torch.arange(n * cm, device=dev).view(n, cm)[in_branch]
@@ -406,7 +414,8 @@ def pack(input_ids, attention_mask, t, completion, routing=None):
 def own_forward_tree_mask(model, packed):
     """The tree's attention mask for the model's own forward, as its attention takes a prepared 4-D mask: (B, 1, L, L)
     True where a position attends (sdpa), or 0 there and the dtype's lowest elsewhere (eager); a dict of them by layer
-    type where windows differ (`transformer.tree_windows`). A position attends to the real positions before it in
+    type where windows differ (`transformer.tree_windows`), or where Gated DeltaNet layers take the tree itself
+    (`static_recurrent.Fork`). A position attends to the real positions before it in
     its prompt and its own branch, within its layer's window counted in positions; padding to itself."""
     seg, pos = packed.segment, packed.positions
     length = seg.shape[1]
@@ -423,6 +432,13 @@ def own_forward_tree_mask(model, packed):
                 ~allowed, torch.finfo(model.dtype).min)
         return allowed
     windows = transformer.tree_windows(model)
+    recurrent = transformer.recurrent_modules(model)
+    if recurrent:  # Gated DeltaNet layers (Qwen3.5) take the tree's layout in place of a mask, and fork their states
+        for module in recurrent:
+            static_recurrent.take_forks(module)
+        kinds = set(model.config.layer_types) - {"linear_attention"}
+        return {"linear_attention": static_recurrent.Fork(packed.tree),
+                **{kind: form(windows.get(kind, windows.get(None))) for kind in kinds}}
     if list(windows) == [None]:
         return form(windows[None])
     return {kind: form(w) for kind, w in windows.items()}
@@ -430,7 +446,7 @@ def own_forward_tree_mask(model, packed):
 
 def _tree_hidden_states(model, input_ids, attention_mask, t, completion, written_out, compile_layers, routing):
     """The final hidden states (N * T, H) that predict each row's completion tokens, through `pack`'s trees."""
-    packed = pack(input_ids, attention_mask, t, completion, routing)
+    packed = pack(input_ids, attention_mask, t, completion, routing, flat=written_out)
     if routing is not None:  # each packed token's recorded experts; padding routes live
         flat = routing.reshape(-1, *routing.shape[2:])[packed.source]
         routing_replay.of(model).replay(torch.where(packed.real[..., None, None], flat, -1), packed.real)

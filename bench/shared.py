@@ -147,6 +147,91 @@ def prefill(model, prompt_ids, s, device):
             "shared_prefill_speedup": med["rows"] / med["shared"], "shared_prefill_logits_max_diff": diff}
 
 
+def varied_batch(s, vocab, device, groups, share=True):
+    """(ids, mask, loss mask, prompt ids): `groups` groups of sh_generations rows whose prompts (from a quarter of
+    sh_prompt_len to all of it) and counted completions (from an eighth of sh_completion_len to all of it) differ in
+    length, left-padded; share=False: every row its own prompt (rows that share nothing)."""
+    g = torch.Generator().manual_seed(1)
+    p, t, rows = s["sh_prompt_len"], s["sh_completion_len"], s["sh_generations"]
+    n = groups * rows
+    lengths = torch.linspace(p // 4, p, groups).long().repeat_interleave(rows)
+    ids = torch.randint(3, vocab, (n, p + t), generator=g)
+    if share:
+        ids[:, :p] = ids[::rows, :p].repeat_interleave(rows, 0)
+    mask = (torch.arange(p + t)[None] >= p - lengths[:, None]).long()
+    ids = ids * mask
+    counted = torch.randint(t // 8, t + 1, (n,), generator=g)
+    loss_mask = (torch.arange(t)[None] < counted[:, None]).float()
+    return ids.to(device), mask.to(device), loss_mask.to(device), ids[:, :p].to(device)
+
+
+def packing(model, s, vocab, device):
+    """The written-out layers' training phase over micro-batches of two groups whose trees differ in length: the
+    trees back to back in one row (`pack(flat=True)`, what they take) against each tree a row padded to the longest
+    (flat=False), and the padded rows; then rows that share no prompt, each its own tree back to back, against the
+    padded rows. Seconds (median of alternated runs) and positions computed."""
+    t, out, pack = s["sh_completion_len"], {}, logprobs.pack
+    for name, share in (("groups", True), ("rows", False)):
+        ids, mask, loss_mask, prompt_ids = varied_batch(s, vocab, device, 4, share)
+        size = 2 * s["sh_generations"]
+        padded = logprobs.micro_batches(mask, loss_mask, t, size)
+        trees = logprobs.micro_batches(mask, loss_mask, t, size, prompt_ids=prompt_ids)
+
+        def tree_run(flat):
+            def run():
+                logprobs.pack = lambda *a, **kw: pack(*a, **{**kw, "flat": flat})
+                try:
+                    return training_phase(model, ids, mask, loss_mask, trees, t, True)
+                finally:
+                    logprobs.pack = pack
+            return run
+        runs = {"padded rows": lambda: training_phase(model, ids, mask, loss_mask, padded, t, True),
+                "trees back to back": tree_run(True), "trees padded": tree_run(False)}
+        logp = {k: fn() for k, fn in runs.items()}
+        med = medians(runs, s, device)
+        out[f"shared_packing_{name}_s"] = med
+        out[f"shared_packing_{name}_positions"] = {
+            "padded rows": positions(ids, mask, padded),
+            "trees back to back": sum(pack(*mb.take(ids, mask), mb.t, mb.width.completion, flat=True)
+                                      .positions_computed() for mb in trees),
+            "trees padded": positions(ids, mask, trees)}
+        out[f"shared_packing_{name}_logprob_max_diff"] = max(
+            ((logp[k] - logp["padded rows"]) * loss_mask).abs().max().item() for k in logp)
+    return out
+
+
+SHARED_FAMILIES = ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5")  # one per path: see `families`
+
+
+def families(s, device):
+    """The training phase of the row's group, padded and shared, on a random model of a family per path of
+    tests/architectures.py (the tests' configs, hidden 64): Qwen3 (the written-out layers), Qwen3-MoE (its own
+    forward, sdpa), gpt-oss (its own forward, eager attention with sinks and a window) and Qwen3.5 (its own forward;
+    Gated DeltaNet layers forked at the prompt's end). {family: {padded_s, shared_s, speedup, logprob_max_diff}}."""
+    import os
+    import sys
+    tests_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    import architectures
+    from layers import transformer
+    out, t = {}, s["sh_completion_len"]
+    for name in SHARED_FAMILIES:
+        model, tok = architectures.tiny(name)
+        model.to(device=device, dtype=getattr(torch, s["dtype"])).train()
+        written_out = transformer.decide(model).trains_written_out(model)
+        ids, mask, loss_mask, prompt_ids = groups_batch(s, len(tok), device)
+        micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"]),
+                 "shared": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
+        runs = {k: (lambda m=m: training_phase(model, ids, mask, loss_mask, m, t, written_out))
+                for k, m in micro.items()}
+        diff = (runs["padded"]() - runs["shared"]()).abs().max().item()
+        med = medians(runs, s, device)
+        out[name] = {"padded_s": med["padded"], "shared_s": med["shared"], "speedup": med["padded"] / med["shared"],
+                     "logprob_max_diff": diff, "path": "written-out" if written_out else "own forward"}
+    return out
+
+
 def bench_shared(path, s, device):
     tokenizer = model_loading.load_tokenizer(path)
     model = load(path, s, device).train()
@@ -174,6 +259,8 @@ def bench_shared(path, s, device):
             out.update({f"shared_{path_name}_padded_peak_bytes": peaks["padded"],
                         f"shared_{path_name}_shared_peak_bytes": peaks["shared"],
                         f"shared_{path_name}_memory_ratio": peaks["shared"] / peaks["padded"]})
+    out.update(packing(model, s, len(tokenizer), device))
+    out["shared_families"] = families(s, device)
     out.update(prefill(model, prompt_ids, s, device))
     attention, flex_error = attention_alone(s, model, device)
     out["shared_attention_ms"] = attention

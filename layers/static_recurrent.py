@@ -31,6 +31,7 @@ low-rank term) and tensor_parallel.
 """
 
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -264,3 +265,86 @@ class DeltaNet:
         self.conv[rows] = conv
         self.rec[rows] = rec
         return torch.stack(outs, 1)
+
+
+# ----------------------------------------------------------------------------- training: the state forked in a tree
+
+
+class Fork:
+    """What a Gated DeltaNet module of the model's own forward takes as its attention mask when the rows that share a
+    prompt run as trees (--shared_prompts; `take_forks`): the tree's layout, transformer.Tree's fields (prompt,
+    prompt_len, branch, group, inverse), which say where each prompt's and each branch's positions are in the (B, L)
+    sequences, flattened."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+
+def take_forks(module):
+    """Let the model's own Gated DeltaNet `module` take a `Fork` for its attention mask: its forward, on this
+    instance, runs `fork` then, and its class's forward otherwise. It stays so (a layer recomputed in backward under
+    activation checkpointing runs its forward again); a copy of the model (deepcopy) keeps it, bound to the copy."""
+    if "forward" not in module.__dict__:
+        module.forward = types.MethodType(_forward_or_fork, module)
+
+
+def _forward_or_fork(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    if isinstance(attention_mask, Fork):
+        return fork(self, hidden_states, attention_mask.tree)
+    return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+
+def _chunk_rule(module):
+    """The chunked gated delta rule the module's own forward calls (its file's, a kernel where one is installed)."""
+    cls = next(c for c in type(module).__mro__ if c.__name__ in CLASSES)
+    return inspect.getmodule(cls).torch_chunk_gated_delta_rule
+
+
+def _conv_tail(x, length, width):
+    """The last `width` inputs of each prompt, x (B, Pm, C) with `length` (B,) real ones: (B, width, C), zeros before
+    a prompt's first token (what the causal convolution's padding gives a row)."""
+    j = length[:, None] - width + torch.arange(width, device=x.device)  # (B, width)
+    tail = x.gather(1, j.clamp(min=0)[..., None].expand(-1, -1, x.shape[-1]))
+    return tail * (j >= 0)[..., None].to(x.dtype)
+
+
+def fork(m, h, tree):
+    """The Gated DeltaNet module m (transformers' Qwen3_5GatedDeltaNet) over a tree's sequences, h (B, L, H) the
+    layer's normed inputs -> (B, L, H), differentiable, the module's own projections, norm and rule.
+
+    Each prompt runs once from zero states; each branch continues from its prompt's: the convolution over the
+    prompt's last kernel-1 inputs then the branch's, the chunked delta rule from the prompt's final recurrent state
+    (`initial_state`), as a row's one pass over prompt and completion computes. A prompt's state is indexed per
+    branch (no state is updated in place), so its gradient sums over the branches. Prompts shorter than the longest
+    hold padding at their end: there beta and g are zero (no update, no decay), so the state past it is the state
+    at the prompt's end."""
+    mixed = m.in_proj_qkv(h).flatten(0, 1)  # (B * L, C): the projections are per token
+    z = m.in_proj_z(h)
+    beta_all, a = m.in_proj_b(h).sigmoid().flatten(0, 1), m.in_proj_a(h).flatten(0, 1)
+    g_all = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+    weight, bias, k = m.conv1d.weight, m.conv1d.bias, m.conv_kernel_size
+    rule = _chunk_rule(m)
+
+    def heads(conv):  # the convolution's output (n, len, C) -> q, k, v (n, len, heads, dim)
+        q, key, v = torch.split(F.silu(conv), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        return (q.unflatten(-1, (-1, m.head_k_dim)), key.unflatten(-1, (-1, m.head_k_dim)),
+                v.unflatten(-1, (-1, m.head_v_dim)))
+
+    xp = mixed[tree.prompt]  # (B, Pm, C)
+    pm = xp.shape[1]
+    conv = F.conv1d(xp.transpose(1, 2), weight, bias, padding=k - 1, groups=m.conv_dim)[:, :, :pm]
+    real = torch.arange(pm, device=h.device)[None] < tree.prompt_len[:, None]  # (B, Pm)
+    beta = torch.where(real[..., None], beta_all[tree.prompt], 0)
+    g = torch.where(real[..., None], g_all[tree.prompt], 0)
+    out, state = rule(*heads(conv.transpose(1, 2)), g=g, beta=beta, initial_state=None, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    outs = [out.flatten(0, 1)]
+    if tree.branch is not None:
+        xb = torch.cat([_conv_tail(xp, tree.prompt_len, k - 1)[tree.group], mixed[tree.branch]], 1)
+        conv = F.conv1d(xb.transpose(1, 2), weight, bias, groups=m.conv_dim)  # (R, C, Cm)
+        out, _ = rule(*heads(conv.transpose(1, 2)), g=g_all[tree.branch], beta=beta_all[tree.branch],
+                      initial_state=state[tree.group], output_final_state=False, use_qk_l2norm_in_kernel=True)
+        outs.append(out.flatten(0, 1))
+    core = torch.cat(outs)[tree.inverse]  # (B * L, value heads, dv), in the sequences' order
+    core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))  # the gated norm per value head
+    return m.out_proj(core.reshape(*h.shape[:2], -1))

@@ -870,8 +870,10 @@ def _self_attention(q, k, v, mask, p):
 class Tree:
     """Rows that share a prompt, packed as one sequence each (logprobs.py's `pack`, --shared_prompts): the prompt
     once, then each row's completion as a branch, its positions continuing from the prompt's end (every token keeps
-    the position it has in its own row). The training forward runs the sequences as a (B, L) batch; the indices here
-    point into its B * L positions, flattened.
+    the position it has in its own row). The training forward runs the sequences back to back in one row, without
+    padding between them (the written-out layers), or as a (B, L) batch each padded to the longest (the model's own
+    forward, whose 4-D mask would otherwise cover every sequence's positions against every other's); the indices here
+    point into its positions, flattened, whichever the layout: the attention reads them by index.
 
     Each completion attends to its prompt and to its own branch, never to another branch. `_tree_attention` computes
     that as two SDPA calls with boolean masks instead of one (L, L) mask that is mostly false: the prompts attend
@@ -939,23 +941,24 @@ def tree_refusal(model):
     written-out training forward always can: `hidden_states(tree=...)`.) It can where the family table describes the
     model, so that its masks are known (every layer softmax attention, its sliding windows one per layer type), and
     its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE, Qwen2-MoE, gpt-oss), which
-    train on their own forward, and a dense family on it (in training mode with attention dropout). Not: Gated
-    DeltaNet layers (Qwen3.5), whose recurrent state would have to fork at the prompt's end; a model the table does
-    not describe, whose forward may build its own masks."""
+    train on their own forward, a dense family on it (in training mode with attention dropout), and Qwen3.5, whose
+    Gated DeltaNet layers (`_refusal` checks that layers/static_recurrent.py reads them) take the tree's layout and
+    fork their states at each prompt's end (`static_recurrent.fork`). Not: a model the table does not describe, whose
+    forward may build its own masks."""
     common = _refusal(model)
     if common is not None:
         return common
-    layers = model.model.layers
-    if any(not _attends(layer) for layer in layers):
-        return "recurrent layers (Gated DeltaNet), whose state would have to fork at the prompt's end"
-    if _layer_family(layers[0]).gated_query:
-        return f"{_layer_class(layers[0])}: a gated query, its own forward not checked with a tree's mask"
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r}, which may not take a 4-D mask as given"
     if tree_windows(model) is None:
         return "sliding windows that differ between layers of one layer type"
     return None
+
+
+def recurrent_modules(model):
+    """The model's Gated DeltaNet modules (its recurrent layers' `linear_attn`), in layer order."""
+    return [layer.linear_attn for layer in model.model.layers if not _attends(layer)]
 
 
 def tree_windows(model):
