@@ -971,7 +971,8 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
             parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
                                   agent, episodes, record_routing, images, on_end)
     rollout = cat_rollouts(parts, tokenizer.pad_token_id)
-    sharding.return_host_memory()  # the decoder's copies, freed: before training allocates its own tensors
+    # the decoder's copies, freed: given back before training allocates its own tensors, where they are large
+    sharding.return_host_memory(sum(p.numel() * p.element_size() for p in policy.parameters()))
     if agent is not None:
         agent.finish(episodes, rollout)
     # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped
