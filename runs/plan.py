@@ -317,6 +317,10 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     if model_loading.quantization(config):
         notes.append(f"loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are "
                      f"read (each process its own); counted here dequantized, in {str(param_dtype)[6:]}")
+        # runs/weights.py reads and dequantizes one expert's matrix at a time: its 4-bit values and a scale per 32
+        expert = max((p.numel() // p.shape[0] for p in params if p.dim() == 3), default=0)
+        load_parts.append(("one expert's matrix read from MXFP4 and dequantized",
+                           int(expert * (0.5 + 1 / 32 + param_dtype.itemsize))))
     loading = Phase("loading", load_parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu")
 
     # what stays through the run: the policy's shards, gradients and AdamW's moments and steps, the reference
@@ -684,6 +688,9 @@ SHAPES = {
                                           layer_types=["sliding_attention", "full_attention"] * 18,
                                           vocab_size=201088, tie_word_embeddings=False)),
 }
+# gpt-oss-120b as published: its experts' weights in MXFP4 (their blocks and scales), the rest in bfloat16
+SHAPES["gpt-oss-120b, MXFP4"] = (SHAPES["gpt-oss-120b"][0],
+                                 dict(SHAPES["gpt-oss-120b"][1], quantization_config={"quant_method": "mxfp4"}))
 
 
 def shape_config(name):
@@ -704,11 +711,12 @@ def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048
         for t, tp in [(t, tp) for t in completion_lengths for tp in tp_sizes]:
             cfg = Config(max_completion_length=t, max_prompt_length=512, prompts_per_step=32, num_generations=8,
                          micro_batch_size=1, gradient_checkpointing=True, tp_size=tp,
-                         model_init_kwargs={"dtype": "bfloat16"} if name == "gpt-oss-120b" else {},
-                         lora_rank=16 if name == "gpt-oss-120b" else 0)
+                         model_init_kwargs={"dtype": "bfloat16"} if name.startswith("gpt-oss") else {},
+                         lora_rank=16 if name.startswith("gpt-oss") else 0)
             limits = dict(gpu_gib=gpu_gib, host_gib=host_gib)
             p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), more_gpus=False, **limits)
             setting = ("LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master") + \
+                (" from MXFP4" if getattr(config, "quantization_config", None) else "") + \
                 (f", --tp_size={tp}" if tp > 1 else "")
             g = {ph.name: ph.total / GiB for ph in p.phases}
             verdict = "yes" if not p.over() else "no: " + "; ".join(p.advice)
