@@ -107,14 +107,16 @@ def test_a_stream_holds_its_decoder_through_the_training_step():
     assert extra == {f"{k} (kept through the step: --max_staleness)": v for k, v in real.items()}
 
 
-@pytest.mark.parametrize("checkpointing,shared", [(False, False), (True, False), (False, True)])
-def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing, shared):
+@pytest.mark.parametrize("checkpointing,shared,family", [(False, False, "qwen3"), (True, False, "qwen3"),
+                                                         (False, True, "qwen3"), (False, True, "qwen3_moe")])
+def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing, shared, family):
     """One process, float32 on CPU, a micro-batch of 8 rows of 64 + 192 positions: the plan's training total (the
     policy's state, the reference, activations, the log-prob head) against the real state's bytes plus the bytes
     autograd keeps for backward over the micro-batch's forward and head (completion_logprobs). With shared_prompts
-    the rows are 4 groups of 2 and the forward runs each prompt once (4 x 64 + 8 x 192 positions)."""
+    the rows are 4 groups of 2 and the forward runs each prompt once (4 x 64 + 8 x 192 positions): on the
+    written-out layers (Qwen3), and on the model's own forward with a tree mask (Qwen3-MoE)."""
     tok = model_loading.build_byte_tokenizer()
-    config = architectures.config("qwen3", tok, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+    config = architectures.config(family, tok, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
                                   head_dim=32)
     cfg = Config(prompts_per_step=4, num_generations=2, micro_batch_size=8, max_prompt_length=64,
                  max_completion_length=192, gradient_checkpointing=checkpointing, beta=0.04, device="cpu",
