@@ -98,8 +98,8 @@ with open(os.path.join(out, f"phases_rank{d.rank}.json"), "w") as f:
 
 
 def bench_phases(s, root, path, env, counts):
-    """{processes: {phase: (planned, measured), ...}} for loading and export: the plan's figure per process (runs/plan.py,
-    at these settings) and the largest process's private rise (`_PHASES`); also the loading's mapped file pages."""
+    """{processes: {phase: (planned, measured), ...}} for loading and export: the plan's figure per process
+    (runs/plan.py, at these settings) and the largest process's private rise (`_PHASES`); also the loading's mapped file pages."""
     from config import Config
     from runs import plan
     config = plan.model_config(Config(model=path))

@@ -793,7 +793,8 @@ def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048
             # a quantized checkpoint: what each process reads of it beside the dequantized shards it holds
             read = f" (reads {p.read / GiB:.0f} GiB of its MXFP4 checkpoint)" if getattr(
                 config, "quantization_config", None) else ""
-            rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | {g['loading']:.0f} GiB{read} | "
+            rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | "
+                        f"{g['loading']:.0f} GiB{read} | "
                         f"{g['generation']:.0f} GiB | {g['training']:.0f} GiB | {verdict} |")
     return "\n".join(rows)
 

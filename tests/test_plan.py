@@ -384,7 +384,8 @@ def test_gpt_oss_loads_from_its_mxfp4_checkpoint_about_p_over_w():
     whole = plan.tensor_bytes(plan.meta_model(config, torch.bfloat16).parameters())
     assert p.phase("loading").total == pytest.approx(whole / 8, rel=0.02)  # with the adapters, one expert aside
     assert 0.25 < p.read / (whole / 8) < 0.3
-    cell = f"| {p.phase('loading').total / plan.GiB:.0f} GiB (reads {p.read / plan.GiB:.0f} GiB of its MXFP4 checkpoint) |"
+    cell = (f"| {p.phase('loading').total / plan.GiB:.0f} GiB (reads {p.read / plan.GiB:.0f} GiB of its MXFP4 "
+            f"checkpoint) |")
     rows = [line for line in open(os.path.join(ROOT, "docs", "memory.md")) if line.startswith("| gpt-oss-120b |")]
     assert len(rows) == 4 and all(cell in row for row in rows), (cell, rows)
 
