@@ -457,6 +457,9 @@ def _stored_names(model, files):
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in adapters:
             names.setdefault(id(p), (p, []))[1].append(_PARAMETRIZED.sub(r".\1", name))
+    renamed = _renamed_in_files(model, files)
+    stored_as = lambda n: renamed.get(n, n)  # noqa: E731 (a name of the model -> its name in the files)
+    files = {**files, **{n: files[k] for n, k in renamed.items()}}  # the files' tensors under the model's names too
     out, assembled = {}, {}
     for p, aliases in names.values():
         stored = next((n for n in aliases if n in files), None)
@@ -464,13 +467,31 @@ def _stored_names(model, files):
             source = weights.per_expert(aliases[0], tuple(p.shape), files) or \
                 weights.mxfp4(aliases[0], tuple(p.shape), files)
             if source is not None:
-                assembled[aliases[0]] = (p, source)
+                kind, *parts = source
+                assembled[aliases[0]] = (p, (kind, [[stored_as(n) for n in e] for e in parts[0]]) if
+                                         kind == "experts" else (kind, *map(stored_as, parts)))
                 continue
-            return f"{aliases[0]} is not in the files (transformers renames or converts this family's weights)"
+            return f"{aliases[0]} is not in the files (transformers converts this family's weights)"
         if files[stored][0] != tuple(p.shape):
-            return f"{stored} is {list(files[stored][0])} in the files, {list(p.shape)} in the model"
-        out[stored] = p
+            return f"{stored_as(stored)} is {list(files[stored][0])} in the files, {list(p.shape)} in the model"
+        out[stored_as(stored)] = p
     return out, assembled
+
+
+def _renamed_in_files(model, files):
+    """{a name of `model`: the name the files hold it under} where transformers renames a checkpoint's tensors as it
+    loads them, by its own renaming rules for this model (names only, no conversion of values): a Qwen2.5-VL
+    checkpoint's `model.layers.*` are the model's `model.language_model.layers.*`, its `visual.*` the model's
+    `model.visual.*`. Names the files hold as the model does are not in it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for k in files:
+        name, _ = rename_source_key(k, renamings, [])
+        if name != k and name not in files:
+            out.setdefault(name, k)
+    return out
 
 
 def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_checkpointing=False, adapt=None):
@@ -500,10 +521,8 @@ def empty_model(name_or_path, model_init_kwargs=None, dtype=None, gradient_check
         raise ValueError(f"'{name_or_path}': {e}") from None
     if quantized:  # the experts are dequantized as they are read (fill_shards): the model holds plain weights
         del config.quantization_config
-    auto_class = causal_lm_class(config)
-    if auto_class is not AutoModelForCausalLM:
-        return None, "a vision-language model loads whole (its files name its parts as transformers converts them)"
-    why = not_causal(config)
+    auto_class = causal_lm_class(config)  # a vision-language model's: its language model, vision tower and head
+    why = not_causal(config) if auto_class is AutoModelForCausalLM else None
     if why:
         return None, why  # load_model says it in full
     _choose_attention(kwargs, auto_class, config)

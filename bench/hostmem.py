@@ -1,10 +1,17 @@
 """The hostmem row: a whole run's peak host memory per process at 1, 2 and 4 processes (CPU, gloo).
 
-A Qwen2-shaped model of `hm_layers` layers of hidden size `hm_hidden` is saved with safetensors weights; train.py
-runs `hm_steps` steps on it alone (plain python) and under `torchrun --nproc_per_node N --tp_size=N`, each process
-reading its own shards and decoding in one tensor-parallel group. Each run is launched from a process of its own,
+A Qwen2-shaped model of `hm_layers` layers of hidden size `hm_hidden` (with `hm_moe` = E, a Qwen3-MoE shape of E
+experts a layer, trained with --routing_replay) is saved with safetensors weights; train.py runs `hm_steps` steps
+on it alone (plain python) and under `torchrun --nproc_per_node N --tp_size=N`, each process reading its own shards
+and decoding in one tensor-parallel group. Each run is launched from a process of its own,
 whose `getrusage(RUSAGE_CHILDREN)` is then the peak resident memory of the largest process of that run alone.
 Reported: each peak, its ratio to one process's, and whether the runs' rewards equal one process's.
+
+Then the plan's loading and export figures against what the processes hold (`hostmem_phases`): at each number of
+processes a worker loads the folder as train.py does (runs/setup.py's load_models: the policy and the reference,
+each process reading its own shards) and exports it (runs/export.py), each process measuring the rise of its private
+resident memory (RssAnon, read every millisecond) over each phase; the files' pages it maps while reading them are
+page cache, measured apart (VmHWM's rise over the loading, less the private rise).
 """
 
 import json
@@ -26,17 +33,95 @@ sys.exit(r.returncode)
 
 
 def save_model(path, s):
-    """The row's model folder: config, byte tokenizer and safetensors weights."""
+    """The row's model folder: config, byte tokenizer and safetensors weights. Qwen2-shaped, or with hm_moe = E
+    Qwen3-MoE-shaped: E experts a layer, 4 of them per token, each of intermediate size hidden / 2 (a matrix per
+    expert in the files, as Qwen3-MoE is published)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     import model_loading
-    heads = s["hm_hidden"] // 64
-    model_loading.write_tiny_model(path, hidden_size=s["hm_hidden"], num_hidden_layers=s["hm_layers"],
-                                   intermediate_size=s["hm_hidden"] * 11 // 4, num_attention_heads=heads,
-                                   num_key_value_heads=max(1, heads // 4), head_dim=64)
+    heads, hidden = s["hm_hidden"] // 64, s["hm_hidden"]
+    shape = dict(hidden_size=hidden, num_hidden_layers=s["hm_layers"], intermediate_size=hidden * 11 // 4,
+                 num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64)
+    model_loading.write_tiny_model(path, **shape)
+    if s.get("hm_moe"):  # the tokenizer written above, the config replaced by a MoE one
+        tok = model_loading.build_byte_tokenizer()
+        Qwen3MoeConfig(**shape, num_experts=s["hm_moe"], num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
+                       norm_topk_prob=True, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True,
+                       max_position_embeddings=512).save_pretrained(path)
+    from transformers import AutoConfig
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(path)
+
+
+_PHASES = r"""
+import json, os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import sharding
+from config import Config
+from runs import export, setup
+path, out, lora, moe = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+sharding.map_large_host_tensors()  # as train.py
+d = sharding.setup("cpu")
+cfg = Config(model=path, beta=0.04, out_dir=out, device="cpu", lora_rank=lora, routing_replay=bool(moe),
+             check_model=False)
+
+def status():
+    with open("/proc/self/status") as f:
+        return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmHWM", "VmRSS", "RssAnon"))}
+
+def rise(fn):
+    sharding.return_host_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    before, top, done = status(), [0], []
+    def watch():
+        while not done:
+            top[0] = max(top[0], status()["RssAnon"])
+            time.sleep(0.001)
+    t = threading.Thread(target=watch)
+    t.start()
+    result = fn()
+    done.append(1)
+    t.join()
+    after = status()
+    top[0] = max(top[0], after["RssAnon"])
+    return result, top[0] - before["RssAnon"], after["VmHWM"] - before["VmRSS"]
+
+(tok, policy, ref), load, load_hwm = rise(lambda: setup.load_models(cfg, d, "cpu"))
+sharding.free_gathered(policy)
+_, exp, _ = rise(lambda: export.export_model(policy.lm, tok, os.path.join(out, "model"), master=d.master))
+with open(os.path.join(out, f"phases_rank{d.rank}.json"), "w") as f:
+    json.dump({"loading": load, "loading_mapped": load_hwm - load, "export": exp}, f)
+"""
+
+
+def bench_phases(s, root, path, env, counts):
+    """{processes: {phase: (planned, measured), ...}} for loading and export: the plan's figure per process
+    (runs/plan.py, at these settings) and the largest process's private rise (`_PHASES`); also the loading's mapped file pages."""
+    from config import Config
+    from runs import plan
+    config = plan.model_config(Config(model=path))
+    out = {}
+    for n in counts:
+        folder = os.path.join(root, f"phases_{n}")
+        os.makedirs(folder, exist_ok=True)
+        launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={n}"]
+        r = subprocess.run([*launcher, os.path.join(root, "phases.py"), ROOT, path, folder, str(s["hm_lora"]),
+                            str(s.get("hm_moe", 0))], cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"hostmem: the phases of {n} processes failed:\n{r.stderr[-3000:]}")
+        ranks = [json.load(open(os.path.join(folder, f"phases_rank{k}.json"))) for k in range(n)]
+        cfg = Config(model=path, beta=0.04, device="cpu", lora_rank=s["hm_lora"], routing_replay=bool(s.get("hm_moe")),
+                     max_prompt_length=s["hm_prompt_len"])
+        p = plan.plan(cfg, config, n, "cpu")
+        out[n] = {phase: (p.phase(phase).total, max(k[phase] for k in ranks)) for phase in ("loading", "export")}
+        out[n]["loading_mapped"] = max(k["loading_mapped"] for k in ranks)
+        print(f"  {n} process(es): " + ", ".join(f"{ph} planned {a / 2**30:.3f} GiB, measured {b / 2**30:.3f} GiB"
+                                               for ph, (a, b) in list(out[n].items())[:2]), flush=True)
+    return out
 
 
 def bench_hostmem(s, root):
@@ -52,7 +137,8 @@ def bench_hostmem(s, root):
         args = ["train.py", f"--model={path}", f"--max_steps={s['hm_steps']}", "--beta=0.04", f"--out_dir={out}",
                 "--resume=never", "--save_every=0", "--print_completions_every=0", "--device=cpu",
                 f"--max_prompt_length={s['hm_prompt_len']}", f"--tp_size={n}",
-                *([f"--lora_rank={s['hm_lora']}"] if s["hm_lora"] else [])]
+                *([f"--lora_rank={s['hm_lora']}"] if s["hm_lora"] else []),
+                *(["--routing_replay"] if s.get("hm_moe") else [])]
         launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={n}"]
         r = subprocess.run([sys.executable, "-c", _PEAK, *launcher, *args], cwd=ROOT, env=env, capture_output=True,
@@ -64,5 +150,9 @@ def bench_hostmem(s, root):
             rewards[n] = [json.loads(line)["reward"] for line in f]
         print(f"  {n} process(es): peak {peaks[n] / 2**30:.2f} GiB", flush=True)
     one = peaks[counts[0]]
+    with open(os.path.join(root, "phases.py"), "w") as f:
+        f.write(_PHASES)
+    phases = bench_phases(s, root, path, env, counts)
     return {"hostmem_peak_bytes": peaks, "hostmem_ratio_to_one": {n: p / one for n, p in peaks.items()},
-            "hostmem_rewards_equal": all(r == rewards[counts[0]] for r in rewards.values())}
+            "hostmem_rewards_equal": all(r == rewards[counts[0]] for r in rewards.values()),
+            "hostmem_phases": phases}

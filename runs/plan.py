@@ -118,6 +118,7 @@ class Plan:
     advice: list = dataclasses.field(default_factory=list)
     fix: tuple = None    # (settings changed, world size) that make the plan fit, from `advise`; None if none do
     lengths: tuple = (0, 0)  # (prompt, completion) tokens every row is planned at: the longest each may be
+    read: int = 0        # bytes each process reads from the checkpoint while loading (its own shards, as stored)
 
     def phase(self, name):
         return next(p for p in self.phases if p.name == name)
@@ -292,36 +293,10 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     biggest = max(blocks, key=lambda b: tensor_bytes(list(b.parameters())))
     notes = []
     reference = cfg.beta > 0 and cfg.lora_rank == 0
-
-    # loading: with several processes, each reads its own shards of the policy and the reference from a local folder
-    # of safetensors weights (runs/setup.py); else the whole model on the host (or on its GPU when alone), then the
-    # reference as a copy (LoRA makes none: its reference is the policy without its adapters)
-    whole = tensor_bytes(params)
     ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
-    vision = getattr(config, "vision_config", None) is not None
-    # (a MoE block's experts are read from their fused tensor or from a matrix per expert, shard by shard too)
-    if world > 1 and not vision:  # LoRA's adapters and routing replay's routers are added on the meta model
-        load_parts = [("policy shards", tensor_bytes(params, world))] + (
-            [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
-        notes.append(f"loading: each process reads its own shards from a folder of safetensors or .bin weights (a hub "
-                     f"id's, in the Hugging Face cache); a hub id not downloaded yet builds the whole model in each "
-                     f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
-    else:
-        load_parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
-        then = ", then the reference as a copy of it" if reference else \
-            " (no reference copy: " + ("beta 0)" if cfg.beta == 0 else "LoRA's is the policy without its adapters)")
-        notes.append(f"loading: every process builds the whole model in host memory{then}, then shards "
-                     f"(vision-language models load so)" if world > 1 else
-                     f"loading: the one process builds the model on its device{then}")
-    import model_loading
-    if model_loading.quantization(config):
-        notes.append(f"loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are "
-                     f"read (each process its own); counted here dequantized, in {str(param_dtype)[6:]}")
-        # runs/weights.py reads and dequantizes one expert's matrix at a time: its 4-bit values and a scale per 32
-        expert = max((p.numel() // p.shape[0] for p in params if p.dim() == 3), default=0)
-        load_parts.append(("one expert's matrix read from MXFP4 and dequantized",
-                           int(expert * (0.5 + 1 / 32 + param_dtype.itemsize))))
-    loading = Phase("loading", load_parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu")
+
+    loading, read = _loading(cfg, config, model, world, device, sharded, param_dtype, notes)
+    export = _export(cfg, model, params, world, device)
 
     # what stays through the run: the policy's shards, gradients and AdamW's moments and steps, the reference
     state = [("policy parameters", tensor_bytes(params, world)),
@@ -374,7 +349,112 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                 rows * tp * length * 13))
     generation = Phase("generation", gen)
 
-    # training: one micro-batch's forward and backward on top of the state
+    training = _training(cfg, config, model, state, root, biggest, dec, rows_total, compute, sharded, device)
+
+    phases = [loading, generation, training] + ([Phase("training state on the host", host, where="host")]
+                                                  if host else []) + [export]
+    return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
+                int(gpu_gib * GiB), int(host_gib * GiB), notes,
+                lengths=(cfg.max_prompt_length, cfg.max_completion_length), read=read)
+
+
+def _loading(cfg, config, model, world, device, sharded, param_dtype, notes):
+    """(the loading Phase, the bytes each process reads from the checkpoint); appends its notes to `notes`.
+
+    With several processes each builds the model on the meta device, shards it and reads its own shards of the
+    policy and the reference from the folder's files (runs/setup.py; a vision-language model's language model and
+    vision tower alike, LoRA's adapters and routing replay's routers added on the meta model); with one, the whole
+    model, and the reference as a copy (LoRA makes none: its reference is the policy without its adapters). What a
+    process holds is its shards; the files' pages it maps while reading them are page cache (docs/memory.md)."""
+    import model_loading
+    reference = cfg.beta > 0 and cfg.lora_rank == 0
+    params = _unique(model.parameters())
+    whole = tensor_bytes(params)
+    ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
+    from layers import lora
+    quantized = _mxfp4_experts(model) if model_loading.quantization(config) == "mxfp4" else set()
+    adapters = {id(p) for m in lora.lora_modules(model).values() for p in (m.lora_A, m.lora_B)}
+    stored = {id(p): None if id(p) in adapters else _stored_dtype(config, param_dtype) for p in params}
+    if world > 1:
+        parts = [("policy shards", tensor_bytes(params, world))] + (
+            [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
+        read = sum(_read_bytes(t, world, stored[id(t)], quantized) for t in params) * (2 if reference else 1)
+        notes.append(f"loading: each process reads its own shards from a folder of safetensors or .bin weights (a hub "
+                     f"id's, in the Hugging Face cache); a hub id not downloaded yet builds the whole model in each "
+                     f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
+    else:
+        parts = [("whole model", whole)] + ([("reference copy", whole)] if reference else [])
+        read = sum(_read_bytes(t, 1, stored[id(t)], quantized) for t in params)
+        then = ", then the reference as a copy of it" if reference else \
+            " (no reference copy: " + ("beta 0)" if cfg.beta == 0 else "LoRA's is the policy without its adapters)")
+        notes.append(f"loading: the one process builds the model on its device{then}")
+    if model_loading.quantization(config):
+        if quantized:  # transformers' convert_moe_packed_tensors on one expert: its output, the 4-bit codes as int32
+            n = max(t[0].numel() for t in params if id(t) in quantized)  # indices and their lookup, the transpose
+            b = param_dtype.itemsize
+            parts.append(("one expert dequantized at a time", max(int(1.5 * b * n) + 2 * n, 2 * b * n)))
+        notes.append(f"loading: quantization_config mxfp4: the checkpoint's experts are MXFP4, dequantized as they are "
+                     f"read (each process its own); counted here dequantized, in {str(param_dtype)[6:]}; each process "
+                     f"reads {read / GiB:.1f} GiB of the checkpoint")
+    return Phase("loading", parts, where="host" if sharded and world > 1 or device == "cpu" else "gpu"), read
+
+
+def _stored_dtype(config, param_dtype):
+    """The dtype a checkpoint of `config` stores its weights in: its config's dtype, else the parameters'."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved.removeprefix("torch."), None)
+    return saved if isinstance(saved, torch.dtype) else param_dtype
+
+
+def _mxfp4_experts(model):
+    """The ids of the parameters an MXFP4 checkpoint stores in blocks and scales: gpt-oss's fused expert tensors
+    (E, in, out), in blocks of 32 values along `in` (runs/weights.py's mxfp4), LoRA-adapted ones too."""
+    import re
+    return {id(p) for n, p in model.named_parameters()
+            if re.sub(r"\.parametrizations\.([^.]+)\.original$", r".\1", n).endswith(
+                ("experts.gate_up_proj", "experts.down_proj")) and p.dim() == 3 and p.shape[1] % 32 == 0}
+
+
+def _read_bytes(t, world, stored, quantized):
+    """Bytes one of `world` processes reads of parameter `t` from the files: its rows as stored (LoRA's adapters are
+    not in the files: `stored` is None for them), an MXFP4 expert tensor's as half a byte a value and a byte of scale
+    for each 32."""
+    if stored is None:
+        return 0
+    values = shard_numel(t, world)
+    if id(t) in quantized:
+        return values // 2 + values // 32
+    return values * stored.itemsize
+
+
+def _export(cfg, model, params, world, device):
+    """What exporting the trained model adds on a host process (rank 0's, the largest; runs/export.py): each tensor
+    gathered whole in turn, in pieces of sharding.GATHER_PIECE_BYTES from all ranks together (one process on a CPU
+    reads its own tensors in place), the NaN check 4M elements at a time, and a LoRA-adapted weight's merge: this
+    rank's rows merged into a copy, 64 MiB of float32 rows at a time."""
+    import sharding
+    from layers import lora
+    parts = []
+    largest = max(params, key=lambda p: tensor_bytes([p]))
+    if world > 1 or device == "cuda":
+        parts.append(("largest tensor gathered whole", tensor_bytes([largest])))
+    if world > 1 and largest.dim():  # rank 0's piece and every rank's, a few rows of each shard (full_host_tensor)
+        row = tensor_bytes([largest]) // largest.shape[0]
+        n = min(max(1, sharding.GATHER_PIECE_BYTES // world // row), -(-largest.shape[0] // world))
+        parts.append(("gather pieces in flight", (world + 1) * n * row))
+    # two masks of 4M booleans, and a float32 copy of a bfloat16 or float16 chunk
+    parts.append(("NaN check, 4M elements at a time", (2 + (4 if largest.dtype.itemsize == 2 else 0)) << 22))
+    adapted = [model.get_parameter(lora._weight_keys(name, m)[0]) for name, m in lora.lora_modules(model).items()]
+    if adapted:
+        parts.append(("LoRA merge: a weight's rows merged, float32 rows", max(tensor_bytes([w], world)
+                                                                            for w in adapted) + (64 << 20)))
+    return Phase("export", parts, where="host")
+
+
+def _training(cfg, config, model, state, root, biggest, dec, rows_total, compute, sharded, device):
+    """The training Phase: one micro-batch's forward and backward on top of the state that stays through the run."""
+    cb = compute.itemsize
     rows_step = max(1, rows_total // cfg.steps_per_generation)
     width = cfg.max_prompt_length + cfg.max_completion_length
     mb_rows = max(1, cfg.micro_batch_tokens // width) if cfg.micro_batch_tokens else cfg.micro_batch_size
@@ -401,13 +481,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     head_kept, head_transient = logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)
     tr.append(("log-prob head: kept for backward", head_kept))
     tr.append(("log-prob head: a chunk's buffers, the gradient", head_transient))
-    training = Phase("training", tr)
-
-    phases = [loading, generation, training] + ([Phase("training state on the host", host, where="host")]
-                                                  if host else [])
-    return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
-                int(gpu_gib * GiB), int(host_gib * GiB), notes,
-                lengths=(cfg.max_prompt_length, cfg.max_completion_length))
+    return Phase("training", tr)
 
 
 def _trees(cfg, config, mb_rows, cb, device):
@@ -686,11 +760,10 @@ SHAPES = {
                                           num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                                           num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
                                           layer_types=["sliding_attention", "full_attention"] * 18,
-                                          vocab_size=201088, tie_word_embeddings=False)),
+                                          vocab_size=201088, tie_word_embeddings=False, dtype="bfloat16",
+                                          # as published: the experts in MXFP4, the rest in bfloat16
+                                          quantization_config={"quant_method": "mxfp4"})),
 }
-# gpt-oss-120b as published: its experts' weights in MXFP4 (their blocks and scales), the rest in bfloat16
-SHAPES["gpt-oss-120b, MXFP4"] = (SHAPES["gpt-oss-120b"][0],
-                                 dict(SHAPES["gpt-oss-120b"][1], quantization_config={"quant_method": "mxfp4"}))
 
 
 def shape_config(name):
@@ -711,16 +784,19 @@ def table(completion_lengths=(4096, 16384), world=8, gpu_gib=80.0, host_gib=2048
         for t, tp in [(t, tp) for t in completion_lengths for tp in tp_sizes]:
             cfg = Config(max_completion_length=t, max_prompt_length=512, prompts_per_step=32, num_generations=8,
                          micro_batch_size=1, gradient_checkpointing=True, tp_size=tp,
-                         model_init_kwargs={"dtype": "bfloat16"} if name.startswith("gpt-oss") else {},
-                         lora_rank=16 if name.startswith("gpt-oss") else 0)
+                         model_init_kwargs={"dtype": "bfloat16"} if name == "gpt-oss-120b" else {},
+                         lora_rank=16 if name == "gpt-oss-120b" else 0)
             limits = dict(gpu_gib=gpu_gib, host_gib=host_gib)
             p = advise(cfg, config, plan(cfg, config, world, "cuda", **limits), more_gpus=False, **limits)
             setting = ("LoRA r16, bf16 weights" if cfg.lora_rank else "full, fp32 master") + \
-                (" from MXFP4" if getattr(config, "quantization_config", None) else "") + \
                 (f", --tp_size={tp}" if tp > 1 else "")
             g = {ph.name: ph.total / GiB for ph in p.phases}
             verdict = "yes" if not p.over() else "no: " + "; ".join(p.advice)
-            rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | {g['loading']:.0f} GiB | "
+            # a quantized checkpoint: what each process reads of it beside the dequantized shards it holds
+            read = f" (reads {p.read / GiB:.0f} GiB of its MXFP4 checkpoint)" if getattr(
+                config, "quantization_config", None) else ""
+            rows.append(f"| {name} | {t // 1024}k | {setting} | {p.params / 1e9:.1f} B | "
+                        f"{g['loading']:.0f} GiB{read} | "
                         f"{g['generation']:.0f} GiB | {g['training']:.0f} GiB | {verdict} |")
     return "\n".join(rows)
 

@@ -165,11 +165,11 @@ def load_models(cfg, d, load_device):
     """The tokenizer, the policy and the reference (None when beta == 0 or with LoRA), each sharded.
 
     Several processes and a local folder of safetensors weights: each process builds the model with its
-    parameters on the meta device (with LoRA's adapters, and routing replay's routers wrapped), shards it, and
-    reads only its own shards from the files, the reference too (`_load_sharded`); about P/W bytes per process
-    where the whole model would be P. Otherwise (one process, the tiny model and other folders without weights,
-    hub ids not in the cache, vision-language models) the whole model is built in each process, the reference
-    copied from it, and both sharded after."""
+    parameters on the meta device (with LoRA's adapters, and routing replay's routers wrapped; a vision-language
+    model's vision tower beside its language model), shards it, and reads only its own shards from the files, the
+    reference too (`_load_sharded`); about P/W bytes per process where the whole model would be P. Otherwise (one
+    process, the tiny model and other folders without weights, hub ids not in the cache) the whole model is built
+    in each process, the reference copied from it, and both sharded after."""
     # a task may bring its own tiny model's chat template and tokens (the vault task's tool calls)
     write = tasks.tiny_model_writer(cfg.task, model_loading.write_tiny_model)
     path = _local_tiny(cfg, d, "tiny_model_init", write) if cfg.model == model_loading.TINY else cfg.model

@@ -201,13 +201,27 @@ def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_th
 
 
 SHARDED_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+WITH_WEIGHTS = ("qwen2_5_vl", "qwen3_vl")  # folders with safetensors weights: 2 processes read their own shards
+
+
+def write_vl_folder(path, family, extra_tokens):
+    """A tiny vision-language model's folder (config, tokenizer, image processor), with its weights for the
+    families of WITH_WEIGHTS (a Qwen2.5-VL checkpoint names its parts as Qwen2.5-VL is published)."""
+    from transformers import AutoModelForImageTextToText
+    cfg, tok, processor = tiny_vl_parts(family, extra_tokens=extra_tokens)
+    for part in (cfg, tok, processor):
+        part.save_pretrained(path)
+    if family in WITH_WEIGHTS:
+        torch.manual_seed(0)
+        AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
     """The shapes task on each family, with 1 process and with 2 (torchrun, FSDP2 over gloo): each world size one
     launch that runs the families one after another (tests/run_train.py --runs), the two launches side by side.
-    {(family, world size): out_dir}."""
+    Qwen2.5-VL and Qwen3-VL from folders with weights (2 processes read their own shards; 1 loads the model whole),
+    Qwen3.5 from a folder without (both build the whole model). {(family, world size): (out_dir, its output)}."""
     import concurrent.futures
     from tasks import shapes
     from launches import launch_runs
@@ -222,26 +236,28 @@ def sharded_runs(tmp_path_factory):
     for family in SHARDED_FAMILIES:
         for nproc in (1, 2):
             out_dir = dirs[family, nproc] = str(t / f"{family}-{nproc}")
-            model = [f"--reward_funcs={reward}:spread"]
-            if family != "qwen2_5_vl":  # the task's own tiny model otherwise; where run_train.py reads it from
-                path = os.path.join(out_dir, "tiny_model_init")
-                for part in tiny_vl_parts(family, extra_tokens=list(shapes.COLOURS)):
-                    part.save_pretrained(path)
-                model.append(f"--model={path}")
+            path = os.path.join(out_dir, "tiny_model_init")  # where run_train.py reads it from
+            write_vl_folder(path, family, list(shapes.COLOURS))
+            model = [f"--reward_funcs={reward}:spread", f"--model={path}"]
             runs[nproc].append([f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
                                 "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4", *model])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        said = {}
         for job in [pool.submit(launch_runs, runs[w], w, str(t), f"vl{w}") for w in (1, 2)]:
-            job.result()
-    return dirs
+            said.update(job.result())
+    return {key: (out_dir, said[out_dir]) for key, out_dir in dirs.items()}
 
 
 @pytest.mark.parametrize("family", SHARDED_FAMILIES)
 def test_one_and_two_processes_sample_and_train_image_prompts_alike(sharded_runs, family):
-    """The shapes task under torchrun (FSDP2 over gloo): on its own tiny Qwen2.5-VL, and on tiny Qwen3-VL and
-    Qwen3.5 models written to a folder; every step's sampled tokens, loss and gradient norm as with 1 process."""
+    """The shapes task under torchrun (FSDP2 over gloo) on tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 models written to
+    folders: every step's sampled tokens, loss and gradient norm as with 1 process, the two processes reading
+    their own shards of the language model and the vision tower where the folder holds weights."""
     from launches import metrics, tokens
-    one, two = sharded_runs[family, 1], sharded_runs[family, 2]
+    (one, said_one), (two, said_two) = sharded_runs[family, 1], sharded_runs[family, 2]
+    assert "the whole model in each process" in said_one
+    shards = "each process read its own shards"
+    assert (shards in said_two) == (family in WITH_WEIGHTS), said_two[-2000:]
     assert tokens(one) == tokens(two) and len(tokens(one)) == 2
     for a, b in zip(metrics(one), metrics(two)):
         assert a["reward"] == b["reward"] and a["grad_norm"] > 0

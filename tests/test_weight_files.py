@@ -329,3 +329,22 @@ def test_lora_adapters_load_shard_by_shard_as_on_the_whole_model(tmp_path, monke
     assert len(adapters) == 2 * len(adapted)
     assert all(whole.get_parameter(n).abs().sum() > 0 for n in adapters if n.endswith("lora_A"))
     check_shards(folder, whole, monkeypatch, adapt=adapt)
+
+
+# ----------------------------------------------------------------------------- vision-language models
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_language_models_load_shard_by_shard(tmp_path, monkeypatch, family):
+    """A vision-language model's language model and vision tower read shard by shard: a Qwen2.5-VL checkpoint names
+    its language model `model.layers.*` and its vision tower `visual.*` (renamed by transformers as it loads them,
+    here by its own rules), a Qwen3-VL one names them as the model holds them. Each rank holds exactly its chunk of
+    every weight as the whole-loading path loads it, and read at most its share of the files plus one tensor."""
+    import test_vision
+    model, tokenizer, _ = test_vision.tiny_vl(family)
+    folder = save(tmp_path / family, model, tokenizer)
+    stored = weights.tensors(folder)
+    assert any(n.startswith("visual.") for n in stored) == (family == "qwen2_5_vl")
+    whole = model_loading.load_model(folder)
+    assert type(whole) is type(model)
+    check_shards(folder, whole, monkeypatch)
