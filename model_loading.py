@@ -483,8 +483,11 @@ def _renamed_in_files(model, files):
     loads them, by its own renaming rules for this model (names only, no conversion of values): a Qwen2.5-VL
     checkpoint's `model.layers.*` are the model's `model.language_model.layers.*`, its `visual.*` the model's
     `model.visual.*`. Names the files hold as the model does are not in it."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    try:  # transformers' own rules (5.x); without them, names are taken as the files hold them
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     out = {}
     for k in files:
