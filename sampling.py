@@ -202,8 +202,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     which routes through its routers). images: the rows' vision.PromptImages (a vision-language model's image
     prompts), on the model's own forward: their embeddings and rotary positions enter the prefill. tp: this rank's
     share of a tensor-parallel group (layers/tensor_parallel.py) whose ranks all call `sample` with the same rows:
-    StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (its FSDP2 shards
-    gathered a block at a time), and the group's ranks sample the same tokens. dtype: the decoder's copies' dtype
+    StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (from its FSDP2
+    shards where it is sharded: layers/tensor_parallel.py's `Slice.take`), and the group's ranks sample the same
+    tokens. dtype: the decoder's copies' dtype
     (the model's own by default; a sharded model's compute dtype). in_flight: on StaticDecoder, decode `in_flight`
     rows at a time and stream the others through their places: when a row ends, its place takes the next row
     (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once. on_end(rows, ids): called
@@ -211,13 +212,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
     share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
     """
-    if all_done is None:
-        all_done = lambda done: bool(done.all())  # noqa: E731
-    n = prompt_ids.shape[0]
-    device = prompt_ids.device
-    if seeds is None:
-        seeds = torch.arange(n, device=device)
-    seeds = seeds.to(device=device, dtype=torch.long)
+    all_done = all_done or (lambda done: bool(done.all()))
+    n, device = prompt_ids.shape[0], prompt_ids.device
+    seeds = (torch.arange(n, device=device) if seeds is None else seeds).to(device=device, dtype=torch.long)
     # every row's keys for every completion position at once (the last column for rows that finished): row_keys
     # is elementwise, so these are the numbers of drawing them one step at a time
     keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
@@ -235,17 +232,15 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         why = paths.sampler or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-    vocab = None
-    places = n
     if sliced or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
         places = in_flight if 0 < in_flight < n and replay is None else n
         steps = _StaticSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
                              cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
                              dtype=dtype, share=share_prompts)
-        vocab = (tp, steps.dec.vocab) if sliced else None  # each rank then holds a slice of the logits
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
     else:
-        steps, compact = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill), False
+        places, compact = n, False
+        steps = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
         # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
         # so that none samples past one (the same on every rank: it depends on the model alone)
@@ -253,7 +248,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     if draw is not None and options:
         raise TypeError(f"sample: a draw and its fields {sorted(options)} given apart; put them in the Draw")
     draw = draw or Draw(**options)  # one token per row, with its log-prob
-    pick = draw.whole if vocab is None else functools.partial(draw.sliced, tp=vocab[0], vocab=vocab[1])
+    # sliced, each rank holds a slice of the logits
+    pick = functools.partial(draw.sliced, tp=tp, vocab=steps.dec.vocab) if sliced else draw.whole
     try:
         waiting = _Waiting(prompt_ids, attn, positions, places)
         rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,

@@ -138,7 +138,6 @@ def bench_exec(s):
     judge and the program's side, two processes in one sandbox) vs the solution and its asserts in one plain process."""
     from concurrent.futures import ThreadPoolExecutor
     from sandbox import executor
-    import rewards
     import tasks.code
     mode = executor.check()
     n, pool_n, workers = s["exec_programs"], s["exec_pool_programs"], len(os.sched_getaffinity(0))
@@ -411,6 +410,29 @@ def parse(argv):
     return args, device, s, overrides, only
 
 
+def longtail_rows(path, s, device, root, results, reps):
+    """The longtail rows: decode-only streaming against full rows, then whole steps in the four modes."""
+    with row_lines("longtail", f"long-tailed rows through {s['lt_places']} places: batches one after another "
+                   f"and streaming, against full rows, {reps} runs each", results,
+                   lambda r: f"batches {r['longtail_batches_vs_full']:.2f}x, streaming "
+                             f"{r['longtail_streaming_vs_full']:.2f}x full rows' tokens/s (at most "
+                             f"{r['longtail_bound_vs_full']:.2f}x while a step waits for its longest row); "
+                             f"places busy {r['longtail_batches_slots_busy']:.0%} / "
+                             f"{r['longtail_streaming_slots_busy']:.0%}"):
+        results.update(bench_longtail(path, s, device))
+    free(device)
+    with row_lines("longtail", f"steps of {s['lt_step_prompts']} x {s['lt_step_generations']} such rows, a "
+                   f"{s['lt_reward_ms']} ms reward per completion: (a) synchronous, (b) streaming, (c), (d) "
+                   f"the sampler 1 and 2 steps ahead", results,
+                   lambda r: ", ".join(f"({m[0]}) {r[f'longtail_{m}_vs_a']:.2f}x" for m in step_modes(s)) +
+                   " (a)'s steps/s; places busy " +
+                   " / ".join(f"{r[f'longtail_{m}_slots_busy']:.0%}" for m in step_modes(s)) +
+                   "; decoding at " + " / ".join(f"{r[f'longtail_{m}_decode_vs_full']:.2f}x"
+                                                 for m in step_modes(s)) + " full rows' tokens/s"):
+        results.update(bench_longtail_steps(path, s, device, root, results["longtail_full_tokens_per_s"]))
+    free(device)
+
+
 def main(argv):
     args, device, s, overrides, only = parse(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -469,25 +491,7 @@ def main(argv):
                 except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
                     results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
         if "longtail" in only:
-            with row_lines("longtail", f"long-tailed rows through {s['lt_places']} places: batches one after another "
-                           f"and streaming, against full rows, {reps} runs each", results,
-                           lambda r: f"batches {r['longtail_batches_vs_full']:.2f}x, streaming "
-                                     f"{r['longtail_streaming_vs_full']:.2f}x full rows' tokens/s (at most "
-                                     f"{r['longtail_bound_vs_full']:.2f}x while a step waits for its longest row); "
-                                     f"places busy {r['longtail_batches_slots_busy']:.0%} / "
-                                     f"{r['longtail_streaming_slots_busy']:.0%}"):
-                results.update(bench_longtail(path, s, device))
-            free(device)
-            with row_lines("longtail", f"steps of {s['lt_step_prompts']} x {s['lt_step_generations']} such rows, a "
-                           f"{s['lt_reward_ms']} ms reward per completion: (a) synchronous, (b) streaming, (c), (d) "
-                           f"the sampler 1 and 2 steps ahead", results,
-                           lambda r: ", ".join(f"({m[0]}) {r[f'longtail_{m}_vs_a']:.2f}x" for m in step_modes(s)) +
-                           " (a)'s steps/s; places busy " +
-                           " / ".join(f"{r[f'longtail_{m}_slots_busy']:.0%}" for m in step_modes(s)) +
-                           "; decoding at " + " / ".join(f"{r[f'longtail_{m}_decode_vs_full']:.2f}x"
-                                                         for m in step_modes(s)) + " full rows' tokens/s"):
-                results.update(bench_longtail_steps(path, s, device, root, results["longtail_full_tokens_per_s"]))
-            free(device)
+            longtail_rows(path, s, device, root, results, reps)
         if "shared" in only:
             with row_lines("shared", f"the training phase with each prompt computed once vs the padded rows, "
                            f"{s['sh_prompt_len']}-token prompt, G = {s['sh_generations']} x {s['sh_completion_len']}, "
