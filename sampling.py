@@ -205,9 +205,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (from its FSDP2
     shards where it is sharded: layers/tensor_parallel.py's `Slice.take`), and the group's ranks sample the same
     tokens. dtype: the decoder's copies' dtype
-    (the model's own by default; a sharded model's compute dtype). in_flight: on StaticDecoder, decode `in_flight`
-    rows at a time and stream the others through their places: when a row ends, its place takes the next row
-    (`_Rows.admit`); 0, or routing replay's records (kept per place): every row at once. on_end(rows, ids): called
+    (the model's own by default; a sharded model's compute dtype). in_flight: decode `in_flight` rows at a time and
+    stream the others through their places: when a row ends, its place takes the next row (`_Rows.admit`); 0,
+    routing replay's records (kept per place) or images: every row at once. on_end(rows, ids): called
     at each check with the rows that ended there (indices into the batch given) and their completions' token ids
     (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
     share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
@@ -238,9 +238,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
                              cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
                              dtype=dtype, share=share_prompts)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
-    else:
-        places, compact = n, False
-        steps = _HFSteps(model, prompt_ids, attn, positions, max_new_tokens, replay, prefill)
+    else:  # rows stream through places where neither routing records nor images need them all at once
+        places, compact = in_flight if 0 < in_flight < n and replay is None and images is None else n, False
+        steps = _HFSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens, replay,
+                         prefill)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
         # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
         # so that none samples past one (the same on every rank: it depends on the model alone)
@@ -283,6 +284,8 @@ class _StaticSteps:
     """Steps on StaticDecoder: completion position j of a row lives in cache slot P + j (P the padded prompt
     length), so every row's rotary table, set at prefill, stays right however long its turns; finished rows
     can be compacted out of the batch."""
+
+    feeds_rows = True  # a block can be fed to some batch rows alone (extend's batch_rows)
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
                  dtype=None, batch=None, share=False):
@@ -328,23 +331,29 @@ class _StaticSteps:
 
 
 class _HFSteps:
-    """Steps on the model's own forward (hf_decoder.HFDecoder), every row to the end (no compaction). The cache
-    grows by a column per fed token for all rows; the masks say which columns are a row's own tokens, so an
-    answer appended to some rows, or samples forgotten, leave holes that are never attended."""
+    """Steps on the model's own forward (hf_decoder.HFDecoder). The cache grows by a column per fed token for all
+    rows; the masks say which columns are a row's own tokens, so an answer appended to some rows, or samples
+    forgotten, leave holes that are never attended. A place takes a new row by forgetting its own (every column a
+    hole, its recurrent states zero); columns that are holes in every row are dropped. compact: as StaticDecoder's,
+    with each row's cache taken along."""
+
+    share = False
 
     def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
         self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
+        self.feeds_rows = replay is None  # routing records need every row's column for every fed token
 
     def decode(self, tok, cols, cols_h):
         """One token per row at completion position cols (an int for every row, or a tensor of each row's)."""
         return self.dec.decode(tok, self.first_pos + cols)
 
-    def extend(self, ids, valid, start, top):
+    def extend(self, ids, valid, start, top, batch_rows=None):
+        first = self.first_pos if batch_rows is None else self.first_pos[batch_rows]
         cols = start[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (N, K) completion positions
-        return self.dec.extend(ids, valid, self.first_pos[:, None] + cols)
+        return self.dec.extend(ids, valid, first[:, None] + cols, batch_rows)
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends, self.first_pos)
@@ -352,8 +361,22 @@ class _HFSteps:
     def routed(self, prompt_width, length):
         return self.dec.routed(prompt_width, self.first_pos, length)
 
+    def admit(self, batch_rows, positions):
+        """Batch rows `batch_rows` (a tensor; past the batch, new rows) made empty places for rows whose prompts
+        have these positions (k, P)."""
+        grow = int(batch_rows.max()) + 1 - len(self.first_pos)
+        if grow > 0:
+            self.dec.grow(grow)
+            self.first_pos = torch.cat([self.first_pos, self.first_pos.new_zeros(grow)])
+        self.first_pos[batch_rows] = positions[:, -1] + 1
+        self.dec.admit(batch_rows)
+
     def compact(self, keep, live, fed_top):
-        return False
+        if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
+            return False
+        self.dec.keep_rows(keep)
+        self.first_pos = self.first_pos[keep]
+        return True
 
 
 def _image_prefill(model, ids, attn, images):
@@ -673,7 +696,7 @@ class _Rows:
         if not feeds:
             return self.steps.decode(tok, col, self.feed_h)
         long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
-        if long and isinstance(self.steps, _StaticSteps) and (len(long) < len(self.rows_h) or self.steps.share):
+        if long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share):
             feeds = self._feed_heads(long, feeds)
         k = max(len(b) for _, _, b in feeds)
         ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
@@ -756,11 +779,11 @@ class _Rows:
 
 
 class Stream:
-    """Rows that decode across training steps, on the written-out decoder: the sampler of a run with
-    --max_staleness. Rows are added (`add`, a step's prompts, each row with its seed and a tag naming it) to a queue
-    that `places` decode places take in order; `run` decodes until the rows asked for have all ended and stops at
-    that check, the other rows in the middle of theirs; `take` hands rows out and frees them. Between runs the
-    trainer changes the weights: the next run copies them into the decoder (`StaticDecoder.load`, in place) and
+    """Rows that decode across training steps: the sampler of a run with --max_staleness. Rows are added (`add`, a
+    step's prompts, each row with its seed and a tag naming it) to a queue that `places` decode places take in
+    order; `run` decodes until the rows asked for have all ended and stops at that check, the other rows in the
+    middle of theirs; `take` hands rows out and frees them. Between runs the trainer changes the weights: the next
+    run copies them into the decoder (`StaticDecoder.load`, in place; the model's own forward reads them live) and
     the rows in flight go on with the cache they have. Each token is drawn from the logits of the weights of the
     run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions), so the loss can take the
     sampler's log-prob as the behaviour policy's.
@@ -768,13 +791,15 @@ class Stream:
     A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
     have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
     max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where `sample` gives
-    row numbers (a Turn's `row` is its row's tag). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group
-    adds, runs and takes the same rows."""
+    row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward, as `sample`'s
+    (a model the written-out decoder does not sample takes it anyway). tp: as `sample`'s, a tensor-parallel
+    group's share: every rank of the group adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
-                 max_turns=1, stop_sequences=(), share_prompts=False):
+                 max_turns=1, stop_sequences=(), share_prompts=False, static_cache=True):
         self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
+        self.static_cache = static_cache  # False: the model's own forward, as `sample`'s
         self.max_turns, self.share = max_turns, share_prompts
         # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
         # for are then found ended as soon as they can all have
@@ -828,9 +853,8 @@ class Stream:
             self.versions[r] = [(0, self.version)]
         self.waiting.rows += [int(r) for r in slots]
         self.first_slot = min(self.first_slot, self.width - int(prompt_mask.sum(1).max()))
-        if self.loop is not None:
-            self.loop.steps.dec.first_slot = self.first_slot
 
+    @torch.no_grad()
     def run(self, model, tags, version=0, all_done=None):
         """Decode on `model`'s weights (`version`: how many training steps made them) until the rows `tags` have all
         ended, on every rank with `all_done` (sharding.all_done_fn: every rank runs the same iterations)."""
@@ -841,21 +865,25 @@ class Stream:
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
-            steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
-                                 self.attention_kernel, dtype=self.dtype, batch=self.places,
-                                 tp=self.tp or WHOLE, share=self.share)
-            model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
+            if self.tp is not None or (self.static_cache and decodes_written_out(model)):
+                steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
+                                     self.attention_kernel, dtype=self.dtype, batch=self.places,
+                                     tp=self.tp or WHOLE, share=self.share)
+                model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
+            else:  # the model's own forward, on its live weights: nothing to copy at later runs
+                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new)
             if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
                 self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)
-            steps.dec.first_slot = self.first_slot
             rows.steps = steps
             pick = self.draw.whole if self.tp is None else \
                 functools.partial(self.draw.sliced, tp=self.tp, vocab=steps.dec.vocab)
             self.loop = _Loop(steps, rows, pick, self.check_every, compact=True)
             self.loop.logits = torch.zeros(0, device=self.device)
             self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
-        else:
+        elif isinstance(self.loop.steps, _StaticSteps):
             self.loop.steps.dec.load(model)  # this version's weights, into the copies the cache was made with
+        if isinstance(self.loop.steps, _StaticSteps):
+            self.loop.steps.dec.first_slot = self.first_slot
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
@@ -953,7 +981,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     alone on the whole model; a tensor-parallel group's sampling does not call it).
     """
     n = prompt_ids.shape[0]
-    size = _batch_size(policy, cfg, n, record_routing or images is not None)
+    size = _batch_size(cfg, n, record_routing or images is not None)
     parts = []
     tp = getattr(d, "tp", None)
     if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
@@ -977,18 +1005,17 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
 
 
 def decodes_written_out(model):
-    """Whether the run's decision (transformer.paths_of) lets `model` sample on the written-out decoder, whose places
-    take new rows (a vision-language model's never do)."""
+    """Whether the run's decision (transformer.paths_of) lets `model` sample on the written-out decoder (a
+    vision-language model's never does)."""
     return not vision.is_vision_model(model) and transformer.paths_of(model).samples_written_out()
 
 
-def _batch_size(policy, cfg, n, no_streaming):
-    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places (the
-    written-out decoder admits rows into places; routing replay's records and images need batches), else batches
-    of that many, or of generation_batch_size (0: all)."""
+def _batch_size(cfg, n, no_streaming):
+    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places
+    (routing replay's records and images need batches), else batches of that many, or of generation_batch_size
+    (0: all)."""
     if cfg.rollouts_in_flight:
-        streams = not no_streaming and transformer.paths_of(policy.lm).samples_written_out()
-        return n if streams else cfg.rollouts_in_flight
+        return cfg.rollouts_in_flight if no_streaming else n
     return cfg.generation_batch_size or n
 
 
@@ -996,7 +1023,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                   record_routing, images, on_end=None):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
-    size = _batch_size(policy, cfg, n, record_routing or images is not None)
+    size = _batch_size(cfg, n, record_routing or images is not None)
     parts = []
     for s in range(0, n, size):
         rows = slice(s, s + size)

@@ -169,11 +169,9 @@ class RolloutStream:
         self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
         self.stream = None
         self.respond = {}  # with an agent, (step, round) -> the responder of its rows' episodes (the group's rows)
-        why = ("prompts with images" if run.images is not None else
-               None if sampling.decodes_written_out(run.policy.lm) else "a model that samples on its own forward")
-        if why:
-            raise ConfigError("max_staleness", f"needs rows that the written-out decoder samples; "
-                              f"this run has {why}: use --max_staleness=0")
+        if run.images is not None:  # an image prompt's prefill runs with its images, which a place does not take
+            raise ConfigError("max_staleness", "needs prompts without images (a decode place takes a new row's "
+                              "text alone): use --max_staleness=0")
 
     def last_queued(self, step):
         """The last step whose prompts are queued while `step` decodes: K ahead, but not past a checkpoint."""

@@ -92,7 +92,9 @@ class HFDecoder:
 
     Columns are appended for every row at once; `valid` (N, L) marks the columns that hold one of the row's
     tokens and `pos` (N, L) each column's position id. The interface is the sampler's: prefill, decode one
-    token per row, extend rows by a block of tokens, truncate (forget) rows' tokens from a position on.
+    token per row, extend rows (all, or some on their own cache) by a block of tokens, truncate (forget) rows'
+    tokens from a position on; and, for rows streaming through places, grow by empty rows, admit (a row forgets
+    all it held, for a new row's prompt) and keep some rows. Columns that are holes in every row are dropped.
     """
 
     def __init__(self, model, ids, attn, positions, routing=None, images=None):
@@ -125,7 +127,9 @@ class HFDecoder:
         self.valid = torch.zeros(ids.shape[0], 0, dtype=torch.bool, device=ids.device)
         self.pos = torch.zeros(ids.shape[0], 0, dtype=torch.long, device=ids.device)
         self.images, self.delta = (images, images[2]) if images is not None else (None, None)
-        self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1]
+        # with no rows, every place is empty until rows are admitted (a stream's start)
+        self.first_logits = self._forward(ids, attn.bool(), positions, prefill=True, keep=1)[:, -1] if len(ids) \
+            else None
         self.images = None  # the prefill's alone
 
     def _masks(self, q_valid, q_pos):
@@ -180,8 +184,12 @@ class HFDecoder:
         """One token per row at position ids `positions` (N,); the logits after it (N, V)."""
         return self._forward(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), positions[:, None])[:, -1]
 
-    def extend(self, ids, valid, positions):
-        """Each row's block ids[i, :valid[i].sum()] at `positions` (N, K); the logits after each row's last one."""
+    def extend(self, ids, valid, positions, batch_rows=None):
+        """Each row's block ids[i, :valid[i].sum()] at `positions` (N, K); the logits after each row's last one.
+        batch_rows: the block is for those rows alone (ids, valid and positions have a row each), which run on
+        their own cache; the other rows' columns for it are holes."""
+        if batch_rows is not None:
+            return self._extend_rows(batch_rows, ids, valid, positions)
         n, k = ids.shape
         last = valid.long().sum(1) - 1
         rows = torch.arange(n, device=ids.device)
@@ -195,6 +203,86 @@ class HFDecoder:
             self._restore(saved, ~valid[:, c])
             out = logits if out is None else torch.where((last == c)[:, None], logits, out)
         return out
+
+    def _extend_rows(self, rows, ids, valid, positions):
+        """`extend` on the cache of `rows` alone: their tensors taken out, the block run on them, and what it added
+        put back (the new columns, holes in the other rows; the rows' recurrent states)."""
+        if self.routing is not None:
+            raise ValueError("a block fed to some rows alone would leave the routing records without their columns")
+        n, width = self.valid.shape
+        whole = {}  # (holder, key) -> the tensor of every row
+        for holder, key, _ in self._tensors():
+            whole[id(holder), key] = holder[key]
+            holder[key] = holder[key][rows]
+        all_valid, all_pos, all_delta = self.valid, self.pos, self.delta
+        self.valid, self.pos = all_valid[rows], all_pos[rows]
+        self.delta = None if all_delta is None else all_delta[rows]
+        logits = self.extend(ids, valid, positions)
+        self.delta = all_delta
+        k = self.valid.shape[1] - width
+        for holder, key, columns in self._tensors():  # a layer first filled now was empty for every row
+            sub = holder[key]
+            full = whole.get((id(holder), key))
+            if full is None:
+                full = sub.new_zeros(n, *sub.shape[1:2], width, *sub.shape[3:]) if columns else \
+                    sub.new_zeros(n, *sub.shape[1:])
+            if columns:
+                full = torch.cat([full, full.new_zeros(*full.shape[:2], k, *full.shape[3:])], 2)
+                full[rows, :, width:] = sub[:, :, width:]
+            else:
+                full = full.index_copy(0, rows, sub)
+            holder[key] = full
+        grown = lambda full, sub: torch.cat([full, full.new_zeros(n, k)], 1).index_copy_(0, rows, sub)
+        self.valid, self.pos = grown(all_valid, self.valid), grown(all_pos, self.pos)
+        return logits
+
+    def _tensors(self):
+        """Every tensor the cache holds, as (holder, key, has_columns) with the tensor at holder[key]: attention
+        layers' keys and values (rows, heads, columns, dim), recurrent layers' states (rows, ...)."""
+        slots = []
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False) and torch.is_tensor(layer.keys) and layer.keys.dim() == 4:
+                slots += [(vars(layer), "keys", True), (vars(layer), "values", True)]
+            for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+                slots += [(states, i, False) for i, t in states.items() if torch.is_tensor(t)]
+        return slots
+
+    def grow(self, k):
+        """k more rows, empty (every column a hole, zero states), for rows to be admitted."""
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(k, self.valid.shape[1])])
+        self.pos = torch.cat([self.pos, self.pos.new_zeros(k, self.pos.shape[1])])
+        for holder, key, _ in self._tensors():
+            holder[key] = torch.cat([holder[key], holder[key].new_zeros(k, *holder[key].shape[1:])])
+
+    def admit(self, rows):
+        """Rows `rows` (a tensor) forget every token: their columns become holes, their recurrent states zero (a
+        state from nothing), and a new row's prompt can be fed to them as a block."""
+        self.valid[rows] = False
+        for holder, key, columns in self._tensors():
+            if not columns:
+                holder[key] = holder[key].index_fill(0, rows, 0)
+        self._drop_holes()
+
+    def keep_rows(self, keep):
+        """Keep rows `keep` (a tensor) alone, in that order."""
+        self.valid, self.pos = self.valid[keep], self.pos[keep]
+        self.delta = None if self.delta is None else self.delta[keep]
+        for holder, key, _ in self._tensors():
+            holder[key] = holder[key][keep]
+        self._drop_holes()
+
+    def _drop_holes(self):
+        """Drop the columns that are a hole in every row (rows admitted or dropped left them)."""
+        real = self.valid.any(0)
+        if bool(real.all()):
+            return
+        if self.routing is not None:
+            raise ValueError("dropping columns would leave the routing records without theirs")
+        keep = real.nonzero().squeeze(1)
+        self.valid, self.pos = self.valid[:, keep], self.pos[:, keep]
+        for holder, key, columns in self._tensors():
+            if columns:
+                holder[key] = holder[key][:, :, keep]
 
     def _states(self):
         return [[(d, i, t.clone()) for d in (layer.conv_states, layer.recurrent_states)

@@ -54,6 +54,39 @@ def test_streamed_rows_sample_what_one_batch_samples(family, turns):
     torch.testing.assert_close(streamed.logprobs, whole.logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", [n for n in _one_of_each_kind()
+                                    if architectures.FAMILIES[n].layers == "hybrid"
+                                    or "window" in architectures.FAMILIES[n].features])
+def test_rows_stream_on_the_models_own_forward(family, monkeypatch):
+    """The same on the model's own forward (layers/hf_decoder.py), which every model the written-out decoder does
+    not sample takes: a place takes its new row by forgetting its own (its columns holes, its recurrent states
+    zero), a prompt's head runs on its row's cache alone, and ended rows and columns no row holds are dropped.
+    Several turns, through `sample`'s places and through a Stream, on sliding windows and Gated DeltaNet states."""
+    from layers import hf_decoder
+    admitted, dropped, admit, drop = [0], [0], hf_decoder.HFDecoder.admit, hf_decoder.HFDecoder._drop_holes
+
+    def dropping(self):
+        width = self.valid.shape[1]
+        drop(self)
+        dropped[0] += width - self.valid.shape[1]
+    monkeypatch.setattr(hf_decoder.HFDecoder, "admit", lambda self, rows: (
+        admitted.__setitem__(0, admitted[0] + len(rows)), admit(self, rows))[1])
+    monkeypatch.setattr(hf_decoder.HFDecoder, "_drop_holes", dropping)
+    model, tok = architectures.tiny(family)
+    enc = tok(["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"] * 2, return_tensors="pt",
+              padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[STOP_IDS] *= 2
+    whole = multi_turn(model, tok, enc, static_cache=False)  # 3 turns, each call its own environment
+    streamed = multi_turn(model, tok, enc, static_cache=False, in_flight=4)
+    assert admitted[0] == len(enc.input_ids) - 4 and dropped[0] > 0
+    assert (whole.turns > 1).any() and whole.completion_mask.sum(1).unique().numel() > 1
+    for k in ("completion_ids", "completion_mask", "policy_mask", "truncated", "turns"):
+        assert torch.equal(getattr(streamed, k), getattr(whole, k)), k
+    torch.testing.assert_close(streamed.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+    stream_against_one_batch(family, torch.device("cpu"), turns=3, static_cache=False)
+
+
 def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeypatch):
     """With rows streaming, each group's rewards are computed in a worker thread as soon as its last row ends, and
     equal one call over the whole batch; a failing reward names the completion's row in the batch."""
@@ -134,7 +167,7 @@ def test_a_stream_on_cuda_graphs_samples_what_one_batch_samples(family):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def stream_against_one_batch(family, device, turns=1):
+def stream_against_one_batch(family, device, turns=1, static_cache=True):
     import rollouts
     import sampling
     model, tok = architectures.tiny(family)
@@ -149,11 +182,12 @@ def stream_against_one_batch(family, device, turns=1):
     respond = (lambda name: answering(lambda r, k: (r % 3) + 2 * k, asked[name])) if turns > 1 else (lambda _: None)
     longest = 24 * turns  # room for the answers
     whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=longest, eos_ids=STOP_IDS,
-                            pad_id=pad, seeds=seeds, respond=respond("whole"), max_turns=turns)
+                            pad_id=pad, seeds=seeds, respond=respond("whole"), max_turns=turns,
+                            static_cache=static_cache)
     ended = []
     stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, longest, STOP_IDS, pad, sampling.Draw(), device,
                              on_end=lambda tags, ids: ended.extend(zip(tags, ids)), respond=respond("stream"),
-                             max_turns=turns)
+                             max_turns=turns, static_cache=static_cache)
     half = n // 2
     stream.add(enc.input_ids[:half], enc.attention_mask[:half], seeds[:half], list(range(half)))
     parts = []
@@ -181,12 +215,14 @@ def stream_against_one_batch(family, device, turns=1):
     assert all(ids == whole.completion_ids[t, :int(whole.completion_mask[t].sum())].tolist() for t, ids in ended)
 
 
-def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_logprob():
+@pytest.mark.parametrize("static_cache", [True, False], ids=["written_out", "own_forward"])
+def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_logprob(static_cache):
     """A row in flight when the weights change goes on with its cache: the tokens after the change are drawn from
     the new weights attending to K/V the old weights computed. Each token's recorded log-prob and version are those
     of the weights that drew it: checked against a plain forward of the model's own, the prefix's cache computed
     under the first weights, the rest under the second. A forward under the second weights alone differs (the
-    cache matters), so the check can fail."""
+    cache matters), so the check can fail. On the written-out decoder (its copies refreshed in place) and on the
+    model's own forward (its live weights)."""
     import sampling
     from bench.longtail import EndAt
     from transformers import DynamicCache
@@ -197,7 +233,7 @@ def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_lo
     ends = sampling.row_keys(seeds, torch.tensor([5, 6, 20]) - 1)  # rows 0 and 1 end early, row 2 runs on
     stop = tok.eos_token_id
     stream = sampling.Stream(3, 3, enc.input_ids.shape[1], limit, [stop], tok.pad_token_id, EndAt(ends=ends, stop=stop),
-                             torch.device("cpu"))
+                             torch.device("cpu"), static_cache=static_cache)
     stream.add(enc.input_ids, enc.attention_mask, seeds, [0, 1, 2])
     stream.run(model, [0, 1], 0)
     first = {k: v.clone() for k, v in model.state_dict().items()}
@@ -254,13 +290,22 @@ def _train_rollouts(tmp_path, name, flags, spy=None):
     return seen
 
 
-def test_at_no_learning_rows_in_flight_sample_what_each_step_samples(tmp_path):
+@pytest.mark.parametrize("path", ["written_out", "own_forward"])
+def test_at_no_learning_rows_in_flight_sample_what_each_step_samples(tmp_path, monkeypatch, path):
     """With a learning rate too small to change a float32 weight, --max_staleness=1 samples every step's rows with
     the tokens and log-probs of --max_staleness=0, while half of each step's rows were decoded through the step
-    before (their tokens carry older versions: from the second step on, each step's rows began a step early)."""
+    before (their tokens carry older versions: from the second step on, each step's rows began a step early). On
+    the written-out decoder and on the model's own forward (the path of every model the former does not sample)."""
+    from layers import hf_decoder
+    admitted, admit = [], hf_decoder.HFDecoder.admit
+    monkeypatch.setattr(hf_decoder.HFDecoder, "admit", lambda self, rows: (admitted.append(len(rows)),
+                                                                            admit(self, rows))[1])
+    if path == "own_forward":
+        architectures.force_model_forward(monkeypatch)
     flags = ["--max_steps=5", "--lr=1e-30"]
     now = _train_rollouts(tmp_path, "now", flags)
     ahead = _train_rollouts(tmp_path, "ahead", flags + ["--max_staleness=1"])
+    assert bool(admitted) == (path == "own_forward")
     for step, ((a, _), (b, _)) in enumerate(zip(now, ahead), 1):
         assert torch.equal(a.completion_ids, b.completion_ids)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
