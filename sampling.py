@@ -193,7 +193,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
 
     static_cache: where the run's decision (transformer.paths_of) says so, run the steps on `StaticDecoder` (a
     preallocated cache, no per-token framework overhead); other models, or static_cache=False, on the model's own
-    forward (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the StaticDecoder batch.
+    forward (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the batch (on the model's own
+    forward, only where rows stream through places).
     cuda_graph: on CUDA, replay each decode step as a captured CUDA graph. keep_decoder: keep StaticDecoder's weight
     copies, cache and graphs on the model for the next call (no re-copy or re-capture), at the price of that memory
     between calls. attention_kernel: on CUDA, StaticDecoder's decode attention runs as the split-KV Triton kernel of
@@ -238,8 +239,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
                              cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
                              dtype=dtype, share=share_prompts)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
-    else:  # rows stream through places where neither routing records nor images need them all at once
-        places, compact = in_flight if 0 < in_flight < n and replay is None and images is None else n, False
+    else:  # rows stream through places where neither routing records nor images need them all at once; those
+        # that stream leave the batch once the queue is empty (compaction), the others run to the batch's end
+        places = in_flight if 0 < in_flight < n and replay is None and images is None else n
+        compact = compact and places < n
         steps = _HFSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens, replay,
                          prefill)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:

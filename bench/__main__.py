@@ -418,7 +418,8 @@ def longtail_rows(path, s, device, root, results, reps):
                              f"{r['longtail_streaming_vs_full']:.2f}x full rows' tokens/s (at most "
                              f"{r['longtail_bound_vs_full']:.2f}x while a step waits for its longest row); "
                              f"places busy {r['longtail_batches_slots_busy']:.0%} / "
-                             f"{r['longtail_streaming_slots_busy']:.0%}"):
+                             f"{r['longtail_streaming_slots_busy']:.0%}; on the model's own forward streaming is "
+                             f"{r['longtail_own_forward_streaming_speedup_vs_batches']:.2f}x its batches"):
         results.update(bench_longtail(path, s, device))
     free(device)
     with row_lines("longtail", f"steps of {s['lt_step_prompts']} x {s['lt_step_generations']} such rows, a "

@@ -58,13 +58,14 @@ def bench_longtail(path, s, device):
     draw = EndAt(ends=ends, stop=stop)
     common = dict(max_new_tokens=limit, eos_ids=[stop], pad_id=tokenizer.pad_token_id, draw=draw)
 
-    def batches():  # the synchronous sampler's way: `places` rows at a time, each batch until its longest row ends
+    def batches(**kw):  # the synchronous sampler's way: `places` rows at a time, each until its longest row ends
         return rollouts.cat_rollouts([
             sampling.sample(model, enc.input_ids[a:a + places], enc.attention_mask[a:a + places],
-                            seeds=seeds[a:a + places], **common) for a in range(0, n, places)], tokenizer.pad_token_id)
+                            seeds=seeds[a:a + places], **common, **kw) for a in range(0, n, places)],
+            tokenizer.pad_token_id)
 
-    def streaming():
-        return sampling.sample(model, enc.input_ids, enc.attention_mask, seeds=seeds, in_flight=places, **common)
+    def streaming(**kw):
+        return sampling.sample(model, enc.input_ids, enc.attention_mask, seeds=seeds, in_flight=places, **common, **kw)
 
     full_length = max(1, round(sum(lengths) / places))  # as many tokens as the long-tailed rows, every place busy
 
@@ -72,11 +73,15 @@ def bench_longtail(path, s, device):
         return sampling.sample(model, enc.input_ids[:places], enc.attention_mask[:places], seeds=seeds[:places],
                                max_new_tokens=full_length, eos_ids=[], pad_id=tokenizer.pad_token_id)
 
+    # the same two on the model's own forward (hf_decoder.HFDecoder), the path of models not written out
+    own = dict(batches_own_forward=lambda: batches(static_cache=False),
+               streaming_own_forward=lambda: streaming(static_cache=False))
     a, b = batches(), streaming()
     got = b.completion_mask.sum(1).tolist()
     assert got == lengths, "the rows did not end at their lengths"
     assert torch.equal(a.completion_ids, b.completion_ids), "streaming changed the completions"
-    med = medians({"batches": batches, "streaming": streaming, "full": full}, s, device)
+    assert torch.equal(own["streaming_own_forward"]().completion_ids, a.completion_ids), "own forward: other tokens"
+    med = medians({"batches": batches, "streaming": streaming, "full": full, **own}, s, device)
     tokens = sum(lengths)
     out = {"longtail_lengths": dict(rows=n, places=places, mean=tokens / n, median=sorted(lengths)[n // 2],
                                     longest=max(lengths), limit=limit),
@@ -86,6 +91,8 @@ def bench_longtail(path, s, device):
         out[f"longtail_{mode}_vs_full"] = out[f"longtail_{mode}_tokens_per_s"] / out["longtail_full_tokens_per_s"]
         out[f"longtail_{mode}_slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()
     out["longtail_streaming_speedup_vs_batches"] = med["batches"] / med["streaming"]
+    out["longtail_own_forward_streaming_speedup_vs_batches"] = \
+        med["batches_own_forward"] / med["streaming_own_forward"]
     # the most any schedule of these rows can keep the places busy when the step waits for its last row: the
     # iterations of full rows over the iterations the longest row alone needs, where it is longer (only rows carried
     # over to a later step, which this row does not run, go past that)

@@ -96,7 +96,7 @@ def runs(tmp_path_factory):
     save_weights(t / "saved")
     save_moe_weights(t / "moe")
     p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
-                                 "staleA", "staleB", "stale_tp")}
+                                 "staleA", "staleB", "stale_tp", "dynamic_tp")}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
@@ -112,7 +112,9 @@ def runs(tmp_path_factory):
                  # the two decode their rows together on halves of the layers (layers/tensor_parallel.py)
                  [f"--out_dir={p['tp']}", *checks(t)["weights"], "--tp_size=2", *FLAGS],
                  # and so with the sampler a step ahead, for the first 10 of the staleness check's 50 steps
-                 [f"--out_dir={p['stale_tp']}", *checks(t)["stale"], "--max_steps=10", "--tp_size=2", *FLAGS]]}
+                 [f"--out_dir={p['stale_tp']}", *checks(t)["stale"], "--max_steps=10", "--tp_size=2", *FLAGS],
+                 # and an agent's rows and further rounds in that group's stream
+                 [f"--out_dir={p['dynamic_tp']}", *checks(t)["dynamic"], "--tp_size=2", *FLAGS]]}
     for name, flags in checks(t).items():
         for w in (1, 2):
             first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
@@ -682,17 +684,20 @@ def test_dynamic_sampling_agrees_across_ranks(runs):
     """Dynamic sampling on the vault task (tool turns, each rank padding its own prompts), the sampler a step ahead
     (--max_staleness=1: an agent's rows and a step's further rounds in the stream): the groups kept lie on both
     ranks and are shared out again, conversations included; 2 processes draw, keep and train as 1 does.
-    The reward (UNEVEN_REWARD) is constant on about half the prompts: their groups carry no signal."""
+    The reward (UNEVEN_REWARD) is constant on about half the prompts: their groups carry no signal. So does a
+    tensor-parallel group of the two (one stream of the group's rows: each rank's tools answer its own rows' turns
+    and the group shares the answers, tensor_parallel.group_respond)."""
     p, _ = runs
-    one, two = p["dynamic1"], p["dynamic2"]
-    assert tokens(one) == tokens(two)
-    for a, b in zip(metrics(one), metrics(two)):
-        for k in ("reward", "dynamic/rounds", "dynamic/groups_kept", "dynamic/groups_drawn", "dynamic/reward_drawn",
-                  "frac_reward_zero_std", "turns", "tool_calls", "completion_length"):
-            assert a[k] == b[k], k
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert any(m["dynamic/rounds"] > 1 for m in metrics(two))
+    one = p["dynamic1"]
+    for two in (p["dynamic2"], p["dynamic_tp"]):
+        assert tokens(one) == tokens(two)
+        for a, b in zip(metrics(one), metrics(two)):
+            for k in ("reward", "dynamic/rounds", "dynamic/groups_kept", "dynamic/groups_drawn",
+                      "dynamic/reward_drawn", "frac_reward_zero_std", "turns", "tool_calls", "completion_length"):
+                assert a[k] == b[k], k
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert any(m["dynamic/rounds"] > 1 for m in metrics(two))
 
 
 def test_dynamic_sampling_when_one_rank_holds_no_kept_group(runs):
