@@ -333,23 +333,24 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     elif sharded:
         gen.append(("root group gathered", tensor_bytes(root, dtype=compute)))
     if dec is not None:
-        gen += list(decoder_bytes(dec).items())
+        sampler = list(decoder_bytes(dec).items())
     else:
         text, heads, kv, hd = _attention_dims(config)
         kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         attn_layers = sum(k != "linear_attention" for k in kinds)
         gen.append(("blocks gathered (model's own forward)", tensor_bytes([p for b in blocks for p in b.parameters()],
                                                                           dtype=compute)))
-        gen.append(("KV cache", 2 * attn_layers * rows * length * kv * hd * cb))
+        sampler = [("KV cache", 2 * attn_layers * rows * length * kv * hd * cb)]
         notes.append("generation: the sampler runs the model's own forward (sharded MoE experts, or a vision-language "
                      "model) on whole gathered blocks; its KV cache is estimated as every attention layer's full "
                      "length, its recurrent states are not counted")
+    gen += sampler
     text = getattr(config, "text_config", None) or config
     gen.append(("logits and sampling buffers", rows * tp * -(-text.vocab_size // tp) * (cb + 3 * 4) +
                 rows * tp * length * 13))
     generation = Phase("generation", gen)
 
-    training = _training(cfg, config, model, state, root, biggest, dec, rows_total, compute, sharded, device)
+    training = _training(cfg, config, model, state, root, biggest, sampler, rows_total, compute, sharded, device)
 
     phases = [loading, generation, training] + ([Phase("training state on the host", host, where="host")]
                                                   if host else []) + [export]
@@ -452,8 +453,9 @@ def _export(cfg, model, params, world, device):
     return Phase("export", parts, where="host")
 
 
-def _training(cfg, config, model, state, root, biggest, dec, rows_total, compute, sharded, device):
-    """The training Phase: one micro-batch's forward and backward on top of the state that stays through the run."""
+def _training(cfg, config, model, state, root, biggest, sampler, rows_total, compute, sharded, device):
+    """The training Phase: one micro-batch's forward and backward on top of the state that stays through the run
+    (and with --max_staleness the `sampler`'s parts, (name, bytes): its decoder or cache and the rows in flight)."""
     cb = compute.itemsize
     rows_step = max(1, rows_total // cfg.steps_per_generation)
     width = cfg.max_prompt_length + cfg.max_completion_length
@@ -465,8 +467,8 @@ def _training(cfg, config, model, state, root, biggest, dec, rows_total, compute
         block = tensor_bytes(list(biggest.parameters()), dtype=compute)
         tr.append(("two blocks gathered, one's gradient", 2 * block + tensor_bytes(
             [p for p in biggest.parameters() if p.requires_grad], dtype=compute)))
-    if cfg.max_staleness and dec is not None:  # the stream's decoder and its rows in flight wait through the step
-        tr += [(f"{name} (kept through the step: --max_staleness)", size) for name, size in decoder_bytes(dec).items()]
+    if cfg.max_staleness:  # the stream's decoder or cache and its rows in flight wait through the step
+        tr += [(f"{name} (kept through the step: --max_staleness)", size) for name, size in sampler]
     positions, shape, tree = mb_rows * width, f"{mb_rows} rows x {width} positions", 0
     if cfg.shared_prompts and _shares_prompts(model):  # each group's prompt once, its rows' completions as branches
         positions, shape, tree = _trees(cfg, config, mb_rows, cb, device)

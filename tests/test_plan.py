@@ -107,6 +107,24 @@ def test_a_stream_holds_its_decoder_through_the_training_step():
     assert extra == {f"{k} (kept through the step: --max_staleness)": v for k, v in real.items()}
 
 
+def test_a_stream_on_the_models_own_forward_holds_its_cache_through_the_training_step():
+    """The same where the sampler takes the model's own forward (Qwen3-MoE with its experts sharded over 2
+    processes): the stream's KV cache, every attention layer's K and V for each of the 3 steps' rows on this process
+    over the whole length, stays alive through the training step."""
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3_moe", tok)
+    cfg = Config(prompts_per_step=3, num_generations=2, max_prompt_length=20, max_completion_length=50, device="cpu")
+    sync = plan.plan(cfg, config, world=2, device="cpu", gpu_gib=8, host_gib=8)
+    ahead = plan.plan(dataclasses.replace(cfg, max_staleness=2), config, world=2, device="cpu", gpu_gib=8, host_gib=8)
+    generation = dict(ahead.phase("generation").parts)
+    assert "blocks gathered (model's own forward)" in generation
+    rows = 3 * 2 // 2 * 3
+    kv = 2 * config.num_hidden_layers * rows * (20 + 50 + 1) * config.num_key_value_heads * config.head_dim * 4
+    assert generation["KV cache"] == kv
+    extra = {k: v for k, v in ahead.phase("training").parts if k not in dict(sync.phase("training").parts)}
+    assert extra == {"KV cache (kept through the step: --max_staleness)": kv}
+
+
 @pytest.mark.parametrize("checkpointing,shared,family", [(False, False, "qwen3"), (True, False, "qwen3"),
                                                          (False, True, "qwen3"), (False, True, "qwen3_moe")])
 def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing, shared, family):
