@@ -207,8 +207,8 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     shards where it is sharded: layers/tensor_parallel.py's `Slice.take`), and the group's ranks sample the same
     tokens. dtype: the decoder's copies' dtype
     (the model's own by default; a sharded model's compute dtype). in_flight: decode `in_flight` rows at a time and
-    stream the others through their places: when a row ends, its place takes the next row (`_Rows.admit`); 0,
-    routing replay's records (kept per place) or images: every row at once. on_end(rows, ids): called
+    stream the others through their places: when a row ends, its place takes the next row (`_Rows.admit`); 0, or
+    routing replay's records (kept per place): every row at once. on_end(rows, ids): called
     at each check with the rows that ended there (indices into the batch given) and their completions' token ids
     (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
     share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
@@ -224,7 +224,6 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     replay = routing.of(model) if record_routing else None
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
-    prefill = _image_prefill(model, prompt_ids, attn, images) if images is not None else None
     # a vision-language model runs on the model's own modules (its language model under our masks), never on
     # written-out layers
     sliced = tp is not None and tp.size > 1
@@ -239,10 +238,12 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
                              cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
                              dtype=dtype, share=share_prompts)
         compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
-    else:  # rows stream through places where neither routing records nor images need them all at once; those
-        # that stream leave the batch once the queue is empty (compaction), the others run to the batch's end
-        places = in_flight if 0 < in_flight < n and replay is None and images is None else n
+    else:  # rows stream through places where routing records do not need them all at once; those that stream
+        # leave the batch once the queue is empty (compaction), the others run to the batch's end
+        places = in_flight if 0 < in_flight < n and replay is None else n
         compact = compact and places < n
+        prefill = None if images is None else _image_prefill(model, prompt_ids[:places], attn[:places],
+                                                             images.rows(slice(0, places)))
         steps = _HFSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens, replay,
                          prefill)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -255,7 +256,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     # sliced, each rank holds a slice of the logits
     pick = functools.partial(draw.sliced, tp=tp, vocab=steps.dec.vocab) if sliced else draw.whole
     try:
-        waiting = _Waiting(prompt_ids, attn, positions, places)
+        waiting = _Waiting(prompt_ids, attn, positions, places, images if places < n else None)
         rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
                      keys, on_end)
         _Loop(steps, rows, pick, check_every, compact).run(
@@ -289,6 +290,7 @@ class _StaticSteps:
     can be compacted out of the batch."""
 
     feeds_rows = True  # a block can be fed to some batch rows alone (extend's batch_rows)
+    prompts_alone = False  # a new row's prompt runs beside the others' blocks where all take one
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
                  dtype=None, batch=None, share=False):
@@ -341,22 +343,48 @@ class _HFSteps:
     with each row's cache taken along."""
 
     share = False
+    prompts_alone = True  # a new row's prompt runs on its row alone, as a prefill (`extend`)
 
     def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
-        self.first_pos = positions[:, -1] + 1  # (N,) position of completion position 0
+        self.model, self.first_pos = model, positions[:, -1] + 1  # (N,) position of completion position 0
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
         self.feeds_rows = replay is None  # routing records need every row's column for every fed token
+        self.images = {}  # batch row -> (pixel values, grid) of the images of the prompt it was admitted for
 
     def decode(self, tok, cols, cols_h):
         """One token per row at completion position cols (an int for every row, or a tensor of each row's)."""
         return self.dec.decode(tok, self.first_pos + cols)
 
     def extend(self, ids, valid, start, top, batch_rows=None):
+        """The blocks, each after its row's tokens (the logits after each); with batch_rows, for those rows alone,
+        and then the blocks of rows just admitted (start < 0: their prompts, but their last tokens) run as a prefill
+        of those rows, with their images (no logits: the caller feeds each block's last token next)."""
         first = self.first_pos if batch_rows is None else self.first_pos[batch_rows]
         cols = start[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (N, K) completion positions
-        return self.dec.extend(ids, valid, first[:, None] + cols, batch_rows)
+        if batch_rows is None:
+            return self.dec.extend(ids, valid, first[:, None] + cols)
+        new = start < 0
+        if bool(new.any()):
+            self._prompts(ids[new], valid[new], batch_rows[new])
+        if not bool(new.all()):
+            self.dec.extend(ids[~new], valid[~new], (first[:, None] + cols)[~new], batch_rows[~new])
+        return None
+
+    def _prompts(self, ids, valid, batch_rows):
+        """Prompts (k, L), right-padded, of rows just admitted into batch_rows: left-padded, and prefilled there."""
+        width = ids.shape[1]
+        attn = torch.arange(width, device=ids.device) >= width - valid.sum(1, keepdim=True)
+        left = torch.zeros_like(ids)
+        left[attn] = ids[valid]
+        images = None
+        if self.images:
+            held = [self.images.pop(int(b), (torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)))
+                    for b in batch_rows.tolist()]
+            pictures = vision.PromptImages([p for p, _ in held], [g for _, g in held]).to(ids.device)
+            images = _image_prefill(self.model, left, attn.long(), pictures)
+        self.dec.prefill_rows(batch_rows, left, attn, logprobs.position_ids_from_mask(attn.long()), images)
 
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends, self.first_pos)
@@ -364,21 +392,25 @@ class _HFSteps:
     def routed(self, prompt_width, length):
         return self.dec.routed(prompt_width, self.first_pos, length)
 
-    def admit(self, batch_rows, positions):
+    def admit(self, batch_rows, positions, images=None):
         """Batch rows `batch_rows` (a tensor; past the batch, new rows) made empty places for rows whose prompts
-        have these positions (k, P)."""
+        have these positions (k, P) and images (vision.PromptImages, or None)."""
         grow = int(batch_rows.max()) + 1 - len(self.first_pos)
         if grow > 0:
             self.dec.grow(grow)
             self.first_pos = torch.cat([self.first_pos, self.first_pos.new_zeros(grow)])
         self.first_pos[batch_rows] = positions[:, -1] + 1
         self.dec.admit(batch_rows)
+        for b, (pv, grid) in zip(batch_rows.tolist(), zip(*(images.pixel_values, images.grid)) if images else ()):
+            if grid.shape[0]:
+                self.images[b] = pv, grid
 
     def compact(self, keep, live, fed_top):
         if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
             return False
         self.dec.keep_rows(keep)
         self.first_pos = self.first_pos[keep]
+        self.images = {}  # every row kept has been prefilled
         return True
 
 
@@ -464,10 +496,12 @@ class _Loop:
 
 class _Waiting:
     """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
-    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P)."""
+    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P);
+    images: their vision.PromptImages, or None."""
 
-    def __init__(self, ids, attn, positions, places):
+    def __init__(self, ids, attn, positions, places, images=None):
         self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
+        self.images = images  # every row's vision.PromptImages, or None
         self.rows = list(range(places, ids.shape[0]))
 
     def prompts(self, rows):
@@ -665,7 +699,10 @@ class _Rows:
         new = np.array([self.waiting.rows.pop(0) for _ in free])
         free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
         self.rows_h[free], self.rows[free_t] = new, new_t
-        self.steps.admit(free_t, self.waiting.positions[new_t])
+        if self.waiting.images is None:
+            self.steps.admit(free_t, self.waiting.positions[new_t])
+        else:  # the model's own forward: the new rows' images enter their prompts' prefill
+            self.steps.admit(free_t, self.waiting.positions[new_t], self.waiting.images.rows(new))
         self.device_state.clear()
         return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))], tok
 
@@ -699,7 +736,8 @@ class _Rows:
         if not feeds:
             return self.steps.decode(tok, col, self.feed_h)
         long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
-        if long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share):
+        if long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share or (
+                self.steps.prompts_alone and any(first < 0 for _, first, _ in long))):
             feeds = self._feed_heads(long, feeds)
         k = max(len(b) for _, _, b in feeds)
         ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
@@ -795,8 +833,8 @@ class Stream:
     have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
     max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where `sample` gives
     row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward, as `sample`'s
-    (a model the written-out decoder does not sample takes it anyway). tp: as `sample`'s, a tensor-parallel
-    group's share: every rank of the group adds, runs and takes the same rows."""
+    (a model the written-out decoder does not sample takes it anyway, and so do prompts with images). tp: as
+    `sample`'s, a tensor-parallel group's share: every rank of the group adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
@@ -831,8 +869,9 @@ class Stream:
         """The tags of the rows added and not taken."""
         return list(self.slot)
 
-    def add(self, prompt_ids, prompt_mask, seeds, tags):
-        """Queue rows: left-padded prompts (k, S), S <= prompt_width, their seeds (k,) and tags (k hashables)."""
+    def add(self, prompt_ids, prompt_mask, seeds, tags, images=None):
+        """Queue rows: left-padded prompts (k, S), S <= prompt_width, their seeds (k,), tags (k hashables) and
+        images (vision.PromptImages of the k rows, on the model's own forward; or None)."""
         k, s = prompt_ids.shape
         if s > self.width:
             raise ValueError(f"prompts of {s} tokens in a stream of {self.width}-token prompts")
@@ -840,6 +879,8 @@ class Stream:
         slots = np.flatnonzero(self.free & ~np.isin(np.arange(self.capacity), rows.rows_h))[:k]
         if len(slots) < k:
             raise RuntimeError(f"the stream holds {self.capacity} rows; {k} more do not fit")
+        if images is not None or self.waiting.images is not None:
+            self._add_images(slots, images)
         at = torch.as_tensor(slots, device=self.device)
         attn = F.pad(prompt_mask.long(), (self.width - s, 0))
         self.waiting.ids[at] = F.pad(prompt_ids, (self.width - s, 0), value=rows.pad_id)
@@ -857,6 +898,18 @@ class Stream:
         self.waiting.rows += [int(r) for r in slots]
         self.first_slot = min(self.first_slot, self.width - int(prompt_mask.sum(1).max()))
 
+    def _add_images(self, slots, images):
+        """The rows `slots` take `images` (None: none), which their places' prefills take in."""
+        if images is not None and (self.tp is not None or isinstance(getattr(self.loop, "steps", None), _StaticSteps)):
+            raise ValueError("prompts with images stream on the model's own forward alone")
+        if self.waiting.images is None:
+            self.waiting.images = vision.PromptImages([torch.zeros(0, 0)] * self.capacity,
+                                                      [torch.zeros(0, 3, dtype=torch.long)] * self.capacity)
+        for j, r in enumerate(slots):
+            w = self.waiting.images
+            w.pixel_values[r] = images.pixel_values[j] if images is not None else torch.zeros(0, 0)
+            w.grid[r] = images.grid[j] if images is not None else torch.zeros(0, 3, dtype=torch.long)
+
     @torch.no_grad()
     def run(self, model, tags, version=0, all_done=None):
         """Decode on `model`'s weights (`version`: how many training steps made them) until the rows `tags` have all
@@ -868,7 +921,7 @@ class Stream:
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
-            if self.tp is not None or (self.static_cache and decodes_written_out(model)):
+            if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
                 steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
                                      self.attention_kernel, dtype=self.dtype, batch=self.places,
                                      tp=self.tp or WHOLE, share=self.share)

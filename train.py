@@ -169,9 +169,6 @@ class RolloutStream:
         self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
         self.stream = None
         self.respond = {}  # with an agent, (step, round) -> the responder of its rows' episodes (the group's rows)
-        if run.images is not None:  # an image prompt's prefill runs with its images, which a place does not take
-            raise ConfigError("max_staleness", "needs prompts without images (a decode place takes a new row's "
-                              "text alone): use --max_staleness=0")
 
     def last_queued(self, step):
         """The last step whose prompts are queued while `step` decodes: K ahead, but not past a checkpoint."""
@@ -201,7 +198,8 @@ class RolloutStream:
         if self.tp:  # the group's rows, rank r's n at r * n (tensor_parallel.group_rows)
             group_ids, group_attn, group_seeds, _ = self.tp.group_rows(group_ids, group_attn, group_seeds,
                                                                        run.tokenizer.pad_token_id)
-        self.stream.add(group_ids, group_attn, group_seeds, [(key, i) for i in range(self.n * self.group)])
+        self.stream.add(group_ids, group_attn, group_seeds, [(key, i) for i in range(self.n * self.group)],
+                        images=rows.images)
         self.steps[key] = (rows, landing)
         self.queued = max(self.queued, step)
 

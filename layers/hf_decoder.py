@@ -28,6 +28,7 @@ row's `delta`, the shift of its text positions past the prompt; every later toke
 each rotary axis.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -205,8 +206,26 @@ class HFDecoder:
         return out
 
     def _extend_rows(self, rows, ids, valid, positions):
-        """`extend` on the cache of `rows` alone: their tensors taken out, the block run on them, and what it added
-        put back (the new columns, holes in the other rows; the rows' recurrent states)."""
+        """`extend` on the cache of `rows` alone."""
+        with self._on_rows(rows):
+            return self.extend(ids, valid, positions)
+
+    def prefill_rows(self, rows, ids, attn, positions, images=None):
+        """Rows `rows` (a tensor), just admitted (they hold nothing), take their prompts: ids (k, P) left-padded,
+        attn their real tokens, positions theirs, images `sample`'s prefill images of these rows (or None). A
+        prefill on their own cache: left padding before any state leaves a recurrent state at zero, as at the
+        first prefill, and image embeddings and rotary positions enter it as they do there."""
+        with self._on_rows(rows):
+            self.images = images
+            if images is not None:
+                self.delta = images[2]
+            self._forward(ids, attn.bool(), positions, prefill=True, keep=1)
+            self.images = None
+
+    @contextlib.contextmanager
+    def _on_rows(self, rows):
+        """Work on the cache of `rows` alone: their tensors taken out, and what the work added put back after (new
+        columns, holes in the other rows; the rows' recurrent states and rotary deltas)."""
         if self.routing is not None:
             raise ValueError("a block fed to some rows alone would leave the routing records without their columns")
         n, width = self.valid.shape
@@ -217,7 +236,10 @@ class HFDecoder:
         all_valid, all_pos, all_delta = self.valid, self.pos, self.delta
         self.valid, self.pos = all_valid[rows], all_pos[rows]
         self.delta = None if all_delta is None else all_delta[rows]
-        logits = self.extend(ids, valid, positions)
+        yield
+        if self.delta is not None:  # rows whose prompts held images now have their deltas
+            delta = all_delta.clone() if all_delta is not None else self.delta.new_zeros(n)
+            all_delta = delta.index_copy_(0, rows, self.delta)
         self.delta = all_delta
         k = self.valid.shape[1] - width
         for holder, key, columns in self._tensors():  # a layer first filled now was empty for every row
@@ -234,7 +256,6 @@ class HFDecoder:
             holder[key] = full
         grown = lambda full, sub: torch.cat([full, full.new_zeros(n, k)], 1).index_copy_(0, rows, sub)
         self.valid, self.pos = grown(all_valid, self.valid), grown(all_pos, self.pos)
-        return logits
 
     def _tensors(self):
         """Every tensor the cache holds, as (holder, key, has_columns) with the tensor at holder[key]: attention
@@ -251,6 +272,7 @@ class HFDecoder:
         """k more rows, empty (every column a hole, zero states), for rows to be admitted."""
         self.valid = torch.cat([self.valid, self.valid.new_zeros(k, self.valid.shape[1])])
         self.pos = torch.cat([self.pos, self.pos.new_zeros(k, self.pos.shape[1])])
+        self.delta = None if self.delta is None else torch.cat([self.delta, self.delta.new_zeros(k)])
         for holder, key, _ in self._tensors():
             holder[key] = torch.cat([holder[key], holder[key].new_zeros(k, *holder[key].shape[1:])])
 
@@ -258,6 +280,8 @@ class HFDecoder:
         """Rows `rows` (a tensor) forget every token: their columns become holes, their recurrent states zero (a
         state from nothing), and a new row's prompt can be fed to them as a block."""
         self.valid[rows] = False
+        if self.delta is not None:  # a text prompt's positions are its tokens'
+            self.delta[rows] = 0
         for holder, key, columns in self._tensors():
             if not columns:
                 holder[key] = holder[key].index_fill(0, rows, 0)

@@ -132,6 +132,47 @@ def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(famil
     assert (blind - want)[:3][policy[:3]].abs().max() > 1e-3
 
 
+def test_image_prompts_stream_through_places(monkeypatch):
+    """Rows with images streaming through 3 places (`sample(in_flight=3)`, and a Stream, --max_staleness's
+    sampler, with rows added between runs): a row admitted into a place has its prompt prefilled there with its
+    images (their embeddings, rotary grid and text delta), so every row samples what it samples in one batch, and
+    its log-probs are those of a plain forward with its pixel values. Qwen3.5: multi-axis rotary attention and
+    Gated DeltaNet states beside it."""
+    from layers import hf_decoder
+    import rollouts
+    admitted, prefill_rows = [], hf_decoder.HFDecoder.prefill_rows
+    monkeypatch.setattr(hf_decoder.HFDecoder, "prefill_rows", lambda self, rows, *a: (
+        admitted.append(a[-1] is not None), prefill_rows(self, rows, *a))[1])
+    model, tok, encoder = tiny_vl("qwen3_5")
+    rows = image_rows() * 2
+    texts, images = encoder(rows, [r["prompt"] for r in rows])
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask, pad = enc.input_ids, enc.attention_mask, tok.pad_token_id
+    vocab = model.config.get_text_config().vocab_size
+    seeds, stops = torch.arange(8) * 5 + 1, list(range(0, vocab, 4))  # rows end at different steps
+    whole = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
+                            images=images)
+    assert whole.completion_mask.sum(1).unique().numel() > 2
+    streamed = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
+                               images=images, in_flight=3)
+    assert sum(admitted) >= 2  # image prompts took a place after the first prefill
+    stream = sampling.Stream(3, 8, ids.shape[1] + 3, 12, stops, pad, sampling.Draw(), torch.device("cpu"))
+    stream.add(ids[:5], mask[:5], seeds[:5], list(range(5)), images=images.rows(range(5)))
+    stream.run(model, [0, 1, 2], 0)
+    got = [stream.take([0, 1, 2])]
+    stream.add(ids[5:], mask[5:], seeds[5:], list(range(5, 8)), images=images.rows(range(5, 8)))
+    stream.run(model, list(range(3, 8)), 1)
+    got.append(stream.take(list(range(3, 8))))
+    through = rollouts.cat_rollouts(got, pad)
+    want = plain_logprobs(model, ids, mask, whole, images)
+    for r in (streamed, through):
+        for k in ("completion_ids", "completion_mask", "policy_mask"):
+            assert torch.equal(getattr(r, k)[:, :whole.completion_ids.shape[1]], getattr(whole, k)), k
+        torch.testing.assert_close(r.logprobs[:, :whole.logprobs.shape[1]], whole.logprobs, atol=1e-5, rtol=0)
+        policy = whole.policy_mask.bool()
+        assert (r.logprobs[:, :want.shape[1]] - want)[policy].abs().max() < 1e-4
+
+
 def test_a_groups_images_go_through_the_vision_tower_once():
     model, tok, encoder = tiny_vl("qwen2_5_vl")
     rows = image_rows()
@@ -201,6 +242,7 @@ def test_shapes_task_trains_the_table_shows_the_pictures_and_the_export_reads_th
 
 
 SHARDED_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+STREAMED = "qwen2_5_vl"  # also run with --max_staleness=1
 WITH_WEIGHTS = ("qwen2_5_vl", "qwen3_vl")  # folders with safetensors weights: 2 processes read their own shards
 
 
@@ -241,6 +283,10 @@ def sharded_runs(tmp_path_factory):
             model = [f"--reward_funcs={reward}:spread", f"--model={path}"]
             runs[nproc].append([f"--out_dir={out_dir}", "--task=shapes", "--max_steps=2", "--save_every=0",
                                 "--log_every=1", "--print_completions_every=0", "--prompts_per_step=4", *model])
+            if family == STREAMED:  # and with the sampler a step ahead: image prompts admitted into places
+                dirs[f"{family}-stale", nproc] = runs[nproc][-1][0][len("--out_dir="):] + "-stale"
+                runs[nproc].append([f"--out_dir={dirs[f'{family}-stale', nproc]}", *runs[nproc][-1][1:],
+                                    "--max_staleness=1"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         said = {}
         for job in [pool.submit(launch_runs, runs[w], w, str(t), f"vl{w}") for w in (1, 2)]:
@@ -263,6 +309,21 @@ def test_one_and_two_processes_sample_and_train_image_prompts_alike(sharded_runs
         assert a["reward"] == b["reward"] and a["grad_norm"] > 0
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_image_prompts_in_a_stream_ahead_of_the_step_train_alike_on_one_and_two_processes(sharded_runs):
+    """--max_staleness=1: rows of the next step, their image prompts prefilled into the stream's places, decode
+    while a step's last rows run on and carry over the optimizer step; 2 processes sample and train as 1 does."""
+    from launches import metrics, tokens
+    (one, _), (two, _) = sharded_runs[f"{STREAMED}-stale", 1], sharded_runs[f"{STREAMED}-stale", 2]
+    assert tokens(one) == tokens(two) and len(tokens(one)) == 2
+    for a, b in zip(metrics(one), metrics(two)):
+        assert a["reward"] == b["reward"] and a["rows_carried"] == b["rows_carried"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert metrics(two)[-1]["rows_carried"] > 0 and metrics(two)[-1]["staleness_max"] == 1
+    # the first step's rows were drawn by the same weights as the synchronous run's
+    assert tokens(one)[0] == tokens(sharded_runs[STREAMED, 1][0])[0]
 
 
 QWEN_VL_TEMPLATE = (  # how the Qwen-VL chat templates render text and image parts (written out here, no download)
