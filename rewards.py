@@ -108,12 +108,24 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
     """
     if not all(math.isfinite(w) for w in weights):
         raise ValueError(f"reward weights must be finite, got {list(weights)}")
+    parts = reward_parts(reward_funcs, prompts, completions, fields, seconds, context, rows)
+    return weighted_total(parts, weights, completions, rows), parts
+
+
+def reward_parts(reward_funcs, prompts, completions, fields, seconds=None, context=None, rows=None):
+    """{name: (N,) scores} of each function, as score_completions calls them, without the total."""
     parts = {}
     for fn in reward_funcs:
         t = time.perf_counter()
         parts[reward_name(fn)] = _call_reward(fn, prompts, completions, fields, context or {}, rows)
         if seconds is not None:
             seconds[reward_name(fn)] = time.perf_counter() - t
+    return parts
+
+
+def weighted_total(parts, weights, completions, rows=None):
+    """The weighted sum of the functions' scores `parts` (in the functions' order, one weight each) per completion,
+    over those that scored it: NaN where none did; RewardFunctionError where it overflows REWARD_DTYPE."""
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
     w = torch.tensor(weights, dtype=torch.float64)
     # summed in float64 so only a total that REWARD_DTYPE cannot hold fails, not an intermediate sum
@@ -128,7 +140,7 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
                                   f"overflows {REWARD_DTYPE} "
                                   f"({terms}): {completions[i][:500]!r}; scale the rewards or their weights down")
     total[~scored.any(1)] = float("nan")
-    return total, parts
+    return total
 
 
 # ----------------------------------------------------------------------------- general-purpose rewards

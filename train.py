@@ -256,19 +256,20 @@ class RolloutStream:
 
 def scores_on_land(run):
     """Whether rewards are computed group by group as rows land, while the sampler decodes the others: with rows
-    streaming (--rollouts_in_flight), each process sampling alone (not a tensor-parallel group), and reward
-    functions that need nothing but their rows (no environment's episodes, which end with the rollout; no reward
-    model, whose forward is a collective every rank must call together)."""
+    streaming (--rollouts_in_flight), each process sampling alone (not a tensor-parallel group), and no
+    environment's episodes (which end with the rollout). A reward model, whose forward is a collective every rank
+    must call together, scores at the step's take (`Landing.result`)."""
     tp = getattr(run.d, "tp", None)
-    return bool(run.cfg.rollouts_in_flight) and run.agent is None and (tp is None or tp.size == 1) and \
-        not any(getattr(fn, "collective", False) for fn in run.task.reward_funcs)
+    return bool(run.cfg.rollouts_in_flight) and run.agent is None and (tp is None or tp.size == 1)
 
 
 class Landing:
     """This rank's rewards, computed group by group as the sampler's rows land (`sampling.sample`'s on_end), in one
     worker thread while decoding goes on: a group is scored once its last row on this rank has ended. Reward
     functions score each completion on its own (TRL's contract), so the scores equal one call over the batch; the
-    functions are called once per group instead of once per step. `result` waits for the last group."""
+    functions are called once per group instead of once per step. A collective function (a reward model, whose
+    forward every rank must make together) scores the whole batch in `result`, which every rank calls at the
+    step's take, the pause where its rows have all ended. `result` waits for the last group."""
 
     def __init__(self, run, step, prompts, fields, first_row):
         import concurrent.futures
@@ -277,6 +278,7 @@ class Landing:
         self.rows = {g: [r for r in range(len(prompts)) if group[r] == g] for g in dict.fromkeys(group)}
         self.group, self.left, self.ids = group, {g: len(rows) for g, rows in self.rows.items()}, {}
         self.worker, self.scored = concurrent.futures.ThreadPoolExecutor(1, "rewards"), []
+        self.local = [fn for fn in run.task.reward_funcs if not getattr(fn, "collective", False)]
 
     def __call__(self, rows, ids):
         for r, row_ids in zip(rows, ids):
@@ -284,37 +286,49 @@ class Landing:
             g = self.group[r]
             self.left[g] -= 1
             if not self.left[g]:
-                self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g])))
+                self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g], self.local)))
 
-    def _score(self, rows):
+    def _score(self, rows, funcs):
+        """({function: (len(rows),) scores}, {function: seconds}) of the rows' completions."""
         run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
         completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
         fields = rollouts.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
                                         run.tokenizer, prompts, completions)
         seconds = {}
-        total, parts = rewards.score_completions(run.task.reward_funcs, run.weights, prompts, completions, fields,
-                                                 seconds=seconds, context=rollouts.reward_context(run.cfg, self.step),
-                                                 rows=rows)
-        return total, parts, seconds
+        parts = rewards.reward_parts(funcs, prompts, completions, fields, seconds=seconds,
+                                     context=rollouts.reward_context(run.cfg, self.step), rows=rows)
+        return parts, seconds, completions
 
     def result(self):
         """(total (n,), {function: (n,)}, {function: seconds summed over the groups}); a reward function's error is
         raised here, for the first group it failed on."""
-        n = len(self.prompts)
-        total, parts, seconds = torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE), {}, {}
+        n, funcs = len(self.prompts), self.run.task.reward_funcs
+        nan = lambda: torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE)  # noqa: E731
+        parts, seconds, completions = {rewards.reward_name(fn): nan() for fn in self.local}, {}, [""] * n
+        failed = None
         try:
             if any(self.left.values()):  # every row of a sample call ends in it: a path that never said so is a bug
                 raise RuntimeError(f"rows {[r for r in range(n) if self.left[self.group[r]]]} never landed")
             for rows, done in self.scored:
-                t, p, s = done.result()
-                total[rows] = t
+                p, s, texts = done.result()
                 for k, v in p.items():
-                    parts.setdefault(k, torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE))[rows] = v
+                    parts[k][rows] = v
                 for k, v in s.items():
                     seconds[k] = seconds.get(k, 0.0) + v
+                for r, text in zip(rows, texts):
+                    completions[r] = text
+        except rewards.RewardFunctionError as e:
+            failed = e  # raised after the collective functions, which every rank must call
         finally:
             self.worker.shutdown(cancel_futures=True)
-        return total, parts, seconds
+        if len(self.local) < len(funcs):  # every rank together, over the step's rows
+            p, s, completions = self._score(list(range(n)), [fn for fn in funcs if fn not in self.local])
+            parts.update(p)
+            seconds.update(s)
+        if failed is not None:
+            raise failed
+        parts = {rewards.reward_name(fn): parts[rewards.reward_name(fn)] for fn in funcs}  # the functions' order
+        return rewards.weighted_total(parts, self.run.weights, completions), parts, seconds
 
 
 def draw(run, step):

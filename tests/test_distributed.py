@@ -55,9 +55,10 @@ def checks(t):
                        "--num_iterations=2",
                        "--reward_funcs=rewards:next_letter_reward,rewards:soft_overlong_punishment",
                        "--soft_punish_cache=2", "--reward_weights=1,0.5"],
-        # the tiny reward model (sharded too) scores every row differently, so a missing gather or trim shows
+        # the tiny reward model (sharded too) scores every row differently, so a missing gather or trim shows; the
+        # step's rows stream through 2 places, and the reward model scores them at the take, every rank together
         "eval": ["--max_steps=1", "--eval_every=1", "--eval_prompts=3", "--prompts_per_step=4", "--num_generations=2",
-                 "--max_completion_length=8", "--save_every=0", "--reward_model=tiny"],
+                 "--max_completion_length=8", "--save_every=0", "--reward_model=tiny", "--rollouts_in_flight=2"],
         "turns": ["--max_steps=2", "--save_every=0", "--task=vault", "--max_turns=3", "--max_completion_length=48",
                   "--pause_often"],
         # with the sampler a step ahead: a step's rounds join its stream, the next step's rows decoding beside them
@@ -396,8 +397,8 @@ def test_written_out_forward_layouts_and_forward_only_records(tmp_path):
 def test_evaluation_splits_rows_over_processes(runs):
     """Each of 2 ranks samples half the held-out rows (the odd one padded); the gathered scores equal 1 process's.
 
-    One training step, then an evaluation of 3 prompts: greedy (3 rows: 2 per rank, one a padding copy)
-    and sampled (3 x 2 rows: 3 per rank).
+    One training step, its rows streaming through 2 places and scored by the reward model at the take, then an
+    evaluation of 3 prompts: greedy (3 rows: 2 per rank, one a padding copy) and sampled (3 x 2 rows: 3 per rank).
     """
     p, _ = runs
     dirs = {w: p[f"eval{w}"] for w in (1, 2)}
@@ -415,6 +416,7 @@ def test_evaluation_splits_rows_over_processes(runs):
     evals = {k for k in m1 if k.startswith("eval/")}
     assert {"eval/reward", "eval/reward_greedy"} <= evals and evals == {k for k in m2 if k.startswith("eval/")}
     assert m1["eval/reward"] != 0 and m1["eval/reward_greedy"] != 0
+    assert m1["reward"] == pytest.approx(m2["reward"], rel=1e-5) and m1["reward"] != 0
     for k in evals:
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
 

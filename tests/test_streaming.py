@@ -134,6 +134,28 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     with pytest.raises(SystemExit, match=f"on completion {k}: "):
         train.score(run, train.rollout(run, 3), 3)
 
+    # a collective function (a reward model: every rank calls its forward together) scores the whole batch at the
+    # step's take, in the step's own thread, the others as their groups land; it is called even where another
+    # function failed on this rank, since the other ranks call it
+    def judge(prompts, completions, **_):
+        calls.append((len(completions), threading.current_thread().name))
+        return [float(len(c)) for c in completions]
+    judge.collective = True
+    del calls[:]
+    run.task.reward_funcs[:] = [sized, judge]
+    run.weights[:] = [0.5, 2.0]
+    batch = train.rollout(run, 3)
+    total, parts, _ = train.score(run, batch, 3)
+    assert sorted(calls) == [(4, "rewards_0")] * 3 + [(12, "MainThread")]
+    want_total, want_parts, _ = train.score(run, dataclasses.replace(batch, landing=None), 3)
+    assert torch.equal(total, want_total) and list(parts) == list(want_parts) == ["sized", "judge"]
+    assert all(torch.equal(parts[k], want_parts[k]) for k in parts)
+    del calls[:]
+    run.task.reward_funcs[:] = [failing, judge]
+    with pytest.raises(SystemExit, match=f"on completion {k}: "):
+        train.score(run, train.rollout(run, 3), 3)
+    assert calls == [(12, "MainThread")]
+
 
 # ----------------------------------------------------------------------------- rows in flight across steps
 
