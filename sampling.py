@@ -1037,7 +1037,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     alone on the whole model; a tensor-parallel group's sampling does not call it).
     """
     n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n, record_routing or images is not None)
+    size = _batch_size(cfg, n, record_routing)
     parts = []
     tp = getattr(d, "tp", None)
     if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
@@ -1068,8 +1068,7 @@ def decodes_written_out(model):
 
 def _batch_size(cfg, n, no_streaming):
     """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places
-    (routing replay's records and images need batches), else batches of that many, or of generation_batch_size
-    (0: all)."""
+    (routing replay's records need batches), else batches of that many, or of generation_batch_size (0: all)."""
     if cfg.rollouts_in_flight:
         return cfg.rollouts_in_flight if no_streaming else n
     return cfg.generation_batch_size or n
@@ -1079,7 +1078,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                   record_routing, images, on_end=None):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n, record_routing or images is not None)
+    size = _batch_size(cfg, n, record_routing)
     parts = []
     for s in range(0, n, size):
         rows = slice(s, s + size)

@@ -289,7 +289,7 @@ class Landing:
                 self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g], self.local)))
 
     def _score(self, rows, funcs):
-        """({function: (len(rows),) scores}, {function: seconds}) of the rows' completions."""
+        """The rows' scores by `funcs`, as ({function: (len(rows),)}, {function: seconds}, their completions)."""
         run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
         completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
         fields = rollouts.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
