@@ -400,3 +400,30 @@ def test_a_vision_language_model_is_planned_loading_its_own_shards():
     assert list(parts) == ["policy shards", "reference shards"], parts
     whole = plan.tensor_bytes(plan.meta_model(config).parameters())
     assert parts["policy shards"] == pytest.approx(whole / 2, rel=0.05)
+
+
+def test_the_export_is_planned_at_the_tensor_it_holds_most_for():
+    """The export's plan against a real tensor of a Qwen3-MoE shape: rank 0 holds the largest tensor gathered whole
+    (the fused experts' gate and up projections, 16 MiB) beside its gather's pieces; one process on a CPU reads it
+    in place and holds its copy in the checkpoint's layout (a matrix per expert: transformers' reverse conversion
+    copies gate and up apart), which the plan counts from the meta tensor's conversion: here from a real one's."""
+    from transformers.core_model_loading import revert_weight_conversion
+    import sharding
+    from runs import export
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3_moe", tok, hidden_size=256, moe_intermediate_size=256, num_experts=32)
+    model = plan.meta_model(config)
+    name, meta = max(model.named_parameters(), key=lambda kv: _bytes([kv[1]]))
+    largest = torch.zeros(meta.shape)
+    own = largest.untyped_storage().data_ptr()
+    copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in revert_weight_conversion(model, {name: largest}).values()}
+    copied = sum(b for ptr, b in copies.items() if ptr != own)
+    assert copied == _bytes([largest]) == 16 << 20  # the whole tensor copied: gate and up, each apart
+    assert export.check_bytes(largest.dtype) < copied  # the NaN check's temporaries, beside it in turn, are less
+    one = plan.plan(Config(), config, 1, "cpu").phase("export").parts
+    assert one == [("its copy in the checkpoint's layout", copied)], one
+    assert _bytes([largest]) // 4 < sharding.GATHER_PIECE_BYTES // 4  # each rank's rows sent at once
+    four = plan.plan(Config(), config, 4, "cpu").phase("export").parts
+    assert four == [("gathered whole: experts.gate_up_proj", copied),
+                    ("gather pieces in flight", 5 * copied // 4)], four
