@@ -11,7 +11,9 @@ Then the plan's loading and export figures against what the processes hold (`hos
 processes a worker loads the folder as train.py does (runs/setup.py's load_models: the policy and the reference,
 each process reading its own shards) and exports it (runs/export.py), each process measuring the rise of its private
 resident memory (RssAnon, read every millisecond) over each phase; the files' pages it maps while reading them are
-page cache, measured apart (VmHWM's rise over the loading, less the private rise).
+page cache, measured apart (VmHWM's rise over the loading, less the private rise), and so are the modules loading
+imports on first use (torch.distributed.checkpoint, FSDP, the model's class: the interpreter's, which the plan
+leaves out as it leaves out torch's, about 55 MiB a process), imported and measured before the loading.
 """
 
 import json
@@ -89,11 +91,19 @@ def rise(fn):
     top[0] = max(top[0], after["RssAnon"])
     return result, top[0] - before["RssAnon"], after["VmHWM"] - before["VmRSS"]
 
+def imports():  # the modules loading imports on first use, apart: the interpreter's, not the phase's tensors
+    import torch, model_loading
+    import torch.distributed.checkpoint, torch.distributed.fsdp, torch.distributed.tensor
+    config = model_loading.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model_loading.causal_lm_class(config).from_config(config)
+
+_, modules, _ = rise(imports)
 (tok, policy, ref), load, load_hwm = rise(lambda: setup.load_models(cfg, d, "cpu"))
 sharding.free_gathered(policy)
 _, exp, _ = rise(lambda: export.export_model(policy.lm, tok, os.path.join(out, "model"), master=d.master))
 with open(os.path.join(out, f"phases_rank{d.rank}.json"), "w") as f:
-    json.dump({"loading": load, "loading_mapped": load_hwm - load, "export": exp}, f)
+    json.dump({"loading": load, "loading_mapped": load_hwm - load, "loading_imports": modules, "export": exp}, f)
 """
 
 
@@ -119,8 +129,10 @@ def bench_phases(s, root, path, env, counts):
         p = plan.plan(cfg, config, n, "cpu")
         out[n] = {phase: (p.phase(phase).total, max(k[phase] for k in ranks)) for phase in ("loading", "export")}
         out[n]["loading_mapped"] = max(k["loading_mapped"] for k in ranks)
-        print(f"  {n} process(es): " + ", ".join(f"{ph} planned {a / 2**30:.3f} GiB, measured {b / 2**30:.3f} GiB"
-                                               for ph, (a, b) in list(out[n].items())[:2]), flush=True)
+        out[n]["loading_imports"] = max(k["loading_imports"] for k in ranks)
+        print(f"  {n} process(es): " + ", ".join(f"{ph} planned {a / 2**20:.0f} MiB, measured {b / 2**20:.0f} MiB"
+                                               for ph, (a, b) in list(out[n].items())[:2])
+              + f"; modules imported first {out[n]['loading_imports'] / 2**20:.0f} MiB", flush=True)
     return out
 
 

@@ -236,7 +236,9 @@ class StaticDecoder:
         """x through every layer (`layer`). rope: rotary key -> (cos, sin) of these tokens; attend(p, q, k, v):
         a layer's attention, its new K/V written to its cache row first (`_block_attention`, `_decode_attention`);
         recurrent(state, h): a recurrent layer's output. The same functions serve every layer."""
-        record = self.record_at
+        # taken off the decoder as it is read: a recorder holds the decoder, and that cycle would keep its copies and
+        # cache alive past the rollout until Python's next full collection
+        record, self.record_at = self.record_at, None
         for p in self.p:
             x = transformer.layer(x, p, None if p.rope is None else rope[p.rope], attend, recurrent, record)
         return x

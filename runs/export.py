@@ -67,12 +67,22 @@ def _full_merged(adapter, w, a, b):
     return sharding.full_host_tensor(merged)
 
 
+CHECK_ELEMENTS = 1 << 20  # the NaN check's elements at a time
+
+
+def check_bytes(dtype):
+    """The NaN check's temporaries for CHECK_ELEMENTS elements of `dtype`: isfinite computes x == x and |x| != inf,
+    a copy of the absolute values and byte masks. Measured, 9 bytes an element for float32 and for bfloat16 alike
+    (36 MiB at the 4M elements the check took at a time before, where its masks alone would be 8 MiB); a wider dtype
+    is counted at its own width."""
+    return CHECK_ELEMENTS * (max(4, dtype.itemsize) + 5)
+
+
 def _non_finite(t):
-    """How many NaN or inf a tensor holds, 4M elements at a time: isfinite's temporaries (a float copy, masks) come
-    to about 2.5 times a bfloat16 tensor, whole; about 20 MiB this way."""
+    """How many NaN or inf a tensor holds, CHECK_ELEMENTS at a time (`check_bytes`: about 9 MiB beside it)."""
     if not t.is_floating_point():
         return 0
-    flat, step = t.reshape(-1), 1 << 22
+    flat, step = t.reshape(-1), CHECK_ELEMENTS
     return sum(int((~torch.isfinite(flat[i:i + step])).sum()) for i in range(0, flat.numel(), step))
 
 
@@ -155,13 +165,7 @@ def _write_weights(model, folder, state_dict, max_shard_bytes):
             if not master or problem is not None:
                 continue  # the other ranks, or after a failure: keep gathering in step with them, write nothing
             try:
-                bad = _non_finite(full)
-                if bad:
-                    problem = ValueError(f"weight '{plain}' holds {bad} NaN/inf values; not writing a broken model "
-                                         f"(resume from an earlier checkpoint, or lower the learning rate)")
-                    continue
-                for n, piece in revert_weight_conversion(model, {plain: full}).items():
-                    _pwrite(where[n][0], piece, where[n][1])
+                problem = _write_tensor(model, plain, full, where)
             except Exception as e:  # a full disk (...)
                 problem = e
             del full
@@ -170,6 +174,20 @@ def _write_weights(model, folder, state_dict, max_shard_bytes):
             os.close(fd)
     if problem is not None:
         raise problem
+
+
+def _write_tensor(model, plain, full, where):
+    """Write a whole tensor at its places in the files, in the checkpoint's layout (a family that keeps another one
+    copies it there: a MoE layer's fused gate and up projections become two tensors); returns the problem that
+    stops the export (a weight holding NaN or inf), else None. Its copies are freed on return, before the next
+    tensor is gathered."""
+    bad = _non_finite(full)
+    if bad:
+        return ValueError(f"weight '{plain}' holds {bad} NaN/inf values; not writing a broken model "
+                          f"(resume from an earlier checkpoint, or lower the learning rate)")
+    for n, piece in revert_weight_conversion(model, {plain: full}).items():
+        _pwrite(where[n][0], piece, where[n][1])
+    return None
 
 
 def _start_files(model, folder, plan, max_shard_bytes, where, fds):

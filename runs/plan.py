@@ -19,8 +19,8 @@ is estimated:
   logits buffers, and the model's own forward where the sampler takes it (MoE blocks under FSDP2).
 
 `SHAPES` holds the published shapes of the models in docs/memory.md's table; `python -m runs.plan` prints it.
-Imports: torch, transformers, model_loading, layers/ (the decoder and LoRA); imported by train.py (--plan), runs/setup.py
-(the --tp_size check at the start of a run) and tests.
+Imports: torch, transformers, model_loading, layers/ (the decoder and LoRA), runs/export (the NaN check's chunk);
+imported by train.py (--plan), runs/setup.py (the --tp_size check at the start of a run) and tests.
 """
 
 import dataclasses
@@ -430,27 +430,53 @@ def _read_bytes(t, world, stored, quantized):
 
 
 def _export(cfg, model, params, world, device):
-    """What exporting the trained model adds on a host process (rank 0's, the largest; runs/export.py): each tensor
-    gathered whole in turn, in pieces of sharding.GATHER_PIECE_BYTES from all ranks together (one process on a CPU
-    reads its own tensors in place), the NaN check 4M elements at a time, and a LoRA-adapted weight's merge: this
-    rank's rows merged into a copy, 64 MiB of float32 rows at a time."""
-    import sharding
+    """What exporting the trained model adds on a host process (rank 0's, the largest; runs/export.py), at the tensor
+    where it is most (`_export_peak`), and a LoRA-adapted weight's merge beside it: this rank's rows merged into a
+    copy, 64 MiB of float32 rows at a time."""
     from layers import lora
-    parts = []
-    largest = max(params, key=lambda p: tensor_bytes([p]))
-    if world > 1 or device == "cuda":
-        parts.append(("largest tensor gathered whole", tensor_bytes([largest])))
-    if world > 1 and largest.dim():  # rank 0's piece and every rank's, a few rows of each shard (full_host_tensor)
-        row = tensor_bytes([largest]) // largest.shape[0]
-        n = min(max(1, sharding.GATHER_PIECE_BYTES // world // row), -(-largest.shape[0] // world))
-        parts.append(("gather pieces in flight", (world + 1) * n * row))
-    # two masks of 4M booleans, and a float32 copy of a bfloat16 or float16 chunk
-    parts.append(("NaN check, 4M elements at a time", (2 + (4 if largest.dtype.itemsize == 2 else 0)) << 22))
+    parts = _export_peak(model, params, world, device)
     adapted = [model.get_parameter(lora._weight_keys(name, m)[0]) for name, m in lora.lora_modules(model).items()]
     if adapted:
         parts.append(("LoRA merge: a weight's rows merged, float32 rows", max(tensor_bytes([w], world)
                                                                             for w in adapted) + (64 << 20)))
     return Phase("export", parts, where="host")
+
+
+def _export_peak(model, params, world, device):
+    """[(label, bytes)] of the tensor the export holds most for: the tensor gathered whole (one process on a CPU
+    reads its own tensors in place), and beside it the most of what comes in turn: while it is gathered, pieces of
+    sharding.GATHER_PIECE_BYTES from all ranks together; the NaN check's temporaries (export.check_bytes); its copy
+    in the checkpoint's layout, where the family keeps another (transformers' reverse conversion run on the meta
+    tensor: the storages it makes), run only for a tensor that could be the most."""
+    import re
+
+    import sharding
+    from runs import export
+    from transformers.core_model_loading import revert_weight_conversion
+    gathered = world > 1 or device == "cuda"
+    best, names = None, {id(p): n for n, p in model.named_parameters()}
+    for p in sorted(params, key=lambda t: -tensor_bytes([t])):  # the largest first: few conversions run
+        whole = tensor_bytes([p]) if gathered else 0
+        check = min(p.numel(), export.CHECK_ELEMENTS) * export.check_bytes(p.dtype) // export.CHECK_ELEMENTS
+        pieces = 0
+        if world > 1 and p.dim():  # rank 0's piece and every rank's, a few rows of each shard (full_host_tensor)
+            row = tensor_bytes([p]) // max(1, p.shape[0])
+            n = min(max(1, sharding.GATHER_PIECE_BYTES // world // max(1, row)), -(-p.shape[0] // world))
+            pieces = (world + 1) * n * row
+        if best is not None and whole + max(pieces, check, tensor_bytes([p])) <= best[0]:
+            continue  # a layout copy is at most the tensor: this one cannot be more, no conversion to run
+        name = re.sub(r"\.parametrizations\.([^.]+)\.original$", r".\1", names.get(id(p), ""))
+        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        own = meta.untyped_storage()._cdata
+        made = {v.untyped_storage()._cdata: v.untyped_storage().nbytes()
+                for v in revert_weight_conversion(model, {name: meta}).values() if v.untyped_storage()._cdata != own}
+        layout = sum(made.values())
+        extra = max(("gather pieces in flight", pieces), ("NaN check, a chunk at a time", check),
+                    ("its copy in the checkpoint's layout", layout), key=lambda kv: kv[1])
+        if best is None or whole + extra[1] > best[0]:
+            short = ".".join(name.split(".")[-2:])[:36] or "a tensor"
+            best = (whole + extra[1], [(f"gathered whole: {short}", whole)] * gathered + [extra])
+    return best[1] if best else []
 
 
 def _training(cfg, config, model, state, root, biggest, sampler, rows_total, compute, sharded, device):

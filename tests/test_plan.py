@@ -418,3 +418,85 @@ def test_a_vision_language_model_is_planned_loading_its_own_shards():
     assert list(parts) == ["policy shards", "reference shards"], parts
     whole = plan.tensor_bytes(plan.meta_model(config).parameters())
     assert parts["policy shards"] == pytest.approx(whole / 2, rel=0.05)
+
+
+def _resident_rise(fn):
+    """(fn's result, the largest rise of this process's resident memory while it ran, private and file pages:
+    RssAnon + RssFile, read every millisecond by a thread), from a start where what earlier code freed was given
+    back."""
+    import threading
+    import time
+
+    import sharding
+
+    def private():
+        with open("/proc/self/status") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("RssAnon", "RssFile")))
+
+    sharding.return_host_memory()
+    before, top, done = private(), [0], []
+
+    def watch():
+        while not done:
+            top[0] = max(top[0], private())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.append(True)
+        thread.join()
+    return result, max(top[0], private()) - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+def test_one_process_loading_holds_what_the_plan_says(tmp_path):
+    """One process loads a folder of safetensors weights as a run does (runs/setup.load_models: the whole policy,
+    then the reference as a copy): its resident memory rises by the plan's loading figure, within 15%. The policy's
+    tensors are the file's pages, mapped (stored as the model holds them, they are read in place; private from the
+    optimizer's first write), the reference's private memory. The modules loading imports on first use are imported
+    before (the interpreter's, which the plan leaves out). A 22M-parameter Qwen2 shape, 0.17 GiB planned."""
+    import sharding
+    from runs import setup
+    sharding.map_large_host_tensors()  # as train.py: a freed tensor leaves the process, a new one is a new rise
+    path = model_loading.write_tiny_model(str(tmp_path / "model"), hidden_size=512, intermediate_size=1408,
+                                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    config = plan.model_config(Config(model=path))
+    torch.manual_seed(0)
+    model_loading.causal_lm_class(config).from_config(config).save_pretrained(path)  # imports the model's modules
+    cfg = Config(model=path, beta=0.04, device="cpu", out_dir=str(tmp_path / "out"), check_model=False)
+    one = sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    (_, policy, ref), rise = _resident_rise(lambda: setup.load_models(cfg, one, "cpu"))
+    planned = plan.plan(cfg, config, 1, "cpu").phase("loading")
+    assert dict(planned.parts) == {"whole model": _bytes(policy.parameters()),
+                                   "reference copy": _bytes(ref.parameters())}
+    assert rise == pytest.approx(planned.total, rel=0.15), (rise / 2**20, planned.total / 2**20)
+
+
+def test_the_export_is_planned_at_the_tensor_it_holds_most_for():
+    """The export's plan against a real tensor of a Qwen3-MoE shape: rank 0 holds the largest tensor gathered whole
+    (the fused experts' gate and up projections, 16 MiB) beside its gather's pieces; one process on a CPU reads it
+    in place and holds its copy in the checkpoint's layout (a matrix per expert: transformers' reverse conversion
+    copies gate and up apart), which the plan counts from the meta tensor's conversion: here from a real one's."""
+    from transformers.core_model_loading import revert_weight_conversion
+    import sharding
+    from runs import export
+    tok = model_loading.build_byte_tokenizer()
+    config = architectures.config("qwen3_moe", tok, hidden_size=256, moe_intermediate_size=256, num_experts=32)
+    model = plan.meta_model(config)
+    name, meta = max(model.named_parameters(), key=lambda kv: _bytes([kv[1]]))
+    largest = torch.zeros(meta.shape)
+    own = largest.untyped_storage().data_ptr()
+    copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in revert_weight_conversion(model, {name: largest}).values()}
+    copied = sum(b for ptr, b in copies.items() if ptr != own)
+    assert copied == _bytes([largest]) == 16 << 20  # the whole tensor copied: gate and up, each apart
+    assert export.check_bytes(largest.dtype) < copied  # the NaN check's temporaries, beside it in turn, are less
+    one = plan.plan(Config(), config, 1, "cpu").phase("export").parts
+    assert one == [("its copy in the checkpoint's layout", copied)], one
+    assert _bytes([largest]) // 4 < sharding.GATHER_PIECE_BYTES // 4  # each rank's rows sent at once
+    four = plan.plan(Config(), config, 4, "cpu").phase("export").parts
+    assert four == [("gathered whole: experts.gate_up_proj", copied),
+                    ("gather pieces in flight", 5 * copied // 4)], four
