@@ -106,8 +106,6 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
     RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}. rows: each completion's
     number in the batch, where these are some of its rows (the groups that have landed: train.Landing).
     """
-    if not all(math.isfinite(w) for w in weights):
-        raise ValueError(f"reward weights must be finite, got {list(weights)}")
     parts = reward_parts(reward_funcs, prompts, completions, fields, seconds, context, rows)
     return weighted_total(parts, weights, completions, rows), parts
 
@@ -126,6 +124,8 @@ def reward_parts(reward_funcs, prompts, completions, fields, seconds=None, conte
 def weighted_total(parts, weights, completions, rows=None):
     """The weighted sum of the functions' scores `parts` (in the functions' order, one weight each) per completion,
     over those that scored it: NaN where none did; RewardFunctionError where it overflows REWARD_DTYPE."""
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"reward weights must be finite, got {list(weights)}")
     stacked = torch.stack(list(parts.values()), dim=1)  # (N, F)
     w = torch.tensor(weights, dtype=torch.float64)
     # summed in float64 so only a total that REWARD_DTYPE cannot hold fails, not an intermediate sum

@@ -290,7 +290,7 @@ class _StaticSteps:
     can be compacted out of the batch."""
 
     feeds_rows = True  # a block can be fed to some batch rows alone (extend's batch_rows)
-    prompts_alone = False  # a new row's prompt runs beside the others' blocks where all take one
+    prompts_alone = False  # the same for every long block, a new row's prompt or an answer
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
                  dtype=None, batch=None, share=False):
@@ -343,34 +343,33 @@ class _HFSteps:
     with each row's cache taken along."""
 
     share = False
-    prompts_alone = True  # a new row's prompt runs on its row alone, as a prefill (`extend`)
+    feeds_rows = False  # an answer is fed with the batch, as one padded block
+    prompts_alone = True  # but a new row's prompt runs on its row alone, as a prefill (`extend`)
 
     def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
         self.model, self.first_pos = model, positions[:, -1] + 1  # (N,) position of completion position 0
+        self.spare = max_new  # the completion position where finished rows write on: a hole, never a token
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
-        self.feeds_rows = replay is None  # routing records need every row's column for every fed token
         self.images = {}  # batch row -> (pixel values, grid) of the images of the prompt it was admitted for
 
     def decode(self, tok, cols, cols_h):
         """One token per row at completion position cols (an int for every row, or a tensor of each row's)."""
-        return self.dec.decode(tok, self.first_pos + cols)
+        real = None if isinstance(cols, int) and cols < self.spare else \
+            torch.as_tensor(cols, device=tok.device).expand(tok.shape) < self.spare
+        return self.dec.decode(tok, self.first_pos + cols, real)
 
     def extend(self, ids, valid, start, top, batch_rows=None):
-        """The blocks, each after its row's tokens (the logits after each); with batch_rows, for those rows alone,
-        and then the blocks of rows just admitted (start < 0: their prompts, but their last tokens) run as a prefill
-        of those rows, with their images (no logits: the caller feeds each block's last token next)."""
-        first = self.first_pos if batch_rows is None else self.first_pos[batch_rows]
+        """The blocks, each after its row's tokens: the logits after each. With batch_rows, the blocks are the
+        prompts (but their last tokens) of rows just admitted there (`_Rows._feed_heads`), run as a prefill of those
+        rows with their images, and give no logits (each prompt's last token is fed next, with the batch)."""
+        if batch_rows is not None:
+            if not bool((start < 0).all()):
+                raise ValueError("on the model's own forward only a new row's prompt is fed to its row alone")
+            return self._prompts(ids, valid, batch_rows)
         cols = start[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (N, K) completion positions
-        if batch_rows is None:
-            return self.dec.extend(ids, valid, first[:, None] + cols)
-        new = start < 0
-        if bool(new.any()):
-            self._prompts(ids[new], valid[new], batch_rows[new])
-        if not bool(new.all()):
-            self.dec.extend(ids[~new], valid[~new], (first[:, None] + cols)[~new], batch_rows[~new])
-        return None
+        return self.dec.extend(ids, valid, self.first_pos[:, None] + cols)
 
     def _prompts(self, ids, valid, batch_rows):
         """Prompts (k, L), right-padded, of rows just admitted into batch_rows: left-padded, and prefilled there."""
@@ -407,6 +406,7 @@ class _HFSteps:
 
     def compact(self, keep, live, fed_top):
         if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
+            self.dec.pack()  # but drop now the columns no row holds (past the ends of rows that stay)
             return False
         self.dec.keep_rows(keep)
         self.first_pos = self.first_pos[keep]
@@ -736,8 +736,11 @@ class _Rows:
         if not feeds:
             return self.steps.decode(tok, col, self.feed_h)
         long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
-        if long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share or (
-                self.steps.prompts_alone and any(first < 0 for _, first, _ in long))):
+        if self.steps.prompts_alone:  # new rows' prompts alone (first < 0), answers with the batch
+            long = [(i, first, block) for i, first, block in long if first < 0]
+            if long:
+                feeds = self._feed_heads(long, feeds)
+        elif long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share):
             feeds = self._feed_heads(long, feeds)
         k = max(len(b) for _, _, b in feeds)
         ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
@@ -829,8 +832,8 @@ class Stream:
     run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions), so the loss can take the
     sampler's log-prob as the behaviour policy's.
 
-    A row's cache slots start at `prompt_width` (every prompt is left-padded to it): the widest prompt the run can
-    have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
+    On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
+    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
     max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where `sample` gives
     row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward, as `sample`'s
     (a model the written-out decoder does not sample takes it anyway, and so do prompts with images). tp: as

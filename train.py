@@ -285,7 +285,7 @@ class Landing:
             self.ids[r] = row_ids
             g = self.group[r]
             self.left[g] -= 1
-            if not self.left[g]:
+            if not self.left[g] and self.local:
                 self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g], self.local)))
 
     def _score(self, rows, funcs):
@@ -301,7 +301,8 @@ class Landing:
 
     def result(self):
         """(total (n,), {function: (n,)}, {function: seconds summed over the groups}); a reward function's error is
-        raised here, for the first group it failed on."""
+        raised here, for the first group it failed on, after the collective functions have run (the other ranks
+        wait in them)."""
         n, funcs = len(self.prompts), self.run.task.reward_funcs
         nan = lambda: torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE)  # noqa: E731
         parts, seconds, completions = {rewards.reward_name(fn): nan() for fn in self.local}, {}, [""] * n
@@ -317,14 +318,18 @@ class Landing:
                     seconds[k] = seconds.get(k, 0.0) + v
                 for r, text in zip(rows, texts):
                     completions[r] = text
-        except rewards.RewardFunctionError as e:
-            failed = e  # raised after the collective functions, which every rank must call
+        except Exception as e:  # raised after the collective functions, which every rank must call
+            failed = e
         finally:
             self.worker.shutdown(cancel_futures=True)
         if len(self.local) < len(funcs):  # every rank together, over the step's rows
-            p, s, completions = self._score(list(range(n)), [fn for fn in funcs if fn not in self.local])
-            parts.update(p)
-            seconds.update(s)
+            try:
+                p, s, completions = self._score(list(range(n)), [fn for fn in funcs if fn not in self.local])
+            except Exception as e:
+                failed = failed or e
+            else:
+                parts.update(p)
+                seconds.update(s)
         if failed is not None:
             raise failed
         parts = {rewards.reward_name(fn): parts[rewards.reward_name(fn)] for fn in funcs}  # the functions' order

@@ -28,7 +28,6 @@ row's `delta`, the shift of its text positions past the prompt; every later toke
 each rotary axis.
 """
 
-import contextlib
 import inspect
 
 import torch
@@ -93,9 +92,9 @@ class HFDecoder:
 
     Columns are appended for every row at once; `valid` (N, L) marks the columns that hold one of the row's
     tokens and `pos` (N, L) each column's position id. The interface is the sampler's: prefill, decode one
-    token per row, extend rows (all, or some on their own cache) by a block of tokens, truncate (forget) rows'
-    tokens from a position on; and, for rows streaming through places, grow by empty rows, admit (a row forgets
-    all it held, for a new row's prompt) and keep some rows. Columns that are holes in every row are dropped.
+    token per row, extend rows by a block of tokens, truncate (forget) rows' tokens from a position on; and, for
+    rows streaming through places, grow by empty rows, admit (a row forgets all it held), prefill admitted rows
+    on their own cache, and keep some rows. Then each row's columns are packed to the front (`pack`).
     """
 
     def __init__(self, model, ids, attn, positions, routing=None, images=None):
@@ -181,16 +180,14 @@ class HFDecoder:
             self.routes.append(self.routing.take(ids.shape))  # (N, K, layers, k), a column per token fed
         return logits
 
-    def decode(self, tok, positions):
-        """One token per row at position ids `positions` (N,); the logits after it (N, V)."""
-        return self._forward(tok[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), positions[:, None])[:, -1]
+    def decode(self, tok, positions, real=None):
+        """One token per row at position ids `positions` (N,); the logits after it (N, V). real (N,): False where
+        the token is no row's (a finished row writing on): its column is a hole from the start."""
+        real = torch.ones_like(tok, dtype=torch.bool) if real is None else real
+        return self._forward(tok[:, None], real[:, None], positions[:, None])[:, -1]
 
-    def extend(self, ids, valid, positions, batch_rows=None):
-        """Each row's block ids[i, :valid[i].sum()] at `positions` (N, K); the logits after each row's last one.
-        batch_rows: the block is for those rows alone (ids, valid and positions have a row each), which run on
-        their own cache; the other rows' columns for it are holes."""
-        if batch_rows is not None:
-            return self._extend_rows(batch_rows, ids, valid, positions)
+    def extend(self, ids, valid, positions):
+        """Each row's block ids[i, :valid[i].sum()] at `positions` (N, K); the logits after each row's last one."""
         n, k = ids.shape
         last = valid.long().sum(1) - 1
         rows = torch.arange(n, device=ids.device)
@@ -205,57 +202,50 @@ class HFDecoder:
             out = logits if out is None else torch.where((last == c)[:, None], logits, out)
         return out
 
-    def _extend_rows(self, rows, ids, valid, positions):
-        """`extend` on the cache of `rows` alone."""
-        with self._on_rows(rows):
-            return self.extend(ids, valid, positions)
-
     def prefill_rows(self, rows, ids, attn, positions, images=None):
         """Rows `rows` (a tensor), just admitted (they hold nothing), take their prompts: ids (k, P) left-padded,
         attn their real tokens, positions theirs, images `sample`'s prefill images of these rows (or None). A
-        prefill on their own cache: left padding before any state leaves a recurrent state at zero, as at the
-        first prefill, and image embeddings and rotary positions enter it as they do there."""
-        with self._on_rows(rows):
-            self.images = images
-            if images is not None:
-                self.delta = images[2]
-            self._forward(ids, attn.bool(), positions, prefill=True, keep=1)
-            self.images = None
-
-    @contextlib.contextmanager
-    def _on_rows(self, rows):
-        """Work on the cache of `rows` alone: their tensors taken out, and what the work added put back after (new
-        columns, holes in the other rows; the rows' recurrent states and rotary deltas)."""
+        prefill of those rows alone on an empty cache (left padding before any state leaves a recurrent state at
+        zero, and image embeddings and rotary positions enter it, as at the first prefill), written into their own
+        first P columns, which are holes in them: the cache grows only where it is narrower than P."""
         if self.routing is not None:
-            raise ValueError("a block fed to some rows alone would leave the routing records without their columns")
+            raise ValueError("a prompt fed to some rows alone would leave the routing records without its columns")
         n, width = self.valid.shape
+        p = ids.shape[1]
         whole = {}  # (holder, key) -> the tensor of every row
-        for holder, key, _ in self._tensors():
-            whole[id(holder), key] = holder[key]
-            holder[key] = holder[key][rows]
+        for holder, key, columns in self._tensors():
+            t = whole[id(holder), key] = holder[key]
+            holder[key] = t.new_zeros(len(rows), t.shape[1], 0, *t.shape[3:]) if columns else t[rows]
         all_valid, all_pos, all_delta = self.valid, self.pos, self.delta
-        self.valid, self.pos = all_valid[rows], all_pos[rows]
-        self.delta = None if all_delta is None else all_delta[rows]
-        yield
-        if self.delta is not None:  # rows whose prompts held images now have their deltas
-            delta = all_delta.clone() if all_delta is not None else self.delta.new_zeros(n)
-            all_delta = delta.index_copy_(0, rows, self.delta)
-        self.delta = all_delta
-        k = self.valid.shape[1] - width
+        self.valid, self.pos = all_valid.new_zeros(len(rows), 0), all_pos.new_zeros(len(rows), 0)
+        self.images = images
+        self.delta = images[2] if images is not None else None if all_delta is None else all_delta[rows]
+        try:
+            self._forward(ids, attn.bool(), positions, prefill=True, keep=1)
+        finally:
+            self.images = None
+        grow = max(0, p - width)
         for holder, key, columns in self._tensors():  # a layer first filled now was empty for every row
-            sub = holder[key]
-            full = whole.get((id(holder), key))
+            sub, full = holder[key], whole.pop((id(holder), key), None)
             if full is None:
                 full = sub.new_zeros(n, *sub.shape[1:2], width, *sub.shape[3:]) if columns else \
                     sub.new_zeros(n, *sub.shape[1:])
             if columns:
-                full = torch.cat([full, full.new_zeros(*full.shape[:2], k, *full.shape[3:])], 2)
-                full[rows, :, width:] = sub[:, :, width:]
+                if grow:
+                    full = torch.cat([full, full.new_zeros(*full.shape[:2], grow, *full.shape[3:])], 2)
+                full[rows, :, :p] = sub
             else:
-                full = full.index_copy(0, rows, sub)
+                full.index_copy_(0, rows, sub)
             holder[key] = full
-        grown = lambda full, sub: torch.cat([full, full.new_zeros(n, k)], 1).index_copy_(0, rows, sub)
-        self.valid, self.pos = grown(all_valid, self.valid), grown(all_pos, self.pos)
+        widen = (lambda t: torch.cat([t, t.new_zeros(n, grow)], 1)) if grow else (lambda t: t)
+        sub_valid, sub_pos, sub_delta = self.valid, self.pos, self.delta
+        self.valid, self.pos = widen(all_valid), widen(all_pos)
+        self.valid[rows, :p], self.pos[rows, :p] = sub_valid, sub_pos
+        if sub_delta is not None:  # rows whose prompts held images now have their deltas
+            self.delta = (all_delta.clone() if all_delta is not None else sub_delta.new_zeros(n)).index_copy_(
+                0, rows, sub_delta)
+        else:
+            self.delta = all_delta
 
     def _tensors(self):
         """Every tensor the cache holds, as (holder, key, has_columns) with the tensor at holder[key]: attention
@@ -285,7 +275,7 @@ class HFDecoder:
         for holder, key, columns in self._tensors():
             if not columns:
                 holder[key] = holder[key].index_fill(0, rows, 0)
-        self._drop_holes()
+        self.pack()
 
     def keep_rows(self, keep):
         """Keep rows `keep` (a tensor) alone, in that order."""
@@ -293,20 +283,23 @@ class HFDecoder:
         self.delta = None if self.delta is None else self.delta[keep]
         for holder, key, _ in self._tensors():
             holder[key] = holder[key][keep]
-        self._drop_holes()
+        self.pack()
 
-    def _drop_holes(self):
-        """Drop the columns that are a hole in every row (rows admitted or dropped left them)."""
-        real = self.valid.any(0)
-        if bool(real.all()):
+    def pack(self):
+        """Move each row's real columns to the front, in their order, and drop the columns no row then holds: the
+        cache is as wide as the row with the most tokens (rows admitted or dropped leave holes; the masks go by each
+        column's position and realness, and a row's columns keep their order, so what a query sees is unchanged)."""
+        width = int(self.valid.sum(1).max()) if len(self.valid) else 0
+        if width == self.valid.shape[1]:
             return
         if self.routing is not None:
-            raise ValueError("dropping columns would leave the routing records without theirs")
-        keep = real.nonzero().squeeze(1)
-        self.valid, self.pos = self.valid[:, keep], self.pos[:, keep]
+            raise ValueError("moving columns would leave the routing records without theirs")
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # (N, width)
+        self.valid, self.pos = self.valid.gather(1, order), self.pos.gather(1, order)
         for holder, key, columns in self._tensors():
             if columns:
-                holder[key] = holder[key][:, :, keep]
+                t = holder[key]
+                holder[key] = t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
 
     def _states(self):
         return [[(d, i, t.clone()) for d in (layer.conv_states, layer.recurrent_states)

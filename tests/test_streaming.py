@@ -63,7 +63,7 @@ def test_rows_stream_on_the_models_own_forward(family, monkeypatch):
     zero), a prompt's head runs on its row's cache alone, and ended rows and columns no row holds are dropped.
     Several turns, through `sample`'s places and through a Stream, on sliding windows and Gated DeltaNet states."""
     from layers import hf_decoder
-    admitted, dropped, admit, drop = [0], [0], hf_decoder.HFDecoder.admit, hf_decoder.HFDecoder._drop_holes
+    admitted, dropped, admit, drop = [0], [0], hf_decoder.HFDecoder.admit, hf_decoder.HFDecoder.pack
 
     def dropping(self):
         width = self.valid.shape[1]
@@ -71,7 +71,7 @@ def test_rows_stream_on_the_models_own_forward(family, monkeypatch):
         dropped[0] += width - self.valid.shape[1]
     monkeypatch.setattr(hf_decoder.HFDecoder, "admit", lambda self, rows: (
         admitted.__setitem__(0, admitted[0] + len(rows)), admit(self, rows))[1])
-    monkeypatch.setattr(hf_decoder.HFDecoder, "_drop_holes", dropping)
+    monkeypatch.setattr(hf_decoder.HFDecoder, "pack", dropping)
     model, tok = architectures.tiny(family)
     enc = tok(["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"] * 2, return_tensors="pt",
               padding=True, add_special_tokens=False)
