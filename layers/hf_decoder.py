@@ -268,7 +268,7 @@ class HFDecoder:
 
     def admit(self, rows):
         """Rows `rows` (a tensor) forget every token: their columns become holes, their recurrent states zero (a
-        state from nothing), and a new row's prompt can be fed to them as a block."""
+        state from nothing), ready for a new row's prompt (`prefill_rows`, or a one-token prompt fed with the batch)."""
         self.valid[rows] = False
         if self.delta is not None:  # a text prompt's positions are its tokens'
             self.delta[rows] = 0
