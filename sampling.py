@@ -833,11 +833,12 @@ class Stream:
     sampler's log-prob as the behaviour policy's.
 
     On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
-    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them, with no routing record; respond,
-    max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where `sample` gives
-    row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward, as `sample`'s
-    (a model the written-out decoder does not sample takes it anyway, and so do prompts with images). tp: as
-    `sample`'s, a tensor-parallel group's share: every rank of the group adds, runs and takes the same rows."""
+    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them, with no routing
+    record; respond, max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where
+    `sample` gives row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward,
+    as `sample`'s (a model the written-out decoder does not sample takes it anyway, and so do prompts with
+    images). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group adds, runs and takes the
+    same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
