@@ -224,28 +224,12 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     replay = routing.of(model) if record_routing else None
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
-    # a vision-language model runs on the model's own modules (its language model under our masks), never on
-    # written-out layers
     sliced = tp is not None and tp.size > 1
-    paths = transformer.paths_of(model, tp.size if sliced else 1)  # the run's, decided once at setup
-    if sliced:
-        why = paths.sampler or ("images in prompts" if images is not None else None)
-        if why:
-            raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-    if sliced or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
-        places = in_flight if 0 < in_flight < n and replay is None else n
-        steps = _StaticSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
-                             cuda_graph, attention_kernel, record=replay is not None, tp=tp if sliced else WHOLE,
-                             dtype=dtype, share=share_prompts)
-        compact = compact and replay is None  # the recorded experts stay in the rows' order at prefill
-    else:  # rows stream through places where routing records do not need them all at once; those that stream
-        # leave the batch once the queue is empty (compaction), the others run to the batch's end
-        places = in_flight if 0 < in_flight < n and replay is None else n
-        compact = compact and places < n
-        prefill = None if images is None else _image_prefill(model, prompt_ids[:places], attn[:places],
-                                                             images.rows(slice(0, places)))
-        steps = _HFSteps(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens, replay,
-                         prefill)
+    places = in_flight if 0 < in_flight < n and replay is None else n  # routing records need every row at once
+    steps, compact = _steps_of(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
+                               tp if sliced else WHOLE, static_cache, replay, images, places < n, compact,
+                               cuda_graph=cuda_graph, attention_kernel=attention_kernel, dtype=dtype,
+                               share=share_prompts)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
         # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
         # so that none samples past one (the same on every rank: it depends on the model alone)
@@ -273,6 +257,25 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
             replay.stop()
         if isinstance(steps, _StaticSteps) and not keep_decoder:  # give the memory back before training needs it
             model.__dict__.pop("_static_decoder", None)
+
+
+def _steps_of(model, ids, attn, positions, max_new, tp, static_cache, replay, images, streams, compact, **static):
+    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
+    and whether finished rows leave the batch: StaticDecoder where the run's decision (transformer.paths_of) says
+    so and static_cache allows, always for a tensor-parallel share `tp`; else the model's own forward (a
+    vision-language model's language model under our masks, never written-out layers), which compacts only rows
+    that `streams` through places. static: StaticDecoder's settings (cuda_graph, attention_kernel, dtype, share)."""
+    paths = transformer.paths_of(model, tp.size)  # the run's, decided once at setup
+    if tp.size > 1:
+        why = paths.sampler or ("images in prompts" if images is not None else None)
+        if why:
+            raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
+    if tp.size > 1 or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
+        steps = _StaticSteps(model, ids, attn, positions, max_new, static["cuda_graph"], static["attention_kernel"],
+                             record=replay is not None, tp=tp, dtype=static["dtype"], share=static["share"])
+        return steps, compact and replay is None  # the recorded experts stay in the rows' order at prefill
+    prefill = None if images is None else _image_prefill(model, ids, attn, images.rows(slice(0, len(ids))))
+    return _HFSteps(model, ids, attn, positions, max_new, replay, prefill), compact and streams
 
 
 def _iterations(n, places, max_new, max_turns, check_every):

@@ -9,7 +9,6 @@ every helper here is the identity: no process group, no mesh, nothing sharded.
 import contextlib
 import datetime
 import fcntl
-import gc
 import glob
 import json
 import math
@@ -258,14 +257,9 @@ def return_host_memory(freed=None):
     """Give the freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing): called where a phase
     ends and the next allocates other tensors (after loading and the start-up check, after sampling). `freed`: about
     how many bytes the phase freed; under RETURN_AT nothing is done, as the next phase would fault those pages in
-    again (a tiny model's step took 3-7% longer on a CPU with a trim after each rollout).
-
-    First the objects the phase dropped in reference cycles are collected: Python frees those only at its next full
-    collection, which a training phase, making few Python objects, may not reach. (The sampler's decoder once kept
-    its routing recorder, which held the decoder: its weight copies and KV cache stayed through the next update.)"""
+    again (a tiny model's step took 3-7% longer on a CPU with a trim after each rollout)."""
     if freed is not None and freed < RETURN_AT:
         return
-    gc.collect()  # ~0.1 s with transformers imported: once a phase, where the phase freed 256 MiB or more
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
