@@ -613,14 +613,9 @@ class _Copies:
         return _put(self.store, name, [transformer._norm_weight(self.tp.whole(module.weight), self.dec.fam)]), eps
 
     def _applied(self, module, cut, kv=None):
-        """This rank's share of the weight `module` applies now. Whole: merged, then cut. Shards: cut first, the
-        adapter's delta from the same cut of the factor on the cut's side (B by outputs, A by inputs), the other
-        factor gathered whole (r rows or columns: small)."""
-        def part(t):
-            return self.tp.cut(t, cut, kv)
-        if transformer._any_dtensor([module.weight]):
-            return lora.applied_part(module, part, cut == "inputs", self.tp.whole)
-        return part(lora.applied_weight(module))
+        """This rank's share of the weight `module` applies now (lora.applied_share: from a shard's cut where the
+        layer is sharded, the factor on the cut's side cut alike, B by outputs, A by inputs)."""
+        return lora.applied_share(module, lambda t: self.tp.cut(t, cut, kv), cut == "inputs", self.tp.whole)
 
     def linears(self, name, modules, cuts, split_gate=None):
         """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then

@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 
+from layers.tensor_parallel import is_shard
+
 
 ALL_TARGETS = "all"  # lora_target_modules' default: every weight matrix of the decoder layers but MoE routing
 
@@ -72,6 +74,14 @@ def applied_weight(module):
     if type(module) is LoRALinear and module.enabled:
         w = w + module.delta(module.lora_A.detach(), module.lora_B.detach()).to(w.dtype)
     return w
+
+
+def applied_share(module, part, inputs=False, whole=lambda t: t):
+    """part(applied_weight(module)): a whole weight merged and then cut (the merge's own bits); an FSDP2 shard's
+    computed from parts (`applied_part`), never merged or held whole. part, inputs, whole: `applied_part`'s."""
+    if is_shard(module.weight):
+        return applied_part(module, part, inputs, whole)
+    return part(applied_weight(module))
 
 
 def applied_part(module, part, inputs=False, whole=lambda t: t):

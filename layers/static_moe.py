@@ -223,11 +223,7 @@ def _shared_slices(mlp, tp):
     s, g, what = mlp.shared_expert, mlp.shared_expert_gate, "the shared expert's intermediate size"
 
     def applied(m, dim):
-        def part(t):
-            return tp.part(t, dim, what)
-        if is_shard(m.weight):
-            return lora.applied_part(m, part, dim == 1, tp.whole)
-        return part(lora.applied_weight(m))
+        return lora.applied_share(m, lambda t: tp.part(t, dim, what), dim == 1, tp.whole)
 
     out = {"shared_gate_up": torch.cat([applied(m, 0) for m in (s.gate_proj, s.up_proj)]),
            "shared_down": applied(s.down_proj, 1),

@@ -101,11 +101,10 @@ class Slice:
         if not is_shard(t):
             return t
         from torch.distributed.tensor import Shard
+        device, dtype = self.to or (None, None)
         if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),):  # every rank takes every row
-            device, dtype = self.to or (None, None)
             return _fetch(t, 0, [[(0, t.shape[0])]] * t.device_mesh.size(), t.device_mesh.get_local_rank(),
                           t.device_mesh.get_group(), device, dtype)
-        device, dtype = self.to or (None, None)
         return t.to(device=device or t.device, dtype=dtype or t.dtype).full_tensor()
 
     def part(self, t, dim=0, what="a dimension", groups=1):
