@@ -314,8 +314,6 @@ def validate(cfg, world_size=1):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
-    need(not cfg.max_staleness or not cfg.routing_replay, "max_staleness",
-         "decodes on the written-out decoder, which records no routing: not with routing_replay")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

@@ -205,12 +205,13 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     share of a tensor-parallel group (layers/tensor_parallel.py) whose ranks all call `sample` with the same rows:
     StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (from its FSDP2
     shards where it is sharded: layers/tensor_parallel.py's `Slice.take`), and the group's ranks sample the same
-    tokens. dtype: the decoder's copies' dtype
-    (the model's own by default; a sharded model's compute dtype). in_flight: decode `in_flight` rows at a time and
-    stream the others through their places: when a row ends, its place takes the next row (`_Rows.admit`); 0, or
-    routing replay's records (kept per place): every row at once. on_end(rows, ids): called
-    at each check with the rows that ended there (indices into the batch given) and their completions' token ids
-    (lists, the environment's answers included), while the other rows decode on; a row's completion is final then.
+    tokens. dtype: the decoder's copies' dtype (the model's own by default; a sharded model's compute dtype).
+    in_flight: decode `in_flight` rows at a time and stream the others through their places: when a row ends, its
+    place takes the next row (`_Rows.admit`), the routing recorded for the row kept (its last token, which the place
+    may not feed before it is taken or compacted away, may record none); 0, or routing recorded on the model's own
+    forward (whose records admission would move): every row at once. on_end(rows, ids): called at each check with
+    the rows that ended there (indices into the batch given) and their completions' token ids (lists, the
+    environment's answers included), while the other rows decode on; a row's completion is final then.
     share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
     """
     all_done = all_done or (lambda done: bool(done.all()))
@@ -225,9 +226,12 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
     sliced = tp is not None and tp.size > 1
-    places = in_flight if 0 < in_flight < n and replay is None else n  # routing records need every row at once
+    written_out = _writes_out(model, tp if sliced else WHOLE, static_cache, images)
+    # the model's own forward keeps routing records by cache column, which admitting a row would move: every row
+    # at once there
+    places = in_flight if 0 < in_flight < n and (replay is None or written_out) else n
     steps, compact = _steps_of(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
-                               tp if sliced else WHOLE, static_cache, replay, images, places < n, compact,
+                               tp if sliced else WHOLE, written_out, replay, images, places < n, compact,
                                cuda_graph=cuda_graph, attention_kernel=attention_kernel, dtype=dtype,
                                share=share_prompts)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -243,15 +247,11 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         waiting = _Waiting(prompt_ids, attn, positions, places, images if places < n else None)
         rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
                      keys, on_end)
+        rows.route_width = prompt_ids.shape[1] if replay is not None else None
         _Loop(steps, rows, pick, check_every, compact).run(
             lambda: all_done(torch.as_tensor(~rows.active, device=device)),
             _iterations(n, places, max_new_tokens, max_turns, check_every))
-        rollout = rows.rollout()
-        if replay is not None:
-            rollout.prompt_routing, routes = steps.routed(prompt_ids.shape[1], rollout.completion_ids.shape[1])
-            # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
-            rollout.routing = routes.masked_fill(~rollout.completion_mask.bool()[:, :, None, None], -1)
-        return rollout
+        return rows.rollout()
     finally:
         if replay is not None:
             replay.stop()
@@ -259,21 +259,28 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
             model.__dict__.pop("_static_decoder", None)
 
 
-def _steps_of(model, ids, attn, positions, max_new, tp, static_cache, replay, images, streams, compact, **static):
-    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
-    and whether finished rows leave the batch: StaticDecoder where the run's decision (transformer.paths_of) says
-    so and static_cache allows, always for a tensor-parallel share `tp`; else the model's own forward (a
-    vision-language model's language model under our masks, never written-out layers), which compacts only rows
-    that `streams` through places. static: StaticDecoder's settings (cuda_graph, attention_kernel, dtype, share)."""
+def _writes_out(model, tp, static_cache, images):
+    """Whether a `sample` call decodes on StaticDecoder: where the run's decision (transformer.paths_of) says so and
+    static_cache allows, and always for a tensor-parallel share `tp` (which the decision must allow); else on the
+    model's own forward (a vision-language model's language model under our masks, never written-out layers)."""
     paths = transformer.paths_of(model, tp.size)  # the run's, decided once at setup
     if tp.size > 1:
         why = paths.sampler or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-    if tp.size > 1 or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
+        return True
+    return static_cache and not vision.is_vision_model(model) and paths.samples_written_out()
+
+
+def _steps_of(model, ids, attn, positions, max_new, tp, written_out, replay, images, streams, compact, **static):
+    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
+    StaticDecoder's or the model's own forward's (`written_out`: `_writes_out`'s), and whether finished rows leave
+    the batch (on the model's own forward, only rows that `streams` through places). static: StaticDecoder's
+    settings (cuda_graph, attention_kernel, dtype, share)."""
+    if written_out:
         steps = _StaticSteps(model, ids, attn, positions, max_new, static["cuda_graph"], static["attention_kernel"],
                              record=replay is not None, tp=tp, dtype=static["dtype"], share=static["share"])
-        return steps, compact and replay is None  # the recorded experts stay in the rows' order at prefill
+        return steps, compact
     prefill = None if images is None else _image_prefill(model, ids, attn, images.rows(slice(0, len(ids))))
     return _HFSteps(model, ids, attn, positions, max_new, replay, prefill), compact and streams
 
@@ -323,8 +330,8 @@ class _StaticSteps:
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends + self.p)
 
-    def routed(self, prompt_width, length):
-        return self.dec.routed(prompt_width, length)
+    def routed(self, prompt_width, length, rows):
+        return self.dec.routed(prompt_width, length, rows)
 
     def admit(self, batch_rows, positions):
         """Batch rows `batch_rows` (a tensor) made empty places for rows whose prompts have these positions (k, P)."""
@@ -391,7 +398,11 @@ class _HFSteps:
     def truncate(self, batch_rows, ends):
         self.dec.truncate(batch_rows, ends, self.first_pos)
 
-    def routed(self, prompt_width, length):
+    def routed(self, prompt_width, length, rows):
+        """The records of every row, in their order at prefill (`rows`: those, as `sample` streams no row through
+        places here while it records)."""
+        if not torch.equal(rows.cpu(), torch.arange(len(self.first_pos))):
+            raise ValueError("the model's own forward keeps routing records of the rows of its first prefill only")
         return self.dec.routed(prompt_width, self.first_pos, length)
 
     def admit(self, batch_rows, positions, images=None):
@@ -552,6 +563,9 @@ class _Rows:
         self.triggers = torch.tensor(sorted(self.eos | {s[-1] for s in self.stops}), dtype=torch.long, device=device)
         self.uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
         self.live = self.rows_h.copy()  # the batch's active rows (global indices); they change only at checks
+        # routing replay: the prompts' width where the steps record each token's experts, else None; `routes`, the
+        # records of each row (prompt, completion), taken from its place before the place takes another row
+        self.route_width, self.routes, self.kept = None, None, np.zeros(n, dtype=bool)  # kept: final records taken
 
     def draw(self, logits, draw):
         """A token for every batch row at its position: (tokens, their column: an int shared by all, or per row)."""
@@ -699,6 +713,7 @@ class _Rows:
             tok = torch.cat([tok, tok.new_full((grow,), self.pad_id)])
         if not len(free):
             return [], tok
+        self.keep_routes(free[self.rows_h[free] >= 0])
         new = np.array([self.waiting.rows.pop(0) for _ in free])
         free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
         self.rows_h[free], self.rows[free_t] = new, new_t
@@ -709,11 +724,28 @@ class _Rows:
         self.device_state.clear()
         return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))], tok
 
+    def keep_routes(self, places):
+        """Routing replay: keep the experts recorded for the rows in batch places `places` (an array) by row, as
+        they are now: a row's are final once it ended, and taken once then."""
+        if self.route_width is None:
+            return
+        places = places[~self.kept[self.rows_h[places]]]
+        if not len(places):
+            return
+        prompt, comp = self.steps.routed(self.route_width, self.max_new, torch.as_tensor(places, device=self.device))
+        if self.routes is None:
+            self.routes = [torch.full((self.n, *x.shape[1:]), -1, dtype=x.dtype, device=x.device)
+                           for x in (prompt, comp)]
+        rows = torch.as_tensor(self.rows_h[places], device=self.device)
+        self.routes[0][rows], self.routes[1][rows] = prompt, comp
+        self.kept[self.rows_h[places]] = ~self.active[self.rows_h[places]]
+
     def compact(self, feeds, tok, col):
         """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
         tokens and columns of the rows kept."""
         keep = np.flatnonzero(self.active[self.rows_h])
         keep_t = torch.as_tensor(keep, device=self.device)
+        self.keep_routes(np.flatnonzero(~self.active[self.rows_h]))  # before their places may be dropped
         if not self.steps.compact(keep_t, len(self.rows_h), int(self.feed_h[keep].max()) if len(keep) else 0):
             return feeds, tok, col
         new_index = np.full(len(self.rows_h), -1)
@@ -817,12 +849,19 @@ class _Rows:
         t = max(1, int(ptr.max()) if len(rows) else 1)
         real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
         policy = real & (self.kind[index, :t] != ENVIRONMENT)
-        return Rollout(completion_ids=self.tokens[index, :t].masked_fill(~real, self.pad_id),
-                       completion_mask=real.long(), policy_mask=policy.long(),
-                       truncated=torch.as_tensor(self.truncated[rows], device=device),
-                       logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
-                       turns=torch.as_tensor(self.turns[rows], device=device),
-                       held_steps=torch.as_tensor(self.held[rows], device=device))
+        out = Rollout(completion_ids=self.tokens[index, :t].masked_fill(~real, self.pad_id),
+                      completion_mask=real.long(), policy_mask=policy.long(),
+                      truncated=torch.as_tensor(self.truncated[rows], device=device),
+                      logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
+                      turns=torch.as_tensor(self.turns[rows], device=device),
+                      held_steps=torch.as_tensor(self.held[rows], device=device))
+        if self.route_width is not None:  # the rows still in their places first
+            self.keep_routes(np.flatnonzero(np.isin(self.rows_h, rows)))
+        if self.routes is not None:
+            out.prompt_routing = self.routes[0][index]
+            # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
+            out.routing = self.routes[1][index, :t].masked_fill(~real[:, :, None, None], -1)
+        return out
 
 
 class Stream:
@@ -836,16 +875,17 @@ class Stream:
     sampler's log-prob as the behaviour policy's.
 
     On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
-    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them, with no routing
-    record; respond, max_turns, stop_sequences, on_end and share_prompts are `sample`'s, with the rows' tags where
-    `sample` gives row numbers (a Turn's `row` is its row's tag). static_cache=False: on the model's own forward,
+    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them; respond,
+    max_turns, stop_sequences, on_end, share_prompts and record_routing (on the written-out decoder) are `sample`'s,
+    with the rows' tags where `sample` gives row numbers (a Turn's `row` is its row's tag).
+    A taken row's prompt_routing is `prompt_width` wide. static_cache=False: on the model's own forward,
     as `sample`'s (a model the written-out decoder does not sample takes it anyway, and so do prompts with
     images). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group adds, runs and takes the
     same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
-                 max_turns=1, stop_sequences=(), share_prompts=False, static_cache=True):
+                 max_turns=1, stop_sequences=(), share_prompts=False, static_cache=True, record_routing=False):
         self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
         self.static_cache = static_cache  # False: the model's own forward, as `sample`'s
         self.max_turns, self.share = max_turns, share_prompts
@@ -866,6 +906,7 @@ class Stream:
                                  device, self.waiting, keys,
                                  on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
         rows.active[:] = False  # no row yet: `add` starts each
+        rows.route_width = prompt_width if record_routing else None
         self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
         self.slot = {}  # tag -> row index
         self.version = 0  # the weights' version the last run decoded with
@@ -897,6 +938,9 @@ class Stream:
         rows.tokens[at], rows.logps[at], rows.kind[at] = rows.pad_id, 0.0, 0
         for a in (rows.ptr, rows.turn_start, rows.checked, rows.held):
             a[slots] = 0
+        for records in rows.routes or ():  # what the row index's last row recorded
+            records[at] = -1
+        rows.kept[slots] = False
         rows.active[slots], rows.truncated[slots], rows.turns[slots] = True, False, 1
         self.free[slots] = False
         for r, tag in zip(slots, tags):
@@ -928,11 +972,14 @@ class Stream:
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
+            record = rows.route_width is not None
             if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
                 steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
-                                     self.attention_kernel, dtype=self.dtype, batch=self.places,
+                                     self.attention_kernel, record=record, dtype=self.dtype, batch=self.places,
                                      tp=self.tp or WHOLE, share=self.share)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
+            elif record:  # its records are kept by cache column, which admitting a row moves
+                raise ValueError("a stream records routing on the written-out decoder alone")
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
                 steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new)
             if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
@@ -1044,10 +1091,11 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     alone on the whole model; a tensor-parallel group's sampling does not call it).
     """
     n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n, record_routing)
-    parts = []
     tp = getattr(d, "tp", None)
-    if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
+    grouped = tp is not None and tp.size > 1
+    size = _batch_size(cfg, n, record_routing and not (grouped or decodes_written_out(policy.lm)))
+    parts = []
+    if grouped:  # the group's ranks decode their rows together on slices of the layers
         for s in range(0, n, size):
             rows = slice(s, s + size)
             parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], draw,
@@ -1074,8 +1122,9 @@ def decodes_written_out(model):
 
 
 def _batch_size(cfg, n, no_streaming):
-    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places
-    (routing replay's records need batches), else batches of that many, or of generation_batch_size (0: all)."""
+    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places, else
+    (`no_streaming`: routing replay on the model's own forward, whose records need batches) batches of that many, or
+    of generation_batch_size (0: all)."""
     if cfg.rollouts_in_flight:
         return cfg.rollouts_in_flight if no_streaming else n
     return cfg.generation_batch_size or n
@@ -1085,7 +1134,7 @@ def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
                   record_routing, images, on_end=None):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n, record_routing)
+    size = _batch_size(cfg, n, record_routing and not decodes_written_out(policy.lm))
     parts = []
     for s in range(0, n, size):
         rows = slice(s, s + size)

@@ -190,7 +190,8 @@ class RolloutStream:
                                           cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
                                           run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
                                           on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
-                                          dtype=dtype, tp=self.tp, share_prompts=cfg.shared_prompts, **turns)
+                                          dtype=dtype, tp=self.tp, share_prompts=cfg.shared_prompts,
+                                          record_routing=cfg.routing_replay, **turns)
         if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
             respond = run.agent.responder(rows.episodes)
             self.respond[key] = self.tp.group_respond(respond, self.n) if self.tp else respond
@@ -247,6 +248,8 @@ class RolloutStream:
             self.stream.close()
             self.stream = None
         rows, landing = self.steps.pop(key)
+        if rollout.prompt_routing is not None:  # the stream's prompts are max_prompt_length wide, the step's its own
+            rollout.prompt_routing = rollout.prompt_routing[:, -rows.prompt_ids.shape[1]:]
         if run.agent is not None:  # each conversation's last turn, which no tool answered
             self.respond.pop(key)
             run.agent.finish(rows.episodes, rollout)

@@ -378,6 +378,8 @@ class StaticDecoder:
         if self.pos is not None:
             self.pos[rows, lo:] = all_pos
         self.key_mask[rows] = False
+        if self.routes is not None:  # the new rows' records start empty, their prompts' padding included
+            self.routes[rows] = -1
         for layer in self.recurrent.values():
             layer.reset(rows)
 
@@ -545,16 +547,16 @@ class StaticDecoder:
         self.routes = torch.full((self.max_batch, self.max_len, len(self.moe_index), k), -1, dtype=torch.int16,
                                  device=self.device)
 
-    def routed(self, prompt_width, length):
-        """The experts recorded for the prompt slots (N, P, MoE layers, k) and for completion positions
-        0 .. length - 1 (N, length, MoE layers, k), completion position j at slot P + j (P = prompt_width); -1 where
-        the slot holds no token of the row (never fed, or forgotten): the router's live choice there. Rows in
-        their order at prefill (the caller does not compact a recording batch)."""
+    def routed(self, prompt_width, length, rows):
+        """The experts recorded for the prompt slots (k, P, MoE layers, k) and for completion positions
+        0 .. length - 1 (k, length, MoE layers, k) of the batch rows `rows` (a tensor (k,)), completion position j at
+        slot P + j (P = prompt_width); -1 where the slot holds no token of the row (never fed, or forgotten): the
+        router's live choice there. The caller takes a row's before its place takes another row or is compacted
+        away."""
         self._mark()
-        n = self.routes.shape[0] if self.n_rows is None else self.n_rows
-        comp = self.routes[:n, prompt_width:prompt_width + length]
-        fed = self.key_mask[:n, prompt_width:prompt_width + length]
-        return self.routes[:n, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)
+        comp = self.routes[rows, prompt_width:prompt_width + length]
+        fed = self.key_mask[rows, prompt_width:prompt_width + length]
+        return self.routes[rows, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)
 
     @torch.no_grad()
     def truncate(self, rows, ends):

@@ -94,12 +94,26 @@ def test_training_forward_routes_as_the_sampler_did(family):
     assert decisions > 0 and differ == 0
 
 
+def _same_records(got, want, prompt_mask):
+    """Rows' records equal at every real prompt position and every completion position but the last; at its last,
+    which the written-out sampler does not feed once the row's place is taken or compacted away, equal or -1 in one
+    (the live router's choice, which no loss reads: no position attends to it, and its logits predict nothing)."""
+    real = prompt_mask.bool()
+    assert torch.equal(got.prompt_routing[:, -real.shape[1]:][real], want.prompt_routing[real])
+    t = want.routing.shape[1]
+    last = torch.arange(t)[None, :] == want.completion_mask.sum(1, keepdim=True) - 1
+    ours = got.routing[:, :t]
+    assert torch.equal(ours[~last], want.routing[~last])
+    theirs = want.routing[last]
+    assert ((ours[last] == theirs) | (ours[last] == -1) | (theirs == -1)).all() and (want.routing >= 0).any()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_written_out_sampler_records_what_the_model_forward_records(family):
     """MoE families sample on the written-out layers (layers/transformer.py, layers/static_moe.py): over several turns
     (pauses, forgotten tokens, answers of different lengths) the sampler records, token by token, the experts the
     model's own forward (layers/hf_decoder.py, through the routers' top-k) records for the same rollout, and -1 at the
-    same places."""
+    same places (`_same_records`)."""
     model, tok = architectures.tiny(family)
     assert transformer.decide(model).samples_written_out()
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -112,9 +126,8 @@ def test_written_out_sampler_records_what_the_model_forward_records(family):
                                       static_cache=static)
     fast, hf = out[True], out[False]
     assert (fast.turns > 1).any() and torch.equal(fast.completion_ids, hf.completion_ids)
-    assert torch.equal(fast.routing, hf.routing) and (fast.routing >= 0).any() and (fast.routing < 0).any()
-    real = enc.attention_mask.bool()
-    assert torch.equal(fast.prompt_routing[real], hf.prompt_routing[real])
+    _same_records(fast, hf, enc.attention_mask)
+    assert (hf.routing < 0).any()  # forgotten tokens: -1 in both
 
 
 def test_replayed_gates_come_from_the_live_router():
@@ -230,3 +243,68 @@ def test_no_decoder_outlives_a_recorded_rollout():
         gc.enable()
     assert r.routing is not None and (r.routing >= 0).any()  # recorded: the decoder held a recorder
     assert not alive
+
+
+def test_rows_streaming_through_places_record_the_experts_one_batch_records():
+    """Routing replay with rows streaming through places (--rollouts_in_flight) and through a Stream across runs
+    (--max_staleness): a place takes a new row only once the records of the row it held are kept, so each row's
+    experts are those one batch records for it, several turns included (answers, forgotten tokens)."""
+    from test_multiturn import STOP_IDS
+    model, tok = architectures.tiny("qwen3_moe")
+    text = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"] * 2
+    enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():  # rows end at varied lengths
+        model.get_output_embeddings().weight[STOP_IDS] *= 2
+    n, pad = len(text), tok.pad_token_id
+    seeds = torch.arange(n) * 7 + 3
+
+    def run(**kw):
+        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOP_IDS,
+                               pad_id=pad, seeds=seeds, max_turns=3, check_every=4, record_routing=True,
+                               respond=answering(lambda r, k: (r % 3) + 2 * k), **kw)
+    whole = run()
+    streamed = run(in_flight=4, keep_decoder=True)
+    assert model.__dict__.pop("_static_decoder").admissions == n - 4 and (whole.turns > 1).any()
+    assert torch.equal(streamed.completion_ids, whole.completion_ids)
+    _same_records(streamed, whole, enc.attention_mask)
+
+    stream = sampling.Stream(5, n, enc.input_ids.shape[1] + 3, 40, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
+                             check_every=4, respond=answering(lambda r, k: (r % 3) + 2 * k), max_turns=3,
+                             record_routing=True)
+    stream.add(enc.input_ids[:6], enc.attention_mask[:6], seeds[:6], list(range(6)))
+    stream.run(model, [0, 1, 2])
+    first = stream.take([0, 1, 2])
+    stream.add(enc.input_ids[6:], enc.attention_mask[6:], seeds[6:], list(range(6, n)))  # into freed row indices
+    stream.run(model, list(range(3, n)), 1)
+    got = rollouts.cat_rollouts([first, stream.take(list(range(3, n)))], pad)
+    assert torch.equal(got.completion_ids[:, :whole.completion_ids.shape[1]], whole.completion_ids)
+    _same_records(got, whole, enc.attention_mask)
+
+
+def test_rows_ahead_of_the_step_replay_the_experts_that_sampled_them(tmp_path, monkeypatch):
+    """--routing_replay with --max_staleness=1: at a learning rate too small to change a float32 weight, each step
+    trains the tokens and the experts --max_staleness=0 records, its prompts' records as wide as its own prompts
+    (the stream's are max_prompt_length wide). A model sampled on its own forward, which keeps records by cache
+    column, is refused in one line that names the setting."""
+    import model_loading
+    import train
+    from test_streaming import _train_rollouts
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("qwen3_moe", tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    flags = [f"--model={tmp_path / 'model'}", "--routing_replay", "--max_steps=3", "--lr=1e-30", "--beta=0",
+             "--prompts_per_step=2", "--num_generations=4", "--micro_batch_size=8", "--check_model=false"]
+    prompt_mask = lambda run, batch, step: batch.prompt_mask  # noqa: E731
+    now = _train_rollouts(tmp_path, "now", flags, prompt_mask)
+    ahead = _train_rollouts(tmp_path, "ahead", flags + ["--max_staleness=1", "--rollouts_in_flight=3"], prompt_mask)
+    assert len(now) == len(ahead) == 3
+    older = 0  # tokens drawn by weights older than their step's: rows that began a step early
+    for step, ((a, mask), (b, _)) in enumerate(zip(now, ahead), 1):
+        assert torch.equal(a.completion_ids, b.completion_ids) and b.prompt_routing.shape == a.prompt_routing.shape
+        _same_records(b, a, mask)
+        older += int(((b.versions < step - 1) & b.policy_mask.bool()).sum())
+    assert older > 0
+    architectures.force_model_forward(monkeypatch)
+    with pytest.raises(SystemExit, match="routing_replay: with max_staleness, each token's experts are recorded on "
+                                         "the written-out decoder alone"):
+        train.main([*flags, "--max_staleness=1", f"--out_dir={tmp_path / 'refused'}"])
