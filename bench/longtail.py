@@ -6,6 +6,7 @@ synchronous step, (b) rows streaming through a quarter as many places, scored as
 the same with the sampler working 1 and 2 steps ahead (--max_staleness)."""
 
 import dataclasses
+import heapq
 import math
 import random
 import time
@@ -69,9 +70,9 @@ def bench_longtail(path, s, device):
 
     full_length = max(1, round(sum(lengths) / places))  # as many tokens as the long-tailed rows, every place busy
 
-    def full():
+    def full():  # the same draw (its stop tokens end nothing here), so that both pay for it alike
         return sampling.sample(model, enc.input_ids[:places], enc.attention_mask[:places], seeds=seeds[:places],
-                               max_new_tokens=full_length, eos_ids=[], pad_id=tokenizer.pad_token_id)
+                               max_new_tokens=full_length, eos_ids=[], pad_id=tokenizer.pad_token_id, draw=draw)
 
     # the same two on the model's own forward (hf_decoder.HFDecoder), the path of models not written out
     own = dict(batches_own_forward=lambda: batches(static_cache=False),
@@ -97,7 +98,21 @@ def bench_longtail(path, s, device):
     # iterations of full rows over the iterations the longest row alone needs, where it is longer (only rows carried
     # over to a later step, which this row does not run, go past that)
     out["longtail_bound_vs_full"] = min(1.0, full_length / max(lengths))
+    # the most a schedule that takes the rows in their queue's order can: it does not know a row's length before
+    # the row ends, and a place is given to the next row at a check (every 8 tokens, `sample`'s default)
+    out["longtail_queue_bound_vs_full"] = full_length / queue_iterations(lengths, places, 8)
     return out
+
+
+def queue_iterations(lengths, places, check_every):
+    """The iterations `places` places need for rows of these lengths taken in order, each place given to the next
+    row at the first check after its row ended (list scheduling)."""
+    free, end = [0] * places, 0
+    for n in lengths:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + -(-n // check_every) * check_every)
+        end = max(end, start + n)
+    return end
 
 
 def slow_reward(prompts, completions, **_):

@@ -157,6 +157,38 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     assert calls == [(12, "MainThread")]
 
 
+@pytest.mark.parametrize("static_cache", [True, False], ids=["written_out", "own_forward"])
+def test_rows_stream_in_the_iterations_their_queue_order_needs(static_cache):
+    """Streaming loses no iteration: rows of known lengths through 4 places take exactly the iterations of list
+    scheduling in queue order, each place given to the next row at the first check after its row ended (the
+    bench's bound, bench.longtail.queue_iterations), counted by the draws; one batch after another takes more."""
+    import sampling
+    from bench.longtail import EndAt, queue_iterations
+    model, tok = architectures.tiny("qwen3")
+    lengths = [5, 30, 9, 17, 2, 26, 12, 8, 21, 3, 14, 11]
+    enc = _letters(tok)
+    seeds, stop = torch.arange(len(lengths)), tok.eos_token_id
+    draws = []
+
+    class Counted(EndAt):
+        def whole(self, logits, keys):
+            draws.append(len(keys))
+            return super().whole(logits, keys)
+    draw = Counted(ends=sampling.row_keys(seeds, torch.tensor(lengths) - 1), stop=stop)
+
+    def run(rows, **kw):
+        return sampling.sample(model, enc.input_ids[rows], enc.attention_mask[rows], seeds=seeds[rows],
+                               max_new_tokens=32, eos_ids=[stop], pad_id=tok.pad_token_id, draw=draw,
+                               static_cache=static_cache, **kw)
+    r = run(slice(0, len(lengths)), in_flight=4)
+    assert r.completion_mask.sum(1).tolist() == lengths and max(draws) == 4
+    assert len(draws) == -(-queue_iterations(lengths, 4, 8) // 8) * 8 == 56
+    del draws[:]
+    for a in range(0, len(lengths), 4):  # each batch until its longest row is found ended
+        run(slice(a, a + 4))
+    assert len(draws) == sum(-(-max(lengths[a:a + 4]) // 8) * 8 for a in range(0, len(lengths), 4)) == 88
+
+
 # ----------------------------------------------------------------------------- rows in flight across steps
 
 
