@@ -43,12 +43,14 @@ _MASK32 = 0xFFFFFFFF
 
 def _mix32(x):
     """The "lowbias32" integer finaliser (Chris Wellons' hash prospector) on int64 tensors holding 32-bit
-    values: int64 products wrap, and their low 32 bits are exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    values: int64 products wrap, and their low 32 bits are exact. In place on `x` (a tensor of the caller's
+    making: no copy per operation, which over a batch's vocabulary is most of its cost), and returned."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
 
 
 def row_keys(seeds, step):
@@ -69,9 +71,9 @@ def gumbel_noise(keys, vocab, start=0):
     -log(-log u) is always finite (between about -2.8 and 16.6).
     """
     index = torch.arange(start, start + vocab, device=keys.device)
-    x = _mix32((keys[:, None] ^ (index * 0x27D4EB2F)) & _MASK32)
-    u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
+    x = _mix32(keys[:, None] ^ (index * 0x27D4EB2F).bitwise_and_(_MASK32))
+    u = (x >> 9).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
+    return u.log_().neg_().log_().neg_()
 
 
 def filter_logits(logits, top_k=0, top_p=1.0):
@@ -94,7 +96,7 @@ def _gumbel_max(logits, keys, inv_temperature):
     log-prob. Elementwise work and three reductions over the vocabulary, which torch.compile fuses into one
     pass over the (bf16) logits with the noise computed in registers: no float32 copy, no cumulative sum."""
     z = logits.float() * inv_temperature
-    token = (z + gumbel_noise(keys, z.shape[-1])).argmax(-1)
+    token = gumbel_noise(keys, z.shape[-1]).add_(z).argmax(-1)
     return token, z.gather(-1, token[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
@@ -145,7 +147,7 @@ class Draw:
             return self.whole(tp.gather_vocab(logits, vocab), keys)
         start = tp.span(vocab, even=False)[0]
         z = logits.float() * (1.0 if self.temperature == 0 else 1.0 / self.temperature)
-        score = z if self.temperature == 0 else z + gumbel_noise(keys, z.shape[-1], start)
+        score = z if self.temperature == 0 else gumbel_noise(keys, z.shape[-1], start).add_(z)
         return tp.best_of_slices(score, z, start)
 
 
