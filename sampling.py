@@ -210,10 +210,10 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     tokens. dtype: the decoder's copies' dtype (the model's own by default; a sharded model's compute dtype).
     in_flight: decode `in_flight` rows at a time and stream the others through their places: when a row ends, its
     place takes the next row (`_Rows.admit`), the routing recorded for the row kept (its last token, which the place
-    may not feed before it is taken or compacted away, may record none); 0, or routing recorded on the model's own
-    forward (whose records admission would move): every row at once. on_end(rows, ids): called at each check with
-    the rows that ended there (indices into the batch given) and their completions' token ids (lists, the
-    environment's answers included), while the other rows decode on; a row's completion is final then.
+    may not feed before it is taken or compacted away, may record none); 0: every row at once. on_end(rows, ids):
+    called at each check with the rows that ended there (indices into the batch given) and their completions' token
+    ids (lists, the environment's answers included), while the other rows decode on; a row's completion is final
+    then.
     share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
     """
     all_done = all_done or (lambda done: bool(done.all()))
@@ -228,12 +228,9 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
         routing.attached(model).stop()
     sliced = tp is not None and tp.size > 1
-    written_out = _writes_out(model, tp if sliced else WHOLE, static_cache, images)
-    # the model's own forward keeps routing records by cache column, which admitting a row would move: every row
-    # at once there
-    places = in_flight if 0 < in_flight < n and (replay is None or written_out) else n
+    places = in_flight if 0 < in_flight < n else n
     steps, compact = _steps_of(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
-                               tp if sliced else WHOLE, written_out, replay, images, places < n, compact,
+                               tp if sliced else WHOLE, static_cache, replay, images, places < n, compact,
                                cuda_graph=cuda_graph, attention_kernel=attention_kernel, dtype=dtype,
                                share=share_prompts)
     if not steps.forgets_exactly and respond is not None and max_turns > 1:
@@ -261,25 +258,18 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
             model.__dict__.pop("_static_decoder", None)
 
 
-def _writes_out(model, tp, static_cache, images):
-    """Whether a `sample` call decodes on StaticDecoder: where the run's decision (transformer.paths_of) says so and
-    static_cache allows, and always for a tensor-parallel share `tp` (which the decision must allow); else on the
-    model's own forward (a vision-language model's language model under our masks, never written-out layers)."""
+def _steps_of(model, ids, attn, positions, max_new, tp, static_cache, replay, images, streams, compact, **static):
+    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
+    and whether finished rows leave the batch: StaticDecoder where the run's decision (transformer.paths_of) says
+    so and static_cache allows, always for a tensor-parallel share `tp`; else the model's own forward (a
+    vision-language model's language model under our masks, never written-out layers), which compacts only rows
+    that `streams` through places. static: StaticDecoder's settings (cuda_graph, attention_kernel, dtype, share)."""
     paths = transformer.paths_of(model, tp.size)  # the run's, decided once at setup
     if tp.size > 1:
         why = paths.sampler or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-        return True
-    return static_cache and not vision.is_vision_model(model) and paths.samples_written_out()
-
-
-def _steps_of(model, ids, attn, positions, max_new, tp, written_out, replay, images, streams, compact, **static):
-    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
-    StaticDecoder's or the model's own forward's (`written_out`: `_writes_out`'s), and whether finished rows leave
-    the batch (on the model's own forward, only rows that `streams` through places). static: StaticDecoder's
-    settings (cuda_graph, attention_kernel, dtype, share)."""
-    if written_out:
+    if tp.size > 1 or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
         steps = _StaticSteps(model, ids, attn, positions, max_new, static["cuda_graph"], static["attention_kernel"],
                              record=replay is not None, tp=tp, dtype=static["dtype"], share=static["share"])
         return steps, compact
@@ -401,11 +391,7 @@ class _HFSteps:
         self.dec.truncate(batch_rows, ends, self.first_pos)
 
     def routed(self, prompt_width, length, rows):
-        """The records of every row, in their order at prefill (`rows`: those, as `sample` streams no row through
-        places here while it records)."""
-        if not torch.equal(rows.cpu(), torch.arange(len(self.first_pos))):
-            raise ValueError("the model's own forward keeps routing records of the rows of its first prefill only")
-        return self.dec.routed(prompt_width, self.first_pos, length)
+        return self.dec.routed(prompt_width, self.first_pos, length, rows)
 
     def admit(self, batch_rows, positions, images=None):
         """Batch rows `batch_rows` (a tensor; past the batch, new rows) made empty places for rows whose prompts
@@ -878,7 +864,7 @@ class Stream:
 
     On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
     widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them; respond,
-    max_turns, stop_sequences, on_end, share_prompts and record_routing (on the written-out decoder) are `sample`'s,
+    max_turns, stop_sequences, on_end, share_prompts and record_routing are `sample`'s,
     with the rows' tags where `sample` gives row numbers (a Turn's `row` is its row's tag).
     A taken row's prompt_routing is `prompt_width` wide. static_cache=False: on the model's own forward,
     as `sample`'s (a model the written-out decoder does not sample takes it anyway, and so do prompts with
@@ -980,10 +966,9 @@ class Stream:
                                      self.attention_kernel, record=record, dtype=self.dtype, batch=self.places,
                                      tp=self.tp or WHOLE, share=self.share)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
-            elif record:  # its records are kept by cache column, which admitting a row moves
-                raise ValueError("a stream records routing on the written-out decoder alone")
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
-                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new)
+                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new,
+                                 routing.of(model) if record else None)
             if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
                 self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)
             rows.steps = steps
@@ -1000,8 +985,16 @@ class Stream:
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
         limit = _iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
-        if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
-            raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
+        # on the model's own forward its routers record while the stream runs (the training forward replays between)
+        replay = getattr(self.loop.steps.dec, "routing", None)
+        if replay is not None:
+            replay.record()
+        try:
+            if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
+                raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
+        finally:
+            if replay is not None:
+                replay.stop()
 
     def take(self, tags):
         """The Rollout of the ended rows `tags`, in that order, with each token's version; the rows are freed."""
@@ -1093,11 +1086,10 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     alone on the whole model; a tensor-parallel group's sampling does not call it).
     """
     n = prompt_ids.shape[0]
-    tp = getattr(d, "tp", None)
-    grouped = tp is not None and tp.size > 1
-    size = _batch_size(cfg, n, record_routing and not (grouped or decodes_written_out(policy.lm)))
+    size = _batch_size(cfg, n)
     parts = []
-    if grouped:  # the group's ranks decode their rows together on slices of the layers
+    tp = getattr(d, "tp", None)
+    if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
         for s in range(0, n, size):
             rows = slice(s, s + size)
             parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], draw,
@@ -1123,20 +1115,17 @@ def decodes_written_out(model):
     return not vision.is_vision_model(model) and transformer.paths_of(model).samples_written_out()
 
 
-def _batch_size(cfg, n, no_streaming):
+def _batch_size(cfg, n):
     """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places, else
-    (`no_streaming`: routing replay on the model's own forward, whose records need batches) batches of that many, or
-    of generation_batch_size (0: all)."""
-    if cfg.rollouts_in_flight:
-        return cfg.rollouts_in_flight if no_streaming else n
-    return cfg.generation_batch_size or n
+    batches of generation_batch_size (0: all)."""
+    return n if cfg.rollouts_in_flight else cfg.generation_batch_size or n
 
 
 def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
                   record_routing, images, on_end=None):
     """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
     n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n, record_routing and not decodes_written_out(policy.lm))
+    size = _batch_size(cfg, n)
     parts = []
     for s in range(0, n, size):
         rows = slice(s, s + size)

@@ -121,7 +121,9 @@ class HFDecoder:
         # sdpa takes a boolean mask whatever the compute dtype (under FSDP2 mixed precision the parameters rest in
         # float32 and compute in bf16); eager adds its mask to the scores
         self.additive = getattr(model.config, "_attn_implementation", None) != "sdpa"
-        self.routing, self.routes = routing, []  # a routing.Replay that records: each forward's experts
+        # a routing.Replay that records: each token's experts kept by column, (N, layers, columns, k) as a cache's
+        # keys are, so that admitting, packing and dropping rows move them with the cache (`_tensors`)
+        self.routing, self.routes = routing, {}
         if routing is not None:
             routing.record()
         self.valid = torch.zeros(ids.shape[0], 0, dtype=torch.bool, device=ids.device)
@@ -177,7 +179,9 @@ class HFDecoder:
             logits = self.model(input_ids=ids, attention_mask=masks, position_ids=rope, use_cache=True,
                                 logits_to_keep=keep, **{self.cache_kw: self.cache}).logits
         if self.routing is not None:
-            self.routes.append(self.routing.take(ids.shape))  # (N, K, layers, k), a column per token fed
+            new = self.routing.take(ids.shape).transpose(1, 2)  # (N, layers, K, k): a column per token fed
+            old = self.routes.get("experts")
+            self.routes["experts"] = new if old is None else torch.cat([old, new], 2)
         return logits
 
     def decode(self, tok, positions, real=None):
@@ -208,8 +212,6 @@ class HFDecoder:
         prefill of those rows alone on an empty cache (left padding before any state leaves a recurrent state at
         zero, and image embeddings and rotary positions enter it, as at the first prefill), written into their own
         first P columns, which are holes in them: the cache grows only where it is narrower than P."""
-        if self.routing is not None:
-            raise ValueError("a prompt fed to some rows alone would leave the routing records without its columns")
         n, width = self.valid.shape
         p = ids.shape[1]
         whole = {}  # (holder, key) -> the tensor of every row
@@ -256,7 +258,7 @@ class HFDecoder:
                 slots += [(vars(layer), "keys", True), (vars(layer), "values", True)]
             for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
                 slots += [(states, i, False) for i, t in states.items() if torch.is_tensor(t)]
-        return slots
+        return slots + [(self.routes, "experts", True)] * ("experts" in self.routes)
 
     def grow(self, k):
         """k more rows, empty (every column a hole, zero states), for rows to be admitted."""
@@ -292,8 +294,6 @@ class HFDecoder:
         width = int(self.valid.sum(1).max()) if len(self.valid) else 0
         if width == self.valid.shape[1]:
             return
-        if self.routing is not None:
-            raise ValueError("moving columns would leave the routing records without theirs")
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # (N, width)
         self.valid, self.pos = self.valid.gather(1, order), self.pos.gather(1, order)
         for holder, key, columns in self._tensors():
@@ -315,20 +315,21 @@ class HFDecoder:
         forget = (self.pos[batch_rows] >= (first_pos[batch_rows] + ends)[:, None]) & self.valid[batch_rows]
         self.valid[batch_rows] = self.valid[batch_rows] & ~forget
 
-    def routed(self, prompt_width, first_pos, length):
-        """The experts recorded for the prompt columns (N, P, layers, k) and for completion positions
-        0 .. length - 1 (N, length, layers, k): each position's column is the last real one at its position
-        (a forgotten token's column is not real); -1 where no token was fed (a row's last token, padding):
-        the router's live choice there."""
-        self.routing.stop()
-        routes = torch.cat(self.routes, 1)  # (N, columns, layers, k)
-        n = routes.shape[0]
-        col = torch.zeros(n, length, dtype=torch.long, device=routes.device)
-        j = self.pos - first_pos[:, None]  # (N, columns) completion position of each column
-        real = self.valid & (j >= 0) & (j < length) & (torch.arange(j.shape[1], device=j.device) >= prompt_width)
-        rows, cols = real.nonzero(as_tuple=True)
-        col[rows, j[rows, cols]] = cols
-        fed = torch.zeros(n, length, dtype=torch.bool, device=routes.device)
-        fed[rows, j[rows, cols]] = True
-        out = routes.gather(1, col[:, :, None, None].expand(-1, -1, *routes.shape[2:]))
-        return routes[:, :prompt_width], out.masked_fill(~fed[:, :, None, None], -1)
+    def routed(self, prompt_width, first_pos, length, rows):
+        """The experts recorded for rows `rows` (a tensor (m,)): for their prompts, left-padded to prompt_width
+        (m, P, layers, k), and for completion positions 0 .. length - 1 (m, length, layers, k). A position's record
+        is its last real column's (a forgotten token's column is not real), wherever packing moved it; -1 where no
+        token was fed (padding, a row's last token): the router's live choice there."""
+        routes = self.routes["experts"][rows].transpose(1, 2)  # (m, columns, layers, k)
+        j, valid = self.pos[rows] - first_pos[rows, None], self.valid[rows]  # j: each column's completion position
+
+        def by_position(lo, hi):  # index i holds position lo + i
+            real = valid & (j >= lo) & (j < hi)
+            r, c = real.nonzero(as_tuple=True)
+            col = torch.zeros(len(rows), hi - lo, dtype=torch.long, device=routes.device)
+            col[r, j[r, c] - lo] = c
+            fed = torch.zeros(len(rows), hi - lo, dtype=torch.bool, device=routes.device)
+            fed[r, j[r, c] - lo] = True
+            out = routes.gather(1, col[:, :, None, None].expand(-1, -1, *routes.shape[2:]))
+            return out.masked_fill(~fed[:, :, None, None], -1)
+        return by_position(-prompt_width, 0), by_position(0, length)

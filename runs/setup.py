@@ -84,10 +84,6 @@ def setup(cfg, d):
     sharding.free_gathered(policy)
     for model in (policy, ref) if ref is not None else (policy,):  # the reference: the same layers, frozen
         transformer.attach(model.lm, paths)
-    if cfg.routing_replay and cfg.max_staleness and cfg.tp_size == 1 and not sampling.decodes_written_out(policy.lm):
-        raise ConfigError("routing_replay", "with max_staleness, each token's experts are recorded on the written-out "
-                          f"decoder alone, and {type(policy.lm).__name__} samples on its own forward "
-                          f"({paths.sampler or 'a vision-language model'}); use max_staleness=0")
     responses.set_response_template(tokenizer, cfg.chat_template_kwargs)  # how its family writes a turn, if known
     task, weights, reward_model = load_task(cfg, d, tokenizer, own_rewards, load_device)
     optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)

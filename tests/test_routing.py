@@ -245,10 +245,13 @@ def test_no_decoder_outlives_a_recorded_rollout():
     assert not alive
 
 
-def test_rows_streaming_through_places_record_the_experts_one_batch_records():
+@pytest.mark.parametrize("static_cache", [True, False], ids=["written_out", "own_forward"])
+def test_rows_streaming_through_places_record_the_experts_one_batch_records(static_cache):
     """Routing replay with rows streaming through places (--rollouts_in_flight) and through a Stream across runs
     (--max_staleness): a place takes a new row only once the records of the row it held are kept, so each row's
-    experts are those one batch records for it, several turns included (answers, forgotten tokens)."""
+    experts are those one batch records for it, several turns included (answers, forgotten tokens). On the
+    written-out decoder (records by place and slot) and on the model's own forward (records by cache column, which
+    admissions and packing move with the cache)."""
     from test_multiturn import STOP_IDS
     model, tok = architectures.tiny("qwen3_moe")
     text = ["a>", "hello world>", "xyz", "b>" * 7, "q", "the quick brown fox>"] * 2
@@ -261,16 +264,18 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records():
     def run(**kw):
         return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOP_IDS,
                                pad_id=pad, seeds=seeds, max_turns=3, check_every=4, record_routing=True,
-                               respond=answering(lambda r, k: (r % 3) + 2 * k), **kw)
+                               respond=answering(lambda r, k: (r % 3) + 2 * k), static_cache=static_cache, **kw)
     whole = run()
     streamed = run(in_flight=4, keep_decoder=True)
-    assert model.__dict__.pop("_static_decoder").admissions == n - 4 and (whole.turns > 1).any()
+    if static_cache:
+        assert model.__dict__.pop("_static_decoder").admissions == n - 4
+    assert (whole.turns > 1).any() and streamed.held_steps.sum() < whole.held_steps.sum()  # places were reused
     assert torch.equal(streamed.completion_ids, whole.completion_ids)
     _same_records(streamed, whole, enc.attention_mask)
 
     stream = sampling.Stream(5, n, enc.input_ids.shape[1] + 3, 40, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
                              check_every=4, respond=answering(lambda r, k: (r % 3) + 2 * k), max_turns=3,
-                             record_routing=True)
+                             record_routing=True, static_cache=static_cache)
     stream.add(enc.input_ids[:6], enc.attention_mask[:6], seeds[:6], list(range(6)))
     stream.run(model, [0, 1, 2])
     first = stream.take([0, 1, 2])
@@ -281,14 +286,16 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records():
     _same_records(got, whole, enc.attention_mask)
 
 
-def test_rows_ahead_of_the_step_replay_the_experts_that_sampled_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["written_out", "own_forward"])
+def test_rows_ahead_of_the_step_replay_the_experts_that_sampled_them(tmp_path, monkeypatch, path):
     """--routing_replay with --max_staleness=1: at a learning rate too small to change a float32 weight, each step
     trains the tokens and the experts --max_staleness=0 records, its prompts' records as wide as its own prompts
-    (the stream's are max_prompt_length wide). A model sampled on its own forward, which keeps records by cache
-    column, is refused in one line that names the setting."""
+    (the stream's are max_prompt_length wide), on the written-out decoder and on the model's own forward (whose
+    routers record while the stream runs and replay in the training forward between)."""
     import model_loading
-    import train
     from test_streaming import _train_rollouts
+    if path == "own_forward":
+        architectures.force_model_forward(monkeypatch)
     tok = model_loading.build_byte_tokenizer()
     architectures.config("qwen3_moe", tok).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
@@ -304,7 +311,3 @@ def test_rows_ahead_of_the_step_replay_the_experts_that_sampled_them(tmp_path, m
         _same_records(b, a, mask)
         older += int(((b.versions < step - 1) & b.policy_mask.bool()).sum())
     assert older > 0
-    architectures.force_model_forward(monkeypatch)
-    with pytest.raises(SystemExit, match="routing_replay: with max_staleness, each token's experts are recorded on "
-                                         "the written-out decoder alone"):
-        train.main([*flags, "--max_staleness=1", f"--out_dir={tmp_path / 'refused'}"])
