@@ -251,7 +251,8 @@ class HFDecoder:
 
     def _tensors(self):
         """Every tensor the cache holds, as (holder, key, has_columns) with the tensor at holder[key]: attention
-        layers' keys and values (rows, heads, columns, dim), recurrent layers' states (rows, ...)."""
+        layers' keys and values (rows, heads, columns, dim), recurrent layers' states (rows, ...), and while routing
+        is recorded each token's experts (rows, MoE layers, columns, k)."""
         slots = []
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False) and torch.is_tensor(layer.keys) and layer.keys.dim() == 4:
