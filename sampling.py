@@ -846,7 +846,7 @@ class _Rows:
         if self.route_width is not None:  # the rows still in their places first
             self.keep_routes(np.flatnonzero(np.isin(self.rows_h, rows)))
         if self.routes is not None:
-            out.prompt_routing = self.routes[0][index]
+            out.prompt_routing = self.routes[0][index].clone()  # index may be every row: not a view of ours
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
             out.routing = self.routes[1][index, :t].masked_fill(~real[:, :, None, None], -1)
         return out
@@ -960,15 +960,15 @@ class Stream:
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
-            record = rows.route_width is not None
+            # the routers' recorder, as `sample`'s: a model without experts is refused here in one line
+            replay = routing.of(model) if rows.route_width is not None else None
             if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
                 steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
-                                     self.attention_kernel, record=record, dtype=self.dtype, batch=self.places,
-                                     tp=self.tp or WHOLE, share=self.share)
+                                     self.attention_kernel, record=replay is not None, dtype=self.dtype,
+                                     batch=self.places, tp=self.tp or WHOLE, share=self.share)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
-                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new,
-                                 routing.of(model) if record else None)
+                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
             if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
                 self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)
             rows.steps = steps

@@ -285,6 +285,16 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records(stat
     assert torch.equal(got.completion_ids[:, :whole.completion_ids.shape[1]], whole.completion_ids)
     _same_records(got, whole, enc.attention_mask)
 
+    # a take of every row the stream holds hands out the records, not a view that the next `add` resets
+    small = sampling.Stream(2, 4, enc.input_ids.shape[1], 10, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
+                            record_routing=True, static_cache=static_cache)
+    small.add(enc.input_ids[:4], enc.attention_mask[:4], seeds[:4], list(range(4)))
+    small.run(model, list(range(4)))
+    taken = small.take(list(range(4)))
+    kept = taken.prompt_routing.clone()
+    small.add(enc.input_ids[:4], enc.attention_mask[:4], seeds[:4], list(range(4, 8)))  # the same row indices
+    assert (kept >= 0).any() and torch.equal(taken.prompt_routing, kept)
+
 
 @pytest.mark.parametrize("path", ["written_out", "own_forward"])
 def test_rows_ahead_of_the_step_replay_the_experts_that_sampled_them(tmp_path, monkeypatch, path):
