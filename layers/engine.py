@@ -140,7 +140,6 @@ class StaticDecoder:
         self.first_slot = 0
         self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
         self.admissions = 0  # rows admitted into the places of rows that ended (`admit`)
-        self.n_rows = None  # rows at the last prefill
 
     @torch.no_grad()
     def load(self, model):
@@ -307,7 +306,6 @@ class StaticDecoder:
         routing records are copied to each of them: the prefill's compute falls by the group size, the cache holds
         the G copies as before (a row's slots stay its own to decode into)."""
         n, p = ids.shape
-        self.n_rows = n
         inverse = None
         if share:
             distinct, inverse = torch.unique(torch.cat([ids, attn.long()], 1), dim=0, return_inverse=True)
@@ -548,8 +546,8 @@ class StaticDecoder:
                                  device=self.device)
 
     def routed(self, prompt_width, length, rows):
-        """The experts recorded for the prompt slots (k, P, MoE layers, k) and for completion positions
-        0 .. length - 1 (k, length, MoE layers, k) of the batch rows `rows` (a tensor (k,)), completion position j at
+        """The experts recorded for the prompt slots (m, P, MoE layers, k) and for completion positions
+        0 .. length - 1 (m, length, MoE layers, k) of the batch rows `rows` (a tensor (m,)), completion position j at
         slot P + j (P = prompt_width); -1 where the slot holds no token of the row (never fed, or forgotten): the
         router's live choice there. The caller takes a row's before its place takes another row or is compacted
         away."""
