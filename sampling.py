@@ -293,6 +293,7 @@ class _StaticSteps:
 
     feeds_rows = True  # a block can be fed to some batch rows alone (extend's batch_rows)
     prompts_alone = False  # the same for every long block, a new row's prompt or an answer
+    replay = None  # routing is recorded inside the decoder (StaticDecoder.record), not by the routers
 
     def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
                  dtype=None, batch=None, share=False):
@@ -351,6 +352,7 @@ class _HFSteps:
     def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
         self.model, self.first_pos = model, positions[:, -1] + 1  # (N,) position of completion position 0
         self.spare = max_new  # the completion position where finished rows write on: a hole, never a token
+        self.replay = replay  # the routers' recorder (routing.Replay) while routing is recorded, else None
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
         self.forgets_exactly = self.dec.forgets_exactly
@@ -864,12 +866,11 @@ class Stream:
 
     On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
     widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them; respond,
-    max_turns, stop_sequences, on_end, share_prompts and record_routing are `sample`'s,
-    with the rows' tags where `sample` gives row numbers (a Turn's `row` is its row's tag).
-    A taken row's prompt_routing is `prompt_width` wide. static_cache=False: on the model's own forward,
-    as `sample`'s (a model the written-out decoder does not sample takes it anyway, and so do prompts with
-    images). tp: as `sample`'s, a tensor-parallel group's share: every rank of the group adds, runs and takes the
-    same rows."""
+    max_turns, stop_sequences, on_end, share_prompts and record_routing are `sample`'s, with the rows' tags where
+    `sample` gives row numbers (a Turn's `row` is its row's tag); a taken row's prompt_routing is `prompt_width`
+    wide. static_cache=False: on the model's own forward, as `sample`'s (a model the written-out decoder does not
+    sample takes it anyway, and so do prompts with images). tp: as `sample`'s, a tensor-parallel group's share:
+    every rank of the group adds, runs and takes the same rows."""
 
     def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
                  on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
@@ -986,7 +987,7 @@ class Stream:
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
         limit = _iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
         # on the model's own forward its routers record while the stream runs (the training forward replays between)
-        replay = getattr(self.loop.steps.dec, "routing", None)
+        replay = self.loop.steps.replay
         if replay is not None:
             replay.record()
         try:
