@@ -38,6 +38,9 @@ class Rollout:
     # (N, T) long, from a Stream only: the version of the weights (the training steps taken before) that drew each
     # policy token; a row that decoded through a training step has tokens of two versions or more
     versions: torch.Tensor = None
+    # (N,) long, from a Stream only: the version that ran the row's prompt into its cache, the oldest weights whose
+    # K/V every token of the row attends to (`carried`)
+    context_version: torch.Tensor = None
     # (N,) long: the decode iterations the row held a place in the batch (before it ended, and after until its place
     # was given to another row or compacted away); the policy's tokens over their sum is the share of the batch's
     # place-steps that did work (`slots_busy`)
@@ -45,6 +48,17 @@ class Rollout:
 
     def to(self, device):
         return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in dataclasses.fields(self)})
+
+
+def carried(rollout, version):
+    """(N, T) bool: the policy tokens whose draw attended K/V computed by weights older than `version` (a row
+    that decoded through a weight change keeps its cache, so every token of it after the prompt's prefill, the
+    ones drawn after the change included). The trainer cannot recompute their behaviour log-prob; the sampler's is
+    it. All False for a rollout without versions."""
+    mask = rollout.policy_mask.bool()
+    if rollout.context_version is None:
+        return torch.zeros_like(mask)
+    return (rollout.context_version < version).to(mask.device)[:, None] & mask
 
 
 def _map(x, fn):

@@ -861,8 +861,10 @@ class Stream:
     middle of theirs; `take` hands rows out and frees them. Between runs the trainer changes the weights: the next
     run copies them into the decoder (`StaticDecoder.load`, in place; the model's own forward reads them live) and
     the rows in flight go on with the cache they have. Each token is drawn from the logits of the weights of the
-    run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions), so the loss can take the
-    sampler's log-prob as the behaviour policy's.
+    run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions); so is the version that ran
+    the row's prompt into the cache (Rollout.context_version). A token drawn after a change still attends to the
+    K/V older weights computed, so its behaviour policy is neither version's: the loss takes the sampler's
+    log-prob as the behaviour policy's for every token of a row whose context is older than the training weights.
 
     On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
     widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them; respond,
@@ -956,8 +958,12 @@ class Stream:
         ended, on every rank with `all_done` (sharding.all_done_fn: every rank runs the same iterations)."""
         rows = self.rows
         if version != self.version:  # what is drawn from here on is this version's
+            waiting = set(self.waiting.rows)  # rows not admitted yet: nothing of theirs is in the cache
             for r in np.flatnonzero(~self.free & rows.active):
-                self.versions[r].append((int(rows.ptr[r]), version))
+                if r in waiting:
+                    self.versions[r] = [(0, version)]
+                else:  # its cache holds what older weights computed: the prompt's K/V and its tokens' so far
+                    self.versions[r].append((int(rows.ptr[r]), version))
             self.version = version
         if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
             w = self.waiting
@@ -1008,6 +1014,8 @@ class Stream:
             for position, version in self.versions[r]:
                 row[position:] = version
         rollout.versions = torch.as_tensor(versions, device=self.device) * rollout.policy_mask
+        # the version that ran the row's prompt into its cache: the oldest K/V each of its tokens attends to
+        rollout.context_version = torch.tensor([self.versions[r][0][1] for r in slots], device=self.device)
         self.free[slots] = True
         return rollout
 

@@ -545,9 +545,8 @@ def update(run, batch, advantages, step):
         counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
         minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
     ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
-    stale = None  # (n, T) tokens drawn by weights before this step's (max_staleness): their old log-prob is the sampler's
-    if batch.rollout.versions is not None:
-        stale = (batch.rollout.versions < step - 1) & batch.rollout.policy_mask.bool()
+    # (n, T) tokens whose context older weights computed (max_staleness): their old log-prob is the sampler's
+    stale = rollouts.carried(batch.rollout, step - 1) if batch.rollout.context_version is not None else None
     old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device, stale)
     threshold = [None] * n_mini  # each mini-batch's entropy quantile
     if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
@@ -578,6 +577,8 @@ def update(run, batch, advantages, step):
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
     sums["lp_diff_sum"], sums["lp_diff_tokens"] = old.diff_sum, old.diff_tokens
+    if stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them, not numerics
+        sums["carried_diff_sum"], sums["carried_diff_tokens"] = old.carried_sum, old.carried_tokens
     return sums, old.diff_max, grad_norm, lr, skipped
 
 
@@ -586,24 +587,29 @@ class OldLogprobs:
     sampler's log-probs where asked, and the running |trainer - sampler| log-prob over the counted tokens (summed,
     and the largest).
 
-    `stale` (n, T), with max_staleness: the tokens that weights older than this step's drew. The trainer cannot
-    compute their pi_old (those weights are gone); the sampler's log-prob is it, exactly, from the weights and
-    the cache that drew the token (the behaviour policy, as in PipelineRL and TRL's ZeroSync). The first pass's
-    ratio for them is then exp(train - sampler). They are left out of the trainer-sampler comparison, which
-    measures the arithmetic's agreement at equal weights."""
+    `stale` (n, T), with max_staleness: the tokens of rows carried through a weight change (rollouts.carried):
+    drawn by older weights, or by newer ones attending to the K/V older ones computed. The trainer cannot compute
+    their pi_old (those weights, or that mix of weights and cache, are gone); the sampler's log-prob is it,
+    exactly (the behaviour policy, as in PipelineRL and TRL's ZeroSync). The first pass's ratio for them is then
+    exp(train - sampler). They are left out of the trainer-sampler comparison, which measures the arithmetic's
+    agreement at equal weights; their own |train - sampler| (`carried_sum`, `carried_tokens`) is how far the
+    weights moved under them."""
 
     def __init__(self, cfg, minis, loss_mask, sampler, device, stale=None):
         self.cfg, self.loss_mask, self.sampler, self.stale = cfg, loss_mask, sampler, stale
         self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
         self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
+        self.carried_sum = self.carried_tokens = torch.zeros((), device=device)
 
     def keep(self, j, i, mb, logp):
         cfg = self.cfg
         mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
         compared = mb_mask
         if self.stale is not None:
-            stale = self.stale[mb.rows, :mb.t]
-            logp, compared = torch.where(stale, sampler, logp), mb_mask * ~stale
+            stale = self.stale[mb.rows, :mb.t] * mb_mask
+            self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
+            self.carried_tokens = self.carried_tokens + stale.sum()
+            logp, compared = torch.where(stale.bool(), sampler, logp), mb_mask * ~stale.bool()
         self.logp[j][i] = logp
         diff = (logp - sampler).abs() * compared
         self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
@@ -790,11 +796,11 @@ def train_step(run, step):
 
 def staleness_metrics(run, rollout, step):
     """How many versions older than the step's weights (step - 1 training steps) the policy tokens trained are, mean
-    and largest, and how many rows have a token of an older version (`rows_carried`), over every rank."""
+    and largest, and how many rows attend to K/V older weights computed (`rows_carried`), over every rank."""
     mask = rollout.policy_mask.bool()
     age = (step - 1 - rollout.versions).masked_fill(~mask, 0)  # (n, T)
     total, tokens, carried = sharding.all_reduce_sum(
-        [float(age.sum()), float(mask.sum()), float((age.amax(1) > 0).sum()) if age.numel() else 0.0], run.d)
+        [float(age.sum()), float(mask.sum()), float((rollout.context_version < step - 1).sum())], run.d)
     oldest = sharding.all_gather_rows(torch.tensor([[float(age.max()) if age.numel() else 0.0]], device=run.d.device),
                                       run.d).max().item()
     return {"staleness_mean": total / max(tokens, 1.0), "staleness_max": oldest, "rows_carried": carried}

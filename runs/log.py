@@ -328,6 +328,9 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning
         "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
         "sampler_logprob_diff_max": lp_diff_max,
+        # the same over the tokens of rows carried through a weight change (max_staleness), left out of the above
+        **({"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
+           if "carried_diff_tokens" in sums else {}),
         **({"is_weight": sums["is_weight"] / tok} if run.cfg.importance_sampling != "none" else {}),
         **({"kept_frac": sums["kept"] / tok}
            if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),

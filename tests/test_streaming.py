@@ -303,6 +303,9 @@ def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_lo
     length = int(row.completion_mask.sum())
     assert length == 20
     assert row.versions[0, :length].tolist() == [0] * paused_at + [1] * (length - paused_at)
+    import rollouts
+    assert row.context_version.tolist() == [0]  # its prompt's K/V are the first weights': every token is carried
+    assert torch.equal(rollouts.carried(row, 1), row.policy_mask.bool())
     prompt = enc.input_ids[2][enc.attention_mask[2].bool()][None]
     ids = row.completion_ids[:, :length]
     # the token drawn at the stop was fed after it, on the second weights: the prefix cache is the prompt and the
@@ -426,10 +429,14 @@ def test_an_agents_rows_stream_through_steps(tmp_path, monkeypatch):
     assert sum(int((r.turns > 1).sum()) for r, _ in ahead) > 6  # rows took turns the environment answered
 
 
-def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(tmp_path, monkeypatch):
-    """At staleness 1 with learning: in the first pass of each step the loss's old log-prob of a token an earlier
-    version drew is its sampler log-prob (the ratio is exp(train - behaviour)), and of any other token the
-    trainer's own forward (ratio 1), as at staleness 0."""
+def test_the_loss_takes_the_behaviour_logprob_of_every_token_of_a_carried_row(tmp_path, monkeypatch):
+    """At staleness 1 with learning: in the first pass of each step the loss's old log-prob of every token of a row
+    carried through a weight change is its sampler log-prob (the ratio is exp(train - behaviour)): the tokens an
+    earlier version drew, and the ones the step's own weights drew attending to the K/V the earlier version
+    computed, whose behaviour log-prob differs from the trainer's fresh forward. Any other token's is the
+    trainer's own forward (ratio 1), as at staleness 0. The trainer-sampler comparison, left without the carried
+    tokens, stays at float32 noise on every step; the carried tokens' own is reported apart."""
+    import rollouts
     import grpo
     import train
     calls, loss = [], grpo.grpo_loss
@@ -446,7 +453,8 @@ def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(t
     monkeypatch.setattr(train, "backward_mini_batch", keeping)
     seen = _train_rollouts(tmp_path, "stale", ["--max_steps=4", "--max_staleness=1", "--lr=3e-3"])
     assert len(calls) == len(micro)
-    stale_tokens = 0
+    stale_tokens = late_tokens = 0
+    late_gap = 0.0
     steps = iter(range(1, 5))
     k = 0
     for rollout, _ in seen:
@@ -456,14 +464,25 @@ def test_the_loss_takes_the_behaviour_logprob_of_tokens_older_than_the_weights(t
             k += 1
             rows_done += len(mb.rows)
             mask = rollout.policy_mask[mb.rows, :mb.t].bool()
-            stale = (rollout.versions[mb.rows, :mb.t] < step - 1) & mask
+            stale = rollouts.carried(rollout, step - 1)[mb.rows, :mb.t] & mask
+            # drawn by this step's weights, on a cache older weights began
+            late = stale & (rollout.versions[mb.rows, :mb.t] == step - 1)
             sampler = rollout.logprobs[mb.rows, :mb.t]
             assert torch.equal(old[stale], sampler[stale])
             assert torch.equal(old[mask & ~stale], logp[mask & ~stale])
             stale_tokens += int(stale.sum())
+            late_tokens += int(late.sum())
             if stale.any():  # the weights moved: the behaviour log-probs are not the trainer's
                 assert (logp[stale] - sampler[stale]).abs().max() > 1e-4
-    assert stale_tokens > 0
+            if late.any():
+                late_gap = max(late_gap, (logp[late] - sampler[late]).abs().max().item())
+    assert stale_tokens > 0 and late_tokens > 0
+    assert late_gap > 1e-4  # the old K/V moved their log-probs: marking older versions' tokens alone would miss it
+    metrics = [json.loads(line) for line in open(tmp_path / "stale" / "metrics.jsonl")]
+    assert len(metrics) == 4
+    for m in metrics:
+        assert m["sampler_logprob_diff_max"] < 1e-4, m
+    assert max(m["sampler_logprob_diff_carried_mean"] for m in metrics) > 1e-4
 
 
 # ----------------------------------------------------------------------------- a group's prompt prefilled once
