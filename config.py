@@ -231,8 +231,11 @@ class Config:
         # training for these settings, from the model's config alone (no weights read), and exit
     plan_world_size: int = setting(0, run=False, at_least=0)  # --plan: the processes (GPUs) to plan for; 0 = WORLD_SIZE
     plan_gpu_memory: float = setting(80.0, run=False, above=0)  # --plan: GiB of memory of each GPU
+    plan_gpu_headroom: float = setting(3.0, run=False, at_least=0)  # --plan: GiB of each GPU a plan leaves free for
+        # what it does not count: the CUDA context, NCCL's buffers, CUDA graphs' pools, the allocator's fragmentation
     plan_host_memory: float = setting(0.0, run=False, at_least=0)  # --plan: GiB of host memory per node (8 GPUs);
-        # 0 = this machine's
+        # 0 = a node's 2 TiB when planning GPUs for other processes than this machine's (--plan_world_size), else
+        # this machine's
 
 
 
@@ -314,6 +317,19 @@ def validate(cfg, world_size=1):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
+    # streaming's places: each a row decoding at once, its KV cache allocated whether a row ever takes it or not
+    streams = "--rollouts_in_flight" if cfg.rollouts_in_flight else "--max_staleness" if cfg.max_staleness else None
+    need(not cfg.generation_batch_size or streams is None, "generation_batch_size",
+         f"has no effect with {streams}: a stream's rows decode in its places, not in batches; "
+         f"--rollouts_in_flight={cfg.generation_batch_size} bounds the rows decoding at once")
+    decoded = rows // world_size * (cfg.max_staleness + 1)  # the rows a process's places can ever hold at once
+    need(cfg.rollouts_in_flight <= decoded, "rollouts_in_flight",
+         f"{cfg.rollouts_in_flight} places for the {decoded} rows each process decodes at most at once "
+         f"({rows // world_size} a step{f' x {cfg.max_staleness + 1} steps' if cfg.max_staleness else ''}): "
+         f"the rest would hold KV cache no row uses; at most {decoded}")
+    need(not (cfg.max_staleness and cfg.save_every == 1 and cfg.max_steps > 1), "max_staleness",
+         "has no effect with --save_every=1: the stream drains at every checkpoint, so no row decodes ahead; "
+         "checkpoint less often (--save_every=K > 1) or leave --max_staleness=0")
     need(all(math.isfinite(w) for w in cfg.reward_weights), "reward_weights", f"must be finite, got {cfg.reward_weights}")
     need(0 <= cfg.soft_punish_cache <= cfg.max_completion_length, "soft_punish_cache",
          f"must be in [0, max_completion_length={cfg.max_completion_length}], got {cfg.soft_punish_cache}")

@@ -49,6 +49,9 @@ def unknown_key(key, known, other_names=None):
     near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
     if near:
         return f"unknown key; did you mean --{near[0]}? (--help lists them all)"
+    longer = sorted(k for k in known if k.startswith(key + "_"))  # a key's first word: --wandb for --wandb_mode
+    if longer:
+        return f"unknown key; did you mean {' or '.join(f'--{k}' for k in longer[:3])}? (--help lists them all)"
     return "unknown key (--help lists them all)"
 
 

@@ -73,8 +73,13 @@ def wandb_key(key):
             key.split("/")[0] == "reward_time":
         return f"perf/{key}"
     if key.startswith("reward"):
+        if key in (f"reward/{k}" for k in REWARD_TOTALS):  # a reward function named as a total's metric
+            return f"{key}_fn"
         return key if "/" in key else f"reward/{key}"
     return f"train/{key}"
+
+
+REWARD_TOTALS = ("reward", "reward_std")  # the totals' metrics: on wandb reward/reward and reward/reward_std
 
 
 def wandb_credentials():
@@ -212,8 +217,22 @@ def step_time(metrics):
     if t >= LONG_STEP or uneven:
         split = ", ".join(f"{name} {metrics[k]:.2f}s" for k, name in (
             ("generation_time", "generation"), ("reward_time", "rewards"), ("update_time", "update")) if k in metrics)
-        return [f"{t:.2f}s ({split})"] + ([f"truncated {truncated:.0%}"] if truncated else [])
-    return [f"{t:.2f}s" + (f" (rewards {rewards:.2f}s)" if rewards >= max(0.1, 0.2 * t) else "")]
+        return [f"{t:.2f}s ({split})"] + ([f"truncated {truncated:.0%}"] if truncated else []) + streaming(metrics)
+    return [f"{t:.2f}s" + (f" (rewards {rewards:.2f}s)" if rewards >= max(0.1, 0.2 * t) else "")] + \
+        ([f"truncated {truncated:.0%}"] if truncated else []) + streaming(metrics)
+
+
+def streaming(metrics):
+    """The step line's streaming figures (--rollouts_in_flight, --max_staleness): the seconds the step waited for its
+    rows, the share of decode place-steps at work, and the mean age of the tokens trained."""
+    if "generation_wait_s" not in metrics:
+        return []
+    out = [f"wait {metrics['generation_wait_s']:.2f}s"]
+    if "slots_busy" in metrics:
+        out.append(f"busy {metrics['slots_busy']:.0%}")
+    if "staleness_mean" in metrics:
+        out.append(f"stale {metrics['staleness_mean']:.2f}")
+    return out
 
 
 def first_image(fields, i):
@@ -315,14 +334,23 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     def mean(x):  # over the completions some function scored; NaN where none did
         x = x[~torch.isnan(x)]
         return x.mean().item() if x.numel() else float("nan")
+
+    def std(x):  # the same completions' spread (Bessel-corrected, as torch.std; 0 for one value)
+        x = x[~torch.isnan(x)]
+        return x.std().item() if x.numel() > 1 else 0.0 if x.numel() else float("nan")
+    ended = lengths[truncated == 0]  # the completions that ended on their own (EOS or a stop), not at the limit
     return {
         "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
+        **{f"reward_std/{k}": std(v) for k, v in parts.items()},
         "reward_std": group_std.mean().item(),
         "frac_reward_zero_std": (all_adv.view(-1, G).abs().sum(1) == 0).float().mean().item(),
         "loss": sums["loss"], "kl": sums["kl"] / tok, "clip_low": sums["clip_low"] / tok,
-        "clip_high": sums["clip_high"] / tok, "entropy": sums["entropy"] / tok,
+        "clip_high": sums["clip_high"] / tok, "clip_region": (sums["clip_low"] + sums["clip_high"]) / tok,
+        "entropy": sums["entropy"] / tok,
         "completion_length": lengths.mean().item(), "completion_length_min": lengths.min().item(),
         "completion_length_max": lengths.max().item(), "completion_policy_length": policy_lengths.mean().item(),
+        **({"completion_length_ended": ended.mean().item(), "completion_length_ended_min": ended.min().item(),
+            "completion_length_ended_max": ended.max().item()} if ended.numel() else {}),
         "truncated_frac": truncated.mean().item(), **tools,
         "batch_tokens": sums["seen"],
         # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning

@@ -119,6 +119,7 @@ class Plan:
     fix: tuple = None    # (settings changed, world size) that make the plan fit, from `advise`; None if none do
     lengths: tuple = (0, 0)  # (prompt, completion) tokens every row is planned at: the longest each may be
     read: int = 0        # bytes each process reads from the checkpoint while loading (its own shards, as stored)
+    headroom: int = 0    # bytes of each GPU left free for what the plan does not count (--plan_gpu_headroom)
 
     def phase(self, name):
         return next(p for p in self.phases if p.name == name)
@@ -127,7 +128,8 @@ class Plan:
         """The phases that do not fit: [(phase, bytes over)]."""
         out = []
         for p in self.phases:
-            limit = self.host_bytes / min(self.world, GPUS_PER_NODE) if p.where == "host" else self.gpu_bytes
+            limit = self.host_bytes / min(self.world, GPUS_PER_NODE) if p.where == "host" else \
+                self.gpu_bytes - self.headroom
             if p.total > limit:
                 out.append((p, p.total - limit))
         return out
@@ -314,9 +316,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     # generation: this process's rows of prompt + completion; under tensor parallelism its group's rows, on its
     # slices of the layers
     rows_total = cfg.prompts_per_step * cfg.num_generations // world
-    rows = min(cfg.rollouts_in_flight or cfg.generation_batch_size or rows_total, rows_total)  # the decoder's
-    if cfg.max_staleness:  # a stream's places: the next steps' rows decode beside the step's own
-        rows = cfg.rollouts_in_flight or rows_total * (cfg.max_staleness + 1)
+    rows, why = decode_rows(cfg, world)
     length = cfg.max_prompt_length + cfg.max_completion_length + 1
     tp = cfg.tp_size
     # sharded experts, or a vision-language model: the sampler takes the model's own forward on gathered blocks
@@ -346,6 +346,10 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                      "length, its recurrent states are not counted")
     gen += sampler
     text = getattr(config, "text_config", None) or config
+    slots = -(-length // 64) * 64 if dec is not None else length  # the decoder rounds its cache to 64 slots
+    kv_token = dict(sampler).get("KV cache", 0) / max(1, rows * tp * slots)
+    notes.append(f"generation: {rows} rows decode at once per process ({why}); the KV cache takes "
+                 f"{kv_token / 1024:,.0f} KiB per token of a row" + (" (this rank's heads)" if tp > 1 else ""))
     gen.append(("logits and sampling buffers", rows * tp * -(-text.vocab_size // tp) * (cb + 3 * 4) +
                 rows * tp * length * 13))
     generation = Phase("generation", gen)
@@ -356,7 +360,23 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                                                   if host else []) + [export]
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
                 int(gpu_gib * GiB), int(host_gib * GiB), notes,
-                lengths=(cfg.max_prompt_length, cfg.max_completion_length), read=read)
+                lengths=(cfg.max_prompt_length, cfg.max_completion_length), read=read,
+                headroom=int(cfg.plan_gpu_headroom * GiB) if device == "cuda" else 0)
+
+
+def decode_rows(cfg, world):
+    """(the rows one process decodes at once, why): a stream's places (--rollouts_in_flight; with --max_staleness
+    and none set, every row of the K + 1 steps it holds), else a batch of --generation_batch_size, else the step's
+    rows on the process."""
+    rows_total = cfg.prompts_per_step * cfg.num_generations // world
+    if cfg.rollouts_in_flight:
+        return min(cfg.rollouts_in_flight, rows_total * (cfg.max_staleness + 1)), "--rollouts_in_flight"
+    if cfg.max_staleness:  # a stream's places: the next steps' rows decode beside the step's own
+        return rows_total * (cfg.max_staleness + 1), f"every row of {cfg.max_staleness + 1} steps: --max_staleness " \
+                                                     f"without --rollouts_in_flight"
+    if cfg.generation_batch_size and cfg.generation_batch_size < rows_total:
+        return cfg.generation_batch_size, "--generation_batch_size"
+    return rows_total, "the step's rows on a process"
 
 
 def _loading(cfg, config, model, world, device, sharded, param_dtype, notes):
@@ -546,14 +566,11 @@ def _candidates(cfg, config, world, device):
     while mb > 1 and not cfg.micro_batch_tokens:
         mb //= 2
         out.append((f"--micro_batch_size={mb}", dict(micro_batch_size=mb)))
-    g = cfg.generation_batch_size or rows
-    while g > 1:
+    g, _ = decode_rows(cfg, world)
+    while g > 1:  # fewer rows decoding at once: a stream's places, else a batch (which a stream has none of)
         g //= 2
-        out.append((f"--generation_batch_size={g}", dict(generation_batch_size=g)))
-    if cfg.lora_rank == 0:
-        out.append(("--lora_rank=16", dict(lora_rank=16)))
-    if cfg.beta > 0 and cfg.lora_rank == 0:
-        out.append(("--beta=0 (no reference model)", dict(beta=0.0)))
+        key = "rollouts_in_flight" if cfg.rollouts_in_flight or cfg.max_staleness else "generation_batch_size"
+        out.append((f"--{key}={g}", {key: g}))
     t = cfg.tp_size
     model = meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     while t * 2 <= min(world, GPUS_PER_NODE) and world % (t * 2) == 0:  # groups within a node
@@ -567,7 +584,15 @@ def _candidates(cfg, config, world, device):
     if "dtype" not in cfg.model_init_kwargs:
         out.append(("--model_init_kwargs='{\"dtype\": \"bfloat16\"}'",
                     dict(model_init_kwargs={**cfg.model_init_kwargs, "dtype": "bfloat16"})))
+    # last, and only where the settings above cannot fit the run (`_fit_at`): these change the experiment
+    if cfg.lora_rank == 0:
+        out.append(("--lora_rank=16", dict(lora_rank=16)))
+    if cfg.beta > 0 and cfg.lora_rank == 0:
+        out.append(("--beta=0 (no reference model)", dict(beta=0.0)))
     return out
+
+
+EXPERIMENT = ("lora_rank", "beta")  # settings whose change trains another model or objective, advised last
 
 
 def _more_gpus(cfg, world, most=64):
@@ -623,17 +648,21 @@ def _fit_at(cfg, config, world, device, limits, bare=False):
         q = _plan_or_none(cfg, config, world, device, limits)
         if q is not None and not q.over():
             return (f"fits with --plan_world_size={world}", {}), None, None
-    tried = _candidates(cfg, config, world, device)
-    alone = [(label, change) for label, change in tried
-             if (q := _plan_or_none(dataclasses.replace(cfg, **change), config, world, device, limits)) is not None
-             and not q.over()]
-    if alone:
-        return (f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}", alone[0][1]), None, None
-    chosen, cur, q = _together(cfg, config, world, device, tried, limits)
-    if q is not None and not q.over():
-        change = {f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
-                  if getattr(cur, f.name) != getattr(cfg, f.name)}
-        return (f"fits with all of: {' '.join(chosen)}", change), None, None
+    everything = _candidates(cfg, config, world, device)
+    same = [(label, change) for label, change in everything if not set(change) & set(EXPERIMENT)]
+    # the settings that keep the experiment first (memory and speed only); LoRA or no reference only if they cannot
+    for tried in (same, everything) if len(same) < len(everything) else (everything,):
+        alone = [(label, change) for label, change in tried
+                 if (q := _plan_or_none(dataclasses.replace(cfg, **change), config, world, device, limits)) is not None
+                 and not q.over()]
+        if alone:
+            return (f"fits with any one of: {', '.join(_first_of_each([a[0] for a in alone]))}", alone[0][1]), \
+                None, None
+        chosen, cur, q = _together(cfg, config, world, device, tried, limits)
+        if q is not None and not q.over():
+            change = {f.name: getattr(cur, f.name) for f in dataclasses.fields(cur)
+                      if getattr(cur, f.name) != getattr(cfg, f.name)}
+            return (f"fits with all of: {' '.join(chosen)}", change), None, None
     return None, chosen, q or plan(cfg, config, world, device, **limits)
 
 
@@ -693,7 +722,9 @@ def report(p, host_from=""):
     and the advice. host_from: which figure the host memory is (printed beside it)."""
     where = "GPU" if p.device == "cuda" else "process"
     lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
-             f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}, host per node "
+             f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}"
+             + (f" ({_size(p.headroom).strip()} of it left free: --plan_gpu_headroom)" if p.headroom else "")
+             + ", host per node "
              f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"
              + (f" ({host_from})" if host_from else "")]
     for ph in p.phases:

@@ -111,6 +111,9 @@ def load_images(cfg, model, tokenizer, task):
                          f"{why}")
     if encoder is not None and cfg.dynamic_sampling:
         raise ConfigError("dynamic_sampling", "not supported with a vision-language model's image prompts yet")
+    if vision.is_vision_model(model) and cfg.shared_prompts:  # it would do nothing: say so rather than ignore it
+        raise ConfigError("shared_prompts", f"has no effect on {type(model).__name__}: a vision-language model samples "
+                                            f"and trains each row's prompt on its own forward; leave it off")
     return encoder
 
 

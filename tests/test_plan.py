@@ -193,6 +193,65 @@ def test_the_advice_names_a_setting_that_makes_it_fit():
     assert not fixed.over()
 
 
+STREAM_8B = dict(prompts_per_step=32, num_generations=16, max_completion_length=16384, micro_batch_size=1,
+                 gradient_checkpointing=True, model_init_kwargs={"dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize("streaming", [dict(max_staleness=1), dict(rollouts_in_flight=64)])
+def test_under_streaming_the_advice_is_fewer_places_never_a_batch_size(streaming):
+    """Qwen3-8B's shape at 16k, 8 GPUs, streaming: the stream's places are the rows decoding at once, so the advice
+    is a smaller --rollouts_in_flight (which fits alone, on these 8 GPUs), never --generation_batch_size (void under
+    streaming, refused with it) nor more GPUs; applied, the plan fits. The report says the rows decoding at once
+    and the KV cache per token: 36 layers x 8 K/V heads x 128 dims x (K and V) x 2 bytes = 144 KiB."""
+    config = plan.shape_config("Qwen3-8B")
+    cfg = Config(**STREAM_8B, **streaming)
+    limits = dict(gpu_gib=80, host_gib=2048)
+    p = plan.advise(cfg, config, plan.plan(cfg, config, 8, "cuda", **limits), **limits)
+    assert p.over() and p.advice[0].startswith("fits with any one of: --rollouts_in_flight="), p.advice
+    assert "generation_batch_size" not in p.advice[0] and "GPUs" not in p.advice[0]
+    change, world = p.fix
+    assert world == 8 and list(change) == ["rollouts_in_flight"]
+    fixed = dataclasses.replace(cfg, **change)
+    assert not plan.plan(fixed, config, 8, "cuda", **limits).over()
+    from config import validate
+    validate(fixed, 8)  # the advice is a setting the run takes
+    text = plan.report(p)
+    rows = 64 * 2 if streaming.get("max_staleness") else 64  # 32 x 16 / 8 a step, or its places
+    assert f"{rows} rows decode at once per process" in text, text
+    assert f"KV cache takes {36 * 8 * 128 * 2 * 2 // 1024} KiB per token" in text, text
+
+
+def test_the_advice_keeps_the_experiment_where_memory_settings_fit():
+    """Qwen3-30B-A3B's shape at 16k with --tp_size=8: LoRA or dropping the reference would fit too, but they train
+    another model; the advice is the settings that keep the experiment (full fine-tuning, the KL term), which fit."""
+    config = plan.shape_config("Qwen3-30B-A3B")
+    cfg = Config(prompts_per_step=32, num_generations=8, max_completion_length=16384, micro_batch_size=1,
+                 gradient_checkpointing=True, tp_size=8)
+    limits = dict(gpu_gib=80, host_gib=2048)
+    p = plan.advise(cfg, config, plan.plan(cfg, config, 8, "cuda", **limits), more_gpus=False, **limits)
+    assert p.fix is not None and not set(p.fix[0]) & {"lora_rank", "beta"}, p.advice
+    assert "lora" not in p.advice[0] and "beta" not in p.advice[0]
+    assert not plan.plan(dataclasses.replace(cfg, **p.fix[0]), config, 8, "cuda", **limits).over()
+    # LoRA alone does lower the largest excess: it is left out by choice, not because it would not help
+    lora = plan.plan(dataclasses.replace(cfg, lora_rank=16), config, 8, "cuda", **limits)
+    bare = plan.plan(cfg, config, 8, "cuda", **limits)
+    assert max(b for _, b in lora.over()) < max(b for _, b in bare.over())
+
+
+def test_a_gpu_keeps_the_stated_headroom():
+    """A GPU phase fits only with --plan_gpu_headroom left free: a plan that fills a GPU to within less than it does
+    not fit, and fits with the headroom 0; a CPU plan keeps none."""
+    config = plan.shape_config("Qwen3-8B")
+    cfg = Config(**STREAM_8B, rollouts_in_flight=8)
+    biggest = max(ph.total for ph in plan.plan(cfg, config, 8, "cuda").phases if ph.where == "gpu") / plan.GiB
+    gib = biggest + 1.0  # 1 GiB to spare, less than the 3 kept
+    assert plan.plan(cfg, config, 8, "cuda", gpu_gib=gib).over()
+    assert not plan.plan(dataclasses.replace(cfg, plan_gpu_headroom=0), config, 8, "cuda", gpu_gib=gib).over()
+    assert not plan.plan(dataclasses.replace(cfg, plan_gpu_headroom=0.9), config, 8, "cuda", gpu_gib=gib).over()
+    assert plan.plan(cfg, config, 8, "cpu").headroom == 0
+    assert "3.00 GiB of it left free: --plan_gpu_headroom" in plan.report(plan.plan(cfg, config, 8, "cuda"))
+
+
 def _train_plan(args, env=None):
     run = subprocess.run([sys.executable, "train.py", "--plan", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, **(env or {})})
@@ -223,7 +282,7 @@ def test_plan_reads_the_config_alone_never_the_weights(tmp_path, capsys):
     (tmp_path / "hub" / "models--someone--never-fetched" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--never-fetched" / "refs" / "main").write_text("0" * 40)
     offline = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), TRANSFORMERS_OFFLINE="1")
-    small = ["--plan_world_size=2", "--plan_gpu_memory=0.004", "--prompts_per_step=4", "--num_generations=4",
+    small = ["--plan_world_size=2", "--plan_gpu_memory=0.004", "--plan_gpu_headroom=0", "--prompts_per_step=4", "--num_generations=4",
              "--max_completion_length=256", "--max_prompt_length=64"]
     out = _plan_here([f"--model={folder}", *small], capsys)
     assert "memory plan" in out and "does not fit: " in out, out
@@ -394,7 +453,7 @@ def test_more_gpus_are_advised_only_where_no_setting_fits_the_planned_ones():
     config = architectures.config("qwen3", tok, num_hidden_layers=4, hidden_size=256, intermediate_size=512,
                                   head_dim=64)
     cfg = Config(prompts_per_step=8, num_generations=8, max_prompt_length=64, max_completion_length=64,
-                 micro_batch_size=1, gradient_checkpointing=True)
+                 micro_batch_size=1, gradient_checkpointing=True, plan_gpu_headroom=0)
     limits = dict(gpu_gib=0.006, host_gib=100)
     p = plan.advise(cfg, config, plan.plan(cfg, config, 1, "cuda", **limits), **limits)
     assert p.advice[0].startswith("no setting fits one GPU; 2 GPUs do: --plan_world_size=2, with all of: "), p.advice

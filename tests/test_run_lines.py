@@ -36,6 +36,28 @@ def test_tp_size_that_does_not_divide_the_processes_names_those_that_do():
                                                   "processes, and there are 4 (1, 2 or 4 divides them)")
 
 
+def test_streaming_settings_that_would_do_nothing_stop_in_one_line():
+    """Under streaming the rows decoding at once are the stream's places: --generation_batch_size would be ignored,
+    places past the rows a process ever holds would be KV cache no row uses, and checkpoints at every step drain
+    the stream before any row decodes ahead. Each stops naming the setting, what it meets and what to use; the
+    largest number of places that has a use passes."""
+    rows = dict(prompts_per_step=8, num_generations=8)  # 64 rows a step; 32 on each of 2 processes
+    assert _code(config.Config(**rows, generation_batch_size=8, rollouts_in_flight=4), 1) == (
+        "config error: --generation_batch_size: has no effect with --rollouts_in_flight: a stream's rows decode in "
+        "its places, not in batches; --rollouts_in_flight=8 bounds the rows decoding at once")
+    assert _code(config.Config(**rows, generation_batch_size=8, max_staleness=1), 1).startswith(
+        "config error: --generation_batch_size: has no effect with --max_staleness")
+    assert _code(config.Config(**rows, rollouts_in_flight=1000), 2) == (
+        "config error: --rollouts_in_flight: 1000 places for the 32 rows each process decodes at most at once (32 a "
+        "step): the rest would hold KV cache no row uses; at most 32")
+    assert "(32 a step x 3 steps)" in _code(config.Config(**rows, rollouts_in_flight=97, max_staleness=2), 2)
+    config.validate(config.Config(**rows, rollouts_in_flight=96, max_staleness=2), 2)
+    config.validate(config.Config(**rows, rollouts_in_flight=32), 2)
+    assert _code(config.Config(max_staleness=1, save_every=1, max_steps=5), 1).startswith(
+        "config error: --max_staleness: has no effect with --save_every=1")
+    config.validate(config.Config(max_staleness=1, save_every=2, max_steps=5), 1)
+
+
 def _folder(tmp_path, family):
     """A model folder of the tests' `family` whose weights file is garbage: reading it would fail."""
     tok = model_loading.build_byte_tokenizer()
@@ -91,7 +113,9 @@ def test_the_banner_says_a_bf16_reference_is_one(moe):
 
 def test_a_long_uneven_step_shows_where_its_time_went():
     """The slow reward's step: 256-token completions, some stopping early, 46% cut at the limit; the default
-    run's short, even steps keep their line."""
+    run's short, even steps keep their short time, and say how many completions the limit cut, as any step does
+    (a short step 59% cut is as worth knowing as a long one). A streaming step adds its wait, busy places and the
+    tokens' mean age."""
     long = dict(step_time=12.4, generation_time=7.9, reward_time=2.1, update_time=2.3, truncated_frac=0.46,
                 completion_length=180.0, completion_length_max=256.0)
     assert run_log.step_time(long) == ["12.40s (generation 7.90s, rewards 2.10s, update 2.30s)", "truncated 46%"]
@@ -99,4 +123,58 @@ def test_a_long_uneven_step_shows_where_its_time_went():
     assert run_log.step_time(uneven)[1] == "truncated 46%"
     default = dict(step_time=0.08, generation_time=0.02, reward_time=0.001, update_time=0.06, truncated_frac=0.99,
                    completion_length=3.98, completion_length_max=4.0)
-    assert run_log.step_time(default) == ["0.08s"]
+    assert run_log.step_time(default) == ["0.08s", "truncated 99%"]
+    assert run_log.step_time(dict(default, truncated_frac=0.59)) == ["0.08s", "truncated 59%"]
+    assert run_log.step_time(dict(default, truncated_frac=0.0)) == ["0.08s"]
+    streamed = dict(default, generation_wait_s=0.031, slots_busy=0.734, staleness_mean=0.42)
+    assert run_log.step_time(streamed) == ["0.08s", "truncated 99%", "wait 0.03s", "busy 73%", "stale 0.42"]
+
+
+def test_a_reward_function_named_as_a_total_keeps_its_own_dashboard_key():
+    """A reward function named `reward` or `reward_std` (its metric reward/reward, reward/reward_std) would land on
+    the totals' wandb keys: it gets one of its own, and every key stays distinct."""
+    keys = ["reward", "reward_std", "reward/reward", "reward/reward_std", "reward/next_letter_reward",
+            "reward_std/reward", "kl", "step_time"]
+    mapped = [run_log.wandb_key(k) for k in keys]
+    assert len(set(mapped)) == len(keys), mapped
+    assert mapped[:2] == ["reward/reward", "reward/reward_std"]
+    assert mapped[4] == "reward/next_letter_reward"
+
+
+def test_a_settings_first_word_is_pointed_to_its_setting():
+    from runs import cli
+    assert cli.unknown_key("wandb", config.Config.__dataclass_fields__).startswith(
+        "unknown key; did you mean --wandb_mode or --wandb_project or --wandb_run_name?")
+
+
+def test_the_step_metrics_each_functions_spread_ended_lengths_and_clip_region():
+    """step_metrics against the batch written out: each reward function's std over the completions it scored (NaN
+    for one it skipped), the lengths of the completions that ended on their own (the cut ones left out), and the
+    share of tokens clipped on either side."""
+    import rollouts
+    lengths = [3, 5, 8, 8, 2, 8]
+    truncated = torch.tensor([False, False, True, True, False, True])
+    mask = (torch.arange(8)[None] < torch.tensor(lengths)[:, None]).long()
+    rollout = rollouts.Rollout(completion_ids=mask * 7, completion_mask=mask, policy_mask=mask, truncated=truncated,
+                               logprobs=torch.zeros(6, 8), turns=torch.ones(6, dtype=torch.long))
+    batch = types.SimpleNamespace(prompt_mask=torch.ones(6, 2), rollout=rollout, episodes=None)
+    run = types.SimpleNamespace(d=ONE, cfg=config.Config(num_generations=3))
+    first, second = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0.2, float("nan"), 0.4, 1.0, 0.0, 0.0])
+    sums = {"loss": 1.0, "kl": 0.0, "clip_low": 3.0, "clip_high": 5.0, "entropy": 0.0, "tokens": 34.0,
+            "is_weight": 0.0, "kept": 0.0, "lp_diff_sum": 0.0, "lp_diff_tokens": 1.0}
+    total = first + 0.1 * second.nan_to_num()
+    m = run_log.step_metrics(run, batch, sums, 0.0, total, {"first": first, "second": second}, total - 0.5,
+                             torch.tensor([0.3, 0.1]))
+    assert m["reward_std/first"] == pytest.approx(float(torch.tensor(first.tolist()).std()))
+    assert m["reward_std/second"] == pytest.approx(float(torch.tensor([0.2, 0.4, 1.0, 0.0, 0.0]).std()))
+    assert (m["completion_length_ended"], m["completion_length_ended_min"], m["completion_length_ended_max"]) == (
+        pytest.approx(10 / 3), 2, 5)
+    assert m["clip_region"] == pytest.approx(8 / 34)
+    m = run_log.step_metrics(run, dataclass_replace(batch, truncated=torch.ones(6, dtype=torch.bool)), sums, 0.0,
+                             total, {"first": first}, total - 0.5, torch.tensor([0.3, 0.1]))
+    assert "completion_length_ended" not in m  # every completion cut: no ended length to show
+
+
+def dataclass_replace(batch, **fields):
+    import dataclasses
+    return types.SimpleNamespace(**{**vars(batch), "rollout": dataclasses.replace(batch.rollout, **fields)})
