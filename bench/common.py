@@ -17,8 +17,12 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
 # config_class: the same fields under another family's config (tiny_config writes a Qwen2Config); tiny-qwen3 is
 # the tiny default with Qwen3's layers (a norm over each head of q and k), head_dim spelled out as Qwen3 needs
+# Qwen3-0.6B: TRL's ZeroSync GRPO measures its streaming step on it (512-token completions, 8 per prompt)
+QWEN3_06B = dict(config_class="Qwen3Config", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936)
 MODELS = {"tiny": {}, "tiny-qwen3": dict(config_class="Qwen3Config", head_dim=16), "qwen2.5-0.5b": QWEN25_05B,
-          "qwen2.5-1.5b": QWEN25_15B}
+          "qwen2.5-1.5b": QWEN25_15B, "qwen3-0.6b": QWEN3_06B}
 
 
 def sync(device):
