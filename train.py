@@ -577,6 +577,8 @@ def update(run, batch, advantages, step):
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
     sums["lp_diff_sum"], sums["lp_diff_tokens"] = old.diff_sum, old.diff_tokens
+    if cfg.importance_sampling != "none":  # reduced as extremes, not sums (run_log.step_metrics)
+        sums["is_weight_min"], sums["is_weight_max"] = old.is_min, old.is_max
     if stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them, not numerics
         sums["carried_diff_sum"], sums["carried_diff_tokens"] = old.carried_sum, old.carried_tokens
     return sums, old.diff_max, grad_norm, lr, skipped
@@ -600,6 +602,8 @@ class OldLogprobs:
         self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
         self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
         self.carried_sum = self.carried_tokens = torch.zeros((), device=device)
+        # the importance weights' extremes over the counted tokens (with --importance_sampling)
+        self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
 
     def keep(self, j, i, mb, logp):
         cfg = self.cfg
@@ -617,6 +621,9 @@ class OldLogprobs:
         if cfg.importance_sampling != "none":
             self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
                                                            cfg.importance_sampling_min, cfg.importance_sampling_max)
+            w, counted = self.is_weight[j][i].expand_as(mb_mask), mb_mask > 0  # a sequence's weight on its tokens
+            self.is_min = torch.minimum(self.is_min, torch.where(counted, w, math.inf).min())
+            self.is_max = torch.maximum(self.is_max, torch.where(counted, w, -math.inf).max())
 
 
 def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, threshold, sums):

@@ -75,6 +75,8 @@ def wandb_key(key):
     if key.startswith("reward"):
         if key in (f"reward/{k}" for k in REWARD_TOTALS):  # a reward function named as a total's metric
             return f"{key}_fn"
+        if key.startswith("reward_std/"):  # a function's spread, beside its mean in the reward section
+            return f"reward/std/{key.removeprefix('reward_std/')}"
         return key if "/" in key else f"reward/{key}"
     return f"train/{key}"
 
@@ -110,6 +112,7 @@ class Logger:
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
         # steps after the checkpoint we resume from are about to be redone: drop their lines, by writing the
         # kept ones to a new file that replaces the old one only once complete
+        kept = []
         if os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
@@ -121,6 +124,19 @@ class Logger:
             # A resumed run continues the same wandb run (its id is saved in the checkpoint).
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, mode=cfg.wandb_mode,
                                     dir=cfg.out_dir, config=cfg_dict(cfg), id=run_id, resume="allow")
+            if run_id is not None and cfg.wandb_mode == "online":
+                self.refill(kept)
+
+    def refill(self, kept):
+        """A resumed run's dashboard: a run killed hard loses the steps wandb had not yet sent, while metrics.jsonl
+        has every one. The server says where the history it holds ends (the resumed run's `step`, its next); the
+        lines of metrics.jsonl from there to the checkpoint are logged again, once, before the run goes on."""
+        start = getattr(self.wandb, "step", 0) or 0
+        for line in kept:
+            metrics = json.loads(line)
+            if metrics["step"] >= start:
+                self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step" and v is not None},
+                               step=metrics["step"])
 
     def log(self, metrics, eta=None):
         if not self.master:
@@ -314,6 +330,12 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     """The step's metrics over all ranks (docs/metrics.md), from this rank's sums, largest
     sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
+    sums = dict(sums)
+    extremes = {}  # the importance weights' smallest and largest over every rank
+    if "is_weight_max" in sums:
+        low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
+                                                          device=d.device), d).amax(0).tolist()
+        extremes = {"is_weight_min": -low, "is_weight_max": high}
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
@@ -359,7 +381,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         # the same over the tokens of rows carried through a weight change (max_staleness), left out of the above
         **({"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
            if "carried_diff_tokens" in sums else {}),
-        **({"is_weight": sums["is_weight"] / tok} if run.cfg.importance_sampling != "none" else {}),
+        **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
         **({"kept_frac": sums["kept"] / tok}
            if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
     }

@@ -1,5 +1,6 @@
 """Reward-model scoring, evaluation on held-out prompts, and what reaches wandb (offline)."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -216,3 +217,34 @@ def test_sharded_reward_model_scores_as_unsharded(reward_model, tmp_path):
     assert finished(proc, out), proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = rewards.reward_model_scores(model, tok, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(torch.tensor(torch.load(out)), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_a_resumed_run_refills_the_steps_the_dashboard_lost(tmp_path, monkeypatch):
+    """Killed hard, a run's wandb history ends where wandb last sent it (step 2 here) while metrics.jsonl holds
+    every step (1-6). Resumed from the checkpoint at 5, the steps from the server's end to the checkpoint (3-5) are
+    logged again from metrics.jsonl, once, with the values the file holds; the lines past the checkpoint are
+    dropped, to be redone."""
+    wandb = pytest.importorskip("wandb")
+    logged = []
+
+    class Resumed:  # what wandb.init gives back for a run whose server history ends at step 2
+        step = 3
+
+        def log(self, data, step=None):
+            logged.append((step, dict(data)))
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Resumed())
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = [{"step": s, "loss": 0.1 * s, "reward": s / 10, "reward_std": float("nan") if s == 4 else 0.5}
+             for s in range(1, 7)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(run_log.strict_json(m)) + "\n" for m in lines))
+    cfg = train.Config(out_dir=str(out), wandb_mode="online")
+    run_log.Logger(cfg, True, resume_step=5, run_id="abc123")
+    assert [s for s, _ in logged] == [3, 4, 5]
+    for (step, data), m in zip(logged, lines[2:5]):
+        want = {run_log.wandb_key(k): v for k, v in m.items() if k != "step" and v == v}  # NaN: null on disk
+        assert data == pytest.approx(want), step
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    logged.clear()
+    run_log.Logger(dataclasses.replace(cfg, wandb_mode="offline"), True, resume_step=5, run_id="abc123")
+    assert logged == []  # offline, wandb's own files are the history: nothing tells where it ends

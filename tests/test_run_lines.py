@@ -138,7 +138,7 @@ def test_a_reward_function_named_as_a_total_keeps_its_own_dashboard_key():
     mapped = [run_log.wandb_key(k) for k in keys]
     assert len(set(mapped)) == len(keys), mapped
     assert mapped[:2] == ["reward/reward", "reward/reward_std"]
-    assert mapped[4] == "reward/next_letter_reward"
+    assert mapped[4] == "reward/next_letter_reward" and mapped[5] == "reward/std/reward"
 
 
 def test_a_settings_first_word_is_pointed_to_its_setting():

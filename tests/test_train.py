@@ -401,6 +401,12 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, request, import
     torch.testing.assert_close(sums["lp_diff_sum"] / sums["lp_diff_tokens"], noise.abs()[counted].mean(), atol=1e-4,
                                rtol=1e-3)
     torch.testing.assert_close(lp_diff_max, noise.abs().max(), atol=1e-4, rtol=1e-3)
+    if importance_sampling != "none":  # the weights' extremes over the counted tokens, against the naive weights'
+        counted_w = w.expand_as(loss_mask)[loss_mask.bool()]
+        torch.testing.assert_close(sums["is_weight_min"], counted_w.min(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sums["is_weight_max"], counted_w.max(), atol=1e-5, rtol=1e-5)
+    else:
+        assert "is_weight_max" not in sums
 
 
 def test_rewards_see_the_trajectory_ids_and_step_and_a_gdpo_step_runs(tmp_path):
