@@ -78,9 +78,24 @@ def reward_fields(fields, completion_ids, episodes, tokenizer=None, prompts=None
     out = {**fields, "completion_ids": completion_ids}
     if episodes is not None:
         out.update(environments.episode_fields(episodes))
-    if tokenizer is not None:
+    if tokenizer is None:
+        return out
+    if episodes is None and getattr(tokenizer, "response_template", None) is None:
+        out.update(plain_parts(tokenizer, out["completion_ids"], completions))
+    else:  # turns to read: a tool episode's, or a response template's (reasoning, tool calls)
         out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes, completions))
     return out
+
+
+def plain_parts(tokenizer, completion_ids, completions=None):
+    """responses.reward_parts of completions with no turns to read (no episode, no response template): each one
+    assistant message, its text as written (`completions`, where given, else decoded without special tokens), no
+    reasoning and no tool call."""
+    texts = completions if completions is not None else \
+        [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    return {"completion_messages": [[{"role": "assistant", "content": t}] for t in texts],
+            "completion_content": list(texts), "reasoning_content": [""] * len(texts),
+            "tool_calls": [[] for _ in texts]}
 
 
 def reward_context(cfg, step):

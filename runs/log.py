@@ -161,6 +161,11 @@ class Logger:
             self.said.add("masked")
             notes.append(f"{metrics['truncated_frac']:.0%} of completions reached max_completion_length and "
                          f"mask_truncated_completions gives them no loss; a longer limit lets them end")
+        elif metrics.get("truncated_frac", 0) > 0.5 and not self.said & {"masked", "cut"}:
+            # a short, even step's line has no room for it (a long or uneven one shows `truncated N%`)
+            self.said.add("cut")
+            notes.append(f"{metrics['truncated_frac']:.0%} of completions were cut at max_completion_length "
+                         f"(truncated_frac); a longer limit lets more of them end")
         if metrics.get("frac_reward_zero_std", 0) > 0.5 and "flat" not in self.said:
             self.said.add("flat")
             notes.append(f"{metrics['frac_reward_zero_std']:.0%} of groups have equal rewards, hence no advantage to "
@@ -234,8 +239,7 @@ def step_time(metrics):
         split = ", ".join(f"{name} {metrics[k]:.2f}s" for k, name in (
             ("generation_time", "generation"), ("reward_time", "rewards"), ("update_time", "update")) if k in metrics)
         return [f"{t:.2f}s ({split})"] + ([f"truncated {truncated:.0%}"] if truncated else []) + streaming(metrics)
-    return [f"{t:.2f}s" + (f" (rewards {rewards:.2f}s)" if rewards >= max(0.1, 0.2 * t) else "")] + \
-        ([f"truncated {truncated:.0%}"] if truncated else []) + streaming(metrics)
+    return [f"{t:.2f}s" + (f" (rewards {rewards:.2f}s)" if rewards >= max(0.1, 0.2 * t) else "")] + streaming(metrics)
 
 
 def streaming(metrics):

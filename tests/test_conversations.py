@@ -341,6 +341,11 @@ def test_rewards_see_content_and_reasoning_apart():
     assert parts["completion_content"] == ["<think>a</think>b", "c"] and parts["reasoning_content"] == ["", ""]
     texts = ["<think>a</think>b", "c"]  # the trainer's decoded text, when it passes it, is the content as it is
     assert responses.reward_parts(plain, ["q"] * 2, [encode(plain, t) for t in texts], completions=texts) == parts
+    # the trainer's own plain path (rollouts.plain_parts, no response parsing entered) gives the same parts
+    import rollouts
+    ids = [encode(plain, t) for t in texts]
+    assert rollouts.plain_parts(plain, ids) == parts == rollouts.plain_parts(plain, ids, texts)
+    assert rollouts.reward_fields({}, ids, None, plain, ["q"] * 2) == {"completion_ids": ids, **parts}
 
 
 # ----------------------------------------------------------------------------- each family's tool calls

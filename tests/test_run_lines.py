@@ -113,9 +113,9 @@ def test_the_banner_says_a_bf16_reference_is_one(moe):
 
 def test_a_long_uneven_step_shows_where_its_time_went():
     """The slow reward's step: 256-token completions, some stopping early, 46% cut at the limit; the default
-    run's short, even steps keep their short time, and say how many completions the limit cut, as any step does
-    (a short step 59% cut is as worth knowing as a long one). A streaming step adds its wait, busy places and the
-    tokens' mean age."""
+    run's short, even steps keep their line within 120 columns (most completions cut is said once, in a note
+    under the line: `test_most_completions_cut_is_said_once`). A streaming step adds its wait, busy places and
+    the tokens' mean age."""
     long = dict(step_time=12.4, generation_time=7.9, reward_time=2.1, update_time=2.3, truncated_frac=0.46,
                 completion_length=180.0, completion_length_max=256.0)
     assert run_log.step_time(long) == ["12.40s (generation 7.90s, rewards 2.10s, update 2.30s)", "truncated 46%"]
@@ -123,11 +123,23 @@ def test_a_long_uneven_step_shows_where_its_time_went():
     assert run_log.step_time(uneven)[1] == "truncated 46%"
     default = dict(step_time=0.08, generation_time=0.02, reward_time=0.001, update_time=0.06, truncated_frac=0.99,
                    completion_length=3.98, completion_length_max=4.0)
-    assert run_log.step_time(default) == ["0.08s", "truncated 99%"]
-    assert run_log.step_time(dict(default, truncated_frac=0.59)) == ["0.08s", "truncated 59%"]
-    assert run_log.step_time(dict(default, truncated_frac=0.0)) == ["0.08s"]
+    assert run_log.step_time(default) == ["0.08s"]
     streamed = dict(default, generation_wait_s=0.031, slots_busy=0.734, staleness_mean=0.42)
-    assert run_log.step_time(streamed) == ["0.08s", "truncated 99%", "wait 0.03s", "busy 73%", "stale 0.42"]
+    assert run_log.step_time(streamed) == ["0.08s", "wait 0.03s", "busy 73%", "stale 0.42"]
+
+
+def test_most_completions_cut_is_said_once(tmp_path):
+    """A short, even step 59% cut at the limit: a note under its line says so, the first time only (the masked
+    variant's note says it instead where mask_truncated_completions is on); 40% cut says nothing."""
+    logger = run_log.Logger(config.Config(out_dir=str(tmp_path / "a")), master=False)
+    logger.mask_truncated, logger.said = False, set()
+    assert logger.notes(dict(truncated_frac=0.4)) == []
+    said = logger.notes(dict(truncated_frac=0.59))
+    assert len(said) == 1 and said[0].startswith("59% of completions were cut at max_completion_length")
+    assert logger.notes(dict(truncated_frac=0.9)) == []
+    logger.mask_truncated, logger.said = True, set()
+    said = logger.notes(dict(truncated_frac=0.59))
+    assert len(said) == 1 and "mask_truncated_completions" in said[0]
 
 
 def test_a_reward_function_named_as_a_total_keeps_its_own_dashboard_key():
