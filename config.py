@@ -25,6 +25,10 @@ def _env(name, default, **kw):  # a Config setting whose default an environment 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# the sampler-trainer mismatch past which the step line warns (verl's rollout-correction docs: |kl| > 0.1,
+# chi2_token > 1, effective sample size < 0.3; k3 held to the same 0.1 as the KL)
+MISMATCH_WARN = {"log_ratio": 0.1, "k3": 0.1, "chi2_token": 1.0, "ess": 0.3}
+MISMATCH_METRICS = ("log_ratio", "k3", "chi2_token", "chi2_seq", "ess", "ppl_ratio")
 # the tasks: a file each in tasks/ (tasks.task_names, read here without importing the package)
 TASKS = tuple(sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks"))
                      if f.endswith(".py") and not f.startswith("_")))
@@ -141,6 +145,9 @@ class Config:
         # (truncate) or zeroed outside (mask)
     importance_sampling_max: float = setting(3.0, run=True)  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by
         # default)
+    mismatch_warn: dict = setting(factory=lambda: dict(MISMATCH_WARN), run=False)  # JSON {metric: threshold}: the step
+        # line flags, and a note names once, a sampler-trainer mismatch past it (docs/metrics.md): |log_ratio|, k3 or
+        # chi2_token above, ess below; {} = never. The default: verl's warnings (|kl| 0.1, chi2_token 1, ess 0.3)
     # sampling
     temperature: float = setting(1.0, run=True, above=0)
     top_p: float = setting(1.0, run=True, above=0, at_most=1)
@@ -349,6 +356,9 @@ def validate(cfg, world_size=1):
              f"{cfg.device} asked for, but torch {torch.__version__} sees no CUDA GPU here; use --device=cpu or auto")
     need(isinstance(cfg.model_init_kwargs, dict), "model_init_kwargs", "must be a JSON object")
     need(isinstance(cfg.chat_template_kwargs, dict), "chat_template_kwargs", "must be a JSON object")
+    need(isinstance(cfg.mismatch_warn, dict) and set(cfg.mismatch_warn) <= set(MISMATCH_METRICS) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in cfg.mismatch_warn.values()), "mismatch_warn",
+         f"a JSON object of numbers keyed by {', '.join(MISMATCH_METRICS)}; got {cfg.mismatch_warn!r}")
     taken = sorted(set(cfg.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGUMENTS)) if isinstance(
         cfg.chat_template_kwargs, dict) else []
     need(not taken, "chat_template_kwargs", f"{', '.join(taken)}: set by the trainer itself, not a template option")

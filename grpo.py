@@ -132,6 +132,43 @@ def importance_weights(old_logp, sampler_logp, mask, mode, low=0.0, high=3.0):
     raise ValueError(f"importance_sampling: unknown value {mode!r} (one of {', '.join(IMPORTANCE_SAMPLING)})")
 
 
+# The sampler-trainer mismatch, measured as the other stacks measure it (verl's `rollout_corr/*`, prime-rl's
+# mismatch KL), with rho = pi_trainer / pi_sampler per token: the importance weight the batch would need.
+MISMATCH_SEQ_CLAMP = 20.0  # a sequence's summed log ratio is clamped to +-this before exp(2 x): finite in float32
+
+
+def mismatch_sums(logp, sampler_logp, mask):
+    """Sums over the counted tokens (`mask` (n, T) 0/1) of one micro-batch, to add over micro-batches and ranks and
+    finish with `mismatch_metrics`: tokens, sequences (rows with a counted token), the log ratio sampler - trainer,
+    k3 (rho - 1 - log rho), rho - 1 and rho^2 - 1, and per sequence exp(2 S) - 1 (S its summed log trainer -
+    sampler, clamped) and its perplexity ratio exp(mean over its tokens of sampler - trainer) - 1. Each is a sum of
+    deviations from equal weights (expm1), in float64, so that a float32 run's mismatch of 1e-7 is not lost in a
+    sum of rho^2 near N."""
+    mask = mask.double()
+    lr = (logp.double() - sampler_logp.double()) * mask  # log rho, 0 where not counted
+    tokens = mask.sum(1)
+    seq = (tokens > 0).double()
+    total = lr.sum(1)
+    return {"tokens": mask.sum(), "sequences": seq.sum(), "log_ratio": -lr.sum(),
+            "k3": ((torch.expm1(lr) - lr) * mask).sum(), "rho_m1": (torch.expm1(lr) * mask).sum(),
+            "rho2_m1": (torch.expm1(2 * lr) * mask).sum(),
+            "seq_rho2_m1": (torch.expm1(2 * total.clamp(-MISMATCH_SEQ_CLAMP, MISMATCH_SEQ_CLAMP)) * seq).sum(),
+            "ppl_m1": (torch.expm1(-total / tokens.clamp(min=1)) * seq).sum()}
+
+
+def mismatch_metrics(sums):
+    """The mismatch figures of the summed `mismatch_sums` (docs/metrics.md): mean log ratio (sampler - trainer, a
+    KL(sampler || trainer) estimate), k3, the per-token and per-sequence chi-square (mean rho^2 - 1), the effective
+    sample size of the token weights ((sum rho)^2 / (N sum rho^2): 1 for equal weights) and the mean per-sequence
+    perplexity ratio (trainer's over sampler's). Empty without a counted token."""
+    n, seqs = float(sums["tokens"]), float(sums["sequences"])
+    if not n:
+        return {}
+    return {"log_ratio": sums["log_ratio"] / n, "k3": sums["k3"] / n, "chi2_token": sums["rho2_m1"] / n,
+            "chi2_seq": sums["seq_rho2_m1"] / seqs, "ess": (n + sums["rho_m1"]) ** 2 / (n * (n + sums["rho2_m1"])),
+            "ppl_ratio": 1 + sums["ppl_m1"] / seqs}
+
+
 # ----------------------------------------------------------------------------- the ratio
 
 

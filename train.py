@@ -577,6 +577,8 @@ def update(run, batch, advantages, step):
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
     sums["lp_diff_sum"], sums["lp_diff_tokens"] = old.diff_sum, old.diff_tokens
+    for which, part in old.mismatch.items():  # summed over ranks with the rest, finished in run_log.step_metrics
+        sums.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
     if cfg.importance_sampling != "none":  # reduced as extremes, not sums (run_log.step_metrics)
         sums["is_weight_min"], sums["is_weight_max"] = old.is_min, old.is_max
     if stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them, not numerics
@@ -604,6 +606,12 @@ class OldLogprobs:
         self.carried_sum = self.carried_tokens = torch.zeros((), device=device)
         # the importance weights' extremes over the counted tokens (with --importance_sampling)
         self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
+        self.mismatch = {}  # "fresh" / "carried" -> summed grpo.mismatch_sums of the trainer against the sampler
+
+    def _add_mismatch(self, which, logp, sampler, mask):
+        part = grpo.mismatch_sums(logp, sampler, mask)
+        have = self.mismatch.get(which)
+        self.mismatch[which] = part if have is None else {k: have[k] + v for k, v in part.items()}
 
     def keep(self, j, i, mb, logp):
         cfg = self.cfg
@@ -613,7 +621,9 @@ class OldLogprobs:
             stale = self.stale[mb.rows, :mb.t] * mb_mask
             self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
             self.carried_tokens = self.carried_tokens + stale.sum()
+            self._add_mismatch("carried", logp, sampler, stale)
             logp, compared = torch.where(stale.bool(), sampler, logp), mb_mask * ~stale.bool()
+        self._add_mismatch("fresh", logp, sampler, compared)
         self.logp[j][i] = logp
         diff = (logp - sampler).abs() * compared
         self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
@@ -771,7 +781,8 @@ def train_step(run, step):
     if skipped and d.master:
         print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
               f"(last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were", flush=True)
-    local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=d.device) for v in sums.values()]).tolist()
+    # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
@@ -896,7 +907,12 @@ def loop(cfg, d):
     if d.master:
         run_log.write_config(cfg)
         print(run_log.banner(run, resumed), flush=True)
-    logger = run_log.Logger(cfg, d.master, resume_step=start_step, run_id=run_id)
+    config = run.policy.lm.config
+    moe = bool(getattr(getattr(config, "text_config", None) or config, "num_experts", None) or
+               getattr(getattr(config, "text_config", None) or config, "num_local_experts", None))
+    bf16 = bool(sharding.fsdp_modules(run.policy)) and sharding.mixed_precision_dtypes(cfg.mixed_precision,
+                                                                                      d.device)[0] is not None
+    logger = run_log.Logger(cfg, d.master, resume_step=start_step, run_id=run_id, moe=moe, bf16=bf16)
     history, step, t_loop = [], start_step, time.time()
     try:
         for step in range(start_step + 1, cfg.max_steps + 1):

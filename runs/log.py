@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 import torch
 
+import grpo
 import sharding
 from runs import disk
 
@@ -103,9 +104,10 @@ class Logger:
     SHOWN = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completion_length", "len"),
              ("entropy", "entropy"), ("grad_norm", "grad"), ("tool_calls", "tools"))
 
-    def __init__(self, cfg, master, resume_step=0, run_id=None):
+    def __init__(self, cfg, master, resume_step=0, run_id=None, moe=False, bf16=False):
         self.master, self.wandb, self.max_steps = master, None, cfg.max_steps
         self.mask_truncated, self.said = cfg.mask_truncated_completions, set()
+        self.mismatch_warn, self.fixes = dict(cfg.mismatch_warn), mismatch_fixes(cfg, moe, bf16)
         if not master:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -147,16 +149,34 @@ class Logger:
         if "dynamic/groups_kept" in metrics:  # dynamic sampling: groups with a signal / groups drawn
             parts.append(f"groups {metrics['dynamic/groups_kept']}/{metrics['dynamic/groups_drawn']}")
         parts += step_time(metrics)
+        parts += [f"mismatch {k} {v:.3g}!" for k, v, _ in self.mismatched(metrics)]
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
         print("\n".join([" | ".join(parts)] + [f"  note: {n}" for n in self.notes(metrics)]), flush=True)
         if self.wandb is not None:
             self.wandb.log({wandb_key(k): v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    def mismatched(self, metrics):
+        """[(metric, value, threshold)] of the step's sampler-trainer mismatch past --mismatch_warn (of the tokens
+        drawn by the step's own weights: carried ones are off-policy by design)."""
+        out = []
+        for k, limit in self.mismatch_warn.items():
+            v = metrics.get(f"mismatch/{k}")
+            if v is not None and (v < limit if k == "ess" else abs(v) > limit):
+                out.append((k, v, limit))
+        return out
+
     def notes(self, metrics):
         """What makes a step learn little, said under its step line the first time it happens in the run: most
-        completions truncated and masked (no loss from them), or most groups without a signal (equal rewards)."""
+        completions truncated and masked (no loss from them), most groups without a signal (equal rewards), or the
+        sampler and the trainer disagreeing past --mismatch_warn (each metric once)."""
         notes = []
+        new = [(k, v, limit) for k, v, limit in self.mismatched(metrics) if f"mismatch {k}" not in self.said]
+        if new:
+            self.said.update(f"mismatch {k}" for k, _, _ in new)
+            notes.append("the sampler and the trainer disagree past --mismatch_warn: " + ", ".join(
+                f"mismatch/{k} {v:.3g} {'<' if k == 'ess' else '>'} {limit:g}" for k, v, limit in new) +
+                f"; {self.fixes}")
         if self.mask_truncated and metrics.get("truncated_frac", 0) > 0.5 and "masked" not in self.said:
             self.said.add("masked")
             notes.append(f"{metrics['truncated_frac']:.0%} of completions reached max_completion_length and "
@@ -253,6 +273,21 @@ def streaming(metrics):
     if "staleness_mean" in metrics:
         out.append(f"stale {metrics['staleness_mean']:.2f}")
     return out
+
+
+def mismatch_fixes(cfg, moe, bf16):
+    """What would act on a sampler-trainer mismatch in this run, in words: its causes among the settings, and the
+    settings that correct for it that it does not use yet."""
+    fixes = []
+    if cfg.top_k or cfg.top_p < 1:
+        fixes.append("top_k / top_p: the sampler draws from the filtered distribution, the trainer scores the whole")
+    if cfg.importance_sampling == "none":
+        fixes.append("--importance_sampling=token_truncate corrects the loss for it")
+    if moe and not cfg.routing_replay:
+        fixes.append("--routing_replay trains through the experts the sampler chose")
+    if bf16:
+        fixes.append("--mixed_precision=fp32 computes both in float32")
+    return "; ".join(fixes) or "no setting of this run acts on it: look at the sampler's kernels"
 
 
 def first_image(fields, i):
@@ -365,6 +400,10 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         x = x[~torch.isnan(x)]
         return x.std().item() if x.numel() > 1 else 0.0 if x.numel() else float("nan")
     ended = lengths[truncated == 0]  # the completions that ended on their own (EOS or a stop), not at the limit
+    mismatch = {}  # the sampler-trainer mismatch (grpo.mismatch_metrics), of fresh tokens and of carried ones
+    for which, name in (("fresh", "mismatch"), ("carried", "mismatch_carried")):
+        part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith(f"mismatch_sum/{which}/")}
+        mismatch.update({f"{name}/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
     return {
         "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
         **{f"reward_std/{k}": std(v) for k, v in parts.items()},
@@ -381,7 +420,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "batch_tokens": sums["seen"],
         # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning
         "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
-        "sampler_logprob_diff_max": lp_diff_max,
+        "sampler_logprob_diff_max": lp_diff_max, **mismatch,
         # the same over the tokens of rows carried through a weight change (max_staleness), left out of the above
         **({"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
            if "carried_diff_tokens" in sums else {}),
