@@ -145,9 +145,6 @@ class Config:
         # (truncate) or zeroed outside (mask)
     importance_sampling_max: float = setting(3.0, run=True)  # (TRL 1.16: vllm_importance_sampling_clip_max, 3.0 by
         # default)
-    mismatch_warn: dict = setting(factory=lambda: dict(MISMATCH_WARN), run=False)  # JSON {metric: threshold}: the step
-        # line flags, and a note names once, a sampler-trainer mismatch past it (docs/metrics.md): |log_ratio|, k3 or
-        # chi2_token above, ess below; {} = never. The default: verl's warnings (|kl| 0.1, chi2_token 1, ess 0.3)
     # sampling
     temperature: float = setting(1.0, run=True, above=0)
     top_p: float = setting(1.0, run=True, above=0, at_most=1)
@@ -197,6 +194,9 @@ class Config:
         # the settings that define it are unchanged; force: continue even if they changed; never: stop if out_dir
         # holds a run
     log_every: int = setting(1, run=False, at_least=1)
+    mismatch_warn: dict = setting(factory=lambda: dict(MISMATCH_WARN), run=False)  # JSON {metric: threshold}: the step
+        # line flags, and a note names once, a sampler-trainer mismatch past it (docs/metrics.md): |log_ratio|, k3 or
+        # chi2_token above, ess below; {} = never. The default: verl's warnings (|kl| 0.1, chi2_token 1, ess 0.3)
     print_completions_every: int = setting(50, run=False, at_least=0)  # print a few sampled completions every N
         # steps; 0 = never
     wandb_project: str = _env("WANDB_PROJECT", "grpo", run=False)
