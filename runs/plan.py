@@ -42,7 +42,31 @@ def model_config(cfg):
     if cfg.model == model_loading.TINY:
         return model_loading.tiny_config(model_loading.build_byte_tokenizer())
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_loading.resolve_model_path(cfg.model))
+    path = model_loading.resolve_model_path(cfg.model)
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path)
+    try:  # a hub id: its cached config.json first, so that an offline machine is not made to wait on retries
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            raise OSError(f"{cfg.model!r} is not in the Hugging Face cache, and the hub cannot be reached from here "
+                          f"(a folder holding its config.json plans offline)") from None
+    return AutoConfig.from_pretrained(path)
+
+
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face hub answers a connection within `timeout` seconds (HF_ENDPOINT's host; False
+    offline, with HF_HUB_OFFLINE set, or where its name does not resolve)."""
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 _MODELS = {}  # (config, dtype, adapters) -> the last meta model built for them: advice re-plans many times

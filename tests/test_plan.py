@@ -568,3 +568,22 @@ def test_the_export_is_planned_at_the_tensor_it_holds_most_for():
     four = plan.plan(Config(), config, 4, "cpu").phase("export").parts
     assert four == [("gathered whole: experts.gate_up_proj", copied),
                     ("gather pieces in flight", 5 * copied // 4)], four
+
+
+def test_a_hub_id_not_cached_and_no_hub_is_said_without_a_download_attempt(monkeypatch):
+    """Offline, a hub id whose config is not cached: one line saying so, and no request that would sit through the
+    hub client's retries (the one call made asks the cache alone)."""
+    import transformers
+    calls = []
+
+    def from_pretrained(path, **kwargs):
+        calls.append(kwargs)
+        raise OSError("not cached")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(plan, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(OSError, match="not in the Hugging Face cache, and the hub cannot be reached"):
+        plan.model_config(Config(model="someone/never-fetched"))
+    assert calls == [{"local_files_only": True}]
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert plan.hub_reachable() is False
