@@ -406,3 +406,23 @@ def test_an_image_that_does_not_open_stops_the_run_at_start_naming_the_row_and_t
     with pytest.raises(ValueError, match=r"^dataset .*own\.jsonl, row 2: image 'imgs/002\.png' does not open "
                                          r"\(cannot identify image file"):
         tasks.get_task("shapes", dataset=path)
+
+
+def test_shared_prompts_on_a_vision_language_model_stops_in_one_line(tmp_path):
+    """--shared_prompts would do nothing on a vision-language model (each row's prompt runs on its own forward):
+    the run stops naming the setting and the model class, as other settings that carry no images do."""
+    from config import Config
+    from runs import setup
+    from runs.cli import ConfigError
+    from tasks import shapes
+    import tasks
+    path = str(tmp_path / "vl")
+    write_vl_folder(path, "qwen2_5_vl", list(shapes.COLOURS))
+    model = model_loading.load_model(path, {"dtype": "float32"}, "cpu", seed=0)
+    tok = model_loading.load_tokenizer(path)
+    cfg = Config(model=path, task="shapes", shared_prompts=True, out_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as e:
+        setup.load_images(cfg, model, tok, tasks.get_task("shapes"))
+    assert e.value.code == ("config error: --shared_prompts: has no effect on Qwen2_5_VLForConditionalGeneration: a "
+                            "vision-language model samples and trains each row's prompt on its own forward; leave it "
+                            "off")
