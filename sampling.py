@@ -269,7 +269,8 @@ def _steps_of(model, ids, attn, positions, max_new, tp, static_cache, replay, im
         why = paths.sampler or ("images in prompts" if images is not None else None)
         if why:
             raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-    if tp.size > 1 or (static_cache and not vision.is_vision_model(model) and paths.samples_written_out()):
+    # (a vision-language model's paths refuse the decoder: its language model is not where a decoder's layers are)
+    if tp.size > 1 or (static_cache and paths.samples_written_out()):
         steps = _StaticSteps(model, ids, attn, positions, max_new, static["cuda_graph"], static["attention_kernel"],
                              record=replay is not None, tp=tp, dtype=static["dtype"], share=static["share"])
         return steps, compact

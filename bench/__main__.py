@@ -42,6 +42,9 @@ Rows:
   exec     programs per second through sandbox/executor.py's sandbox vs a plain `subprocess.run([sys.executable, file])`,
            one at a time and in a pool of one worker per CPU; unit-test rewards per second (code_tests_reward) vs
            running the code and its asserts in one plain process (not run by default)
+  reader   (not run by default) the reader's path: the functions one default step of `python train.py` runs, their
+           lines def to end, the files they lie in, the feature files among them and the share of their code that
+           ran (bench/reader.py)
 Each pair is measured alternately after a warm-up; figures are medians over the repetitions. Each row prints a
 line as it starts and one as it ends, with its time and its main figures (a row can take minutes).
 On CUDA, decode is also reported as a fraction of the copy bandwidth and training as MFU (step and long rows).
@@ -49,6 +52,7 @@ On CUDA, decode is also reported as a fraction of the copy bandwidth and trainin
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import platform
@@ -354,7 +358,7 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail",
+ROWS = ("decode", "families", "reader", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail",
         "export", "shared")
 
 
@@ -515,6 +519,14 @@ def main(argv):
                            lambda r: ", ".join(f"{k}: {max(v['rise_bytes']) / 2**30:.2f} GiB"
                                                for k, v in r["export"].items())):
                 results.update(bench_export(s, root))
+        if "reader" in only:
+            with row_lines("reader", "the code one default step runs, traced (bench/reader.py)", results,
+                           lambda r: f"{r['reader_lines']} lines in {r['reader_files']} files, "
+                                     f"{r['reader_functions']} functions, {r['reader_exec_frac']:.0%} of its code "
+                                     f"lines run; feature files entered: {r['reader_feature_files'] or 'none'}"):
+                from bench.reader import bench_reader
+                with contextlib.redirect_stdout(io.StringIO()):
+                    results.update(bench_reader())
         if "exec" in only:
             with row_lines("exec", "programs through the sandbox vs plain subprocess.run", results,
                            lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):

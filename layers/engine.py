@@ -7,8 +7,8 @@ layers/transformer.py's `layer`; this file decides what it attends to and where 
 decoder's state: the cache, its masks and the copies are read and written by every method here, and splitting
 them would pass that state between files.
 
-Of the project it imports layers/transformer.py, layers/kernels.py (the optional Triton decode attention),
-layers/lora.py, layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py.
+Of the project it imports layers/transformer.py, layers/lora.py, layers/static_moe.py, layers/static_recurrent.py
+and layers/tensor_parallel.py; layers/kernels.py (the optional Triton decode attention) only where it is asked for.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from layers import kernels, lora, static_moe, static_recurrent, transformer
+from layers import lora, static_moe, static_recurrent, transformer
 from layers.tensor_parallel import WHOLE
 
 
@@ -57,8 +57,7 @@ class StaticDecoder:
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
-        kernel = attention_kernel and device.type == "cuda" and kernels.triton_supports(dec.head_dim,
-                                                                                        dec.n_heads // dec.n_kv)
+        kernel = attention_kernel and device.type == "cuda" and _triton_supports(dec.head_dim, dec.n_heads // dec.n_kv)
         if kernel != dec.attention_kernel:  # graphs captured with the other attention must not replay
             dec.graphs.clear()
             dec.attention_kernel = kernel
@@ -86,7 +85,7 @@ class StaticDecoder:
         # their states per row instead (layers/static_recurrent.py)
         self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer._attends(l))}
         # MoE layers: their place among the MoE layers (routing replay records per MoE layer)
-        self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if static_moe.is_moe(l.mlp))}
+        self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer.is_moe(l.mlp))}
         # each layer's settings as this decoder runs it: its cache row, its MoE record row, and under tensor
         # parallelism this rank's heads and the group's sum of the partial outputs
         sliced = {} if tp.size == 1 else dict(reduce=tp.reduce)
@@ -258,9 +257,9 @@ class StaticDecoder:
         per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`); keys
         begin at slot `lo`."""
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        # SDPA on CUDA; else the split-KV Triton kernel (CUDA), or on a CPU its plain version, two batched matmuls,
-        # which beat SDPA's setup cost at small CPU shapes
-        kernel = None if self.sdpa_decode and not self.attention_kernel else _decode_kernel
+        # SDPA on CUDA, or the split-KV Triton kernel where asked (--decode_attention_kernel); on a CPU the plain
+        # grouped attention, two batched matmuls, which beat SDPA's setup cost at small CPU shapes
+        kernel = _decode_kernel if self.attention_kernel else None if self.sdpa_decode else _decode_plain
 
         def attend(p, q, k, v):
             write(p.cache_row, k, v)  # (B, nkv, hd) each
@@ -663,7 +662,18 @@ class _Copies:
         return mine
 
 
+def _decode_plain(q, k, v, mask, scale):
+    """`attention`'s kernel in decode on a CPU: transformer.grouped_attention, mask (B, 1, 1, L) as its key mask."""
+    return transformer.grouped_attention(q, k, v, None if mask is None else mask[:, 0, 0], scale)
+
+
 def _decode_kernel(q, k, v, mask, scale):
-    """`attention`'s kernel in decode where SDPA is not used: kernels.decode_attention, mask (B, 1, 1, L) as its
-    key mask (B, L)."""
+    """`attention`'s kernel in decode with --decode_attention_kernel: the split-KV Triton kernel (layers/kernels.py,
+    a feature: imported only here), mask (B, 1, 1, L) as its key mask (B, L)."""
+    from layers import kernels
     return kernels.decode_attention(q, k, v, None if mask is None else mask[:, 0, 0], scale)
+
+
+def _triton_supports(head_dim, rep):
+    from layers import kernels
+    return kernels.triton_supports(head_dim, rep)

@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from layers import transformer
+
 try:
     import triton
     import triton.language as tl
@@ -43,18 +45,8 @@ except ImportError:  # CPU-only installs: the reference is the whole story
     triton = None
 
 
-def decode_attention_reference(q, k, v, key_mask=None, scale=None):
-    """The plain math, and the CPU fallback: q (B, nkv, rep, hd), k/v (B, nkv, L, hd), key_mask (B, L)
-    bool, True = attend. Softmax in float32; returns (B, nkv, rep, hd) in q's dtype."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # (B, nkv, rep, L)
-    if key_mask is not None:
-        dropped = ~key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
-        s.masked_fill_(dropped, float("-inf"))
-    p = s.softmax(-1)
-    if key_mask is not None:
-        p.masked_fill_(dropped, 0.0)  # a row without keys is NaN after softmax (0/0): zeros, as in the kernel
-    return torch.matmul(p, v.float()).to(q.dtype)
+# The plain math, and the kernel's CPU fallback: the decoder's own grouped attention (a CPU decodes with it)
+decode_attention_reference = transformer.grouped_attention
 
 
 def triton_supports(head_dim, rep):

@@ -101,11 +101,6 @@ def _block_spec(mlp):
     return next((BLOCKS[c.__name__] for c in type(mlp).__mro__ if c.__name__ in BLOCKS), None)
 
 
-def is_moe(mlp):
-    """True for an MLP that routes tokens to experts (it has an `experts` module)."""
-    return hasattr(mlp, "experts")
-
-
 def supported(mlp):
     """True for a MoE block this file computes as the model does: a block in `BLOCKS` whose router holds the
     settings it reads and whose experts are plain 3-D parameters (or LoRA-adapted ones)."""

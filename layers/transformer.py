@@ -230,7 +230,7 @@ def _refusal(model):
         m = layer.mlp
         if (kind == "linear_attention") != (not _attends(layer)):
             return f"{where}: layer type {kind!r} on a layer {'with' if _attends(layer) else 'without'} attention"
-        if static_moe.is_moe(m):
+        if is_moe(m):
             if not static_moe.supported(m):
                 return f"{where}: MoE block {type(m).__name__} (not in static_moe.BLOCKS, or settings it does not read)"
         elif _activation(getattr(m, "act_fn", None)) is None:
@@ -358,7 +358,7 @@ def _spec(model, fam=None):
     for layer, rope, window in zip(inner.layers, _rotary_keys(model, fam), _windows(model, fam)):
         s = dict(rope=rope, window=window, upcast=fam.upcast,
                  eps={slot: _eps(getattr(layer, name)) for slot, name in zip(SLOTS, fam.norms) if name})
-        if not static_moe.is_moe(layer.mlp):
+        if not is_moe(layer.mlp):
             s["act"] = _ACT[_activation(layer.mlp.act_fn)]
         if _attends(layer):
             a = layer.self_attn
@@ -396,7 +396,7 @@ def layer_params(l, settings, fam, take):
             t["q_norm"], t["k_norm"] = take.norm("q_norm", a.q_norm, None)[0], take.norm("k_norm", a.k_norm, None)[0]
         if fam.sinks:
             t["sinks"] = take.tensor("sinks", a.sinks, "heads")
-    if static_moe.is_moe(m):
+    if is_moe(m):
         t["moe"] = take.moe(m)
     else:
         t["gate_up"] = take.linears("gate_up", [m.gate_proj, m.up_proj], ("columns", "columns"))
@@ -507,7 +507,7 @@ def _sampler_refusal(model, tp_size):
         why = tensor_parallel.refusal(model.config, model.lm_head.weight.shape[0], tp_size,
                                       whole_projection_norms=_layer_family(inner.layers[0]).qk_norm == "projection")
         return f"{name}: {why}" if why else None
-    if any(static_moe.is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
+    if any(is_moe(layer.mlp) and _is_sharded(layer.mlp) for layer in inner.layers):
         return "sharded MoE experts (read in place, they would need a gather per step)"
     if any(_is_sharded(m) for m in (inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb)):
         return "a sharded embedding, final norm, head or rotary module"
@@ -517,7 +517,7 @@ def _sampler_refusal(model, tp_size):
 def _training_refusal(model):
     layers = model.model.layers
     name = _layer_class(layers[0])
-    if any(static_moe.is_moe(layer.mlp) for layer in layers):
+    if any(is_moe(layer.mlp) for layer in layers):
         return "MoE blocks, which train on the model's own expert kernels and routers"
     if any(not _attends(layer) for layer in layers):
         return "recurrent layers, which train on the model's own chunked kernels"
@@ -642,6 +642,27 @@ def _qkv(h, p):
     if p.qk_norm == "head":  # each head of q and k, in one pass
         qk = _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast)
     return qk, v, gate
+
+
+def is_moe(mlp):
+    """True for an MLP that routes tokens to experts (it has an `experts` module): layers/static_moe.py runs it."""
+    return hasattr(mlp, "experts")
+
+
+def grouped_attention(q, k, v, key_mask=None, scale=None):
+    """Attention without options, as two batched matmuls (the sampler's decode on a CPU, and the reference the
+    Triton decode kernel is tested against): q (B, nkv, rep, hd), the rep query heads sharing each K/V head; k, v
+    (B, nkv, L, hd); key_mask (B, L) bool, True = attend. Softmax in float32; a row with no key to attend gives
+    zeros (0/0 in the softmax, its weights zeroed after). Returns (B, nkv, rep, hd) in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # (B, nkv, rep, L)
+    if key_mask is not None:
+        dropped = ~key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
+        s.masked_fill_(dropped, float("-inf"))
+    p = s.softmax(-1)
+    if key_mask is not None:
+        p.masked_fill_(dropped, 0.0)
+    return torch.matmul(p, v.float()).to(q.dtype)
 
 
 def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):

@@ -296,8 +296,8 @@ def _decoder_on_meta(model, rows, length, tp_size=1):
 
 
 def _has_moe(model):
-    from layers import static_moe
-    return any(static_moe.is_moe(getattr(b, "mlp", None)) for b in _blocks(model))
+    from layers import transformer
+    return any(transformer.is_moe(getattr(b, "mlp", None)) for b in _blocks(model))
 
 
 def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):

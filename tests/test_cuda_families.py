@@ -95,7 +95,7 @@ def test_cuda_grouped_expert_matmuls_equal_the_model_block(case, dtype):
     g = torch.Generator().manual_seed(1)
     model = model.to("cuda", dtype)
     h = (torch.randn(2, 37, model.config.hidden_size, generator=g) * 2).to("cuda", dtype)
-    blocks = [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]
+    blocks = [layer.mlp for layer in model.model.layers if transformer.is_moe(layer.mlp)]
     for mlp in blocks:
         moe = static_moe.MoE(mlp)
         assert moe.grouped == (dtype == torch.bfloat16)  # float32: the gather-and-bmm stand-in, capturable

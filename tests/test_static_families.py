@@ -294,7 +294,7 @@ def test_rotary_that_depends_on_the_call_falls_back_in_the_sampler():
 
 
 def _moe_blocks(model):
-    return [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]
+    return [layer.mlp for layer in model.model.layers if transformer.is_moe(layer.mlp)]
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "gpt_oss"])

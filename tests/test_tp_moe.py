@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
-from layers import static_moe  # noqa: E402
+from layers import static_moe, transformer  # noqa: E402
 from layers.tensor_parallel import Slice  # noqa: E402
 
 EXPERT_LORA = "experts.gate_up_proj,experts.down_proj"
@@ -26,7 +26,7 @@ SHARED_LORA = "shared_expert.gate_proj,shared_expert.up_proj,shared_expert.down_
 
 
 def _blocks(model):
-    return [layer.mlp for layer in model.model.layers if static_moe.is_moe(layer.mlp)]
+    return [layer.mlp for layer in model.model.layers if transformer.is_moe(layer.mlp)]
 
 
 def _biased_shared_expert(model, g):

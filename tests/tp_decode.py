@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import sampling  # noqa: E402
-from layers import static_moe  # noqa: E402
+from layers import transformer  # noqa: E402
 from layers.tensor_parallel import Slice  # noqa: E402
 
 # the families of the tests' table that the launch runs, at the settings their rows give for it (T = 4 needs
@@ -52,7 +52,7 @@ def kept_whole(model):
         rec = getattr(layer, "linear_attn", None)
         if rec is not None:
             whole.append(rec.norm.weight)
-        if static_moe.is_moe(mlp):
+        if transformer.is_moe(mlp):
             router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
             whole += [router.weight, getattr(router, "bias", None)]
             first.append(getattr(mlp.experts, "down_proj_bias", None))
@@ -68,7 +68,7 @@ def kept_whole(model):
 
 def in_place(model):
     """Bytes the whole decoder reads from the model in place instead of copying: its MoE blocks'."""
-    return sum(bytes_of(layer.mlp.parameters()) for layer in model.model.layers if static_moe.is_moe(layer.mlp))
+    return sum(bytes_of(layer.mlp.parameters()) for layer in model.model.layers if transformer.is_moe(layer.mlp))
 
 
 def respond(vocab):
