@@ -29,8 +29,7 @@ import logprobs
 import sharding
 from rollouts import Rollout, Rows, cat_rollouts, reward_context, rollout_rows, score_batch
 from layers import hf_decoder, routing, transformer, vision
-from layers.engine import StaticDecoder
-from layers.tensor_parallel import WHOLE
+from layers.engine import WHOLE, StaticDecoder
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 

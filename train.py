@@ -474,11 +474,11 @@ def images_of(run, mb):
 def reference_logprobs(run, ids, mask, micro, route=None):
     """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
     policy = run.policy
-    model = run.ref if run.ref is not None else policy
+    model = run.ref if run.ref is not None else policy  # with LoRA, no copy: the policy with its adapters off
     # routing replay: the reference replays the sampled experts too; its disagreement is counted as its own
     # (a separate reference model has a Replay of its own; with LoRA, the policy's counts it apart)
     replay = routing.attached(policy.lm) if model is policy and route is not None else None
-    with torch.no_grad(), lora.adapters_disabled(policy), \
+    with torch.no_grad(), lora.adapters_disabled(policy) if model is policy else contextlib.nullcontext(), \
             (replay.apart() if replay else contextlib.nullcontext([])) as counted:
         logp = [model(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
                       compile_layers=run.cfg.compile_layers, routing=routes(route, mb),

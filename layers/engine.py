@@ -16,8 +16,40 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from layers import lora, static_moe, static_recurrent, transformer
-from layers.tensor_parallel import WHOLE
+from layers import static_moe, static_recurrent, transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """How the decoder reads the model's weights when it holds them whole (one process, or a layer FSDP2 gathers for
+    the copy): each as it applies now, uncut. Tensor parallelism replaces it with this rank's share of a group
+    (layers/tensor_parallel.py's Slice), which reads the same weights through the same methods, cut. `to`: the
+    copies' (device, dtype), set by the decoder; two readers that differ in it alone are equal."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    to: tuple = dataclasses.field(default=None, compare=False)
+
+    def span(self, n, what="a dimension", even=True):
+        return 0, n
+
+    def whole(self, t):
+        return t
+
+    def cut(self, t, kind, kv_heads=None):
+        return t
+
+    def bias(self, t, kind, kv_heads=None):
+        return t
+
+    def weight(self, module, kind, kv_heads=None):
+        """The weight a linear layer applies now, detached: its own, or what it says it applies (a LoRA adapter's
+        layer, its weight with the adapter's delta merged: `applied_weight`)."""
+        applied = getattr(module, "applied_weight", None)
+        return applied() if applied is not None else module.weight.detach()
+
+
+WHOLE = Whole()
 
 
 class StaticDecoder:
@@ -601,9 +633,10 @@ def _put(store, name, parts):
 
 class _Copies:
     """transformer.layer_params' tensors for the decoder's layer i: each weight as the layer applies it now (a LoRA
-    adapter's delta merged in: lora.applied_weight), cut to this rank's share (layers/tensor_parallel.py's `cut`, by the
-    kind layer_params names), the pieces of a fused projection concatenated, copied into the decoder's store. A
-    sharded layer's weights are FSDP2 shards: each is cut from them (`Slice.take`), and its norms gathered whole."""
+    adapter's delta merged in), read by the decoder's reader `tp` (`Whole`; under tensor parallelism this rank's
+    Slice, which cuts each by the kind layer_params names), the pieces of a fused projection concatenated, copied
+    into the decoder's store. A sharded layer's weights are FSDP2 shards: a Slice cuts each from them
+    (`Slice.take`), and gathers its norms whole."""
 
     def __init__(self, dec, i):
         self.dec, self.i, self.store, self.tp = dec, i, dec.w[0][i], dec.tp
@@ -612,9 +645,8 @@ class _Copies:
         return _put(self.store, name, [transformer._norm_weight(self.tp.whole(module.weight), self.dec.fam)]), eps
 
     def _applied(self, module, cut, kv=None):
-        """This rank's share of the weight `module` applies now (lora.applied_share: from a shard's cut where the
-        layer is sharded, the factor on the cut's side cut alike, B by outputs, A by inputs)."""
-        return lora.applied_share(module, lambda t: self.tp.cut(t, cut, kv), cut == "inputs", self.tp.whole)
+        """This rank's share of the weight `module` applies now, as the reader `tp` reads it (`Whole.weight`)."""
+        return self.tp.weight(module, cut, kv)
 
     def linears(self, name, modules, cuts, split_gate=None):
         """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then

@@ -58,6 +58,14 @@ class LoRALinear(nn.Module):
         """What merging adds to the weight, from `a` and `b` (this module's, or full copies of sharded ones)."""
         return self.scaling * (b @ a)
 
+    def applied_weight(self):
+        """The weight this layer applies now, as the decoder copies it (engine.Whole.weight): `applied_weight`."""
+        return applied_weight(self)
+
+    def applied_share(self, part, inputs=False, whole=lambda t: t):
+        """A tensor-parallel rank's share of it (tensor_parallel.Slice.weight): `applied_share`."""
+        return applied_share(self, part, inputs, whole)
+
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
 

@@ -129,6 +129,14 @@ class Slice:
             return self.take(t, dim, lambda s: s.kv_share(kv_heads).pieces(n, what), copy=True)
         return self.take(t, dim, lambda s: s.pieces(n, what), copy=True)
 
+    def weight(self, module, kind, kv_heads=None):
+        """This rank's share of the weight the linear layer `module` applies now (engine.Whole.weight, cut). A layer
+        that applies another weight than its own cuts it itself (a LoRA adapter's: its delta merged in, from a
+        shard's cut where the layer is sharded, the factor on the cut's side cut alike: `applied_share`)."""
+        part = lambda t: self.cut(t, kind, kv_heads)  # noqa: E731
+        share = getattr(module, "applied_share", None)
+        return share(part, kind == "inputs", self.whole) if share is not None else part(module.weight.detach())
+
     def bias(self, t, kind, kv_heads=None):
         """This rank's share of the bias of a weight cut as `kind` says: an "inputs" cut's bias is whole, added by
         rank 0 alone; the others' are cut as their weights' outputs."""
