@@ -204,8 +204,11 @@ class Config:
     wandb_mode: str = _env("WANDB_MODE", "disabled", run=False, choices=("disabled", "offline", "online"))
         # disabled, offline (no account needed) or online
     # several processes and checkpoints (sharding.py)
-    mixed_precision: str = setting("auto", run=False, choices=("auto", "bf16", "fp32"))  # auto (bf16 compute, fp32
-        # gradient reduction on GPU; fp32 on CPU), bf16, fp32
+    mixed_precision: str = setting("auto", run=False, choices=("auto", "bf16", "fp16", "fp32"))  # auto (bf16 compute,
+        # fp32 gradient reduction on GPU; fp32 on CPU), bf16, fp16 (the sampler's copies and the training compute in
+        # float16, with dynamic loss scaling: fewer sampler-trainer mismatches than bf16), fp32. FSDP2's policy: a
+        # single process asking for bf16 or fp16 runs as a world of one. Master weights, gradient reduction and
+        # AdamW's state stay float32
     cpu_offload: bool = setting(False, run=False)  # keep the policy's (and reference's) shards, gradients and AdamW
         # states in host memory, copied to the GPU group by group as they are gathered (FSDP2's CPUOffloadPolicy)
     ref_bf16: bool = setting(False, run=True)  # keep the reference's weights in bfloat16 (it never trains): half its

@@ -41,15 +41,26 @@ class Dist:
         return self.rank == 0
 
 
-def setup(device=None):
+def setup(device=None, mixed_precision="auto"):
     """Read RANK / LOCAL_RANK / WORLD_SIZE set by torchrun; without them, one process.
 
-    NCCL on CUDA, gloo on CPU. `device` ("cpu", "cuda") overrides the choice.
+    NCCL on CUDA, gloo on CPU. `device` ("cpu", "cuda") overrides the choice. A plain process asking for a
+    mixed precision by name (bf16, fp16: FSDP2's MixedPrecisionPolicy is what applies it) runs as a world of one,
+    as under `torchrun --nproc_per_node 1`.
     """
     use_cuda = torch.cuda.is_available() if device in (None, "", "auto") else str(device).startswith("cuda")
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone and mixed_precision not in ("bf16", "fp16"):
         return Dist(0, 0, 1, torch.device(device if use_cuda and ":" in str(device) else "cuda" if use_cuda else "cpu"))
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if alone:  # a process group of one, its store in this process
+        if use_cuda and ":" in str(device):
+            os.environ.setdefault("LOCAL_RANK", str(torch.device(device).index))
+        rank, local_rank, world = 0, int(os.environ.get("LOCAL_RANK", "0")), 1
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+    else:
+        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -58,7 +69,8 @@ def setup(device=None):
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     mesh = None
-    if world > 1 or dev.type == "cuda":  # one GPU under torchrun too: FSDP2's bf16 compute over fp32 weights
+    # one GPU under torchrun too: FSDP2's bf16 compute over fp32 weights; one CPU process where a precision is named
+    if world > 1 or dev.type == "cuda" or mixed_precision in ("bf16", "fp16"):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     return Dist(rank, local_rank, world, dev, mesh)
@@ -139,9 +151,43 @@ def mixed_precision_dtypes(setting, device):
         setting = "bf16" if device.type == "cuda" else "fp32"
     if setting == "bf16":
         return torch.bfloat16, torch.float32
+    if setting == "fp16":
+        return torch.float16, torch.float32
     if setting == "fp32":
         return None, None  # compute in the parameters' own dtype
-    raise ValueError(f"mixed_precision: unknown value {setting!r} (auto, bf16 or fp32)")
+    raise ValueError(f"mixed_precision: unknown value {setting!r} (auto, bf16, fp16 or fp32)")
+
+
+class LossScale:
+    """Dynamic loss scaling, for float16 compute (--mixed_precision=fp16): float16 keeps 10 mantissa bits but 5
+    exponent bits, so small gradients underflow to zero unless the loss is scaled up before backward. The loss is
+    multiplied by `scale`, the gradients divided by it after (`unscale`, a power of two: exact); a step whose
+    gradient is not finite (an overflow) is skipped and the scale halved, and after INTERVAL finite steps in a row
+    it doubles (`update`): the scheme and the constants of torch.amp.GradScaler, written out so that it reads the
+    same on one process and under FSDP2. Its state (`state`) is saved with the checkpoint: a resumed run scales as
+    one that never stopped."""
+    INIT, INTERVAL = 2.0 ** 16, 2000
+
+    def __init__(self, scale=INIT, good=0, overflows=0):
+        self.scale, self.good, self.overflows = float(scale), int(good), int(overflows)
+
+    def unscale(self, params):
+        inv = 1.0 / self.scale
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+    def update(self, finite):
+        """After an optimizer step: `finite`, whether its gradient was (the step taken), else an overflow."""
+        if finite:
+            self.good += 1
+            if self.good == self.INTERVAL:
+                self.scale, self.good = self.scale * 2, 0
+        else:
+            self.scale, self.good, self.overflows = self.scale / 2, 0, self.overflows + 1
+
+    def state(self):
+        return {"scale": self.scale, "good": self.good, "overflows": self.overflows}
 
 
 def shard(root, d, mixed_precision="auto", cpu_offload=False):

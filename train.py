@@ -657,8 +657,9 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
         loss, m = grpo.grpo_loss(logp, old.logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
                                  advantages[mb.rows], mb_mask, objective, num_sequences=inputs["num_sequences"],
                                  num_tokens=num_tokens, is_weight=is_weight, keep=keep, entropy=entropy)
-        # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
-        (loss * d.world_size).backward()
+        # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks (float16: the
+        # loss scaled up, the gradients divided back in optimizer_step)
+        (loss * (d.world_size if run.loss_scale is None else d.world_size * run.loss_scale.scale)).backward()
         step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
         sums["loss"] += loss.detach()
         for k in ("kl", "clip_low", "clip_high"):
@@ -677,8 +678,12 @@ def optimizer_step(run, opt_step, step_loss):
     """The run's optimizer step number `opt_step` (0-based) after a mini-batch's backward: the gradient clipped, the
     learning rate set, the step taken unless the loss or the gradient is not finite (then skipped and counted, on
     every rank alike: the loss summed over ranks), the gradients zeroed, and with sync_ref_model the reference mixed
-    toward the policy. Returns (gradient norm, learning rate, whether the step was taken)."""
+    toward the policy. Returns (gradient norm, learning rate, whether the step was taken). Under float16 the
+    gradients are unscaled first, and a finite loss with a gradient that is not is an overflow: the step is skipped
+    and the loss scale halved (sharding.LossScale), which is not a bad step."""
     cfg, d, policy = run.cfg, run.d, run.policy
+    if run.loss_scale is not None:
+        run.loss_scale.unscale(policy.parameters())
     grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
     loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
     lr = set_hyperparameters(run.optimizer, cfg, opt_step)
@@ -686,8 +691,10 @@ def optimizer_step(run, opt_step, step_loss):
     if done:
         run.optimizer.step()
         run.bad_steps = 0
-    else:
+    elif run.loss_scale is None or not math.isfinite(loss_sum):
         run.bad_steps += 1
+    if run.loss_scale is not None:
+        run.loss_scale.update(done)
     run.optimizer.zero_grad(set_to_none=True)
     # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so a resumed
     # run syncs where an uninterrupted one does
@@ -776,18 +783,26 @@ def train_step(run, step):
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
+    overflows = run.loss_scale.overflows if run.loss_scale is not None else 0  # float16's skipped steps before
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     memory["memory/training_gib"] = peak_memory(d)
-    if skipped and d.master:
-        print(f"step {step}: {skipped} optimizer step(s) skipped, the loss or gradient norm was not finite "
-              f"(last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were", flush=True)
+    overflowed = run.loss_scale.overflows - overflows if run.loss_scale is not None else 0
+    if overflowed and d.master:
+        print(f"step {step}: {overflowed} optimizer step(s) skipped for a float16 overflow; the loss scale is now "
+              f"{run.loss_scale.scale:g}", flush=True)
+    if skipped > overflowed and d.master:
+        print(f"step {step}: {skipped - overflowed} optimizer step(s) skipped, the loss or gradient norm was not "
+              f"finite (last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were",
+              flush=True)
     # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic,
-               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {})}
+               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {}),
+               **({"loss_scale": run.loss_scale.scale, "overflow_steps": overflowed}
+                  if run.loss_scale is not None else {})}
     step_time = time.time() - t0
     if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
         metrics.update(memory)
@@ -842,6 +857,9 @@ def resume(run):
         control = resumed.get("entropy_control")  # use_adaptive_entropy's state, if the run saved one
         if control is not None and run.cfg.use_adaptive_entropy:
             run.entropy_coef, run.last_entropy = control["coef"], control["last_entropy"]
+        scale = resumed.get("loss_scale")  # float16's loss scale, where the run saved one
+        if scale is not None and run.loss_scale is not None:
+            run.loss_scale = sharding.LossScale(**scale)
     return resumed
 
 
@@ -854,7 +872,7 @@ def main(argv):
         return
     set_threads(cfg.threads)
     sharding.map_large_host_tensors()  # freed host memory goes back to the system: a process holds what it uses
-    d = sharding.setup(cfg.device)
+    d = sharding.setup(cfg.device, cfg.mixed_precision)
     validate(cfg, d.world_size)
     sharding.tensor_parallel(d, cfg.tp_size)
     try:
@@ -978,6 +996,8 @@ def save(run, step, run_id):
                      "data": {"seed": run.cfg.seed, "next_step": step + 1}}  # prompts are f(seed, step)
     if run.cfg.use_adaptive_entropy:
         trainer_state["entropy_control"] = {"coef": run.entropy_coef, "last_entropy": run.last_entropy}
+    if run.loss_scale is not None:
+        trainer_state["loss_scale"] = run.loss_scale.state()
     try:
         path = sharding.save_checkpoint(run.cfg.out_dir, step, run.policy, run.optimizer, trainer_state, run.d,
                                         keep=run.cfg.keep_checkpoints, ref=synced_ref(run))

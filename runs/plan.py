@@ -161,14 +161,16 @@ class Plan:
 
 def _dtypes(cfg, device, world):
     """(parameter dtype, compute dtype, sharded) as the run would have them: FSDP2 under torchrun on a GPU or with
-    several processes; bf16 compute there unless --mixed_precision=fp32."""
+    several processes, or where a precision is named; bf16 compute there unless --mixed_precision says fp16 (2 bytes
+    as well) or fp32."""
     import model_loading
     param = model_loading.resolve_dtype(cfg.model_init_kwargs.get("dtype", "float32"))
     if not isinstance(param, torch.dtype):
         param = torch.float32
-    sharded = world > 1 or device == "cuda"
+    # a single process naming a precision runs as a world of one (sharding.setup)
+    sharded = world > 1 or device == "cuda" or cfg.mixed_precision in ("bf16", "fp16")
     mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-    compute = torch.bfloat16 if sharded and mp == "bf16" else param
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp, param) if sharded else param
     return param, compute, sharded
 
 

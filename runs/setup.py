@@ -61,6 +61,7 @@ class Run:
     ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
     paths: str = ""                     # which way the sampler and the training forward run the policy (the banner's)
     stream: object = None               # train.RolloutStream of a run with max_staleness > 0, made at its first step
+    loss_scale: typing.Optional[sharding.LossScale] = None  # float16 compute's dynamic loss scale (else None)
 
 
 def setup(cfg, d):
@@ -90,8 +91,10 @@ def setup(cfg, d):
     eos_ids = model_loading.eos_token_ids(policy.lm, tokenizer)
     agent = load_agent(cfg, tokenizer, eos_ids, task, weights)
     sharding.return_host_memory()  # what loading and the start-up check read and freed
+    fp16 = d.mesh is not None and sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] == torch.float16
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
-               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths.banner())
+               entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths.banner(),
+               loss_scale=sharding.LossScale() if fp16 else None)
 
 
 def load_images(cfg, model, tokenizer, task):
