@@ -53,12 +53,13 @@ def setup(device=None, mixed_precision="auto"):
     if alone and mixed_precision not in ("bf16", "fp16"):
         return Dist(0, 0, 1, torch.device(device if use_cuda and ":" in str(device) else "cuda" if use_cuda else "cpu"))
     if alone:  # a process group of one, its store in this process
-        if use_cuda and ":" in str(device):
-            os.environ.setdefault("LOCAL_RANK", str(torch.device(device).index))
-        rank, local_rank, world = 0, int(os.environ.get("LOCAL_RANK", "0")), 1
+        index = torch.device(device).index if use_cuda and ":" in str(device) else None
+        rank, local_rank, world = 0, index or 0, 1
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+                                    world_size=1, device_id=torch.device("cuda", local_rank) if use_cuda else None)
     else:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if use_cuda:
@@ -166,7 +167,7 @@ class LossScale:
     it doubles (`update`): the scheme and the constants of torch.amp.GradScaler, written out so that it reads the
     same on one process and under FSDP2. Its state (`state`) is saved with the checkpoint: a resumed run scales as
     one that never stopped."""
-    INIT, INTERVAL = 2.0 ** 16, 2000
+    INIT, INTERVAL = 2.0 ** 16, 2000  # (an overflow at a scale of 1 or less is not the scale's: train.optimizer_step)
 
     def __init__(self, scale=INIT, good=0, overflows=0):
         self.scale, self.good, self.overflows = float(scale), int(good), int(overflows)

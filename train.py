@@ -680,7 +680,8 @@ def optimizer_step(run, opt_step, step_loss):
     every rank alike: the loss summed over ranks), the gradients zeroed, and with sync_ref_model the reference mixed
     toward the policy. Returns (gradient norm, learning rate, whether the step was taken). Under float16 the
     gradients are unscaled first, and a finite loss with a gradient that is not is an overflow: the step is skipped
-    and the loss scale halved (sharding.LossScale), which is not a bad step."""
+    and the loss scale halved (sharding.LossScale), which is not a bad step; at a scale of 1 or less the scale
+    cannot be to blame, and it is one."""
     cfg, d, policy = run.cfg, run.d, run.policy
     if run.loss_scale is not None:
         run.loss_scale.unscale(policy.parameters())
@@ -688,12 +689,14 @@ def optimizer_step(run, opt_step, step_loss):
     loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
     lr = set_hyperparameters(run.optimizer, cfg, opt_step)
     done = math.isfinite(grad_norm.item()) and math.isfinite(loss_sum)
+    # float16: a finite loss whose gradient is not, while the scale is above 1 (so the scale can be to blame)
+    overflow = not done and run.loss_scale is not None and math.isfinite(loss_sum) and run.loss_scale.scale > 1
     if done:
         run.optimizer.step()
         run.bad_steps = 0
-    elif run.loss_scale is None or not math.isfinite(loss_sum):
+    elif not overflow:
         run.bad_steps += 1
-    if run.loss_scale is not None:
+    if run.loss_scale is not None and (done or overflow):
         run.loss_scale.update(done)
     run.optimizer.zero_grad(set_to_none=True)
     # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so a resumed
@@ -873,28 +876,33 @@ def main(argv):
     set_threads(cfg.threads)
     sharding.map_large_host_tensors()  # freed host memory goes back to the system: a process holds what it uses
     d = sharding.setup(cfg.device, cfg.mixed_precision)
-    validate(cfg, d.world_size)
-    sharding.tensor_parallel(d, cfg.tp_size)
     try:
-        lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
-    except sharding.OutDirBusy as e:  # on every rank: the lock is taken together
-        raise sharding.EveryRank(str(e)) from e
-    except OSError as e:  # a file where the folder should be, no permission, ...
-        raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
-    with lock:
+        validate(cfg, d.world_size)
+        sharding.tensor_parallel(d, cfg.tp_size)
         try:
-            loop(cfg, d)
-        except OSError as e:  # a full disk, a quota, ...: one line, and how to go on
-            if e.errno not in disk.REASONS:
-                raise
-            # a checkpoint, the export, metrics.jsonl or config.json (disk.WriteError): what was partly written is
-            # gone; anything else (the tiny model's files, ...): the file and the cause
-            said = str(e) if isinstance(e, disk.WriteError) else f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
-            newest = sharding.checkpoint_dirs(cfg.out_dir)
-            then = f"resumes from {newest[0]}" if newest else "starts over (no checkpoint was saved)"
-            remedy = disk.REMEDIES[e.errno]
-            raise SystemExit(f"{said}. {remedy[0].upper()}{remedy[1:]}; then the same command {then}"
-                             if d.master else 1) from e
+            lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
+        except sharding.OutDirBusy as e:  # on every rank: the lock is taken together
+            raise sharding.EveryRank(str(e)) from e
+        except OSError as e:  # a file where the folder should be, no permission, ...
+            raise ConfigError("out_dir", f"cannot use {cfg.out_dir!r} as the run's folder ({e.strerror or e})") from e
+        with lock:
+            try:
+                loop(cfg, d)
+            except OSError as e:  # a full disk, a quota, ...: one line, and how to go on
+                if e.errno not in disk.REASONS:
+                    raise
+                # a checkpoint, the export, metrics.jsonl or config.json (disk.WriteError): what was partly written is
+                # gone; anything else (the tiny model's files, ...): the file and the cause
+                said = str(e) if isinstance(e, disk.WriteError) else f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
+                newest = sharding.checkpoint_dirs(cfg.out_dir)
+                then = f"resumes from {newest[0]}" if newest else "starts over (no checkpoint was saved)"
+                remedy = disk.REMEDIES[e.errno]
+                raise SystemExit(f"{said}. {remedy[0].upper()}{remedy[1:]}; then the same command {then}"
+                                 if d.master else 1) from e
+    except BaseException:
+        if d.world_size == 1:  # a world of one's group (a precision named on one process) ends with the run
+            sharding.teardown()
+        raise
     sharding.teardown()
 
 
@@ -929,7 +937,7 @@ def loop(cfg, d):
     moe = bool(getattr(getattr(config, "text_config", None) or config, "num_experts", None) or
                getattr(getattr(config, "text_config", None) or config, "num_local_experts", None))
     bf16 = bool(sharding.fsdp_modules(run.policy)) and sharding.mixed_precision_dtypes(cfg.mixed_precision,
-                                                                                      d.device)[0] is not None
+                                                                                      d.device)[0] == torch.bfloat16
     logger = run_log.Logger(cfg, d.master, resume_step=start_step, run_id=run_id, moe=moe, bf16=bf16)
     history, step, t_loop = [], start_step, time.time()
     try:

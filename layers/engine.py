@@ -7,8 +7,9 @@ layers/transformer.py's `layer`; this file decides what it attends to and where 
 decoder's state: the cache, its masks and the copies are read and written by every method here, and splitting
 them would pass that state between files.
 
-Of the project it imports layers/transformer.py, layers/lora.py, layers/static_moe.py, layers/static_recurrent.py
-and layers/tensor_parallel.py; layers/kernels.py (the optional Triton decode attention) only where it is asked for.
+Of the project it imports layers/transformer.py, layers/static_moe.py and layers/static_recurrent.py; layers/kernels.py
+(the optional Triton decode attention) only where it is asked for. Tensor parallelism hands it a reader of its own
+(layers/tensor_parallel.py's Slice, in place of `Whole`), and a LoRA layer says what weight it applies.
 """
 
 import dataclasses

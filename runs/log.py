@@ -158,11 +158,12 @@ class Logger:
 
     def mismatched(self, metrics):
         """[(metric, value, threshold)] of the step's sampler-trainer mismatch past --mismatch_warn (of the tokens
-        drawn by the step's own weights: carried ones are off-policy by design)."""
+        drawn by the step's own weights: carried ones are off-policy by design): ess below its threshold, ppl_ratio
+        farther from 1 than it, the others larger in magnitude."""
         out = []
         for k, limit in self.mismatch_warn.items():
             v = metrics.get(f"mismatch/{k}")
-            if v is not None and (v < limit if k == "ess" else abs(v) > limit):
+            if v is not None and (v < limit if k == "ess" else abs(v - 1 if k == "ppl_ratio" else v) > limit):
                 out.append((k, v, limit))
         return out
 
@@ -175,7 +176,7 @@ class Logger:
         if new:
             self.said.update(f"mismatch {k}" for k, _, _ in new)
             notes.append("the sampler and the trainer disagree past --mismatch_warn: " + ", ".join(
-                f"mismatch/{k} {v:.3g} {'<' if k == 'ess' else '>'} {limit:g}" for k, v, limit in new) +
+                f"mismatch/{k} {v:.3g} ({'below' if k == 'ess' else 'past'} {limit:g})" for k, v, limit in new) +
                 f"; {self.fixes}")
         if self.mask_truncated and metrics.get("truncated_frac", 0) > 0.5 and "masked" not in self.said:
             self.said.add("masked")
@@ -286,7 +287,7 @@ def mismatch_fixes(cfg, moe, bf16):
     if moe and not cfg.routing_replay:
         fixes.append("--routing_replay trains through the experts the sampler chose")
     if bf16:
-        fixes.append("--mixed_precision=fp32 computes both in float32")
+        fixes.append("--mixed_precision=fp16 samples and trains in float16 (3 more mantissa bits), fp32 in float32")
     return "; ".join(fixes) or "no setting of this run acts on it: look at the sampler's kernels"
 
 

@@ -374,7 +374,8 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     text = getattr(config, "text_config", None) or config
     slots = -(-length // 64) * 64 if dec is not None else length  # the decoder rounds its cache to 64 slots
     kv_token = dict(sampler).get("KV cache", 0) / max(1, rows * tp * slots)
-    notes.append(f"generation: {rows} rows decode at once per process ({why}); the KV cache takes "
+    group = f", {rows * tp} in each rank's decoder: its tensor-parallel group's rows" if tp > 1 else ""
+    notes.append(f"generation: {rows} rows decode at once per process ({why}{group}); the KV cache takes "
                  f"{kv_token / 1024:,.0f} KiB per token of a row" + (" (this rank's heads)" if tp > 1 else ""))
     gen.append(("logits and sampling buffers", rows * tp * -(-text.vocab_size // tp) * (cb + 3 * 4) +
                 rows * tp * length * 13))

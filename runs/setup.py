@@ -345,8 +345,9 @@ def check_model(cfg, d, policy, sharded=False):
     if problem:
         raise SystemExit(f"model: {problem}. This architecture cannot be trained exactly here "
                          f"(docs/architectures.md); --check_model=false skips this check at your own risk")
-    if sharded and d.master and sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] is not None:
-        print("note: check_model compared no log-probs: the sharded policy computes in bfloat16 here "
+    low = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0]
+    if sharded and d.master and low is not None:
+        print(f"note: check_model compared no log-probs: the sharded policy computes in {str(low)[6:]} here "
               "(--mixed_precision=fp32 checks them in float32)", flush=True)
 
 

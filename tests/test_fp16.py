@@ -39,9 +39,10 @@ def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_a_run_of_finite_
     assert sharding.LossScale(**s.state()).state() == s.state()
 
 
-def _run(tmp_path, name, flags, overflow_at=()):
+def _run(tmp_path, name, flags, overflow_at=(), nan_loss_at=(), scale_at=None):
     """metrics.jsonl rows and stdout of an in-process fp16 run; the optimizer steps in `overflow_at` (0-based, the
-    run's count) get an infinite gradient entry, as a float16 overflow leaves it."""
+    run's count) get an infinite gradient entry, as a float16 overflow leaves it, those in `nan_loss_at` a NaN loss;
+    `scale_at` sets the loss scale before every optimizer step."""
     real = train.optimizer_step
 
     def overflowing(run, opt_step, step_loss):
@@ -49,6 +50,10 @@ def _run(tmp_path, name, flags, overflow_at=()):
             p = next(p for p in run.policy.parameters() if p.grad is not None)
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             local.view(-1)[0] = float("inf")
+        if opt_step in nan_loss_at:
+            step_loss = torch.tensor(float("nan"))
+        if scale_at is not None:
+            run.loss_scale.scale = scale_at
         return real(run, opt_step, step_loss)
     train.optimizer_step = overflowing
     out = io.StringIO()
@@ -79,6 +84,18 @@ def test_an_overflow_skips_the_step_halves_the_scale_and_a_resumed_run_keeps_it(
     timing = ("step_time", "generation_time", "update_time", "reward_time", "tokens_per_s")
     for a, b in zip(straight[2:], resumed[2:]):
         assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+
+def test_a_non_finite_loss_or_an_overflow_at_scale_1_is_a_bad_step_not_an_overflow(tmp_path):
+    """A NaN loss is the model's or the reward's, not the scale's: a bad step, the scale kept; so is a non-finite
+    gradient at a scale of 1 (nothing left to lower). With --max_bad_steps=1 either stops the run at once."""
+    rows, said = _run(tmp_path, "nan", ["--max_steps=3", "--save_every=0", "--max_bad_steps=2"], nan_loss_at={1})
+    assert [(m["skipped_steps"], m["overflow_steps"], m["loss_scale"]) for m in rows] == [
+        (0, 0, 2.0 ** 16), (1, 0, 2.0 ** 16), (0, 0, 2.0 ** 16)]
+    assert "float16 overflow" not in said and "the loss or gradient norm was not finite" in said
+    with pytest.raises(SystemExit, match="the last 1 optimizer steps had a non-finite loss or gradient norm"):
+        _run(tmp_path, "floor", ["--max_steps=3", "--save_every=0", "--max_bad_steps=1"], overflow_at={0},
+             scale_at=1.0)
 
 
 def test_the_plan_counts_float16_as_it_counts_bfloat16():

@@ -190,3 +190,15 @@ def test_the_step_metrics_each_functions_spread_ended_lengths_and_clip_region():
 def dataclass_replace(batch, **fields):
     import dataclasses
     return types.SimpleNamespace(**{**vars(batch), "rollout": dataclasses.replace(batch.rollout, **fields)})
+
+
+def test_the_mismatch_warning_reads_each_metric_on_its_own_side(tmp_path):
+    """ess warns below its threshold, ppl_ratio where it lies farther than its threshold from 1 (either side), the
+    others where their magnitude passes it; a step without the metric (no fresh token) warns of nothing."""
+    cfg = config.Config(out_dir=str(tmp_path), mismatch_warn={"ess": 0.5, "ppl_ratio": 0.1, "log_ratio": 0.1})
+    logger = run_log.Logger(cfg, master=False)
+    quiet = {"mismatch/ess": 0.9, "mismatch/ppl_ratio": 0.95, "mismatch/log_ratio": -0.05}
+    assert logger.mismatched(quiet) == [] and logger.mismatched({}) == []
+    loud = {"mismatch/ess": 0.2, "mismatch/ppl_ratio": 0.8, "mismatch/log_ratio": -0.2}
+    assert [k for k, _, _ in logger.mismatched(loud)] == ["ess", "ppl_ratio", "log_ratio"]
+    assert [k for k, _, _ in logger.mismatched({"mismatch/ppl_ratio": 1.2})] == ["ppl_ratio"]
