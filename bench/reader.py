@@ -9,6 +9,7 @@ to end, the blank ones left out; docstrings and comments count, as a reader read
   reader_functions    the functions that ran            reader_feature_files   feature files among them (FEATURES)
   reader_exec_frac    of the path's code lines (no docstring, comment or blank), the share that ran
   reader_longest      the longest function on the path, in lines, and its name
+  reader_file_lines   each file's lines on the path
 
 A statement that ran counts every line it spans (a call written over three lines ran three lines); a compound
 statement (if, for, with, def ...) counts its header only, its body by what in it ran.
@@ -87,7 +88,7 @@ def _statement_lines(tree):
 
 def measure(trace):
     """The figures of the module docstring, from a _Trace of one step."""
-    files, names, total, code, ran, longest = set(), [], 0, 0, 0, (0, "")
+    files, names, total, code, ran, longest = {}, [], 0, 0, 0, (0, "")
     by_file = {}
     for c in trace.codes:
         if c.co_name == "<module>" or c.co_name.startswith("<"):  # lambdas and comprehensions lie in their def
@@ -110,7 +111,7 @@ def measure(trace):
             longest = max(longest, (len(own), names[-1]))
         if not span:
             continue
-        files.add(os.path.relpath(path, ROOT))
+        files[os.path.relpath(path, ROOT)] = len(span)
         total += len(span)
         code_lines = {n for n in span if n not in docs and not lines[n - 1].strip().startswith("#")}
         executed = set()
@@ -121,7 +122,7 @@ def measure(trace):
     return {"reader_lines": total, "reader_files": len(files), "reader_functions": len(names),
             "reader_feature_files": sorted(f for f in files if _is_feature(f)),
             "reader_exec_frac": ran / max(1, code), "reader_longest": longest[0], "reader_longest_name": longest[1],
-            "reader_file_list": sorted(files)}
+            "reader_file_lines": dict(sorted(files.items(), key=lambda kv: -kv[1]))}
 
 
 def trace_default_step(step=2, argv=()):
