@@ -196,7 +196,8 @@ class Config:
     log_every: int = setting(1, run=False, at_least=1)
     mismatch_warn: dict = setting(factory=lambda: dict(MISMATCH_WARN), run=False)  # JSON {metric: threshold}: the step
         # line flags, and a note names once, a sampler-trainer mismatch past it (docs/metrics.md): ess below it,
-        # |ppl_ratio - 1| above it, any other's magnitude above it; {} = never. The default: verl's warnings (|kl| 0.1, chi2_token 1, ess 0.3)
+        # |ppl_ratio - 1| above it, any other's magnitude above it; {} = never. The default: verl's warnings (|kl|
+        # 0.1, chi2_token 1, ess 0.3)
     print_completions_every: int = setting(50, run=False, at_least=0)  # print a few sampled completions every N
         # steps; 0 = never
     wandb_project: str = _env("WANDB_PROJECT", "grpo", run=False)

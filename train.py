@@ -893,7 +893,8 @@ def main(argv):
                     raise
                 # a checkpoint, the export, metrics.jsonl or config.json (disk.WriteError): what was partly written is
                 # gone; anything else (the tiny model's files, ...): the file and the cause
-                said = str(e) if isinstance(e, disk.WriteError) else f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
+                said = str(e) if isinstance(e, disk.WriteError) else \
+                    f"{e.filename or cfg.out_dir}: {disk.REASONS[e.errno]}"
                 newest = sharding.checkpoint_dirs(cfg.out_dir)
                 then = f"resumes from {newest[0]}" if newest else "starts over (no checkpoint was saved)"
                 remedy = disk.REMEDIES[e.errno]

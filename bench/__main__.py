@@ -358,8 +358,8 @@ def markdown(head, rows):
 
 
 
-ROWS = ("decode", "families", "reader", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem", "longtail",
-        "export", "shared")
+ROWS = ("decode", "families", "reader", "trainfwd", "step", "memory", "long", "multiturn", "exec", "hostmem",
+        "longtail", "export", "shared")
 
 
 @contextlib.contextmanager

@@ -282,7 +282,8 @@ def test_plan_reads_the_config_alone_never_the_weights(tmp_path, capsys):
     (tmp_path / "hub" / "models--someone--never-fetched" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--never-fetched" / "refs" / "main").write_text("0" * 40)
     offline = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), TRANSFORMERS_OFFLINE="1")
-    small = ["--plan_world_size=2", "--plan_gpu_memory=0.004", "--plan_gpu_headroom=0", "--prompts_per_step=4", "--num_generations=4",
+    small = ["--plan_world_size=2", "--plan_gpu_memory=0.004", "--plan_gpu_headroom=0", "--prompts_per_step=4",
+             "--num_generations=4",
              "--max_completion_length=256", "--max_prompt_length=64"]
     out = _plan_here([f"--model={folder}", *small], capsys)
     assert "memory plan" in out and "does not fit: " in out, out
