@@ -171,6 +171,7 @@ class LossScale:
 
     def __init__(self, scale=INIT, good=0, overflows=0):
         self.scale, self.good, self.overflows = float(scale), int(good), int(overflows)
+        self.reported = self.overflows  # the overflows `step_metrics` has counted
 
     def unscale(self, params):
         inv = 1.0 / self.scale
@@ -189,6 +190,12 @@ class LossScale:
 
     def state(self):
         return {"scale": self.scale, "good": self.good, "overflows": self.overflows}
+
+    def step_metrics(self):
+        """The scale now, and the overflows since the last call (a step's)."""
+        out = {"loss_scale": self.scale, "overflow_steps": self.overflows - self.reported}
+        self.reported = self.overflows
+        return out
 
 
 def shard(root, d, mixed_precision="auto", cpu_offload=False):

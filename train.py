@@ -576,13 +576,7 @@ def update(run, batch, advantages, step):
             if cfg.use_adaptive_entropy:  # this optimizer step's mean entropy over every rank's counted tokens
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
     sums["loss"] = sums["loss"] / n_mini
-    sums["lp_diff_sum"], sums["lp_diff_tokens"] = old.diff_sum, old.diff_tokens
-    for which, part in old.mismatch.items():  # summed over ranks with the rest, finished in run_log.step_metrics
-        sums.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
-    if cfg.importance_sampling != "none":  # reduced as extremes, not sums (run_log.step_metrics)
-        sums["is_weight_min"], sums["is_weight_max"] = old.is_min, old.is_max
-    if stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them, not numerics
-        sums["carried_diff_sum"], sums["carried_diff_tokens"] = old.carried_sum, old.carried_tokens
+    sums.update(old.sums())
     return sums, old.diff_max, grad_norm, lr, skipped
 
 
@@ -607,6 +601,19 @@ class OldLogprobs:
         # the importance weights' extremes over the counted tokens (with --importance_sampling)
         self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
         self.mismatch = {}  # "fresh" / "carried" -> summed grpo.mismatch_sums of the trainer against the sampler
+
+    def sums(self):
+        """The comparison's part of the step's sums (summed over ranks with the loss's; run_log.sampler_metrics):
+        |trainer - sampler| of the compared tokens and of the carried ones, each kind's mismatch sums, and the
+        importance weights' extremes (reduced as extremes: run_log.weight_extremes)."""
+        out = {"lp_diff_sum": self.diff_sum, "lp_diff_tokens": self.diff_tokens}
+        for which, part in self.mismatch.items():
+            out.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
+        if self.cfg.importance_sampling != "none":
+            out["is_weight_min"], out["is_weight_max"] = self.is_min, self.is_max
+        if self.stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them
+            out["carried_diff_sum"], out["carried_diff_tokens"] = self.carried_sum, self.carried_tokens
+        return out
 
     def _add_mismatch(self, which, logp, sampler, mask):
         part = grpo.mismatch_sums(logp, sampler, mask)
@@ -786,26 +793,17 @@ def train_step(run, step):
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
-    overflows = run.loss_scale.overflows if run.loss_scale is not None else 0  # float16's skipped steps before
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     memory["memory/training_gib"] = peak_memory(d)
-    overflowed = run.loss_scale.overflows - overflows if run.loss_scale is not None else 0
-    if overflowed and d.master:
-        print(f"step {step}: {overflowed} optimizer step(s) skipped for a float16 overflow; the loss scale is now "
-              f"{run.loss_scale.scale:g}", flush=True)
-    if skipped > overflowed and d.master:
-        print(f"step {step}: {skipped - overflowed} optimizer step(s) skipped, the loss or gradient norm was not "
-              f"finite (last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were",
-              flush=True)
+    scaled = run.loss_scale.step_metrics() if run.loss_scale is not None else {}  # float16's loss scale
+    say_skipped(run, step, skipped, scaled.get("overflow_steps", 0), grad_norm)
     # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic,
-               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {}),
-               **({"loss_scale": run.loss_scale.scale, "overflow_steps": overflowed}
-                  if run.loss_scale is not None else {})}
+               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {}), **scaled}
     step_time = time.time() - t0
     if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
         metrics.update(memory)
@@ -828,6 +826,17 @@ def train_step(run, step):
             metrics["routing_replay_differ_ref"] = differ / max(1.0, decisions)
             run.ref_routing = [0.0, 0.0]
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
+
+
+def say_skipped(run, step, skipped, overflowed, grad_norm):
+    """The step's skipped optimizer steps, on rank 0: float16 overflows (the scale halved) apart from the others."""
+    if overflowed and run.d.master:
+        print(f"step {step}: {overflowed} optimizer step(s) skipped for a float16 overflow; the loss scale is now "
+              f"{run.loss_scale.scale:g}", flush=True)
+    if skipped > overflowed and run.d.master:
+        print(f"step {step}: {skipped - overflowed} optimizer step(s) skipped, the loss or gradient norm was not "
+              f"finite (last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were",
+              flush=True)
 
 
 def staleness_metrics(run, rollout, step):

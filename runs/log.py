@@ -371,11 +371,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
     sums = dict(sums)
-    extremes = {}  # the importance weights' smallest and largest over every rank
-    if "is_weight_max" in sums:
-        low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
-                                                          device=d.device), d).amax(0).tolist()
-        extremes = {"is_weight_min": -low, "is_weight_max": high}
+    extremes = weight_extremes(sums, d)
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
@@ -401,10 +397,6 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         x = x[~torch.isnan(x)]
         return x.std().item() if x.numel() > 1 else 0.0 if x.numel() else float("nan")
     ended = lengths[truncated == 0]  # the completions that ended on their own (EOS or a stop), not at the limit
-    mismatch = {}  # the sampler-trainer mismatch (grpo.mismatch_metrics), of fresh tokens and of carried ones
-    for which, name in (("fresh", "mismatch"), ("carried", "mismatch_carried")):
-        part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith(f"mismatch_sum/{which}/")}
-        mismatch.update({f"{name}/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
     return {
         "reward": mean(all_total), **{f"reward/{k}": mean(v) for k, v in parts.items()},
         **{f"reward_std/{k}": std(v) for k, v in parts.items()},
@@ -418,17 +410,36 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         **({"completion_length_ended": ended.mean().item(), "completion_length_ended_min": ended.min().item(),
             "completion_length_ended_max": ended.max().item()} if ended.numel() else {}),
         "truncated_frac": truncated.mean().item(), **tools,
-        "batch_tokens": sums["seen"],
-        # |trainer - sampler| log-prob of the sampled tokens, before any update: numerics, not learning
-        "sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
-        "sampler_logprob_diff_max": lp_diff_max, **mismatch,
-        # the same over the tokens of rows carried through a weight change (max_staleness), left out of the above
-        **({"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
-           if "carried_diff_tokens" in sums else {}),
+        "batch_tokens": sums["seen"], **sampler_metrics(sums, lp_diff_max),
         **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
         **({"kept_frac": sums["kept"] / tok}
            if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
     }
+
+
+def weight_extremes(sums, d):
+    """The importance weights' smallest and largest over every rank (a collective), taken out of this rank's `sums`
+    (extremes, not sums); {} without importance sampling."""
+    if "is_weight_max" not in sums:
+        return {}
+    low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
+                                                      device=d.device), d).amax(0).tolist()
+    return {"is_weight_min": -low, "is_weight_max": high}
+
+
+def sampler_metrics(sums, lp_diff_max):
+    """The sampler against the trainer, from the step's sums over every rank: the mean |trainer - sampler| log-prob
+    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`; the same over
+    the tokens of rows carried through a weight change (max_staleness), left out of the first; and the mismatch
+    figures (grpo.mismatch_metrics) of either kind of token."""
+    out = {"sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
+           "sampler_logprob_diff_max": lp_diff_max}
+    if "carried_diff_tokens" in sums:
+        out["sampler_logprob_diff_carried_mean"] = sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)
+    for which, name in (("fresh", "mismatch"), ("carried", "mismatch_carried")):
+        part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith(f"mismatch_sum/{which}/")}
+        out.update({f"{name}/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
+    return out
 
 
 # ----------------------------------------------------------------------------- out_dir/config.json
