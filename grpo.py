@@ -148,9 +148,9 @@ def mismatch_sums(logp, sampler_logp, mask):
     lr = (logp.double() - sampler_logp.double()) * mask  # log rho, 0 where not counted
     tokens = mask.sum(1)
     seq = (tokens > 0).double()
-    total = lr.sum(1)
+    total, rho_m1 = lr.sum(1), torch.expm1(lr) * mask  # rho - 1
     return {"tokens": mask.sum(), "sequences": seq.sum(), "log_ratio": -lr.sum(),
-            "k3": ((torch.expm1(lr) - lr) * mask).sum(), "rho_m1": (torch.expm1(lr) * mask).sum(),
+            "k3": (rho_m1 - lr).sum(), "rho_m1": rho_m1.sum(),
             "rho2_m1": (torch.expm1(2 * lr) * mask).sum(),
             "seq_rho2_m1": (torch.expm1(2 * total.clamp(-MISMATCH_SEQ_CLAMP, MISMATCH_SEQ_CLAMP)) * seq).sum(),
             "ppl_m1": (torch.expm1(-total / tokens.clamp(min=1)) * seq).sum()}

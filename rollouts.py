@@ -54,10 +54,8 @@ def carried(rollout, version):
     """(N, T) bool: the policy tokens whose draw attended K/V computed by weights older than `version` (a row
     that decoded through a weight change keeps its cache, so every token of it after the prompt's prefill, the
     ones drawn after the change included). The trainer cannot recompute their behaviour log-prob; the sampler's is
-    it. All False for a rollout without versions."""
+    it. For a Stream's rollout (`context_version` set)."""
     mask = rollout.policy_mask.bool()
-    if rollout.context_version is None:
-        return torch.zeros_like(mask)
     return (rollout.context_version < version).to(mask.device)[:, None] & mask
 
 

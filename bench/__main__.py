@@ -440,6 +440,17 @@ def longtail_rows(path, s, device, root, results, reps):
     free(device)
 
 
+def reader_row(results):
+    """The reader's path (bench/reader.py): a default run traced in this process, its own output kept quiet."""
+    from bench.reader import bench_reader
+    with row_lines("reader", "the code one default step runs, traced (bench/reader.py)", results,
+                   lambda r: f"{r['reader_lines']} lines in {r['reader_files']} files, {r['reader_functions']} "
+                             f"functions, {r['reader_exec_frac']:.0%} of its code lines run; feature files entered: "
+                             f"{r['reader_feature_files'] or 'none'}"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            results.update(bench_reader())
+
+
 def main(argv):
     args, device, s, overrides, only = parse(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -520,13 +531,7 @@ def main(argv):
                                                for k, v in r["export"].items())):
                 results.update(bench_export(s, root))
         if "reader" in only:
-            with row_lines("reader", "the code one default step runs, traced (bench/reader.py)", results,
-                           lambda r: f"{r['reader_lines']} lines in {r['reader_files']} files, "
-                                     f"{r['reader_functions']} functions, {r['reader_exec_frac']:.0%} of its code "
-                                     f"lines run; feature files entered: {r['reader_feature_files'] or 'none'}"):
-                from bench.reader import bench_reader
-                with contextlib.redirect_stdout(io.StringIO()):
-                    results.update(bench_reader())
+            reader_row(results)
         if "exec" in only:
             with row_lines("exec", "programs through the sandbox vs plain subprocess.run", results,
                            lambda r: f"{r['exec_speedup_vs_plain']:.2f}x the programs per second of plain subprocess.run"):

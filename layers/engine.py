@@ -90,7 +90,10 @@ class StaticDecoder:
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
-        kernel = attention_kernel and device.type == "cuda" and _triton_supports(dec.head_dim, dec.n_heads // dec.n_kv)
+        kernel = False
+        if attention_kernel and device.type == "cuda":  # the Triton kernel (a feature: imported only when asked for)
+            from layers import kernels
+            kernel = kernels.triton_supports(dec.head_dim, dec.n_heads // dec.n_kv)
         if kernel != dec.attention_kernel:  # graphs captured with the other attention must not replay
             dec.graphs.clear()
             dec.attention_kernel = kernel
@@ -705,8 +708,3 @@ def _decode_kernel(q, k, v, mask, scale):
     a feature: imported only here), mask (B, 1, 1, L) as its key mask (B, L)."""
     from layers import kernels
     return kernels.decode_attention(q, k, v, None if mask is None else mask[:, 0, 0], scale)
-
-
-def _triton_supports(head_dim, rep):
-    from layers import kernels
-    return kernels.triton_supports(head_dim, rep)

@@ -585,7 +585,6 @@ def _shares_prompts(model):
 
 def _candidates(cfg, config, world, device):
     """(what to type, the changed settings) worth trying at `world` processes, cheapest to the run first."""
-    rows = cfg.prompts_per_step * cfg.num_generations // world
     out = []
     if not cfg.gradient_checkpointing:
         out.append(("--gradient_checkpointing=true", dict(gradient_checkpointing=True)))
