@@ -54,7 +54,9 @@ def carried(rollout, version):
     """(N, T) bool: the policy tokens whose draw attended K/V computed by weights older than `version` (a row
     that decoded through a weight change keeps its cache, so every token of it after the prompt's prefill, the
     ones drawn after the change included). The trainer cannot recompute their behaviour log-prob; the sampler's is
-    it. For a Stream's rollout (`context_version` set)."""
+    it. None where no row was carried: a rollout sampled at once (no `context_version`), every row on `version`."""
+    if rollout.context_version is None:
+        return None
     mask = rollout.policy_mask.bool()
     return (rollout.context_version < version).to(mask.device)[:, None] & mask
 

@@ -191,6 +191,10 @@ class LossScale:
     def state(self):
         return {"scale": self.scale, "good": self.good, "overflows": self.overflows}
 
+    def unreported(self):
+        """The overflows since `step_metrics` last counted them (the step's so far)."""
+        return self.overflows - self.reported
+
     def step_metrics(self):
         """The scale now, and the overflows since the last call (a step's)."""
         out = {"loss_scale": self.scale, "overflow_steps": self.overflows - self.reported}

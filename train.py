@@ -12,7 +12,6 @@ runs: the step's rollout, scoring, advantages and update, then the loop around i
 Every setting (config.py: the Config dataclass) can be given as --key=value or --key value.
 """
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -22,7 +21,6 @@ import time
 import uuid
 
 from runs import cli  # the settings need nothing heavier: the imports of torch and the rest come after them (below)
-from sandbox import executor  # no heavy imports either: its settings are checked with the others
 from config import OTHER_NAMES, RECIPES, RUN_KEYS, Config, ConfigError, validate  # the settings (config.py)
 
 
@@ -70,12 +68,11 @@ try:
     from runs import disk
     import grpo
     import logprobs
-    from layers import lora
     import rewards
-    from layers import routing
     from runs import export as run_export
     from runs import log as run_log
-    from runs.setup import setup  # the models, task, tools and optimizer of a run
+    from runs.setup import setup as make_run  # the models, task, tools and optimizer of a run
+    import features  # the optional features, applied to the run's seams in one place
     import rollouts
     import sampling
     import sharding
@@ -115,22 +112,27 @@ def set_hyperparameters(optimizer, cfg, opt_step):
     return lr
 
 
+# ----------------------------------------------------------------------------- the run
+
+
+def setup(cfg, d):
+    """The run (runs/setup.py: models, task, tools, optimizer), its seams set to the core step's own functions
+    below, then the run's optional features applied to them in order (features/__init__.py)."""
+    run = make_run(cfg, d)
+    run.rollout, run.draw, run.micro_batches = rollout, draw, micro_batches
+    features.apply(run, sys.modules[__name__])
+    return run
+
+
 # ----------------------------------------------------------------------------- the step
 
 
 def rollout(run, step, round=0):
-    """The step's prompts, G completions sampled for each; this rank's rows. `round` > 0: dynamic sampling's
-    further draws of the step (other prompts, other random numbers)."""
-    cfg = run.cfg
-    if cfg.max_staleness:
-        run.stream = run.stream or RolloutStream(run)
-        return run.stream.batch(step, round)
+    """The step's prompts, G completions sampled for each on the current weights; this rank's rows (rollouts.Batch).
+    `round` > 0: a further draw of the step (other prompts, other random numbers)."""
     rows = step_rows(run, step, round)
-    landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
-    batch = sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(cfg), cfg, run.d, run.eos_ids,
-                                 run.agent, record_routing=cfg.routing_replay, on_end=landing)
-    batch.landing = landing
-    return batch
+    return sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(run.cfg), run.cfg, run.d,
+                                run.eos_ids, run.agent, **run.sample_options)
 
 
 def step_rows(run, step, round=0):
@@ -142,272 +144,14 @@ def step_rows(run, step, round=0):
     return sampling.rows_of(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base, run.agent, run.images)
 
 
-class RolloutStream:
-    """--max_staleness=K: the sampler works ahead. While a step's last rows run on, the decode places free of them
-    take the rows of the next K steps' prompts; when the step's rows have all ended (on every rank), decoding stops
-    there, the step trains, and the next step's decoding goes on from where it stopped, on the new weights, the
-    rows in flight keeping their cache (sampling.Stream). No place waits for the longest row while rows are
-    queued, and rewards are computed as groups land (`Landing`), so a step waits only for what its own last rows
-    have left to decode.
-
-    A step trains its own prompts, those a synchronous step would: which groups a step gets does not depend on how
-    fast rows decoded, so a run at any world size trains what one process does. A row of step s starts at step
-    s - K at the earliest, so its tokens are at most K versions older than the weights that train them; each
-    token's version is recorded, and the loss takes the sampler's log-prob as the old log-prob of an older one
-    (`OldLogprobs`). No row is dropped or cut short for its age: dropping would favour short completions, cutting
-    would score unfinished ones. The stream is drained (nothing queued past it) at each checkpoint step and at
-    the last, and closed there: a resumed run starts where an uninterrupted one also starts afresh."""
-
-    def __init__(self, run):
-        cfg, d = run.cfg, run.d
-        # steps: (step, round) -> its rows (rollouts.Rows) and their Landing, while they are in the stream
-        self.run, self.queued, self.steps = run, 0, {}
-        self.n = cfg.prompts_per_step * cfg.num_generations // d.world_size  # rows per step on this rank
-        # a tensor-parallel group's ranks decode the group's rows together, each holding all of them
-        self.tp = d.tp if getattr(d, "tp", None) is not None and d.tp.size > 1 else None
-        self.group = self.tp.size if self.tp else 1
-        self.places = (cfg.rollouts_in_flight or self.n * (cfg.max_staleness + 1)) * self.group
-        self.stream = None
-        self.respond = {}  # with an agent, (step, round) -> the responder of its rows' episodes (the group's rows)
-
-    def last_queued(self, step):
-        """The last step whose prompts are queued while `step` decodes: K ahead, but not past a checkpoint."""
-        cfg = self.run.cfg
-        drain = cfg.max_steps if not cfg.save_every else min(cfg.max_steps, -(-step // cfg.save_every) * cfg.save_every)
-        return min(step + cfg.max_staleness, drain)
-
-    def queue(self, step, round=0):
-        """Add the rows of the step's prompts (of dynamic sampling's `round`) to the stream."""
-        run, cfg, d = self.run, self.run.cfg, self.run.d
-        rows = step_rows(run, step, round)  # as a synchronous step's
-        key = (step, round)
-        landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start) if scores_on_land(run) else None
-        if self.stream is None:
-            dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
-            turns = {} if run.agent is None else dict(respond=self.answer, max_turns=run.agent.max_turns,
-                                                      stop_sequences=run.agent.stop_sequences)
-            self.stream = sampling.Stream(self.places, self.n * self.group * (cfg.max_staleness + 1) + self.places,
-                                          cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
-                                          run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
-                                          on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
-                                          dtype=dtype, tp=self.tp, share_prompts=cfg.shared_prompts,
-                                          record_routing=cfg.routing_replay, **turns)
-        if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
-            respond = run.agent.responder(rows.episodes)
-            self.respond[key] = self.tp.group_respond(respond, self.n) if self.tp else respond
-        group_ids, group_attn, group_seeds = rows.prompt_ids, rows.prompt_mask, rows.seeds
-        if self.tp:  # the group's rows, rank r's n at r * n (tensor_parallel.group_rows)
-            group_ids, group_attn, group_seeds, _ = self.tp.group_rows(group_ids, group_attn, group_seeds,
-                                                                       run.tokenizer.pad_token_id)
-        self.stream.add(group_ids, group_attn, group_seeds, [(key, i) for i in range(self.n * self.group)],
-                        images=rows.images)
-        self.steps[key] = (rows, landing)
-        self.queued = max(self.queued, step)
-
-    def answer(self, turns):
-        """The stream's respond: turns of rows of several steps (each Turn's row a ((step, round), row) tag), each
-        step's answered by its rows' responder, in step order (under tensor parallelism each call is a collective
-        that the group's ranks, pausing alike, make in the same order)."""
-        answers = {}
-        for key in sorted(dict.fromkeys(k for (k, _), _, _ in turns)):
-            mine = [t for t in turns if t.row[0] == key]
-            answers.update(zip((t.row for t in mine), self.respond[key]([t._replace(row=t.row[1]) for t in mine])))
-        return [answers[t.row] for t in turns]
-
-    def landed(self, tags, ids):
-        """The stream's on_end: rows that ended, to their step's Landing."""
-        for key in dict.fromkeys(k for k, _ in tags):
-            landing = self.steps[key][-1]
-            if landing is not None:
-                landing([i for k, i in tags if k == key], [x for (k, _), x in zip(tags, ids) if k == key])
-
-    def batch(self, step, round=0):
-        """The step's Batch: its rows decoded to their ends (with what was queued up to `last_queued` decoding
-        meanwhile), taken out of the stream. round > 0: dynamic sampling's further draw of the step, queued now
-        (whether it is needed is known once the round before has been scored), the next steps' rows decoding
-        beside it."""
-        run, d = self.run, self.run.d
-        if self.queued < step and self.stream is not None:
-            raise RuntimeError(f"step {step}'s rows were never queued (the stream is at step {self.queued})")
-        for s in range(max(self.queued, step - 1) + 1, self.last_queued(step) + 1):
-            self.queue(s)
-        key = (step, round)
-        if key not in self.steps:
-            self.queue(step, round)
-        tags = [(key, i) for i in range(self.n * self.group)]
-        run.policy.eval()
-        t = time.time()
-        with sharding.gathered(run.policy):
-            run.policy(self.stream.run, tags, step - 1, sharding.all_done_fn(d))
-        self.wait = time.time() - t
-        run.policy.train()
-        rollout = self.stream.take(tags)
-        if self.tp:  # this rank's own rows
-            rollout = sampling.group_share(rollout, self.tp, self.n)
-        if not self.stream.in_flight():  # drained: the next step starts a new stream, as a resumed run does
-            self.stream.close()
-            self.stream = None
-        rows, landing = self.steps.pop(key)
-        if rollout.prompt_routing is not None:  # the stream's prompts are max_prompt_length wide, the step's its own
-            rollout.prompt_routing = rollout.prompt_routing[:, -rows.prompt_ids.shape[1]:]
-        if run.agent is not None:  # each conversation's last turn, which no tool answered
-            self.respond.pop(key)
-            run.agent.finish(rows.episodes, rollout)
-        completions = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        return rows.sampled(rollout, completions, landing)
-
-
-def scores_on_land(run):
-    """Whether rewards are computed group by group as rows land, while the sampler decodes the others: with rows
-    streaming (--rollouts_in_flight), each process sampling alone (not a tensor-parallel group), and no
-    environment's episodes (which end with the rollout). A reward model, whose forward is a collective every rank
-    must call together, scores at the step's take (`Landing.result`)."""
-    tp = getattr(run.d, "tp", None)
-    return bool(run.cfg.rollouts_in_flight) and run.agent is None and (tp is None or tp.size == 1)
-
-
-class Landing:
-    """This rank's rewards, computed group by group as the sampler's rows land (`sampling.sample`'s on_end), in one
-    worker thread while decoding goes on: a group is scored once its last row on this rank has ended. Reward
-    functions score each completion on its own (TRL's contract), so the scores equal one call over the batch; the
-    functions are called once per group instead of once per step. A collective function (a reward model, whose
-    forward every rank must make together) scores the whole batch in `result`, which every rank calls at the
-    step's take, the pause where its rows have all ended. `result` waits for the last group."""
-
-    def __init__(self, run, step, prompts, fields, first_row):
-        import concurrent.futures
-        self.run, self.step, self.prompts, self.fields = run, step, prompts, fields
-        group = [(first_row + r) // run.cfg.num_generations for r in range(len(prompts))]  # (n,) global groups
-        self.rows = {g: [r for r in range(len(prompts)) if group[r] == g] for g in dict.fromkeys(group)}
-        self.group, self.left, self.ids = group, {g: len(rows) for g, rows in self.rows.items()}, {}
-        self.worker, self.scored = concurrent.futures.ThreadPoolExecutor(1, "rewards"), []
-        self.local = [fn for fn in run.task.reward_funcs if not getattr(fn, "collective", False)]
-
-    def __call__(self, rows, ids):
-        for r, row_ids in zip(rows, ids):
-            self.ids[r] = row_ids
-            g = self.group[r]
-            self.left[g] -= 1
-            if not self.left[g] and self.local:
-                self.scored.append((self.rows[g], self.worker.submit(self._score, self.rows[g], self.local)))
-
-    def _score(self, rows, funcs):
-        """The rows' scores by `funcs`, as ({function: (len(rows),)}, {function: seconds}, their completions)."""
-        run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
-        completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
-        fields = rollouts.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
-                                        run.tokenizer, prompts, completions)
-        seconds = {}
-        parts = rewards.reward_parts(funcs, prompts, completions, fields, seconds=seconds,
-                                     context=rollouts.reward_context(run.cfg, self.step), rows=rows)
-        return parts, seconds, completions
-
-    def result(self):
-        """(total (n,), {function: (n,)}, {function: seconds summed over the groups}); a reward function's error is
-        raised here, for the first group it failed on, after the collective functions have run (the other ranks
-        wait in them)."""
-        n, funcs = len(self.prompts), self.run.task.reward_funcs
-        nan = lambda: torch.full((n,), float("nan"), dtype=rewards.REWARD_DTYPE)  # noqa: E731
-        parts, seconds, completions = {rewards.reward_name(fn): nan() for fn in self.local}, {}, [""] * n
-        failed = None
-        try:
-            if any(self.left.values()):  # every row of a sample call ends in it: a path that never said so is a bug
-                raise RuntimeError(f"rows {[r for r in range(n) if self.left[self.group[r]]]} never landed")
-            for rows, done in self.scored:
-                p, s, texts = done.result()
-                for k, v in p.items():
-                    parts[k][rows] = v
-                for k, v in s.items():
-                    seconds[k] = seconds.get(k, 0.0) + v
-                for r, text in zip(rows, texts):
-                    completions[r] = text
-        except Exception as e:  # raised after the collective functions, which every rank must call
-            failed = e
-        finally:
-            self.worker.shutdown(cancel_futures=True)
-        if len(self.local) < len(funcs):  # every rank together, over the step's rows
-            try:
-                p, s, completions = self._score(list(range(n)), [fn for fn in funcs if fn not in self.local])
-            except Exception as e:
-                failed = failed or e
-            else:
-                parts.update(p)
-                seconds.update(s)
-        if failed is not None:
-            raise failed
-        parts = {rewards.reward_name(fn): parts[rewards.reward_name(fn)] for fn in funcs}  # the functions' order
-        return rewards.weighted_total(parts, self.run.weights, completions), parts, seconds
-
-
-def draw(run, step):
-    """The step's batch on this rank, scored: (batch, total (n,), {function: (n,)}, seconds of scoring, dynamic
-    sampling's metrics).
-
-    With dynamic_sampling (DAPO's), a group whose advantages are all 0 (its rewards all equal: no signal) is
-    dropped, and further rounds of prompts_per_step prompts are drawn until prompts_per_step groups have a
-    signal, at most max_generation_rounds rounds; short of that, the step fills up with groups without one (the
-    first drawn) and says how many (`dynamic/groups_filled`). Every rank decides from every rank's rewards, so
-    all make the same collective calls; the step's rows are then shared out over the ranks as always.
-    """
-    cfg, d, G, P = run.cfg, run.d, run.cfg.num_generations, run.cfg.prompts_per_step
-    batch = rollout(run, step)
+def draw(run, step, round=0):
+    """The step's batch on this rank, scored: (batch, total (n,), {function: (n,)}, seconds of scoring, the draw's
+    own metrics: none here). round > 0: a further draw of the step (other prompts, other random numbers), which
+    dynamic sampling makes (features/dynamic_sampling.py replaces `run.draw`)."""
+    batch = run.rollout(run, step, round)
     total, parts, seconds = score(run, batch, step)
-    if not cfg.dynamic_sampling:
-        return batch, total, parts, seconds, {}
-    rounds, drawn, kept = [], [], []  # this rank's rows of each round; every rank's rewards; (round, group) kept
-    for round in range(cfg.max_generation_rounds):
-        if round:
-            batch = rollout(run, step, round)
-            total, parts, more = score(run, batch, step)
-            seconds = {k: seconds.get(k, 0.0) + v for k, v in more.items()}
-        rounds.append((batch, total, parts))
-        all_total = sharding.all_gather_rows(total, d)                                                   # (N,)
-        drawn.append(all_total)
-        try:
-            adv = advantages(run, all_total, {k: sharding.all_gather_rows(v, d) for k, v in parts.items()})[0]
-        except ValueError as e:  # rewards too large to normalise (the same on every rank)
-            raise SystemExit(f"step {step}: {e}") from e
-        kept += [(round, g) for g in (adv.view(P, G).abs().sum(1) > 0).nonzero()[:, 0].tolist()]
-        if len(kept) >= P:
-            break
-    kept = kept[:P]
-    fill = [(r, g) for r in range(len(rounds)) for g in range(P) if (r, g) not in kept][:P - len(kept)]
-    rows = [(r, g * G + i) for r, g in kept + fill for i in range(G)]  # (N,) the step's rows: (round, global row)
-    batch, total, parts = share_rows(run, rounds, rows)
-    every = torch.cat(drawn)
-    every = every[~torch.isnan(every)]
-    metrics = {"dynamic/rounds": len(rounds), "dynamic/groups_drawn": len(rounds) * P,
-               "dynamic/groups_kept": len(kept), "dynamic/groups_filled": len(fill),
-               "dynamic/reward_drawn": every.mean().item() if every.numel() else float("nan")}
-    return batch, total, parts, seconds, metrics
+    return batch, total, parts, seconds, {}
 
-
-def share_rows(run, rounds, rows):
-    """This rank's share of the step's `rows`, (round, global row) pairs of `rounds` (each round's scored batch
-    on this rank: its global rows rank * n ... (rank + 1) * n - 1). Each rank sends the rows it holds to every
-    rank (one all_gather of objects, on the CPU: a pickled CUDA tensor would land on the sender's device), each
-    keeps its own. Episodes travel without their environment and tools: those served the rollout and rewards."""
-    d = run.d
-    n = len(rows) // d.world_size
-    held = [(k, r, i - d.rank * n) for k, (r, i) in enumerate(rows) if d.rank * n <= i < (d.rank + 1) * n]
-    local = rollouts.cat_scored(rounds, run.tokenizer.pad_token_id)  # round r's row i at r * n + i
-    piece = rollouts.take_rows(local, [r * n + i for _, r, i in held], slice(0, n))
-    if d.world_size == 1:
-        return piece
-    batch, total, parts = piece
-    piece = (dataclasses.replace(batch, prompt_ids=batch.prompt_ids.cpu(), prompt_mask=batch.prompt_mask.cpu(),
-                                 rollout=batch.rollout.to("cpu"),
-                                 episodes=None if batch.episodes is None else
-                                 [dataclasses.replace(e, env=None, tools={}) for e in batch.episodes]),
-             total.cpu(), {k: v.cpu() for k, v in parts.items()})
-    pieces = sharding.all_gather_objects(([k for k, _, _ in held], piece), d)
-    whole = rollouts.cat_scored([p for _, p in pieces], run.tokenizer.pad_token_id)
-    at = {k: j for j, k in enumerate(k for ks, _ in pieces for k in ks)}  # a step row's place in `whole`
-    mine = slice(d.rank * n, (d.rank + 1) * n)
-    batch, total, parts = rollouts.take_rows(whole, [at[k] for k in range(mine.start, mine.stop)], mine)
-    batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(d.device), batch.prompt_mask.to(d.device)
-    batch.rollout = batch.rollout.to(d.device)
-    return batch, total.to(rounds[0][1].device), {k: v.to(rounds[0][1].device) for k, v in parts.items()}
 
 
 def score(run, batch, step):
@@ -438,19 +182,6 @@ def score(run, batch, step):
     return total, parts, dict(zip(names, times))
 
 
-def execution_metrics(d, stats):
-    """Programs run in the sandbox during the step's rollout and scoring (executor.take_stats()), over all ranks:
-    how many, how many timed out or could not run, the seconds the step waited on them (mean over ranks) and a
-    program's mean wall time; nothing when none ran."""
-    keys = ("programs", "timeouts", "sandbox_failures", "program_seconds", "wait_seconds")
-    total = dict(zip(keys, sharding.all_reduce_sum([float(stats[k]) for k in keys], d)))
-    if not total["programs"]:
-        return {}
-    return {"exec_programs": total["programs"], "exec_timeouts": total["timeouts"],
-            "exec_sandbox_failures": total["sandbox_failures"], "exec_time": total["wait_seconds"] / d.world_size,
-            "exec_program_time": total["program_seconds"] / total["programs"]}
-
-
 def advantages(run, all_total, all_parts):
     """(advantages (N,), group std (P,)) of every rank's rewards: the total (N,) and each function's {name: (N,)}.
     GDPO (normalize_then_sum) normalises each function within its group before the sum."""
@@ -460,45 +191,40 @@ def advantages(run, all_total, all_parts):
     return grpo.group_advantages(signal, G, scale)
 
 
-def routes(route, mb):
-    """The micro-batch's experts per token (routing replay), or None without it."""
-    return None if route is None else mb.take(route)[0]
+def forward_extras(run, batch):
+    """What each micro-batch's forward takes from the features besides its tokens (routing records, images: the
+    functions in `run.forward_extras`), as a function of the micro-batch; by default nothing."""
+    makers = [extra(run, batch) for extra in run.forward_extras]
+    return lambda mb: {k: v for make in makers for k, v in make(mb).items()}
 
 
-def images_of(run, mb):
-    """The micro-batch's prompts' images (the batch being trained's, vision.PromptImages), or None."""
-    images = getattr(run, "step_images", None)  # a run made elsewhere (a test's namespace) may not carry any
-    return None if images is None else images.rows(mb.rows)
-
-
-def reference_logprobs(run, ids, mask, micro, route=None):
-    """The reference model's log-probs, fixed during the update: one tensor per micro-batch."""
-    policy = run.policy
-    model = run.ref if run.ref is not None else policy  # with LoRA, no copy: the policy with its adapters off
-    # routing replay: the reference replays the sampled experts too; its disagreement is counted as its own
-    # (a separate reference model has a Replay of its own; with LoRA, the policy's counts it apart)
-    replay = routing.attached(policy.lm) if model is policy and route is not None else None
-    with torch.no_grad(), lora.adapters_disabled(policy) if model is policy else contextlib.nullcontext(), \
-            (replay.apart() if replay else contextlib.nullcontext([])) as counted:
-        logp = [model(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature, width=mb.width,
-                      compile_layers=run.cfg.compile_layers, routing=routes(route, mb),
-                      images=images_of(run, mb))[0] for mb in micro]
-    if route is not None:  # summed over the step's mini-batches; logged and reset with the step's metrics
-        counted = counted if replay else routing.of(model.lm).counts()
-        run.ref_routing = [a + b for a, b in zip(run.ref_routing, counted)]
-    if model is run.ref:
-        sharding.free_gathered(model)  # never backward: nothing else would free the root's gathered weights
+def reference_logprobs(run, ids, mask, micro, extras):
+    """The reference's log-probs, fixed during the update: one tensor per micro-batch. `run.reference` runs the
+    reference's forward: the reference model's (runs/setup.py), or a feature's (LoRA: the policy, adapters off)."""
+    with torch.no_grad():
+        logp = [run.reference(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature,
+                              width=mb.width, compile_layers=run.cfg.compile_layers, **extras(mb))[0] for mb in micro]
+    if run.ref is not None:
+        sharding.free_gathered(run.ref)  # never backward: nothing else would free the root's gathered weights
     return logp
 
 
-def sampling_logprobs(run, ids, mask, micro, route=None):
+def sampling_logprobs(run, ids, mask, micro, extras):
     """The policy's (log-probs, entropies) at its current weights, without gradient: one pair per micro-batch.
     Before the step's first optimizer step, these are the weights that sampled."""
     cfg, policy = run.cfg, run.policy
     with torch.no_grad():
         return [policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
-                       compile_layers=cfg.compile_layers, routing=routes(route, mb), images=images_of(run, mb))
-                for mb in micro]
+                       compile_layers=cfg.compile_layers, **extras(mb)) for mb in micro]
+
+
+def micro_batches(run, batch, rows, mask, loss_mask, T):
+    """A mini-batch's micro-batches (its rows `rows`): rows of similar length together, each micro-batch cut to the
+    columns its rows use (logprobs.micro_batches). `run.micro_batches` may group them otherwise (shared prompts)."""
+    cfg = run.cfg
+    return [logprobs.MicroBatch(rows[mb.rows], mb.cols, mb.t, mb.width)
+            for mb in logprobs.micro_batches(mask[rows], loss_mask[rows], T, cfg.micro_batch_size,
+                                             cfg.micro_batch_tokens)]
 
 
 def update(run, batch, advantages, step):
@@ -518,66 +244,78 @@ def update(run, batch, advantages, step):
     rate of the last optimizer step, and how many optimizer steps were skipped.
     """
     cfg, d = run.cfg, run.d
-    n_mini = cfg.steps_per_generation
-    run.step_images = batch.images  # each forward below takes its micro-batch's rows of them
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
     mask = torch.cat([batch.prompt_mask, torch.ones_like(batch.rollout.completion_ids)], dim=1)
-    T = batch.rollout.completion_ids.shape[1]
-    route = None  # routing replay: each token's experts as the sampler chose them, (n, S + T, layers, k)
-    if batch.rollout.routing is not None:
-        route = torch.cat([batch.rollout.prompt_routing, batch.rollout.routing], dim=1)
     loss_mask = batch.rollout.policy_mask.float()  # (n, T) the policy's tokens: an environment's are context only
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
-    # mini-batch j: the step's rows i with i % n_mini == j, whatever the world size (n / n_mini of them on each rank);
-    # its normalisers over all ranks, so any world size gives the same gradient
-    rows = logprobs.mini_batch_rows(ids.shape[0], batch.mine.start, n_mini, d.device)
-    N = batch.prompt_ids.shape[0] * d.world_size // n_mini
-    num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
-                  for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
-    # in each, rows of similar length together (with shared_prompts, each group's rows), each micro-batch cut to the
-    # columns its rows use
-    minis = [[logprobs.MicroBatch(r[mb.rows], mb.cols, mb.t, mb.width)
-              for mb in logprobs.micro_batches(mask[r], loss_mask[r], T, cfg.micro_batch_size, cfg.micro_batch_tokens,
-                                               prompt_ids=batch.prompt_ids[r] if cfg.shared_prompts else None)]
-             for r in rows]
-    if d.world_size > 1 and cfg.micro_batch_tokens:  # as many forwards (FSDP collectives) on every rank
-        counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
-        minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
-    ref_logp = [reference_logprobs(run, ids, mask, m, route) for m in minis] if cfg.beta > 0 else None
-    # (n, T) tokens whose context older weights computed (max_staleness): their old log-prob is the sampler's
-    stale = rollouts.carried(batch.rollout, step - 1) if batch.rollout.context_version is not None else None
-    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device, stale)
-    threshold = [None] * n_mini  # each mini-batch's entropy quantile
-    if n_mini > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies, if asked)
-        for j, micro in enumerate(minis):
-            out = sampling_logprobs(run, ids, mask, micro, route)
-            for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
-                old.keep(j, i, mb, logp)
-            if cfg.top_entropy_quantile < 1:
-                threshold[j] = entropy_threshold(run, ids, mask, micro, loss_mask, [e for _, e in out])
-    elif cfg.top_entropy_quantile < 1:
-        threshold[0] = entropy_threshold(run, ids, mask, minis[0], loss_mask)
-
-    inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, route=route, advantages=advantages, num_sequences=N,
+    minis, num_tokens = mini_batches(run, batch, mask, loss_mask)
+    extras = forward_extras(run, batch)
+    ref_logp = [reference_logprobs(run, ids, mask, m, extras) for m in minis] if cfg.beta > 0 else None
+    # (n, T) tokens whose context older weights computed (rows carried through a weight change): their old log-prob
+    # is the sampler's; None when every row ran on the step's weights
+    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device,
+                      rollouts.carried(batch.rollout, step - 1))
+    threshold = [None] * len(minis)  # each mini-batch's entropy quantile (top_entropy_quantile)
+    if len(minis) > 1 or cfg.top_entropy_quantile < 1:
+        threshold = before_first_step(run, ids, mask, minis, loss_mask, old, extras)
+    inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, extras=extras, advantages=advantages,
+                  num_sequences=batch.prompt_ids.shape[0] * d.world_size // len(minis),
                   sampler=batch.rollout.logprobs)
     skipped = 0
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
-        # summed over its n_mini optimizer steps, is divided by n_mini below (an optimizer step's mean loss)
+        # summed over its optimizer steps, is divided by their number below (an optimizer step's mean loss)
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
                 "is_weight": 0.0, "kept": 0.0}
         for j, micro in enumerate(minis):
             step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j],
                                                           threshold[j], sums)
-            opt_step = ((step - 1) * cfg.num_iterations + iteration) * n_mini + j  # the run's optimizer steps before
+            # the run's optimizer steps before this one
+            opt_step = ((step - 1) * cfg.num_iterations + iteration) * len(minis) + j
             grad_norm, lr, done = optimizer_step(run, opt_step, step_loss)
             skipped += not done
             if cfg.use_adaptive_entropy:  # this optimizer step's mean entropy over every rank's counted tokens
                 control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
-    sums["loss"] = sums["loss"] / n_mini
+    sums["loss"] = sums["loss"] / len(minis)
     sums.update(old.sums())
     return sums, old.diff_max, grad_norm, lr, skipped
+
+
+def mini_batches(run, batch, mask, loss_mask):
+    """The step's mini-batches, each a list of micro-batches, and each mini-batch's counted tokens over all ranks.
+    Mini-batch j: the step's rows i with i % steps_per_generation == j, whatever the world size (n /
+    steps_per_generation of them on each rank); its normalisers over all ranks, so any world size gives the same
+    gradient. In each, the micro-batches of `run.micro_batches` (`micro_batches` below unless a feature groups rows
+    otherwise); with a token budget, as many on every rank (each forward makes FSDP collectives)."""
+    cfg, d = run.cfg, run.d
+    rows = logprobs.mini_batch_rows(mask.shape[0], batch.mine.start, cfg.steps_per_generation, d.device)
+    num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)
+                  for c in sharding.all_reduce_sum([loss_mask[r].sum().item() for r in rows], d)]
+    T = batch.rollout.completion_ids.shape[1]
+    minis = [run.micro_batches(run, batch, r, mask, loss_mask, T) for r in rows]
+    if d.world_size > 1 and cfg.micro_batch_tokens:
+        counts = sharding.all_gather_rows(torch.tensor([[len(m) for m in minis]], device=d.device), d).amax(0)
+        minis = [logprobs.split_micro_batches(m, c) for m, c in zip(minis, counts.tolist())]
+    return minis, num_tokens
+
+
+def before_first_step(run, ids, mask, minis, loss_mask, old, extras):
+    """What must be read at the weights that sampled before the first optimizer step moves them: with several
+    mini-batches, every row's old log-probs (one forward without gradient each, kept in `old`); with
+    top_entropy_quantile, each mini-batch's entropy threshold (`entropy_threshold`). The thresholds, or Nones."""
+    cfg = run.cfg
+    threshold = [None] * len(minis)  # each mini-batch's entropy quantile
+    if len(minis) > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies)
+        for j, micro in enumerate(minis):
+            out = sampling_logprobs(run, ids, mask, micro, extras)
+            for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
+                old.keep(j, i, mb, logp)
+            if cfg.top_entropy_quantile < 1:
+                threshold[j] = entropy_threshold(run, ids, mask, micro, loss_mask, extras, [e for _, e in out])
+    elif cfg.top_entropy_quantile < 1:
+        threshold[0] = entropy_threshold(run, ids, mask, minis[0], loss_mask, extras)
+    return threshold
 
 
 class OldLogprobs:
@@ -621,26 +359,37 @@ class OldLogprobs:
         self.mismatch[which] = part if have is None else {k: have[k] + v for k, v in part.items()}
 
     def keep(self, j, i, mb, logp):
-        cfg = self.cfg
+        """Micro-batch (j, i)'s log-probs at the weights that sampled (its carried tokens': the sampler's), compared
+        with the sampler's, and its importance weights where asked."""
         mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
         compared = mb_mask
         if self.stale is not None:
-            stale = self.stale[mb.rows, :mb.t] * mb_mask
-            self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
-            self.carried_tokens = self.carried_tokens + stale.sum()
-            self._add_mismatch("carried", logp, sampler, stale)
-            logp, compared = torch.where(stale.bool(), sampler, logp), mb_mask * ~stale.bool()
+            logp, compared = self._carried(mb, logp, sampler, mb_mask)
         self._add_mismatch("fresh", logp, sampler, compared)
         self.logp[j][i] = logp
         diff = (logp - sampler).abs() * compared
         self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
         self.diff_max = torch.maximum(self.diff_max, diff.max())
-        if cfg.importance_sampling != "none":
-            self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
-                                                           cfg.importance_sampling_min, cfg.importance_sampling_max)
-            w, counted = self.is_weight[j][i].expand_as(mb_mask), mb_mask > 0  # a sequence's weight on its tokens
-            self.is_min = torch.minimum(self.is_min, torch.where(counted, w, math.inf).min())
-            self.is_max = torch.maximum(self.is_max, torch.where(counted, w, -math.inf).max())
+        if self.cfg.importance_sampling != "none":
+            self._weights(j, i, logp, sampler, mb_mask)
+
+    def _carried(self, mb, logp, sampler, mb_mask):
+        """The carried tokens of the micro-batch: their |train - sampler| counted apart, the sampler's log-prob
+        taken as theirs; (log-probs, the tokens compared)."""
+        stale = self.stale[mb.rows, :mb.t] * mb_mask
+        self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
+        self.carried_tokens = self.carried_tokens + stale.sum()
+        self._add_mismatch("carried", logp, sampler, stale)
+        return torch.where(stale.bool(), sampler, logp), mb_mask * ~stale.bool()
+
+    def _weights(self, j, i, logp, sampler, mb_mask):
+        """The importance weights of the sampler's tokens (grpo.importance_weights), and their extremes."""
+        cfg = self.cfg
+        self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
+                                                       cfg.importance_sampling_min, cfg.importance_sampling_max)
+        w, counted = self.is_weight[j][i].expand_as(mb_mask), mb_mask > 0  # a sequence's weight on its tokens
+        self.is_min = torch.minimum(self.is_min, torch.where(counted, w, math.inf).min())
+        self.is_max = torch.maximum(self.is_max, torch.where(counted, w, -math.inf).max())
 
 
 def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, threshold, sums):
@@ -654,7 +403,7 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
         logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                width=mb.width, compile_layers=cfg.compile_layers,
                                entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
-                               routing=routes(inputs["route"], mb), images=images_of(run, mb))
+                               **inputs["extras"](mb))
         mb_mask = loss_mask[mb.rows, :mb.t]
         if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
             old.keep(j, i, mb, logp.detach())
@@ -732,14 +481,14 @@ def control_entropy(run, entropy):
     run.last_entropy = entropy
 
 
-def entropy_threshold(run, ids, mask, micro, loss_mask, entropy=None):
+def entropy_threshold(run, ids, mask, micro, loss_mask, extras, entropy=None):
     """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of `micro` (a mini-batch),
     on every rank, at the weights that sampled: their `entropy` (one per micro-batch), or else one forward without
     gradient per micro-batch, so that the tokens kept do not depend on how the mini-batch is split (TRL takes
     the quantile over each micro-batch). None without tokens."""
     cfg, d = run.cfg, run.d
     if entropy is None:
-        entropy = [e for _, e in sampling_logprobs(run, ids, mask, micro)]
+        entropy = [e for _, e in sampling_logprobs(run, ids, mask, micro, extras)]
     local = torch.cat([e[loss_mask[mb.rows, :mb.t] > 0] for e, mb in zip(entropy, micro)]).float()
     if d.world_size > 1:  # every rank's tokens, each rank's padded with NaN to the most any rank has
         most = int(sharding.all_gather_rows(torch.tensor([local.numel()], device=d.device), d).max().item())
@@ -775,17 +524,18 @@ def peak_memory(d):
 
 def train_step(run, step):
     """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
-    (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages)."""
-    cfg, d = run.cfg, run.d
+    (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages).
+
+    The features a run applies (features/__init__.py) plug in at the run's seams, never here: `run.draw` and
+    `run.rollout` (the batch), `run.reference`, `run.forward_extras` and `run.micro_batches` (the update's
+    forwards), `run.step_metrics` (each feature's own metrics)."""
+    d = run.d
     t0 = time.time()
-    executor.take_stats()  # model-written code run from here on (tools, rewards) is this step's; an evaluation's is not
-    memory = {}
     peak_memory(d)
-    # 1. sample G completions per prompt and 2. score them: (n,); with dynamic sampling, until enough have a signal
-    batch, total, parts, reward_time, dynamic = draw(run, step)
-    memory["memory/generation_gib"] = peak_memory(d)
+    # 1. sample G completions per prompt and 2. score them: (n,)
+    batch, total, parts, reward_time, drawn = run.draw(run, step)
+    memory = {"memory/generation_gib": peak_memory(d)}
     t_gen = time.time() - t0 - reward_time["reward_time"]
-    exec_stats = executor.take_stats()
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     all_parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
     try:
@@ -795,41 +545,30 @@ def train_step(run, step):
     t1 = time.time()
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     memory["memory/training_gib"] = peak_memory(d)
-    scaled = run.loss_scale.step_metrics() if run.loss_scale is not None else {}  # float16's loss scale
-    say_skipped(run, step, skipped, scaled.get("overflow_steps", 0), grad_norm)
+    if skipped:
+        say_skipped(run, step, skipped, grad_norm)
     # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
     metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
                                                     all_total, parts, all_adv, group_std),
-               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **dynamic,
-               **({"entropy_coef": run.entropy_coef} if cfg.use_adaptive_entropy else {}), **scaled}
+               "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **drawn}
     step_time = time.time() - t0
     if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
         metrics.update(memory)
     rollout = batch.rollout
     if rollout.held_steps is not None and int(rollout.held_steps.sum()):  # this rank's decode places at work
         metrics["slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()
-    if cfg.max_staleness:
-        metrics.update(staleness_metrics(run, rollout, step), generation_wait_s=run.stream.wait)
-    elif cfg.rollouts_in_flight:
-        metrics["generation_wait_s"] = t_gen
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
-                   tokens_per_s=metrics["batch_tokens"] / step_time, **execution_metrics(d, exec_stats))
-    if cfg.sync_ref_model:  # the reference's syncs so far in the run
-        metrics["ref_syncs"] = optimizer_steps(cfg, step) // cfg.ref_model_sync_steps
-    if cfg.routing_replay:  # of the policy's replayed (token, layer) routing decisions, the share it would change
-        differ, decisions = sharding.all_reduce_sum(list(routing.of(run.policy.lm).counts()), d)
-        metrics["routing_replay_differ"] = differ / max(1.0, decisions)
-        if cfg.beta > 0:  # the reference's own: how far its routers are from the experts the policy sampled
-            differ, decisions = sharding.all_reduce_sum(run.ref_routing, d)
-            metrics["routing_replay_differ_ref"] = differ / max(1.0, decisions)
-            run.ref_routing = [0.0, 0.0]
+                   tokens_per_s=metrics["batch_tokens"] / step_time)
+    for contribute in run.step_metrics:  # each feature's own (features/__init__.py)
+        metrics.update(contribute(run, batch, step, metrics))
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 
 
-def say_skipped(run, step, skipped, overflowed, grad_norm):
+def say_skipped(run, step, skipped, grad_norm):
     """The step's skipped optimizer steps, on rank 0: float16 overflows (the scale halved) apart from the others."""
+    overflowed = run.loss_scale.unreported() if run.loss_scale is not None else 0
     if overflowed and run.d.master:
         print(f"step {step}: {overflowed} optimizer step(s) skipped for a float16 overflow; the loss scale is now "
               f"{run.loss_scale.scale:g}", flush=True)
@@ -837,18 +576,6 @@ def say_skipped(run, step, skipped, overflowed, grad_norm):
         print(f"step {step}: {skipped - overflowed} optimizer step(s) skipped, the loss or gradient norm was not "
               f"finite (last grad_norm {grad_norm.item():.3g}); a skipped step leaves the weights as they were",
               flush=True)
-
-
-def staleness_metrics(run, rollout, step):
-    """How many versions older than the step's weights (step - 1 training steps) the policy tokens trained are, mean
-    and largest, and how many rows attend to K/V older weights computed (`rows_carried`), over every rank."""
-    mask = rollout.policy_mask.bool()
-    age = (step - 1 - rollout.versions).masked_fill(~mask, 0)  # (n, T)
-    total, tokens, carried = sharding.all_reduce_sum(
-        [float(age.sum()), float(mask.sum()), float((rollout.context_version < step - 1).sum())], run.d)
-    oldest = sharding.all_gather_rows(torch.tensor([[float(age.max()) if age.numel() else 0.0]], device=run.d.device),
-                                      run.d).max().item()
-    return {"staleness_mean": total / max(tokens, 1.0), "staleness_max": oldest, "rows_carried": carried}
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -377,14 +377,6 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
     lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)  # policy + environment
     policy_lengths = sharding.all_gather_rows(batch.rollout.policy_mask.sum(1).float(), d)
-    turns = sharding.all_gather_rows(batch.rollout.turns.float(), d)
-    tools = {}
-    if batch.episodes is not None:  # tool calls and failed calls per completion
-        counts = torch.tensor([[e.tool_calls, e.tool_errors] for e in batch.episodes], dtype=torch.float32,
-                              device=d.device)
-        counts = sharding.all_gather_rows(counts, d)
-        tools = {"tool_calls": counts[:, 0].mean().item(), "tool_errors": counts[:, 1].mean().item(),
-                 "turns": turns.mean().item(), "turns_max": turns.max().item()}
     truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
     parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
     tok = max(sums["tokens"], 1.0)
@@ -409,12 +401,24 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "completion_length_max": lengths.max().item(), "completion_policy_length": policy_lengths.mean().item(),
         **({"completion_length_ended": ended.mean().item(), "completion_length_ended_min": ended.min().item(),
             "completion_length_ended_max": ended.max().item()} if ended.numel() else {}),
-        "truncated_frac": truncated.mean().item(), **tools,
+        "truncated_frac": truncated.mean().item(),
         "batch_tokens": sums["seen"], **sampler_metrics(sums, lp_diff_max),
         **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
         **({"kept_frac": sums["kept"] / tok}
            if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
     }
+
+
+def tool_metrics(run, batch, step, so_far):
+    """Tool calls and failed calls per completion, and the turns a completion took (mean and most), over every
+    rank: what a run with tools or an environment adds to the step's metrics (features/__init__.py)."""
+    d = run.d
+    turns = sharding.all_gather_rows(batch.rollout.turns.float(), d)
+    counts = torch.tensor([[e.tool_calls, e.tool_errors] for e in batch.episodes], dtype=torch.float32,
+                          device=d.device)
+    counts = sharding.all_gather_rows(counts, d)
+    return {"tool_calls": counts[:, 0].mean().item(), "tool_errors": counts[:, 1].mean().item(),
+            "turns": turns.mean().item(), "turns_max": turns.max().item()}
 
 
 def weight_extremes(sums, d):

@@ -57,11 +57,19 @@ class Run:
     entropy_coef: float = 0.0           # the entropy bonus's coefficient, which use_adaptive_entropy moves
     last_entropy: typing.Optional[float] = None  # the last optimizer step's mean entropy (adaptive control)
     images: typing.Optional[object] = None  # vision.ImageEncoder of a vision-language policy's prompts, or None
-    step_images: typing.Optional[object] = None  # the batch being trained's vision.PromptImages (None: no images)
-    ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
     paths: str = ""                     # which way the sampler and the training forward run the policy (the banner's)
-    stream: object = None               # train.RolloutStream of a run with max_staleness > 0, made at its first step
     loss_scale: typing.Optional[sharding.LossScale] = None  # float16 compute's dynamic loss scale (else None)
+    # The seams where optional features plug into the step (train.setup sets the core's own functions, then
+    # features/__init__.py applies the run's features to them, in order):
+    rollout: typing.Callable = None     # (run, step, round) -> this rank's rows sampled (rollouts.Batch)
+    draw: typing.Callable = None        # (run, step) -> the step's scored batch (train.draw)
+    micro_batches: typing.Callable = None  # (run, batch, rows, mask, loss_mask, T) -> a mini-batch's micro-batches
+    reference: object = None            # runs the reference's forward: `ref` itself, unless a feature says otherwise
+    sample_options: dict = field(default_factory=dict)  # keywords of sampling.sample_rows a feature adds
+    forward_extras: list = field(default_factory=list)  # (run, batch) -> (micro-batch -> forward keywords)
+    step_metrics: list = field(default_factory=list)    # (run, batch, step, metrics so far) -> a feature's metrics
+    stream: object = None               # features/streaming.py's RolloutStream, with --max_staleness
+    ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
 
 
 def setup(cfg, d):
@@ -94,7 +102,7 @@ def setup(cfg, d):
     fp16 = d.mesh is not None and sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] == torch.float16
     return Run(cfg, d, tokenizer, policy, ref, eos_ids, task, weights, reward_model, optimizer, agent,
                entropy_coef=cfg.entropy_coef, images=load_images(cfg, policy.lm, tokenizer, task), paths=paths.banner(),
-               loss_scale=sharding.LossScale() if fp16 else None)
+               loss_scale=sharding.LossScale() if fp16 else None, reference=ref)
 
 
 def load_images(cfg, model, tokenizer, task):

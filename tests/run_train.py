@@ -30,6 +30,7 @@ import model_loading  # noqa: E402
 import sharding  # noqa: E402
 from layers import engine, routing, transformer  # noqa: E402
 import train  # noqa: E402
+import features.streaming  # noqa: E402
 from launches import export_differs  # noqa: E402
 from runs import setup as run_setup  # noqa: E402
 
@@ -160,7 +161,7 @@ def run(argv):
             record(ids)
         return rollout
 
-    original_stream_batch = train.RolloutStream.batch
+    original_stream_batch = features.streaming.RolloutStream.batch
 
     def recording_stream_batch(self, step, round=0):  # max_staleness: a step's rows come out of the stream
         batch = original_stream_batch(self, step, round)
@@ -190,7 +191,7 @@ def run(argv):
 
     sampling.sample, sampling.check_exact, sharding.check_same_placement = recording_sample, marked_check, spying_check
     run_setup.load_models = spying_load
-    train.RolloutStream.batch = recording_stream_batch
+    features.streaming.RolloutStream.batch = recording_stream_batch
     original_layer, layer_calls = transformer._layer_on, [0]
 
     def counting_layer(*args):  # the written-out training forward's layer, sharded or not
@@ -215,7 +216,7 @@ def run(argv):
             original_check_exact, original_check
         transformer._layer_on, sharding.teardown = original_layer, teardown
         engine.StaticDecoder.prefill = original_prefill
-        train.RolloutStream.batch = original_stream_batch
+        features.streaming.RolloutStream.batch = original_stream_batch
         run_setup.load_models = original_load
 
     policy, ref = seen["policy"], seen["ref"]

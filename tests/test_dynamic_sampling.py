@@ -31,7 +31,7 @@ def naive_draw(run, step):
     P, G = run.cfg.prompts_per_step, run.cfg.num_generations
     with_signal, without = [], []
     for round in range(run.cfg.max_generation_rounds):
-        batch = train.rollout(run, step, round)
+        batch = run.rollout(run, step, round)
         total, _, _ = train.score(run, batch, step)
         for g in range(P):
             rows = range(g * G, (g + 1) * G)
@@ -50,7 +50,7 @@ def test_draw_keeps_the_first_groups_with_a_signal_as_a_naive_loop_does(tmp_path
     P, G = 4, 4
     for step in (1, 2):
         expected, used, kept = naive_draw(run, step)
-        batch, total, parts, seconds, metrics = train.draw(run, step)
+        batch, total, parts, seconds, metrics = run.draw(run, step)
         got = [(batch.prompts[i], batch.rollout.completion_ids[i][batch.rollout.completion_mask[i] > 0].tolist(),
                 total[i].item()) for i in range(P * G)]
         assert got == expected
@@ -79,7 +79,7 @@ def test_the_sampler_ahead_draws_the_rounds_a_synchronous_step_draws(tmp_path):
     ahead = setup(tmp_path / "ahead", max_generation_rounds=6, max_steps=3, max_completion_length=12, max_staleness=1)
     rounds = []
     for step in (1, 2, 3):
-        want, got = train.draw(sync, step), train.draw(ahead, step)
+        want, got = sync.draw(sync, step), ahead.draw(ahead, step)
         assert _rows(got[0], got[1]) == _rows(want[0], want[1]), step
         assert got[4] == want[4]
         rounds.append(got[4]["dynamic/rounds"])

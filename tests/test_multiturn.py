@@ -161,7 +161,7 @@ def test_gradient_counts_policy_tokens_only(tmp_path):
     cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
                        max_completion_length=30, micro_batch_size=3, beta=0.1, save_every=0)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    batch = train.rollout(run, 1)
+    batch = run.rollout(run, 1)
     lm = run.policy.lm
     batch.rollout = sampling.sample(lm, batch.prompt_ids, batch.prompt_mask, max_new_tokens=30, eos_ids=STOP_IDS,
                                     pad_id=run.tokenizer.pad_token_id, seeds=torch.arange(8), max_turns=3,

@@ -58,7 +58,7 @@ def test_mini_batches_match_sequential_optimizer_steps_on_their_rows_alone(tmp_p
                        beta=0.1, temperature=0.7, lr=1e-2, lr_schedule="linear", max_steps=1, save_every=0,
                        importance_sampling_min=0.7, importance_sampling_max=1.3, **settings)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    batch = train.rollout(run, 1)
+    batch = run.rollout(run, 1)
     r = batch.rollout
     noise = torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)) * 0.3 * r.completion_mask
     r.logprobs = r.logprobs + noise  # a sampler that disagrees with the trainer: some weights clip
@@ -146,7 +146,7 @@ def test_one_mini_batch_takes_the_old_log_probs_from_its_first_pass(tmp_path, mo
         cfg = train.Config(device="cpu", out_dir=str(tmp_path / str(mini)), prompts_per_step=2, num_generations=4,
                            micro_batch_size=3, num_iterations=2, steps_per_generation=mini, beta=0, save_every=0)
         run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-        batch = train.rollout(run, 1)
+        batch = run.rollout(run, 1)
         forwards.update(grad=0, no_grad=0)
         train.update(run, batch, torch.randn(8, generator=torch.Generator().manual_seed(1)), 1)
         assert forwards == expected, mini  # micro-batches of 3 rows: 3 of the 8 rows, 2 of each 4-row mini-batch

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
+import features.streaming  # noqa: E402
 from test_multiturn import STOP_IDS, answering, multi_turn  # noqa: E402
 
 
@@ -110,11 +111,11 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     decode = engine.StaticDecoder.decode
     monkeypatch.setattr(engine.StaticDecoder, "decode", lambda self, *a, **k: (steps.__setitem__(0, steps[0] + 1),
                                                                              decode(self, *a, **k))[1])
-    landed = train.Landing.__call__
+    landed = features.streaming.Landing.__call__
     submitted = []  # the decode steps done when each group was handed over
-    monkeypatch.setattr(train.Landing, "__call__", lambda self, rows, ids: (submitted.append(steps[0]),
+    monkeypatch.setattr(features.streaming.Landing, "__call__", lambda self, rows, ids: (submitted.append(steps[0]),
                                                                             landed(self, rows, ids))[1])
-    batch = train.rollout(run, 3)
+    batch = run.rollout(run, 3)
     assert batch.landing is not None and submitted and submitted[0] < steps[0]  # decoding went on after
     total, parts, _ = train.score(run, batch, 3)
     assert sorted(n for n, _ in calls) == [4, 4, 4] and all(name.startswith("rewards") for _, name in calls)
@@ -132,7 +133,7 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     run.task.reward_funcs[:] = [failing]
     run.weights[:] = [1.0]
     with pytest.raises(SystemExit, match=f"on completion {k}: "):
-        train.score(run, train.rollout(run, 3), 3)
+        train.score(run, run.rollout(run, 3), 3)
 
     # a collective function (a reward model: every rank calls its forward together) scores the whole batch at the
     # step's take, in the step's own thread, the others as their groups land; it is called even where another
@@ -144,7 +145,7 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     del calls[:]
     run.task.reward_funcs[:] = [sized, judge]
     run.weights[:] = [0.5, 2.0]
-    batch = train.rollout(run, 3)
+    batch = run.rollout(run, 3)
     total, parts, _ = train.score(run, batch, 3)
     assert sorted(calls) == [(4, "rewards_0")] * 3 + [(12, "MainThread")]
     want_total, want_parts, _ = train.score(run, dataclasses.replace(batch, landing=None), 3)
@@ -153,7 +154,7 @@ def test_groups_are_scored_as_they_land_while_decoding_goes_on(tmp_path, monkeyp
     del calls[:]
     run.task.reward_funcs[:] = [failing, judge]
     with pytest.raises(SystemExit, match=f"on completion {k}: "):
-        train.score(run, train.rollout(run, 3), 3)
+        train.score(run, run.rollout(run, 3), 3)
     assert calls == [(12, "MainThread")]
 
 

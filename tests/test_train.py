@@ -342,7 +342,7 @@ def test_update_matches_a_naive_multi_iteration_update(tmp_path, request, import
                        beta=0.1, temperature=0.7, use_bias_correction_kl=True, importance_sampling=importance_sampling,
                        importance_sampling_min=0.7, importance_sampling_max=1.3, save_every=0, compile_layers=compiled)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    batch = train.rollout(run, 1)
+    batch = run.rollout(run, 1)
     r = batch.rollout
     sampled = r.logprobs.clone()
     noise = torch.randn(sampled.shape, generator=torch.Generator().manual_seed(0)) * 0.3 * r.completion_mask
@@ -424,7 +424,7 @@ def test_rewards_see_the_trajectory_ids_and_step_and_a_gdpo_step_runs(tmp_path):
         return [float(len(c)) for c in completions]
     run.task.reward_funcs[:] = [recorder, rewards.soft_overlong_punishment]
     run.weights[:] = [1.0, 0.5]
-    batch = train.rollout(run, 3)
+    batch = run.rollout(run, 3)
     total, parts, _ = train.score(run, batch, 3)
     r = batch.rollout
     assert seen["step"] == 3
@@ -450,7 +450,7 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     cfg = train.Config(device="cpu", out_dir=str(tmp_path), prompts_per_step=2, num_generations=4,
                        max_completion_length=5, micro_batch_size=3, beta=0.1, save_every=0, **settings)
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    batch = train.rollout(run, 1)
+    batch = run.rollout(run, 1)
     r = batch.rollout
     r.logprobs = r.logprobs + torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)) * 0.3 \
         * r.completion_mask  # a sampler that disagrees: the off-policy mask drops some sequences
@@ -511,6 +511,6 @@ def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monke
     run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy,
                                 d=types.SimpleNamespace(world_size=2, device=torch.device("cpu")))
     ids = torch.arange(4)[:, None].expand(4, 3)
-    threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask)
+    threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask, lambda mb: {})
     counted = torch.cat([entropy[loss_mask > 0], others])
     torch.testing.assert_close(threshold, torch.quantile(counted, 0.7))

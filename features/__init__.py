@@ -1,0 +1,45 @@
+"""The optional features a run applies, in one place and in order (`apply`), as torchtitan's `parallelize` applies
+parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`,
+`micro_batches`, `reference`, `sample_options`, `forward_extras`, `step_metrics`) and the core step (train.py)
+holds no branch on its setting. A default run applies none of them, and a default step enters none of these files.
+
+Each file here is one feature, read on its own: what it replaces or wraps, and its metrics.
+    streaming.py          --rollouts_in_flight, --max_staleness: rows through a few decode places, scored as
+                          their groups land; the sampler working ahead across steps
+    dynamic_sampling.py   --dynamic_sampling: draws until enough groups have a signal (DAPO)
+    routing_replay.py     --routing_replay: the sampler's experts, replayed by the training forwards
+    images.py             a vision-language policy's prompt images, into each training forward
+    shared_prompts.py     --shared_prompts: a group's rows trained as one tree over their prompt
+    lora_reference.py     --lora_rank with --beta: the reference is the policy with its adapters off
+    code_execution.py     programs run in the sandbox during a step: their metrics
+    schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
+What the sampler and the layers apply from outside (tensor-parallel slices, CUDA graphs, the Triton kernels, MoE
+and recurrent layers) is chosen where the decoder is built (sampling.py, layers/engine.py).
+"""
+
+from runs import log as run_log
+from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, schedules,
+                      shared_prompts, streaming)
+
+
+def apply(run, core):
+    """Apply the run's features to its seams, in order; `core` is the module of the core step (train.py), whose
+    functions a feature wraps or calls (passed, not imported: `python train.py` runs it as __main__)."""
+    cfg = run.cfg
+    if cfg.lora_rank and cfg.beta > 0:
+        lora_reference.apply(run)
+    if cfg.routing_replay:
+        routing_replay.apply(run)
+    if run.images is not None:
+        images.apply(run)
+    if cfg.shared_prompts:
+        shared_prompts.apply(run)
+    if cfg.rollouts_in_flight or cfg.max_staleness:
+        streaming.apply(run, core)
+    if cfg.dynamic_sampling:
+        dynamic_sampling.apply(run, core)
+    if run.agent is not None:  # tools or an environment: their calls and turns (the sampler answers the turns)
+        run.step_metrics.append(run_log.tool_metrics)
+    if code_execution.may_run_programs(run):  # after the draw's features: it wraps the whole draw
+        code_execution.apply(run)
+    schedules.apply(run, core)
