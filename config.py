@@ -159,7 +159,7 @@ class Config:
         # The same completions either way (each row draws from its own seed); the KV cache holds this many rows
     max_staleness: int = setting(0, run=True, at_least=0)  # K > 0: while a step's last rows run on, the sampler
         # decodes the prompts of the next K steps, and rows in flight keep their cache across the optimizer step
-        # (train.RolloutStream; docs/design.md). A step still trains its own prompts; a token is at most K steps
+        # (features/streaming.py; docs/design.md). A step still trains its own prompts; a token is at most K steps
         # older than the weights it trains, and its sampler log-prob is the loss's old log-prob. 0 = each step
         # samples its rows with its own weights
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode

@@ -15,6 +15,9 @@ Each file here is one feature, read on its own: what it replaces or wraps, and i
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
 What the sampler and the layers apply from outside (tensor-parallel slices, CUDA graphs, the Triton kernels, MoE
 and recurrent layers) is chosen where the decoder is built (sampling.py, layers/engine.py).
+
+Imports: the top-level modules (sampling, rollouts, rewards, logprobs, sharding), runs/log.py, layers/ (lora,
+routing) and sandbox/executor.py; only train.py imports it, and no core file imports a file of it.
 """
 
 from runs import log as run_log

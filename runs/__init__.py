@@ -11,5 +11,6 @@
 
 Imports: cli.py, disk.py and weights.py import nothing of the project (config.py, sharding.py and model_loading.py
 use them); setup.py, log.py, plan.py and export.py import the top-level modules, and only train.py imports them
-(plan.py: also layers/ and config.py, for its table; export.py: sharding.py and layers/lora.py).
+(features/ also imports log.py; plan.py: also layers/ and config.py, for its table; export.py: sharding.py and
+layers/lora.py).
 """
