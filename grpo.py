@@ -27,9 +27,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     `rewards` (N,) float, NaN where no reward function could score a completion:
     those are left out of the statistics and get advantage 0. A group whose
     valid rewards are all equal (or has fewer than two) gets exactly 0.
-    scale: "group" divides by the group's std (the paper), "batch" by the std of
-    the whole batch (more robust to low-variance groups), "none" only centres
-    (Dr. GRPO argues the std division biases towards easy and hard questions).
+    scale: "group" divides by the group's std (the paper); "batch" and "none": `rescaled`.
     The statistics are taken in float64, where no finite float32 rewards can
     overflow; ValueError when the advantages do not fit float32 (only possible
     with scale "none" and rewards near float32's limit) or a reward is infinite.
@@ -50,19 +48,23 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     hi = torch.where(valid, r, float("-inf")).amax(1, keepdim=True)
     lo = torch.where(valid, r, float("inf")).amin(1, keepdim=True)
     flat = (hi <= lo) | (n < 2)  # all equal: no signal, and rounding in `mean` must not invent one
-    if scale == "group":
-        adv = centred / (std + eps)
-    elif scale == "batch":
-        all_valid = r[valid]
-        batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
-        adv = centred / (batch_std + eps)
-    else:
-        adv = centred
+    adv = centred / (std + eps) if scale == "group" else rescaled(centred, r, valid, scale, eps)
     adv = torch.where(flat, 0.0, adv).float()
     if not torch.isfinite(adv).all():
         raise ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
                          f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
     return adv.reshape(-1), std.squeeze(1)
+
+
+def rescaled(centred, r, valid, scale, eps):
+    """The centred rewards `centred` (P, G) of group_advantages, for the scales other than "group": "batch"
+    divides by the std of the whole batch's valid rewards `r[valid]` (more robust to low-variance groups), "none"
+    only centres (Dr. GRPO argues the std division biases towards easy and hard questions)."""
+    if scale == "batch":
+        all_valid = r[valid]
+        batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        return centred / (batch_std + eps)
+    return centred
 
 
 def decoupled_rewards(parts, weights, group_size):
@@ -173,42 +175,56 @@ def mismatch_metrics(sums):
 
 
 def log_ratio(logp, old_logp, mask, level="token"):
-    """log pi / pi_old: per token (n, T), or with level "sequence" one per sequence (n, 1), the mean of the
-    token log-ratios over its counted tokens (GSPO; TRL's importance_sampling_level). The sequence form keeps
-    the gradient of every token's log-prob, so each token's gradient is the sequence ratio times 1/|o_i|."""
+    """log pi / pi_old: per token (n, T), or with level "sequence" one per sequence (`sequence_log_ratio`)."""
     diff = logp - old_logp
-    if level == "token":
-        return diff
-    if level == "sequence":
-        return (diff * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
-    raise ValueError(f"importance_sampling_level: unknown value {level!r} "
-                     f"(one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+    return diff if level == "token" else sequence_log_ratio(diff, mask, level)
+
+
+def sequence_log_ratio(diff, mask, level="sequence"):
+    """One log-ratio per sequence (n, 1): the mean of the token log-ratios `diff` over its counted tokens (GSPO;
+    TRL's importance_sampling_level). It keeps the gradient of every token's log-prob, so each token's gradient is
+    the sequence ratio times 1/|o_i|."""
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level: unknown value {level!r} "
+                         f"(one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+    return (diff * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (n, 1)
 
 
 # ----------------------------------------------------------------------------- the policy term
 # Each returns the per-token loss (to be minimised) of ratio (n, T) or (n, 1) and advantages (n, 1).
 
 
-def clipped_term(ratio, adv, *, epsilon, epsilon_high, delta=None):
-    """PPO's -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A). `delta`: the unclipped rho is also capped
-    at delta (two-sided clipping, INTELLECT-2; TRL's `delta`), so a negative advantage cannot push a token whose
-    ratio has run far above 1 without bound."""
-    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    if delta is not None:
-        ratio = ratio.clamp(max=delta)
+def clipped_term(ratio, adv, o, **_):
+    """PPO's -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), with the Objective `o`'s epsilons. `delta`: the
+    unclipped rho is also capped at delta (two-sided clipping, INTELLECT-2; TRL's `delta`), so a negative advantage
+    cannot push a token whose ratio has run far above 1 without bound."""
+    clipped = ratio.clamp(1 - o.epsilon, 1 + o.clip_high)
+    if o.delta is not None:
+        ratio = ratio.clamp(max=o.delta)
     return -torch.min(ratio * adv, clipped * adv)
 
 
-def cispo_term(ratio, adv, logp, *, epsilon_high):
+def clipped_tokens(ratio, adv, o):
+    """The tokens whose clipped side was taken, so that get no gradient: (below, above)."""
+    return (ratio < 1 - o.epsilon) & (adv < 0), (ratio > 1 + o.clip_high) & (adv > 0)
+
+
+def cispo_term(ratio, adv, o, logp, **_):
     """CISPO (MiniMax-M1): -sg(min(rho, epsilon_high)) A log pi. The ratio is clipped and detached, so every token
     keeps a gradient (A log pi, weighted); as in TRL the bound is epsilon_high itself, not 1 + epsilon_high."""
-    return -ratio.clamp(max=epsilon_high).detach() * adv * logp
+    return -ratio.clamp(max=o.clip_high).detach() * adv * logp
 
 
-def sapo_term(ratio, adv, *, temperature_pos, temperature_neg):
-    """SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau = temperature_pos where A > 0, else temperature_neg. A soft
-    gate instead of a hard clip: at rho = 1 its gradient is that of rho A, and it fades as rho moves away."""
-    tau = torch.where(adv > 0, temperature_pos, temperature_neg)
+def cispo_capped(ratio, adv, o):
+    """The tokens whose weight was capped (TRL's cispo clip ratio): (none below, above)."""
+    high = (ratio > o.clip_high) & (adv > 0)
+    return torch.zeros_like(high), high
+
+
+def sapo_term(ratio, adv, o, **_):
+    """SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau = sapo_temperature_pos where A > 0, else sapo_temperature_neg.
+    A soft gate instead of a hard clip: at rho = 1 its gradient is that of rho A, and it fades as rho moves away."""
+    tau = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
@@ -228,6 +244,25 @@ def vespo_term(logp, old_logp, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_ne
         lam = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return -phi * adv * logp
+
+
+def vespo_objective_term(ratio, adv, o, logp, old_logp, mask, is_weight):
+    """vespo_term with the Objective `o`'s settings: its own sequence ratio from the token log-ratios (not `ratio`),
+    the importance weight inside it."""
+    return vespo_term(logp, old_logp, adv, mask, k_pos=o.vespo_k_pos, lambda_pos=o.vespo_lambda_pos,
+                      k_neg=o.vespo_k_neg, lambda_neg=o.vespo_lambda_neg, is_weight=is_weight)
+
+
+def nothing_clipped(ratio, adv, o):
+    """A soft gate (sapo) or a weight (vespo) clips nothing: (none below, none above)."""
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return none, none
+
+
+# Each policy term: (its per-token loss, the tokens it clipped). The loss is called as
+# loss(ratio, adv, o, logp=, old_logp=, mask=, is_weight=) and takes the keywords it needs.
+TERMS = {"clip": (clipped_term, clipped_tokens), "cispo": (cispo_term, cispo_capped),
+         "sapo": (sapo_term, nothing_clipped), "vespo": (vespo_objective_term, nothing_clipped)}
 
 
 # ----------------------------------------------------------------------------- which tokens count
@@ -267,6 +302,12 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
     """
     if how == "sequence_mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    return summed_over_tokens(per_token, mask, how, num_sequences, num_tokens, max_completion_length)
+
+
+def summed_over_tokens(per_token, mask, how, num_sequences, num_tokens, max_completion_length):
+    """The aggregations that sum the batch's counted tokens' terms, then divide: token_mean, constant, sequence_sum
+    (`aggregate`)."""
     if how == "token_mean":
         return (per_token * mask).sum() / num_tokens
     if how == "constant":
@@ -295,8 +336,12 @@ class Objective:
     vespo_lambda_pos: float = 3.0         # ... and its decay
     vespo_k_neg: float = 3.0              # ... where the advantage is < 0
     vespo_lambda_neg: float = 2.0
-    entropy_coef: float = 0.0             # minus this times the mean entropy of the counted tokens
-    use_bias_correction_kl: bool = False  # the k3 term times the ratio (DeepSeek-V3.2; TRL's default)
+    entropy_coef: float = 0.0             # minus this times the mean entropy of the counted tokens (sum over a
+                                          # micro-batch's / num_tokens)
+    # the k3 term multiplied by the ratio pi / pi_old, gradient included (TRL's `use_bias_correction_kl`, on by
+    # default in TRL 1.16; from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref) also when
+    # the batch was sampled by an older policy. At ratio 1 the loss's value is unchanged, but its gradient is not.
+    use_bias_correction_kl: bool = False
     max_completion_length: int = 1        # dr_grpo's constant normaliser
 
     @classmethod
@@ -315,63 +360,35 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy
     that sampled (logp.detach() when each batch is used once, so the ratio is 1);
     ref_logp is None when beta == 0; advantages (n,); mask (n, T).
-    objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM: clip, cispo, sapo, vespo) and an aggregation
+    objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM, TERMS) and an aggregation
     (AGGREGATION; see `aggregate`); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
     num_sequences, num_tokens: the whole batch's (all micro-batches, accumulation steps and ranks).
-    is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each
-    token's policy term (not the KL term), as in TRL.
-    keep: None, or (n, T) / (n, 1) in {0, 1} multiplying the policy term (not the KL term, not the
-    normalisers), as TRL applies its entropy and off-policy masks (`high_entropy_mask`, `off_policy_mask`).
-    entropy_coef: minus entropy_coef times the mean entropy over the batch's counted tokens (sum over this
-    micro-batch's / num_tokens): `entropy` (n, T) must then carry its gradient (completion_logprobs(entropy_grad=True)).
-    use_bias_correction_kl: the k3 term is multiplied by the ratio pi / pi_old,
-    gradient included (TRL's `use_bias_correction_kl`, on by default in TRL 1.16;
-    from the DeepSeek-V3.2 report): the KL gradient is then that of KL(pi || ref)
-    also when the batch was sampled by an older policy. At ratio 1 the loss's
-    value is unchanged, but its gradient is not.
+    is_weight, keep: None, or what multiplies the policy term (`reweighted`). entropy (n, T): with entropy_coef,
+    it must carry its gradient (completion_logprobs(entropy_grad=True)).
     Returns (loss, metrics) with metric means over this micro-batch's tokens, as 0-dim tensors on the loss's
     device: reading them (.item()) waits for the device, so callers sum them and read once per step.
     """
     o = objective
-    loss_type, beta, epsilon, epsilon_high = o.loss_type, o.beta, o.epsilon, o.clip_high
-    if loss_type not in POLICY_TERM:
-        raise ValueError(f"loss_type: unknown value {loss_type!r} (one of {', '.join(LOSS_TYPES)})")
+    if o.loss_type not in POLICY_TERM:
+        raise ValueError(f"loss_type: unknown value {o.loss_type!r} (one of {', '.join(LOSS_TYPES)})")
     mask = mask.to(logp.dtype)
     ratio = torch.exp(log_ratio(logp, old_logp, mask, o.importance_sampling_level))  # (n, T) or (n, 1)
     adv = advantages[:, None].to(logp.dtype)  # (n, 1)
-    term = POLICY_TERM[loss_type]
-    if term == "clip":
-        per_token = clipped_term(ratio, adv, epsilon=epsilon, epsilon_high=epsilon_high, delta=o.delta)
-    elif term == "cispo":
-        per_token = cispo_term(ratio, adv, logp, epsilon_high=epsilon_high)
-    elif term == "sapo":
-        per_token = sapo_term(ratio, adv, temperature_pos=o.sapo_temperature_pos,
-                              temperature_neg=o.sapo_temperature_neg)
-    else:  # vespo: its own sequence ratio from the token log-ratios, the importance weight inside it
-        per_token = vespo_term(logp, old_logp, adv, mask, k_pos=o.vespo_k_pos, lambda_pos=o.vespo_lambda_pos,
-                               k_neg=o.vespo_k_neg, lambda_neg=o.vespo_lambda_neg, is_weight=is_weight)
-    if keep is not None:
-        per_token = per_token * keep
-    if is_weight is not None and term != "vespo":
-        per_token = per_token * is_weight
+    term, clipped = TERMS[POLICY_TERM[o.loss_type]]
+    per_token = term(ratio, adv, o, logp=logp, old_logp=old_logp, mask=mask, is_weight=is_weight)
+    if keep is not None or is_weight is not None:
+        per_token = reweighted(per_token, keep, is_weight, POLICY_TERM[o.loss_type])
     kl = None
-    if beta != 0:
+    if o.beta != 0:
         kl = k3_kl(ref_logp, logp)
-        per_token = per_token + beta * (kl * ratio if o.use_bias_correction_kl else kl)
+        per_token = per_token + o.beta * (kl * ratio if o.use_bias_correction_kl else kl)
     per_token = per_token.expand_as(logp)  # (n, 1) when sequence-level without KL
-    loss = aggregate(per_token, mask, AGGREGATION[loss_type], num_sequences, num_tokens, o.max_completion_length)
+    loss = aggregate(per_token, mask, AGGREGATION[o.loss_type], num_sequences, num_tokens, o.max_completion_length)
     if o.entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
         loss = loss - o.entropy_coef * (entropy * mask).sum() / num_tokens
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
-        if term == "clip":  # tokens whose clipped side was taken: no gradient
-            low = (ratio < 1 - epsilon) & (adv < 0)
-            high = (ratio > 1 + epsilon_high) & (adv > 0)
-        elif term == "cispo":  # tokens whose weight was capped (TRL's cispo clip ratio)
-            high = (ratio > epsilon_high) & (adv > 0)
-            low = torch.zeros_like(high)
-        else:  # a soft gate (sapo) or a weight (vespo) clips nothing
-            low = high = torch.zeros_like(adv, dtype=torch.bool)
+        low, high = clipped(ratio, adv, o)
         metrics = {
             "kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),
             "clip_low": (low.to(mask.dtype) * mask).sum() / count,
@@ -379,3 +396,15 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
             "tokens": mask.sum(),
         }
     return loss, metrics
+
+
+def reweighted(per_token, keep, is_weight, term):
+    """The policy term times `keep`, then times `is_weight` (not the KL term, not the normalisers), as in TRL.
+    is_weight: None, or `importance_weights` (n, T) or (n, 1), multiplying each token's policy term; vespo (`term`)
+    takes it inside its own ratio instead. keep: None, or (n, T) / (n, 1) in {0, 1}, as TRL applies its entropy and
+    off-policy masks (`high_entropy_mask`, `off_policy_mask`)."""
+    if keep is not None:
+        per_token = per_token * keep
+    if is_weight is not None and term != "vespo":
+        per_token = per_token * is_weight
+    return per_token

@@ -48,52 +48,78 @@ def _call_reward(fn, prompts, completions, fields, context, rows=None):
     """`fn`'s scores as a (N,) REWARD_DTYPE tensor, NaN for None; RewardFunctionError naming `fn` otherwise.
     fields hold one value per completion; context's values are the run's (the step, ...), passed as they are.
     rows: each completion's number in the batch, where these are some of its rows (errors name it)."""
-    name = reward_name(fn)
-    number = (lambda i: i) if rows is None else (lambda i: rows[i])
     try:
         scores = fn(prompts=prompts, completions=completions, **fields, **context)
     except Exception as batch_error:
-        if getattr(fn, "collective", False):
-            # a sharded model: calling it again on one rank alone would desynchronise the ranks' collectives
-            raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: "
-                                      f"{batch_error}") from batch_error
-        # find the completion it fails on, so the message can show it
-        for i, completion in enumerate(completions):
-            one = {k: v[i:i + 1] for k, v in fields.items()}
-            try:
-                fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one, **context)
-            except Exception as e:
-                raise RewardFunctionError(
-                    f"reward function '{name}' raised {type(e).__name__}: {e}\n"
-                    f"  on completion {number(i)}: {completion[:500]!r}\n  of prompt: {prompts[i][:300]!r}") from e
-        raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} "
-                                  f"on the batch, though on no completion alone") from batch_error
+        _raise_failure(fn, batch_error, prompts, completions, fields, context, rows)
+    if type(scores) is not list or len(scores) != len(completions):  # another iterable, or a wrong answer
+        scores = _score_list(fn, scores, len(completions))
+    values = [_value(s) for s in scores]
+    if None in values:
+        _raise_bad_score(fn, scores, values.index(None), completions, rows)
+    out = torch.tensor(values, dtype=REWARD_DTYPE)
+    if torch.isinf(out).any():  # finite as a Python float, infinite once stored: training would silently go NaN
+        _raise_bad_score(fn, scores, torch.isinf(out).nonzero()[0].item(), completions, rows)
+    return out
+
+
+def _number(rows, i):
+    """Completion i's number in the batch (`rows`: the numbers of these completions, None: i itself)."""
+    return i if rows is None else rows[i]
+
+
+def _raise_failure(fn, batch_error, prompts, completions, fields, context, rows):
+    """`fn` raised `batch_error` on the batch: RewardFunctionError naming the completion it fails on, found by
+    calling it on each alone, so the message can show it."""
+    name = reward_name(fn)
+    if getattr(fn, "collective", False):
+        # a sharded model: calling it again on one rank alone would desynchronise the ranks' collectives
+        raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: "
+                                  f"{batch_error}") from batch_error
+    for i, completion in enumerate(completions):
+        one = {k: v[i:i + 1] for k, v in fields.items()}
+        try:
+            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one, **context)
+        except Exception as e:
+            raise RewardFunctionError(
+                f"reward function '{name}' raised {type(e).__name__}: {e}\n"
+                f"  on completion {_number(rows, i)}: {completion[:500]!r}\n  of prompt: {prompts[i][:300]!r}") from e
+    raise RewardFunctionError(f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} "
+                              f"on the batch, though on no completion alone") from batch_error
+
+
+def _score_list(fn, scores, n):
+    """`scores` as a list of `n`; RewardFunctionError where it is not an iterable of n scores."""
+    name = reward_name(fn)
     if scores is not None and (isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__iter__")):
         raise RewardFunctionError(f"reward function '{name}' returned a {type(scores).__name__} ({scores!r:.80}); "
-                                  f"expected a list of {len(completions)} scores, one per completion")
+                                  f"expected a list of {n} scores, one per completion")
     scores = list(scores) if scores is not None else None
-    if scores is None or len(scores) != len(completions):
+    if scores is None or len(scores) != n:
         got = "None" if scores is None else f"{len(scores)} scores"
-        raise RewardFunctionError(f"reward function '{name}' returned {got} for {len(completions)} completions")
-    values = []
-    for i, s in enumerate(scores):
-        try:  # float() of a huge int or Fraction raises OverflowError
-            value = float("nan") if s is None else float(s) if isinstance(s, Real) else None
-        except OverflowError:
-            value = None
-        if value is None or not (s is None or math.isfinite(value)):
-            raise RewardFunctionError(f"reward function '{name}' returned {s!r} (a {type(s).__name__}) for "
-                                      f"completion {number(i)}: {completions[i][:500]!r}; expected a finite number "
-                                      f"or None")
-        values.append(value)
-    out = torch.tensor(values, dtype=REWARD_DTYPE)
-    overflow = torch.isinf(out).nonzero()
-    if len(overflow):  # finite as a Python float, infinite once stored: training would silently go NaN
-        i = overflow[0].item()
-        raise RewardFunctionError(f"reward function '{name}' returned {scores[i]!r} for completion {number(i)}: "
-                                  f"{completions[i][:500]!r}; expected a finite number or None, and this one "
-                                  f"overflows {REWARD_DTYPE} (largest {torch.finfo(REWARD_DTYPE).max:.4g})")
-    return out
+        raise RewardFunctionError(f"reward function '{name}' returned {got} for {n} completions")
+    return scores
+
+
+def _value(s):
+    """A score as a float, NaN for None; None where it is not a real number that stays finite as a float."""
+    try:  # float() of a huge int or Fraction raises OverflowError
+        value = float("nan") if s is None else float(s) if isinstance(s, Real) else None
+    except OverflowError:
+        return None
+    return value if value is None or s is None or math.isfinite(value) else None
+
+
+def _raise_bad_score(fn, scores, i, completions, rows):
+    """RewardFunctionError naming `fn` and completion i, whose score scores[i] is not a finite number, or overflows
+    REWARD_DTYPE."""
+    s, number, text = scores[i], _number(rows, i), completions[i][:500]
+    if _value(s) is None:
+        raise RewardFunctionError(f"reward function '{reward_name(fn)}' returned {s!r} (a {type(s).__name__}) for "
+                                  f"completion {number}: {text!r}; expected a finite number or None")
+    raise RewardFunctionError(f"reward function '{reward_name(fn)}' returned {s!r} for completion {number}: "
+                              f"{text!r}; expected a finite number or None, and this one "
+                              f"overflows {REWARD_DTYPE} (largest {torch.finfo(REWARD_DTYPE).max:.4g})")
 
 
 def score_completions(reward_funcs, weights, prompts, completions, fields, seconds=None, context=None, rows=None):
@@ -133,14 +159,18 @@ def weighted_total(parts, weights, completions, rows=None):
     scored = ~torch.isnan(stacked)  # (N, F)
     overflow = (torch.isinf(total) & scored.any(1)).nonzero()
     if len(overflow):
-        i = overflow[0].item()
-        terms = ", ".join(f"'{n}' {stacked[i, f].item():.4g} x weight {weights[f]:g}"
-                          for f, n in enumerate(parts) if scored[i, f])
-        raise RewardFunctionError(f"reward functions' weighted total for completion {i if rows is None else rows[i]} "
-                                  f"overflows {REWARD_DTYPE} "
-                                  f"({terms}): {completions[i][:500]!r}; scale the rewards or their weights down")
+        _raise_total_overflow(overflow[0].item(), parts, stacked, scored, weights, completions, rows)
     total[~scored.any(1)] = float("nan")
     return total
+
+
+def _raise_total_overflow(i, parts, stacked, scored, weights, completions, rows):
+    """RewardFunctionError naming completion i, whose weighted total overflows REWARD_DTYPE, and its terms."""
+    terms = ", ".join(f"'{n}' {stacked[i, f].item():.4g} x weight {weights[f]:g}"
+                      for f, n in enumerate(parts) if scored[i, f])
+    raise RewardFunctionError(f"reward functions' weighted total for completion {_number(rows, i)} "
+                              f"overflows {REWARD_DTYPE} "
+                              f"({terms}): {completions[i][:500]!r}; scale the rewards or their weights down")
 
 
 # ----------------------------------------------------------------------------- general-purpose rewards

@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import environments
 import rewards
-from environments import responses
 
 
 @dataclass
@@ -76,13 +74,19 @@ def reward_fields(fields, completion_ids, episodes, tokenizer=None, prompts=None
     trajectory's ids (lists, `completion_id_lists`), with an agent the conversation and the environment, and with
     the tokenizer the completion's parts (its final content, reasoning and tool calls: responses.reward_parts)."""
     out = {**fields, "completion_ids": completion_ids}
+    if episodes is not None or getattr(tokenizer, "response_template", None) is not None:
+        return turn_fields(out, episodes, tokenizer, prompts, completions)
+    return out if tokenizer is None else {**out, **plain_parts(tokenizer, completion_ids, completions)}
+
+
+def turn_fields(out, episodes, tokenizer, prompts, completions):
+    """reward_fields `out` with turns to read: with an agent the conversation and the environment, and with the
+    tokenizer the parts of a tool episode's turns, or a response template's (reasoning, tool calls)."""
+    import environments
+    from environments import responses
     if episodes is not None:
         out.update(environments.episode_fields(episodes))
-    if tokenizer is None:
-        return out
-    if episodes is None and getattr(tokenizer, "response_template", None) is None:
-        out.update(plain_parts(tokenizer, out["completion_ids"], completions))
-    else:  # turns to read: a tool episode's, or a response template's (reasoning, tool calls)
+    if tokenizer is not None:
         out.update(responses.reward_parts(tokenizer, prompts, out["completion_ids"], episodes, completions))
     return out
 
@@ -117,21 +121,23 @@ def cat_rollouts(rollouts, pad_id):
     """One Rollout of the rows of several, in order; shorter completions padded on the right."""
     if len(rollouts) == 1:
         return rollouts[0]
-    out = {}
-    for f in dataclasses.fields(Rollout):
-        parts = [getattr(r, f.name) for r in rollouts]
-        if parts[0] is None:
-            out[f.name] = None
-            continue
-        if parts[0].dim() >= 2:
-            value = pad_id if f.metadata.get("pad") == "pad_id" else f.metadata.get("pad", 0)
-            t = max(x.shape[1] for x in parts)
-            left = f.metadata.get("side") == "left"
-            # F.pad's widths run from the last dimension back: (0, 0) for each dimension after the second
-            parts = [F.pad(x, (0, 0) * (x.dim() - 2) + ((t - x.shape[1], 0) if left else (0, t - x.shape[1])),
-                           value=value) for x in parts]
-        out[f.name] = torch.cat(parts)
-    return Rollout(**out)
+    return Rollout(**{f.name: _cat_field(f, [getattr(r, f.name) for r in rollouts], pad_id)
+                      for f in dataclasses.fields(Rollout)})
+
+
+def _cat_field(f, parts, pad_id):
+    """Rollout field `f`'s `parts` joined (None where they are None): (N, T, ...) ones padded along T to the
+    widest with 0 or their metadata's pad value, on its side (right unless "left")."""
+    if parts[0] is None:
+        return None
+    if parts[0].dim() >= 2:
+        value = pad_id if f.metadata.get("pad") == "pad_id" else f.metadata.get("pad", 0)
+        t = max(x.shape[1] for x in parts)
+        left = f.metadata.get("side") == "left"
+        # F.pad's widths run from the last dimension back: (0, 0) for each dimension after the second
+        parts = [F.pad(x, (0, 0) * (x.dim() - 2) + ((t - x.shape[1], 0) if left else (0, t - x.shape[1])),
+                       value=value) for x in parts]
+    return torch.cat(parts)
 
 
 def rollout_rows(rollout, index):

@@ -9,6 +9,7 @@ every helper here is the identity: no process group, no mesh, nothing sharded.
 import contextlib
 import datetime
 import fcntl
+import functools
 import glob
 import json
 import math
@@ -261,9 +262,16 @@ def fsdp_modules(root):
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
 def gathered(root):
-    """Keep the full parameters gathered for a whole decode loop; free them after.
+    """Keep the full parameters gathered for a whole decode loop; free them after (`kept_gathered`). An unsharded
+    model's are whole: then a context that does nothing."""
+    modules = fsdp_modules(root)
+    return kept_gathered(root, modules) if modules else contextlib.nullcontext(root)
+
+
+@contextlib.contextmanager
+def kept_gathered(root, modules):
+    """A sharded model's full parameters kept gathered inside the `with`; `modules` its FSDP groups.
 
     For the Hugging Face forward: without this each block would be all-gathered
     and freed again for every generated token. Inside, a block's first forward
@@ -275,7 +283,6 @@ def gathered(root):
     once (the same 2 bytes per parameter, held by the copy); its blocks never
     run a forward here, so this context only changes what they would do.
     """
-    modules = fsdp_modules(root)
     blocks = [m for m in modules if m is not root]
     for m in blocks:
         m.set_reshard_after_forward(False, recurse=False)
@@ -316,8 +323,11 @@ def return_host_memory(freed=None):
     ends and the next allocates other tensors (after loading and the start-up check, after sampling). `freed`: about
     how many bytes the phase freed; under RETURN_AT nothing is done, as the next phase would fault those pages in
     again (a tiny model's step took 3-7% longer on a CPU with a trim after each rollout)."""
-    if freed is not None and freed < RETURN_AT:
-        return
+    if freed is None or freed >= RETURN_AT:
+        _malloc_trim()
+
+
+def _malloc_trim():
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
@@ -367,20 +377,22 @@ def all_done_fn(d):
     ended early keeps serving the collectives of the others instead of leaving
     them waiting forever.
     """
-    if d.world_size == 1:
-        return None  # the sampler's own rule
+    return None if d.world_size == 1 else functools.partial(_all_ranks_done, d)  # one process: the sampler's own rule
 
-    def all_done(done):
-        flag = done.all().to(device=d.device, dtype=torch.int32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-    return all_done
+
+def _all_ranks_done(d, done):
+    """Whether every rank's rows are `done` (a collective)."""
+    flag = done.all().to(device=d.device, dtype=torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def all_gather_rows(x, d):
     """Concatenate each rank's rows (dim 0) in rank order; the same shape on every rank is required."""
-    if d.world_size == 1:
-        return x
+    return x if d.world_size == 1 else _gather_rows(x, d)
+
+
+def _gather_rows(x, d):
     local = x.to(d.device)
     parts = [torch.empty_like(local) for _ in range(d.world_size)]
     dist.all_gather(parts, local.contiguous())
@@ -389,8 +401,10 @@ def all_gather_rows(x, d):
 
 def all_reduce_sum(values, d):
     """Sum a list of floats over all ranks (one collective)."""
-    if d.world_size == 1:
-        return list(values)
+    return list(values) if d.world_size == 1 else _sum_over_ranks(values, d)
+
+
+def _sum_over_ranks(values, d):
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
     return t.tolist()
@@ -417,8 +431,10 @@ def all_gather_objects(obj, d):
 
 def first_problem(problem, d):
     """The first rank's problem (a string, or None for none) on every rank, so that all raise alike (collective)."""
-    if d.world_size == 1:
-        return problem
+    return problem if d.world_size == 1 else _first_of_ranks(problem, d)
+
+
+def _first_of_ranks(problem, d):
     problems = [None] * d.world_size
     dist.all_gather_object(problems, problem)
     return next((p for p in problems if p is not None), None)

@@ -154,23 +154,31 @@ class Task:
 
     def prompts_for_step(self, seed, step, n, round=0):
         """The `n` rows of step `step` (1-based): a pure function of (seed, step), so a resumed run sees the same.
-
-        Datasets are walked in a seeded permutation per epoch, every row once per epoch. `round` > 0: the step's
-        further draws of dynamic sampling, a pure function of (seed, step, round) too: generated prompts from
-        their own stream; dataset rows drawn at random from the whole set, apart from the epoch's walk.
-        """
+        Datasets are walked an epoch at a time (`_epoch_rows`); `round` > 0: the step's further draws of dynamic
+        sampling (`_round_rows`)."""
         if round:
-            rng = random.Random(f"round-{seed}-{step}-{round}")
-            if self.rows is None:
-                return [self._format(r) for r in self.make_prompts(rng, n)]
-            return [self._format(self.rows[rng.randrange(len(self.rows))]) for _ in range(n)]
+            return self._round_rows(seed, step, n, round)
         if self.rows is None:
             return [self._format(r) for r in self.make_prompts(random.Random(seed * 1_000_003 + step), n)]
+        return self._epoch_rows(seed, step, n)
+
+    def _epoch_rows(self, seed, step, n):
+        """A dataset's rows of step `step`: the dataset walked in a seeded permutation per epoch, every row once per
+        epoch."""
         out, total = [], len(self.rows)
         for i in range((step - 1) * n, step * n):
             epoch, j = divmod(i, total)
             out.append(self._format(self.rows[self._permutation(seed, epoch)[j]]))
         return out
+
+    def _round_rows(self, seed, step, n, round):
+        """Round `round` > 0 of dynamic sampling's further draws for step `step`, a pure function of (seed, step,
+        round) too: generated prompts from their own stream; dataset rows drawn at random from the whole set, apart
+        from the epoch's walk."""
+        rng = random.Random(f"round-{seed}-{step}-{round}")
+        if self.rows is None:
+            return [self._format(r) for r in self.make_prompts(rng, n)]
+        return [self._format(self.rows[rng.randrange(len(self.rows))]) for _ in range(n)]
 
     def _permutation(self, seed, epoch):
         cache = self.__dict__.setdefault("_perm_cache", {})
