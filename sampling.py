@@ -5,10 +5,12 @@ resumed, answers appended, compaction, admission, the draws) share one state; a 
 across steps and held-out evaluation beside it are the loop's only callers. What a rollout holds (`Rollout`) is in
 rollouts.py.
 
-`sample` is one decode loop over a KV cache. Each step either decodes one
-token per row or, where rows paused for an environment, appends the
-environment's answer to those rows' cache and resumes them; a row ends at EOS
-or a stop sequence (unless the environment answers), or at the length limit.
+`sample` is one decode loop over a KV cache. In the core each step decodes one token per row, and a row ends at
+EOS or at the length limit. A `Sampler` says what the loop runs on and with which rows: the core's, or the optional
+features' (features/sampler_options.py: tensor parallelism, the Triton kernel, CUDA graphs off, kept decoders,
+shared prompts, routing records, images, rows streaming through places, turns). With turns (features/sampler_rows.py)
+a step may instead, where rows paused for an environment, append the environment's answer to those rows' cache
+and resume them; a row ends at EOS or a stop sequence (unless the environment answers), or at the length limit.
 The loop runs on either of two ways to run a step: `_StaticSteps`
 (engine.StaticDecoder: the layers of the families it lists written
 out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
@@ -27,9 +29,9 @@ import torch.nn.functional as F
 
 import logprobs
 import sharding
-from rollouts import Rollout, Rows, cat_rollouts, reward_context, rollout_rows, score_batch
+from rollouts import Rollout, Rows, reward_context, rollout_rows, score_batch
 from layers import hf_decoder, routing, transformer, vision
-from layers.engine import WHOLE, StaticDecoder
+from layers.engine import StaticDecoder
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
@@ -171,119 +173,84 @@ class Turn(NamedTuple):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, check_every=8,
-           all_done=None, static_cache=True, compact=True, cuda_graph=True, keep_decoder=False,
-           attention_kernel=False, stop_sequences=(), respond=None, max_turns=1, record_routing=False, images=None,
-           tp=None, dtype=None, in_flight=0, on_end=None, share_prompts=False, **options):
+def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, draw=None, seeds=None, all_done=None,
+           check_every=8):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
-    draw: how each token is drawn (`Draw`), or its fields as keywords (`options`: temperature, top_k, top_p).
-    A row pauses at its first EOS or at the end of one of `stop_sequences` (lists of token ids). Without `respond`,
-    or after `max_turns` turns, a pause ends the row. Otherwise `respond(turns)` is called with a `Turn` per paused
-    row and returns, for each, the environment's answer as token ids, or None to end the row; the answer is appended
-    to the row's cache (a prefill of those tokens only) and the row samples on. A completion holds at most
-    `max_new_tokens` tokens, the answers included: an answer that leaves no room for another token ends the row as
-    truncated. Rows are looked at on the host every `check_every` tokens (and when one reaches the length limit); a
-    row keeps sampling until then, and what it sampled past its pause is forgotten: dropped from the completion, its
-    cache slots no longer attended. `seeds` (N,) int64 fixes each row's random stream: the token at completion
-    position j draws row_keys(seed, j), so rows with equal seeds, prompts and answers sample equal completions,
-    whatever their batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it
-    must agree across ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever
-    on a collective. The loop's steps and checks happen at the same iterations on every rank whatever its rows do;
-    pauses and answers make no collective call.
-
-    static_cache: where the run's decision (transformer.paths_of) says so, run the steps on `StaticDecoder` (a
-    preallocated cache, no per-token framework overhead); other models, or static_cache=False, on the model's own
-    forward (hf_decoder.HFDecoder). compact: at each check, drop finished rows from the batch (on the model's own
-    forward, only where rows stream through places).
-    cuda_graph: on CUDA, replay each decode step as a captured CUDA graph. keep_decoder: keep StaticDecoder's weight
-    copies, cache and graphs on the model for the next call (no re-copy or re-capture), at the price of that memory
-    between calls. attention_kernel: on CUDA, StaticDecoder's decode attention runs as the split-KV Triton kernel of
-    layers/kernels.py instead of SDPA (where the shapes allow it). record_routing: record each token's experts in
-    every MoE layer (layers/routing.py) into the rollout's `routing` and `prompt_routing` (the model's own forward,
-    which routes through its routers). images: the rows' vision.PromptImages (a vision-language model's image
-    prompts), on the model's own forward: their embeddings and rotary positions enter the prefill. tp: this rank's
-    share of a tensor-parallel group (layers/tensor_parallel.py) whose ranks all call `sample` with the same rows:
-    StaticDecoder holds this rank's slice of every layer and of the vocabulary, cut from the model (from its FSDP2
-    shards where it is sharded: layers/tensor_parallel.py's `Slice.take`), and the group's ranks sample the same
-    tokens. dtype: the decoder's copies' dtype (the model's own by default; a sharded model's compute dtype).
-    in_flight: decode `in_flight` rows at a time and stream the others through their places: when a row ends, its
-    place takes the next row (`_Rows.admit`), the routing recorded for the row kept (its last token, which the place
-    may not feed before it is taken or compacted away, may record none); 0: every row at once. on_end(rows, ids):
-    called at each check with the rows that ended there (indices into the batch given) and their completions' token
-    ids (lists, the environment's answers included), while the other rows decode on; a row's completion is final
-    then.
-    share_prompts: on StaticDecoder, rows with the same prompt are prefilled once (`StaticDecoder.prefill`'s share).
+    model: the model, or a `Sampler` of it, which says how its rows are decoded (the default: `Sampler(model)`; the
+    optional features' is features/sampler_options.py's, whose `sample` takes them as keywords). draw: how each
+    token is drawn (`Draw`; by default at temperature 1 over the whole vocabulary). A row ends at its first EOS, or
+    at the length limit of `max_new_tokens` tokens (truncated). Rows are looked at on the host every `check_every`
+    tokens (and when one reaches the length limit); a row keeps sampling until then, and what it sampled past its
+    end is dropped from the completion. `seeds` (N,) int64 fixes each row's random stream: the token at completion
+    position j draws row_keys(seed, j), so rows with equal seeds and prompts sample equal completions, whatever their
+    batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it must agree across
+    ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever on a collective.
+    The loop's steps and checks happen at the same iterations on every rank whatever its rows do.
     """
+    sampler = model if isinstance(model, Sampler) else Sampler(model)
     all_done = all_done or (lambda done: bool(done.all()))
     n, device = prompt_ids.shape[0], prompt_ids.device
     seeds = (torch.arange(n, device=device) if seeds is None else seeds).to(device=device, dtype=torch.long)
     # every row's keys for every completion position at once (the last column for rows that finished): row_keys
     # is elementwise, so these are the numbers of drawing them one step at a time
     keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
-    attn = prompt_mask.long()
-    positions = logprobs.position_ids_from_mask(attn)
-    replay = routing.of(model) if record_routing else None
-    if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's choice
-        routing.attached(model).stop()
-    sliced = tp is not None and tp.size > 1
-    places = in_flight if 0 < in_flight < n else n
-    steps, compact = _steps_of(model, prompt_ids[:places], attn[:places], positions[:places], max_new_tokens,
-                               tp if sliced else WHOLE, static_cache, replay, images, places < n, compact,
-                               cuda_graph=cuda_graph, attention_kernel=attention_kernel, dtype=dtype,
-                               share=share_prompts)
-    if not steps.forgets_exactly and respond is not None and max_turns > 1:
-        # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
-        # so that none samples past one (the same on every rank: it depends on the model alone)
-        check_every = 1
-    if draw is not None and options:
-        raise TypeError(f"sample: a draw and its fields {sorted(options)} given apart; put them in the Draw")
-    draw = draw or Draw(**options)  # one token per row, with its log-prob
-    # sliced, each rank holds a slice of the logits
-    pick = functools.partial(draw.sliced, tp=tp, vocab=steps.dec.vocab) if sliced else draw.whole
+    waiting = sampler.waiting(prompt_ids, prompt_mask.long())
+    steps = sampler.steps(waiting, max_new_tokens)
     try:
-        waiting = _Waiting(prompt_ids, attn, positions, places, images if places < n else None)
-        rows = _Rows(steps, n, max_new_tokens, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
-                     keys, on_end)
-        rows.route_width = prompt_ids.shape[1] if replay is not None else None
-        _Loop(steps, rows, pick, check_every, compact).run(
+        rows = sampler.rows(steps, waiting, keys, max_new_tokens, eos_ids, pad_id)
+        check_every = sampler.check_every(steps, check_every)
+        _Loop(steps, rows, sampler.pick(draw or Draw(), steps), check_every, sampler.compacts(steps)).run(
             lambda: all_done(torch.as_tensor(~rows.active, device=device)),
-            _iterations(n, places, max_new_tokens, max_turns, check_every))
+            sampler.iterations(n, waiting.places, max_new_tokens, check_every))
         return rows.rollout()
     finally:
-        if replay is not None:
-            replay.stop()
-        if isinstance(steps, _StaticSteps) and not keep_decoder:  # give the memory back before training needs it
-            model.__dict__.pop("_static_decoder", None)
+        sampler.close(steps)
 
 
-def _steps_of(model, ids, attn, positions, max_new, tp, static_cache, replay, images, streams, compact, **static):
-    """The steps a `sample` call decodes its first rows (ids, attn, positions: those that start in the batch) on,
-    and whether finished rows leave the batch: StaticDecoder where the run's decision (transformer.paths_of) says
-    so and static_cache allows, always for a tensor-parallel share `tp`; else the model's own forward (a
-    vision-language model's language model under our masks, never written-out layers), which compacts only rows
-    that `streams` through places. static: StaticDecoder's settings (cuda_graph, attention_kernel, dtype, share)."""
-    paths = transformer.paths_of(model, tp.size)  # the run's, decided once at setup
-    if tp.size > 1:
-        why = paths.sampler or ("images in prompts" if images is not None else None)
-        if why:
-            raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-    # (a vision-language model's paths refuse the decoder: its language model is not where a decoder's layers are)
-    if tp.size > 1 or (static_cache and paths.samples_written_out()):
-        steps = _StaticSteps(model, ids, attn, positions, max_new, static["cuda_graph"], static["attention_kernel"],
-                             record=replay is not None, tp=tp, dtype=static["dtype"], share=static["share"])
-        return steps, compact
-    prefill = None if images is None else _image_prefill(model, ids, attn, images.rows(slice(0, len(ids))))
-    return _HFSteps(model, ids, attn, positions, max_new, replay, prefill), compact and streams
+class Sampler:
+    """How `sample` decodes a model's rows: the steps they run on, the rows that drive them, the draw and the end.
+    This one is the core's: every row in the batch from the prefill, on `_StaticSteps` where the run's decision
+    (transformer.paths_of) says so and else on the model's own forward (`_HFSteps`), one turn each, finished rows
+    compacted away, the decoder's memory given back after the call. The optional features' Sampler
+    (features/sampler_options.py) overrides the methods whose answers they change."""
 
+    def __init__(self, model):
+        self.model = model
 
-def _iterations(n, places, max_new, max_turns, check_every):
-    """A rank-independent bound on a `sample` call's iterations: a row is active for at most max_new of them, plus
-    what it re-samples after each pause it resumes from (at most check_every - 1 positions, max_turns - 1 times);
-    rows streaming through fewer places take turns, each admitted at a check (list scheduling: at most the rows per
-    place, plus one)."""
-    limit = max_new + (max_turns - 1) * (check_every - 1)
-    return limit if places >= n else (-(-n // places) + 1) * (limit + check_every)
+    def waiting(self, ids, attn):
+        """The rows of the call (`_Waiting`): here every one of them starts in the batch."""
+        return _Waiting(ids, attn, logprobs.position_ids_from_mask(attn), ids.shape[0])
+
+    def steps(self, waiting, max_new):
+        """The steps the first `waiting.places` rows are decoded on (a vision-language model's paths refuse the
+        decoder: its language model is not where a decoder's layers are)."""
+        model, ids, attn, positions = self.model, waiting.ids, waiting.attn, waiting.positions
+        if transformer.paths_of(model).samples_written_out():
+            return _StaticSteps(StaticDecoder.for_model(model, ids.shape[0], ids.shape[1] + max_new + 1), ids, attn,
+                                positions)
+        return _HFSteps(model, ids, attn, positions, max_new)
+
+    def rows(self, steps, waiting, keys, max_new, eos_ids, pad_id):
+        return _Rows(steps, len(keys), max_new, eos_ids, pad_id, keys.device, waiting, keys)
+
+    def check_every(self, steps, every):
+        return every
+
+    def pick(self, draw, steps):
+        """What draws a token per row of the logits: the draw over the whole vocabulary."""
+        return draw.whole
+
+    def compacts(self, steps):
+        """Whether finished rows leave the batch at checks (on the model's own forward, only rows streaming)."""
+        return steps.compacts
+
+    def iterations(self, n, places, max_new, check_every):
+        """A rank-independent bound on the loop's iterations: a row is active for at most max_new of them."""
+        return max_new
+
+    def close(self, steps):
+        steps.close(self.model)
 
 
 class _StaticSteps:
@@ -294,18 +261,19 @@ class _StaticSteps:
     feeds_rows = True  # a block can be fed to some batch rows alone (extend's batch_rows)
     prompts_alone = False  # the same for every long block, a new row's prompt or an answer
     replay = None  # routing is recorded inside the decoder (StaticDecoder.record), not by the routers
+    compacts = True
 
-    def __init__(self, model, ids, attn, positions, max_new, cuda_graph, attention_kernel, record=False, tp=WHOLE,
-                 dtype=None, batch=None, share=False):
-        self.p, self.share = ids.shape[1], share  # share: rows of one prompt run it once, in prefill and admission
-        # slot P + max_new: where finished rows write what they still decode; never attended
-        self.dec = StaticDecoder.for_model(model, batch or ids.shape[0], self.p + max_new + 1, cuda_graph=cuda_graph,
-                                           attention_kernel=attention_kernel, tp=tp, dtype=dtype,
-                                           device=ids.device if tp.size > 1 else None)
-        self.dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
+    def __init__(self, dec, ids, attn, positions, share=False):
+        """dec: the StaticDecoder, of at least the rows `ids` and P + max_new + 1 slots (slot P + max_new: where
+        finished rows write what they still decode; never attended)."""
+        self.dec, self.p, self.share = dec, ids.shape[1], share  # share: rows of one prompt run it once
         self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         # (N, V); with no rows, every place is empty until rows are admitted
         self.first_logits = self.dec.prefill(ids, attn, positions, share) if len(ids) else None
+
+    def close(self, model):
+        """Give the decoder's memory back before training needs it."""
+        model.__dict__.pop("_static_decoder", None)
 
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
@@ -348,8 +316,11 @@ class _HFSteps:
     share = False
     feeds_rows = False  # an answer is fed with the batch, as one padded block
     prompts_alone = True  # but a new row's prompt runs on its row alone, as a prefill (`extend`)
+    compacts = False  # but where rows stream through places
 
     def __init__(self, model, ids, attn, positions, max_new, replay=None, images=None):
+        if replay is None and routing.attached(model) is not None:  # routers left replaying a training forward's
+            routing.attached(model).stop()  # choice: the model's own forward routes live here
         self.model, self.first_pos = model, positions[:, -1] + 1  # (N,) position of completion position 0
         self.spare = max_new  # the completion position where finished rows write on: a hole, never a token
         self.replay = replay  # the routers' recorder (routing.Replay) while routing is recorded, else None
@@ -408,6 +379,9 @@ class _HFSteps:
             if grid.shape[0]:
                 self.images[b] = pv, grid
 
+    def close(self, model):
+        pass
+
     def compact(self, keep, live, fed_top):
         if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
             self.dec.pack()  # but drop now the columns no row holds (past the ends of rows that stay)
@@ -461,12 +435,8 @@ class _Loop:
         self.logits, self.held = steps.first_logits, None  # held: (tok, col, feeds) of the check a run stopped at
 
     def run(self, until, limit):
-        """True if the run ended at the limit, False if `until` stopped it."""
+        """True if the run ended at the limit, False if `until` stopped it (`resume` goes on from there)."""
         rows, it = self.rows, 0
-        if self.held is not None:
-            tok, col, feeds = self.held
-            self.held = None
-            self.logits = rows.feed(self.logits, *self._after_check(tok, col, feeds))
         while True:
             tok, col = rows.draw(self.logits, self.draw)
             it += 1
@@ -484,6 +454,14 @@ class _Loop:
                     return False
                 tok, col, feeds = self._after_check(tok, col, feeds)
             self.logits = rows.feed(self.logits, tok, col, feeds)
+
+    def resume(self):
+        """Before another `run`: go on from the check the last run stopped at, the token drawn there fed."""
+        if self.held is None:
+            return
+        tok, col, feeds = self.held
+        self.held = None
+        self.logits = self.rows.feed(self.logits, *self._after_check(tok, col, feeds))
 
     def _after_check(self, tok, col, feeds):
         """Places of ended rows to the rows waiting, or with none waiting the batch compacted; (tok, col, feeds) of
@@ -515,101 +493,63 @@ class _Waiting:
 
 
 class _Rows:
-    """The rows of one `_decode` loop.
+    """The rows of one `_Loop`: single-turn rows that end at EOS or at the length limit, all in the batch from the
+    prefill (features/sampler_rows.py's `Rows` adds turns, stop sequences, admission and routing records).
 
     State per row, on the host (which knows every change without reading the device): `ptr`, the row's
     completion length so far (where its next token goes), and `active`, False once the row has ended. The
     batch (`rows_h`, global row indices, and `rows` on the device) is what the steps run on; per batch row,
     `feed_h` is the completion position fed this iteration. A finished row still in the batch writes past its end
     (up to the spare last column) in step with the others, so that while the live rows share a position (`uni`;
-    always, for single-turn sampling) the iteration is plain columns, with no per-row state on the device; where
-    rows are at positions of their own, the same state is copied to the device (`device_state`) and kept there.
+    always, for single-turn sampling) the iteration is plain columns, with no per-row state on the device.
     """
 
-    def __init__(self, steps, n, max_new, eos_ids, stop_sequences, pad_id, respond, max_turns, device, waiting,
-                 keys, on_end=None, first=None):
+    def __init__(self, steps, n, max_new, eos_ids, pad_id, device, waiting, keys, first=None):
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
         self.keys = keys  # (n, max_new + 1) each row's random keys by completion position (row_keys)
-        self.tag = np.arange(n)  # what on_end and a Stream's caller call each row
-        self.respond, self.max_turns = respond, max_turns
         self.spare = max_new  # the last column and cache position, where finished rows may write
         self.tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
         self.logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
         self.kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
         self.ptr, self.active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
         self.truncated, self.turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
-        self.turn_start, self.checked = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.checked, self.held = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
         # the batch starts with rows 0 .. first - 1 (`first`: every place, unless a Stream starts it empty)
         first = waiting.places if first is None else first
         self.rows_h, self.rows = np.arange(first), torch.arange(first, device=device)
         self.feed_h = np.full(first, -1, dtype=np.int64)
-        self.held = np.zeros(n, dtype=np.int64)
-        self.on_end, self.ended = on_end, []  # rows ended since the last check, for on_end
         self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
         self.eos = set(int(e) for e in eos_ids)
-        self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
-        self.longest_stop = max((len(s) for s in self.stops), default=1)
-        self.triggers = torch.tensor(sorted(self.eos | {s[-1] for s in self.stops}), dtype=torch.long, device=device)
+        self.triggers = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
         self.live = self.rows_h.copy()  # the batch's active rows (global indices); they change only at checks
-        # routing replay: the prompts' width where the steps record each token's experts, else None; `routes`, the
-        # records of each row (prompt, completion), taken from its place before the place takes another row
-        self.route_width, self.routes, self.kept = None, None, np.zeros(n, dtype=bool)  # kept: final records taken
 
     def draw(self, logits, draw):
-        """A token for every batch row at its position: (tokens, their column: an int shared by all, or per row)."""
-        rows_h, rows, spare, keys = self.rows_h, self.rows, self.spare, self.keys
+        """A token for every batch row at its position: (tokens, their column: an int shared by all)."""
+        rows_h, rows, col = self.rows_h, self.rows, self.uni
         self.held[rows_h] += 1
         if len(rows_h) == 0:  # a rank whose rows all finished keeps iterating (checks are collective), idle
             return logits.new_zeros(0, dtype=torch.long), None
-        if self.uni is not None:  # plain columns, host bookkeeping only
-            col = self.uni
-            where = (slice(None), col) if len(rows_h) == self.n else (rows, col)
-            tok, lp = draw(logits, keys[where])
-            self.tokens[where], self.logps[where] = tok, lp
-            self.ptr[self.live] += 1
-            self.feed_h[:] = col
-            self.uni = min(col + 1, spare)
-            return tok, col
-        # rows at their own positions (after answers of different lengths): the same on the device. Where each
-        # row's token goes: an active row's next position; a finished row (ended at or before its position)
-        # writes past its end, in step with the others, up to the spare column
-        act_h = self.active[rows_h]
-        cols_h = np.where(act_h, self.ptr[rows_h], np.minimum(self.feed_h + 1, spare))
-        state = self.device_state
-        if not state:
-            # copies (torch.tensor): on the CPU, as_tensor would share the host arrays' memory
-            state.update(ptr=torch.tensor(self.ptr, device=self.device),
-                         active=torch.tensor(self.active, device=self.device),
-                         feed=torch.tensor(self.feed_h, device=self.device))
-        act = state["active"][rows]
-        col = torch.where(act, state["ptr"][rows], (state["feed"] + 1).clamp(max=spare))
-        tok, lp = draw(logits, keys[rows, col])
-        self.tokens[rows, col], self.logps[rows, col] = tok, lp
-        state["feed"] = col
-        state["ptr"][rows] += act
-        self.feed_h = cols_h
+        where = (slice(None), col) if len(rows_h) == self.n else (rows, col)  # plain columns, host bookkeeping only
+        tok, lp = draw(logits, self.keys[where])
+        self.tokens[where], self.logps[where] = tok, lp
         self.ptr[self.live] += 1
+        self.feed_h[:] = col
+        self.uni = min(col + 1, self.spare)
         return tok, col
 
     def finish(self, global_rows, cut):
         self.active[global_rows] = False
         self.truncated[global_rows] = cut
         self.device_state.clear()
-        if self.on_end is not None:
-            self.ended += [int(r) for r in np.atleast_1d(global_rows)]
 
     def landed(self):
-        """Hand the rows ended since the last check, with their completions, to on_end."""
-        if self.ended:
-            rows, self.ended = sorted(self.ended), []
-            ids = self.tokens[torch.as_tensor(rows, device=self.device), :int(self.ptr[rows].max())].tolist()
-            self.on_end(self.tag[rows].tolist(), [row[:self.ptr[r]] for r, row in zip(rows, ids)])
+        """After a check: the rows ended there are final (features/sampler_rows.py hands them on)."""
 
     def check(self, tok):
-        """Pauses, answers and the length limit for the batch's active rows; the answers to feed, as
-        [(batch row, first position, token ids)]."""
+        """Ends (and, with turns, pauses and answers) and the length limit for the batch's active rows; the blocks to
+        feed, as [(batch row, first position, token ids)]."""
         found = self._stops()
         feeds = self._answer(found, tok) if found else []
         rows_h = self.rows_h
@@ -619,123 +559,39 @@ class _Rows:
         return feeds
 
     def _stops(self):
-        """{global row: the position its turn ended at} over the positions since each row's last check."""
+        """{global row: the position its turn ended at} over the positions since each row's last check: its first
+        EOS there, found on the device."""
         live = self.rows_h[self.active[self.rows_h]]
-        found = {}
         if not len(live):
-            return found
-        checked, ptr, device = self.checked, self.ptr, self.device
-        lo = int(np.maximum(checked[live] - (self.longest_stop - 1), self.turn_start[live]).min())
-        hi = int(ptr[live].max())
-        window = self.tokens[torch.as_tensor(live, device=device), lo:hi]
-        # only the positions since each row's last check, where a turn can have ended
-        position = torch.arange(lo, hi, device=device)
-        fresh = (position >= torch.as_tensor(checked[live] - (self.longest_stop - 1), device=device)[:, None]) & \
-            (position < torch.as_tensor(ptr[live], device=device)[:, None])
-        hit = torch.isin(window, self.triggers) & fresh
-        if not self.stops:  # EOS only: each row's first one, found on the device
-            has, first = torch.stack([hit.any(1).long(), hit.long().argmax(1)]).tolist()
-            found = {r: lo + f for r, h, f in zip(live.tolist(), has, first) if h}
-        else:  # a stop sequence ends at the trigger: rows with one are scanned in Python
-            any_hit = hit.any(1).tolist()
-            for r, seq in zip(live[np.flatnonzero(any_hit)], window[torch.tensor(any_hit, device=device)].tolist()):
-                e = _first_stop(seq, lo, int(checked[r]), int(ptr[r]), int(self.turn_start[r]), self.eos, self.stops)
-                if e is not None:
-                    found[r] = e
-        checked[live] = ptr[live]
-        return found
+            return {}
+        lo, hi = int(self.checked[live].min()), int(self.ptr[live].max())
+        hit = self._hits(live, lo, hi, self.checked[live])
+        has, first = torch.stack([hit.any(1).long(), hit.long().argmax(1)]).tolist()
+        self.checked[live] = self.ptr[live]
+        return {r: lo + f for r, h, f in zip(live.tolist(), has, first) if h}
+
+    def _hits(self, live, lo, hi, since):
+        """(rows `live`, positions lo .. hi - 1): where a trigger token lies at or past `since` (each row's) and
+        before the row's length."""
+        window = self.tokens[torch.as_tensor(live, device=self.device), lo:hi]
+        position = torch.arange(lo, hi, device=self.device)
+        fresh = (position >= torch.as_tensor(since, device=self.device)[:, None]) & \
+            (position < torch.as_tensor(self.ptr[live], device=self.device)[:, None])
+        return torch.isin(window, self.triggers) & fresh
 
     def _answer(self, found, tok):
-        """End the turns `found` ends: a row with turns left asks `respond`, and takes its answer (the feeds it
-        returns), or ends; the others end."""
-        ptr, device = self.ptr, self.device
+        """End the rows `found` ends: what a row sampled past its end is padding in the rollout. No block to feed."""
         ended = np.array(sorted(found))
         ends = np.array([found[r] + 1 for r in ended])
-        old_ptr = ptr[ended].copy()
-        # what a row sampled past its stop is forgotten: past its length it is padding in the rollout, and
-        # is overwritten if the row goes on; a row that may go on also stops attending to it
-        ptr[ended], self.checked[ended] = ends, ends
-        self.device_state.clear()
-        asking = ended[self.turns[ended] < self.max_turns] if self.respond is not None else ended[:0]
-        batch_of = np.full(self.n, -1)
-        batch_of[self.rows_h] = np.arange(len(self.rows_h))
-        if len(asking):
-            self.steps.truncate(torch.as_tensor(batch_of[asking], device=device),
-                                torch.as_tensor(ptr[asking], device=device))
-        self.finish(ended[~np.isin(ended, asking)], False)
-        if not len(asking):
-            return []
-        so_far = self.tokens[torch.as_tensor(asking, device=device), :int(ptr[asking].max())].tolist()
-        answers = self.respond([Turn(int(r), ids[:ptr[r]], int(self.turn_start[r])) for r, ids in zip(asking, so_far)])
-        if len(answers) != len(asking):
-            raise ValueError(f"respond returned {len(answers)} answers for {len(asking)} turns")
-        feeds = []
-        for r, answer in zip(asking, answers):
-            answer = [int(t) for t in answer] if answer is not None else []
-            if not answer:
-                self.finish([r], False)
-                continue
-            at = int(ptr[r])
-            if at + len(answer) >= self.max_new:  # no room left for the policy to answer back
-                self.finish([r], True)
-                continue
-            self.tokens[r, at:at + len(answer)] = torch.tensor(answer, device=device)
-            self.kind[r, at:at + len(answer)] = ENVIRONMENT
-            # the token that ended the turn is fed with the answer unless an earlier step fed it
-            unfed = found[r] == old_ptr[np.searchsorted(ended, r)] - 1
-            block = ([int(tok[batch_of[r]])] if unfed else []) + answer
-            feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
-            ptr[r] = self.checked[r] = self.turn_start[r] = at + len(answer)
-            self.turns[r] += 1
-        return feeds
-
-    def admit(self, tok):
-        """Give the batch places whose rows ended, then places never used yet (up to `waiting.places`), to the rows
-        waiting, in order: each place forgets its row (steps.admit) and its new row's prompt is fed as an
-        environment's answer is. (The feeds of those prompts, the batch's tokens with a pad for each new place.)"""
-        free = np.flatnonzero(~self.active[self.rows_h])[:len(self.waiting.rows)]
-        grow = min(self.waiting.places - len(self.rows_h), len(self.waiting.rows) - len(free))
-        if grow > 0:  # a Stream's batch before its places have all been taken
-            free = np.concatenate([free, len(self.rows_h) + np.arange(grow)])
-            self.rows_h = np.concatenate([self.rows_h, np.full(grow, -1)])
-            self.rows = torch.cat([self.rows, self.rows.new_zeros(grow)])
-            self.feed_h = np.concatenate([self.feed_h, np.full(grow, -1)])
-            tok = torch.cat([tok, tok.new_full((grow,), self.pad_id)])
-        if not len(free):
-            return [], tok
-        self.keep_routes(free[self.rows_h[free] >= 0])
-        new = np.array([self.waiting.rows.pop(0) for _ in free])
-        free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
-        self.rows_h[free], self.rows[free_t] = new, new_t
-        if self.waiting.images is None:
-            self.steps.admit(free_t, self.waiting.positions[new_t])
-        else:  # the model's own forward: the new rows' images enter their prompts' prefill
-            self.steps.admit(free_t, self.waiting.positions[new_t], self.waiting.images.rows(new))
-        self.device_state.clear()
-        return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))], tok
-
-    def keep_routes(self, places):
-        """Routing replay: keep the experts recorded for the rows in batch places `places` (an array) by row, as
-        they are now: a row's are final once it ended, and taken once then."""
-        if self.route_width is None:
-            return
-        places = places[~self.kept[self.rows_h[places]]]
-        if not len(places):
-            return
-        prompt, comp = self.steps.routed(self.route_width, self.max_new, torch.as_tensor(places, device=self.device))
-        if self.routes is None:
-            self.routes = [torch.full((self.n, *x.shape[1:]), -1, dtype=x.dtype, device=x.device)
-                           for x in (prompt, comp)]
-        rows = torch.as_tensor(self.rows_h[places], device=self.device)
-        self.routes[0][rows], self.routes[1][rows] = prompt, comp
-        self.kept[self.rows_h[places]] = ~self.active[self.rows_h[places]]
+        self.ptr[ended], self.checked[ended] = ends, ends
+        self.finish(ended, False)
+        return []
 
     def compact(self, feeds, tok, col):
         """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
         tokens and columns of the rows kept."""
         keep = np.flatnonzero(self.active[self.rows_h])
         keep_t = torch.as_tensor(keep, device=self.device)
-        self.keep_routes(np.flatnonzero(~self.active[self.rows_h]))  # before their places may be dropped
         if not self.steps.compact(keep_t, len(self.rows_h), int(self.feed_h[keep].max()) if len(keep) else 0):
             return feeds, tok, col
         new_index = np.full(len(self.rows_h), -1)
@@ -755,79 +611,10 @@ class _Rows:
             self.device_state.clear()  # the shared-position steps keep the host's state only
 
     def feed(self, logits, tok, col, feeds):
-        """The batch's next logits: its tokens fed (a decode step), with the answers in `feeds` (an extend step)."""
+        """The batch's next logits: its tokens fed (a decode step)."""
         if len(self.rows_h) == 0:
             return logits[:0]
-        if not feeds:
-            return self.steps.decode(tok, col, self.feed_h)
-        long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
-        if self.steps.prompts_alone:  # new rows' prompts alone (first < 0), answers with the batch
-            long = [(i, first, block) for i, first, block in long if first < 0]
-            if long:
-                feeds = self._feed_heads(long, feeds)
-        elif long and self.steps.feeds_rows and (len(long) < len(self.rows_h) or self.steps.share):
-            feeds = self._feed_heads(long, feeds)
-        k = max(len(b) for _, _, b in feeds)
-        ids = F.pad(tok[:, None], (0, k - 1), value=self.pad_id)
-        valid = torch.zeros_like(ids, dtype=torch.bool)
-        valid[:, 0] = True
-        start = self.feed_h.copy()  # each row's first position in the block; the others feed their one token
-        for i, first, block in feeds:
-            ids[i, :len(block)] = torch.tensor(block, device=self.device)
-            valid[i, len(block):] = False
-            valid[i, :len(block)] = True
-            start[i], self.feed_h[i] = first, first + len(block) - 1
-        self.device_state.clear()
-        return self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), int(self.feed_h.max()))
-
-    def _feed_heads(self, long, feeds):
-        """Feed the blocks of `long` (a new row's prompt, an environment's answer) but their last tokens, on their
-        batch rows alone: an extend step computes each of its rows' widest block, so the batch's other rows would
-        compute that width for their one token. The feeds left: every row's one token (a block's last). With the
-        steps' `share`, a new row whose prompt another row runs now, or (without recurrent layers, whose states
-        move on) a live row holds, takes a copy of that row's prompt cache instead of running it (its prompt's last
-        token it feeds itself)."""
-        rest = {i: (i, first + len(block) - 1, block[-1:]) for i, first, block in long}
-        share = getattr(self.steps, "share", False)
-        copies, runs, alone = [], ({} if not share else self._held_prompts({i for i, _, _ in long})), []
-        for i, first, block in long:
-            # first < 0: a new row's prompt (`admit`); every prompt ends at the slot before completion position 0
-            key = (first, tuple(block)) if first < 0 and share else None
-            if key in runs:
-                copies.append((runs[key], i, first))
-                continue
-            if key is not None:
-                runs[key] = i
-            alone.append((i, first, block))
-        if not alone:  # every new row's prompt is held by a live row
-            self.steps.copy_rows(*(torch.as_tensor([c[j] for c in copies], device=self.device) for j in (0, 1)),
-                                 min(c[2] for c in copies), -2)
-            return [rest.get(i, (i, first, block)) for i, first, block in feeds]
-        k = max(len(block) for _, _, block in alone) - 1
-        ids = torch.full((len(alone), k), self.pad_id, dtype=torch.long, device=self.device)
-        valid = torch.zeros_like(ids, dtype=torch.bool)
-        for j, (_, _, block) in enumerate(alone):
-            ids[j, :len(block) - 1] = torch.tensor(block[:-1], device=self.device)
-            valid[j, :len(block) - 1] = True
-        start = np.array([first for _, first, _ in alone])
-        top = max(first + len(block) - 2 for _, first, block in alone)
-        self.steps.extend(ids, valid, torch.as_tensor(start, device=self.device), top,
-                          torch.as_tensor([i for i, _, _ in alone], device=self.device))
-        if copies:  # each prompt's slots but its last (the slots before them: empty in both rows)
-            src, dst = (torch.as_tensor([c[j] for c in copies], device=self.device) for j in (0, 1))
-            self.steps.copy_rows(src, dst, min(c[2] for c in copies), -2)
-        return [rest.get(i, (i, first, block)) for i, first, block in feeds]
-
-    def _held_prompts(self, fed):
-        """{(first, prompt tokens): batch row} of the live rows not fed now, whose caches hold their prompts, where a
-        new row may copy them: none with recurrent layers (a live row's state is past its prompt)."""
-        if self.steps.dec.recurrent:
-            return {}
-        live = [b for b in range(len(self.rows_h)) if b not in fed and self.active[self.rows_h[b]]]
-        held = {}
-        for b, prompt in zip(live, self.waiting.prompts(self.rows_h[live]) if live else []):
-            held.setdefault((-len(prompt), tuple(prompt)), b)
-        return held
+        return self.steps.decode(tok, col, self.feed_h)
 
     def rollout(self, rows=None):
         """The Rollout of rows `rows` (an array of row indices; all by default), in that order."""
@@ -845,12 +632,6 @@ class _Rows:
                       logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
                       turns=torch.as_tensor(self.turns[rows], device=device),
                       held_steps=torch.as_tensor(self.held[rows], device=device))
-        if self.route_width is not None:  # the rows still in their places first
-            self.keep_routes(np.flatnonzero(np.isin(self.rows_h, rows)))
-        if self.routes is not None:
-            out.prompt_routing = self.routes[0][index].clone()  # index may be every row: not a view of ours
-            # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
-            out.routing = self.routes[1][index, :t].masked_fill(~real[:, :, None, None], -1)
         return out
 
 
@@ -893,9 +674,10 @@ class Stream:
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag
         by_tag = respond and (lambda turns: respond([t._replace(row=self.tag_of[t.row]) for t in turns]))
-        rows = self.rows = _Rows(None, capacity, max_new_tokens, eos_ids, stop_sequences, pad_id, by_tag, max_turns,
-                                 device, self.waiting, keys,
-                                 on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
+        from features.sampler_rows import Rows
+        rows = self.rows = Rows(None, capacity, max_new_tokens, eos_ids, pad_id, device, self.waiting, keys,
+                                stop_sequences, by_tag, max_turns,
+                                on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
         rows.active[:] = False  # no row yet: `add` starts each
         rows.route_width = prompt_width if record_routing else None
         self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
@@ -970,9 +752,10 @@ class Stream:
             # the routers' recorder, as `sample`'s: a model without experts is refused here in one line
             replay = routing.of(model) if rows.route_width is not None else None
             if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
-                steps = _StaticSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.cuda_graph,
-                                     self.attention_kernel, record=replay is not None, dtype=self.dtype,
-                                     batch=self.places, tp=self.tp or WHOLE, share=self.share)
+                from features.sampler_options import static_steps
+                steps = static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.places,
+                                     replay is not None, self.tp, self.share, cuda_graph=self.cuda_graph,
+                                     attention_kernel=self.attention_kernel, dtype=self.dtype)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
                 steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
@@ -991,12 +774,14 @@ class Stream:
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-        limit = _iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
+        from features.sampler_options import iterations
+        limit = iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
         # on the model's own forward its routers record while the stream runs (the training forward replays between)
         replay = self.loop.steps.replay
         if replay is not None:
             replay.record()
         try:
+            self.loop.resume()
             if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
                 raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
         finally:
@@ -1036,21 +821,15 @@ def encode_prompts(tokenizer, prompts, cfg, device):
 def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     """This rank's prompts, their left-padded ids and mask, with an agent their episodes, and with a
     vision.ImageEncoder `images` the rows' vision.PromptImages (else None), of `rows` (every rank's rows; `mine`
-    is this rank's slice). Without an agent all rows are tokenized together, so every rank pads alike; with one,
-    each rollout's environment is made and reset on the rank that samples it."""
-    if agent is None:
-        prompts = [r["prompt"] for r in rows]
-        texts, pictures = prompts, None
-        if images is not None:  # each prompt's images processed once, its placeholders widened to their tokens
-            texts, pictures = images(rows, prompts)
-            pictures = pictures.rows(range(len(rows))[mine]).to(device)
-        enc = encode_prompts(tokenizer, texts, cfg, device)
-        return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, pictures
-    if images is not None and any(vision.row_images(r) for r in rows[mine]):
-        raise ValueError("prompts with images and tools or an environment together are not supported")
-    prompts, episodes = agent.start(rows[mine])
+    is this rank's slice). Without an agent all rows are tokenized together, so every rank pads alike; with one
+    (or with images: features/sampler_options.py's `start_rows`), each rollout's environment is made and reset on
+    the rank that samples it."""
+    if agent is not None or images is not None:
+        from features import sampler_options
+        return sampler_options.start_rows(rows, mine, tokenizer, cfg, device, agent, images)
+    prompts = [r["prompt"] for r in rows]
     enc = encode_prompts(tokenizer, prompts, cfg, device)
-    return prompts, enc.input_ids, enc.attention_mask, episodes, None
+    return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, None
 
 
 def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
@@ -1084,91 +863,42 @@ def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, reco
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None,
              episodes=None, record_routing=False, images=None, on_end=None):
     """Sample one completion per row on the gathered weights, each token drawn as `draw` (a Draw) says; return the
-    rollout and the completions' text.
+    rollout and the completions' text. Every row is decoded at once, on each rank alone; where the run asks for an
+    optional feature (`_features_asked`), features/sampler_options.py's `generate` decodes them instead: with an
+    `agent` (environments.Agent) answering `episodes`' turns, recording routing, with `images` (the rows'
+    vision.PromptImages), calling on_end(rows, ids) as rows end (`sample`'s), in batches, on a tensor-parallel
+    group."""
+    if _features_asked(cfg, d, agent, record_routing, images, on_end):
+        from features import sampler_options
+        return sampler_options.generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
+                                        agent, episodes, record_routing, images, on_end)
+    with sharding.gathered(policy):  # full weights once for the whole decode loop
+        rollout = policy(sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
+                         pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d))
+    return rollout, _text(policy, tokenizer, rollout)
 
-    Rows are decoded `cfg.generation_batch_size` at a time (all at once when 0): the KV cache holds that
-    many rows. A row draws the same random numbers whatever batch it is in (its own seed), so the setting
-    changes memory and speed, not the completions (up to rounding, where bf16 logits depend on the batch
-    size). Every rank has as many rows, so as many batches. With an `agent` (environments.Agent), row i is
-    `episodes[i]`'s conversation: its turns are answered by the agent's tools, up to `agent.max_turns`.
-    `images`: the rows' vision.PromptImages, or None. on_end(rows, ids): `sample`'s, over these rows (each rank
-    alone on the whole model; a tensor-parallel group's sampling does not call it).
-    """
-    n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n)
-    parts = []
+
+def _features_asked(cfg, d, agent, record_routing, images, on_end):
+    """Whether a step's rollout asks for one of the sampler's optional features (the run's settings, or the
+    caller's arguments)."""
     tp = getattr(d, "tp", None)
-    if tp is not None and tp.size > 1:  # the group's ranks decode their rows together on slices of the layers
-        for s in range(0, n, size):
-            rows = slice(s, s + size)
-            parts.append(_group_sample(policy, tokenizer, prompt_ids[rows], prompt_mask[rows], seeds[rows], draw,
-                                       cfg, d, eos_ids, agent, None if agent is None else episodes[rows],
-                                       record_routing, keep_decoder=s + size < n))
-    else:
-        with sharding.gathered(policy):  # full weights once for the whole decode loop
-            parts = _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
-                                  agent, episodes, record_routing, images, on_end)
-    rollout = cat_rollouts(parts, tokenizer.pad_token_id)
-    # the decoder's copies, freed: given back before training allocates its own tensors, where they are large
+    return any([agent is not None, record_routing, images is not None, on_end is not None,
+                tp is not None and tp.size > 1, cfg.generation_batch_size, cfg.rollouts_in_flight, cfg.shared_prompts,
+                cfg.decode_attention_kernel])
+
+
+def _text(policy, tokenizer, rollout):
+    """The completions' text, once the decoder's copies are freed: the memory given back before training allocates
+    its own tensors, where they are large."""
     sharding.return_host_memory(sum(p.numel() * p.element_size() for p in policy.parameters()))
-    if agent is not None:
-        agent.finish(episodes, rollout)
     # the whole trajectory, tool calls and results included; padding after the end, special tokens dropped
-    text = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-    return rollout, text
+    return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
 
 
 def decodes_written_out(model):
     """Whether the run's decision (transformer.paths_of) lets `model` sample on the written-out decoder (a
     vision-language model's never does)."""
     return not vision.is_vision_model(model) and transformer.paths_of(model).samples_written_out()
-
-
-def _batch_size(cfg, n):
-    """The rows of one `sample` call: all of them where they stream through `cfg.rollouts_in_flight` places, else
-    batches of generation_batch_size (0: all)."""
-    return n if cfg.rollouts_in_flight else cfg.generation_batch_size or n
-
-
-def _whole_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
-                  record_routing, images, on_end=None):
-    """`generate`'s batches, each rank alone on the whole model (gathered by the caller)."""
-    n = prompt_ids.shape[0]
-    size = _batch_size(cfg, n)
-    parts = []
-    for s in range(0, n, size):
-        rows = slice(s, s + size)
-        turns = {} if agent is None else dict(respond=agent.responder(episodes[rows]), max_turns=agent.max_turns,
-                                              stop_sequences=agent.stop_sequences)
-        parts.append(policy(sample, prompt_ids[rows], prompt_mask[rows], max_new_tokens=cfg.max_completion_length,
-                            eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds[rows],
-                            all_done=sharding.all_done_fn(d),
-                            # the next batch reuses the weight copies and the cache
-                            keep_decoder=s + size < n, attention_kernel=cfg.decode_attention_kernel,
-                            record_routing=record_routing, in_flight=cfg.rollouts_in_flight,
-                            on_end=on_end and (lambda rows, ids, s=s: on_end([r + s for r in rows], ids)),
-                            share_prompts=cfg.shared_prompts,
-                            images=None if images is None else images.rows(rows), **turns))
-    return parts
-
-
-def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent, episodes,
-                  record_routing, keep_decoder):
-    """This rank's rows of one batch decoded by its tensor-parallel group (`d.tp`): the group's rows gathered
-    (layers/tensor_parallel.py's `group_rows`), sampled together on slices of the layers, and this rank's rows taken
-    back, as wide as they would be alone. Rows draw their own random numbers, so they sample what they would alone. With
-    an agent each rank answers its own rows' turns and the group shares the answers (`group_respond`)."""
-    tp, n = d.tp, prompt_ids.shape[0]
-    ids, mask, seeds, pad = tp.group_rows(prompt_ids, prompt_mask, seeds, tokenizer.pad_token_id)
-    turns = {} if agent is None else dict(respond=tp.group_respond(agent.responder(episodes), n),
-                                          max_turns=agent.max_turns, stop_sequences=agent.stop_sequences)
-    dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0]
-    rollout = sample(policy.lm, ids, mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
-                     pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d),
-                     keep_decoder=keep_decoder, attention_kernel=cfg.decode_attention_kernel,
-                     record_routing=record_routing, tp=tp, dtype=dtype, in_flight=cfg.rollouts_in_flight * tp.size,
-                     share_prompts=cfg.shared_prompts, **turns)
-    return group_share(rollout, tp, n, pad)
 
 
 def group_share(rollout, tp, n, pad=0):
@@ -1266,9 +996,11 @@ def check_exact(model, tolerance=2e-3, new_tokens=3, tp=None):
     model.eval()
     try:
         # every token is a stop: each turn is one token, and the check every 2 tokens forgets the one after it
-        rollout = sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab), pad_id=0,
-                         seeds=torch.tensor([1, 2]), check_every=2, max_turns=new_tokens,
-                         respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns], tp=tp)
+        from features import sampler_options
+        rollout = sampler_options.sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab),
+                                         pad_id=0, seeds=torch.tensor([1, 2]), check_every=2, max_turns=new_tokens,
+                                         respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns],
+                                         tp=tp)
         want = _plain_logprobs(model, ids, mask, rollout)
         full_ids = torch.cat([ids, rollout.completion_ids], 1)
         full_mask = torch.cat([mask, rollout.completion_mask], 1)

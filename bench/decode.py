@@ -11,6 +11,7 @@ import torch
 
 import model_loading
 import sampling
+from features import sampler_options
 from bench.common import free, letter_prompts, load, medians, timed
 
 
@@ -20,9 +21,9 @@ from bench.common import free, letter_prompts, load, medians, timed
 def decode_pair(model, enc, t, pad_id, knobs):
     """(ours, generate): our sampler and `model.generate` on the same prompts and sampling settings `knobs`, each
     row decoding all t new tokens: no EOS on either side (no stop checks in generate, no stop ids in ours).
-    ours(max_new, **kw) takes a shorter length and further `sampling.sample` keywords."""
+    ours(max_new, **kw) takes a shorter length and further `sampler_options.sample` keywords."""
     def ours(max_new=t, **kw):
-        r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=[],
+        r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new, eos_ids=[],
                             pad_id=pad_id, **knobs, **kw)
         assert bool(r.completion_mask.all()) and r.completion_ids.shape[1] == max_new
         return r
@@ -56,7 +57,7 @@ def bench_decode(path, s, device):
     # other matmul kernels whose rounding moves a few draws, so the share of identical rows is reported.
     stop_ids = list(range(40, 40 + max(1, round(2 * model.config.vocab_size / t))))
     def stopping(compact):
-        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
+        return sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=stop_ids,
                                pad_id=tokenizer.pad_token_id, compact=compact, **knobs)
     ct = {True: [], False: []}
     for _ in range(s["warmup"]):
@@ -200,7 +201,7 @@ def bench_multiturn(path, s, device):
 
     def ours():
         respond = lambda ts: [answer(t.row, t.ids) for t in ts]  # noqa: E731
-        r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=budget, eos_ids=stop_ids,
+        r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=budget, eos_ids=stop_ids,
                             pad_id=pad, respond=respond, max_turns=turns)
         fed = enc.attention_mask.sum().item() + int((r.completion_mask - r.policy_mask).sum())  # prompts + answers
         ours.turns = r.turns.float().mean().item()
@@ -219,7 +220,7 @@ def bench_multiturn(path, s, device):
             attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in text], device=device)
             fed += int(attn.sum())  # every turn prefills the whole conversation again
             room = budget - min(len(done[i]) for i in live)
-            r = sampling.sample(model, ids, attn, max_new_tokens=room, eos_ids=stop_ids, pad_id=pad,
+            r = sampler_options.sample(model, ids, attn, max_new_tokens=room, eos_ids=stop_ids, pad_id=pad,
                                 seeds=torch.tensor(live, device=device) + 1000 * turn)
             still = []
             for j, i in enumerate(live):

@@ -16,6 +16,7 @@ import torch
 import model_loading
 import rollouts
 import sampling
+from features import sampler_options
 import sharding
 import train
 from bench.common import letter_prompts, load, medians
@@ -61,17 +62,17 @@ def bench_longtail(path, s, device):
 
     def batches(**kw):  # the synchronous sampler's way: `places` rows at a time, each until its longest row ends
         return rollouts.cat_rollouts([
-            sampling.sample(model, enc.input_ids[a:a + places], enc.attention_mask[a:a + places],
+            sampler_options.sample(model, enc.input_ids[a:a + places], enc.attention_mask[a:a + places],
                             seeds=seeds[a:a + places], **common, **kw) for a in range(0, n, places)],
             tokenizer.pad_token_id)
 
     def streaming(**kw):
-        return sampling.sample(model, enc.input_ids, enc.attention_mask, seeds=seeds, in_flight=places, **common, **kw)
+        return sampler_options.sample(model, enc.input_ids, enc.attention_mask, seeds=seeds, in_flight=places, **common, **kw)
 
     full_length = max(1, round(sum(lengths) / places))  # as many tokens as the long-tailed rows, every place busy
 
     def full():  # the same draw (its stop tokens end nothing here), so that both pay for it alike
-        return sampling.sample(model, enc.input_ids[:places], enc.attention_mask[:places], seeds=seeds[:places],
+        return sampler_options.sample(model, enc.input_ids[:places], enc.attention_mask[:places], seeds=seeds[:places],
                                max_new_tokens=full_length, eos_ids=[], pad_id=tokenizer.pad_token_id, draw=draw)
 
     # the same two on the model's own forward (hf_decoder.HFDecoder), the path of models not written out

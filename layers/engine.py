@@ -73,13 +73,12 @@ class StaticDecoder:
     """
 
     @classmethod
-    def for_model(cls, model, batch, length, cuda_graph=True, attention_kernel=False, tp=WHOLE, dtype=None,
-                  device=None):
+    def for_model(cls, model, batch, length, cuda_graph=True, tp=WHOLE, dtype=None, device=None):
         """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
         share of a tensor-parallel group (layers/tensor_parallel.py: its share of every layer and of the
         vocabulary); dtype, device: the copies' (the model's own head's by default; under tensor parallelism the
         sharded model's compute dtype and device, its shards being where FSDP2 keeps them, host memory with CPU
-        offload)."""
+        offload). The decode attention is SDPA (`use_kernel` changes it)."""
         dec = getattr(model, "_static_decoder", None)
         device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
@@ -90,21 +89,25 @@ class StaticDecoder:
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
         dec.use_graph = cuda_graph and device.type == "cuda"
-        kernel = False
-        if attention_kernel and device.type == "cuda":  # the Triton kernel (a feature: imported only when asked for)
-            from layers import kernels
-            kernel = kernels.triton_supports(dec.head_dim, dec.n_heads // dec.n_kv)
-        if kernel != dec.attention_kernel:  # graphs captured with the other attention must not replay
-            dec.graphs.clear()
-            dec.attention_kernel = kernel
         dec.load(model)
         return dec
+
+    def use_kernel(self, asked):
+        """On CUDA, where `asked` and the shapes allow it, decode attention by the split-KV Triton kernel of
+        layers/kernels.py (a feature: imported only when asked for), else by SDPA."""
+        kernel = False
+        if asked and self.device.type == "cuda":
+            from layers import kernels
+            kernel = kernels.triton_supports(self.head_dim, self.n_heads // self.n_kv)
+        if kernel != self.attention_kernel:  # graphs captured with the other attention must not replay
+            self.graphs.clear()
+            self.attention_kernel = kernel
 
     def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None, device=None):
         cfg, layers = model.config, model.model.layers
         a0 = next(l.self_attn for l in layers if transformer._attends(l))
         self.spec = spec = transformer._spec(model)  # what every layer computes besides its weights (read by `load`)
-        self.fam = fam = spec.fam
+        self.fam = spec.fam
         self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
         # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows;
@@ -136,11 +139,15 @@ class StaticDecoder:
         # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
         self.rotary_keys = sorted({s.rope for s in spec.layers} - {None})
         self.windows = sorted({s.window for s in spec.layers} - {None})
-        kw = dict(device=self.device, dtype=self.dtype)
         self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
                                                        tp=self.tp if tp.size > 1 else None)
                           for i, l in enumerate(layers) if not transformer._attends(l)}
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
+        self._allocate(model, max_batch, max_len)
+
+    def _allocate(self, model, max_batch, max_len):
+        """The cache, its masks, the rotary tables per row and slot, and the graphs' inputs."""
+        kw = dict(device=self.device, dtype=self.dtype)
         shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
@@ -148,7 +155,7 @@ class StaticDecoder:
         # with its first half negated (see _rotate)
         self.rotary = model.model.rotary_emb
         probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        tables = [transformer._rotary(self.rotary, fam, *probe, key)[0] for key in self.rotary_keys]
+        tables = [transformer._rotary(self.rotary, self.fam, *probe, key)[0] for key in self.rotary_keys]
         rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
         self.cos = [torch.zeros(max_batch, max_len, rot_dim, device=self.device, dtype=t.dtype) for t in tables]
         self.sin = [torch.zeros_like(c) for c in self.cos]
@@ -343,12 +350,7 @@ class StaticDecoder:
         n, p = ids.shape
         inverse = None
         if share:
-            distinct, inverse = torch.unique(torch.cat([ids, attn.long()], 1), dim=0, return_inverse=True)
-            if distinct.shape[0] < n:  # the distinct prompts run, in torch.unique's order; row i is inverse[i]
-                ids, attn = distinct[:, :p], distinct[:, p:]
-                positions = (attn.cumsum(-1) - 1).clamp(min=0)  # as logprobs.position_ids_from_mask
-            else:
-                inverse = None
+            ids, attn, positions, inverse = self._distinct(ids, attn, positions)
         every = (lambda t: t) if inverse is None else (lambda t: t[inverse])  # noqa: E731  each row's of the run's
         m = ids.shape[0]
         x = self._embed(ids)
@@ -389,6 +391,17 @@ class StaticDecoder:
             for layer in self.recurrent.values():
                 layer.compact(inverse)  # rows [0, N) take their prompt's states
         return every(self._logits(x[:, -1]))
+
+    def _distinct(self, ids, attn, positions):
+        """`prefill`'s share: the distinct prompts of ids, attn (N, P), their positions, and each row's index among
+        them (inverse; None where every prompt is distinct, and then the rows themselves)."""
+        p = ids.shape[1]
+        distinct, inverse = torch.unique(torch.cat([ids, attn.long()], 1), dim=0, return_inverse=True)
+        if distinct.shape[0] == ids.shape[0]:
+            return ids, attn, positions, None
+        # the distinct prompts run, in torch.unique's order; row i is inverse[i]
+        ids, attn = distinct[:, :p], distinct[:, p:]
+        return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), inverse  # as logprobs.position_ids_from_mask
 
     @torch.no_grad()
     def admit(self, rows, positions):
@@ -434,48 +447,39 @@ class StaticDecoder:
         graphs capture, read on the device at replay; rows that took turns of different lengths)."""
         x = self._embed(self.tok_in[:b] if tok is None else tok)  # (b, H)
         lo = 0 if tok is None else self.first_slot  # a graph's span starts at slot 0
-        if torch.is_tensor(slot):  # per-row slots, graph-safe: no host value is read
-            rows = self.row_index[:b]
-            cos, sin = [c[rows, slot][:, None] for c in self.cos], [s[rows, slot][:, None] for s in self.sin]
-            self.key_mask[rows, slot] = self.trues[:b]  # a device tensor: a Python True would be copied from the host
-            attn_mask = self.key_mask[:b, None, None, lo:kv_len]  # (b, 1, 1, L): broadcast over heads and queries
-            query_pos = None if self.pos is None else self.pos[rows, slot][:, None]
-        else:
-            cos, sin = [c[:b, slot, None] for c in self.cos], [s[:b, slot, None] for s in self.sin]  # (b, 1, hd)
-            # eager decode without left padding, every row at the same slot, attends to every filled slot: no mask.
-            # The slots it fills are marked in key_mask later, only if a step that reads the mask comes
-            if self.unpadded:
-                first = self.unmarked[1] if self.unmarked is not None else slot
-                self.unmarked = (b, first, slot)
-                attn_mask = None
-            else:
-                self.key_mask[:b, slot] = True
-                attn_mask = self.key_mask[:b, None, None, lo:kv_len]
-            query_pos = None if self.pos is None else self.pos[:b, slot, None]
+        at = self.row_index[:b] if torch.is_tensor(slot) else slice(0, b)  # per-row slots: no host value is read
+        cos, sin = [c[at, slot][:, None] for c in self.cos], [s[at, slot][:, None] for s in self.sin]  # (b, 1, hd)
+        attn_mask = self._decode_mask(b, at, slot, lo, kv_len)
+        query_pos = None if self.pos is None else self.pos[at, slot][:, None]
         starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
         masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts, lo=lo) if self.windows else {None: attn_mask}
 
         def write(i, k, v):  # (b, nkv, hd) each
-            if torch.is_tensor(slot):
-                self.k_cache[i, rows, :, slot] = k
-                self.v_cache[i, rows, :, slot] = v
-            else:
-                self.k_cache[i, :b, :, slot] = k
-                self.v_cache[i, :b, :, slot] = v
+            self.k_cache[i, at, :, slot] = k
+            self.v_cache[i, at, :, slot] = v
 
         def keys(i):
             return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
 
         def record(p, experts):  # (b, k): each row's experts at its slot
-            if torch.is_tensor(slot):
-                self.routes[rows, slot, p.moe_row] = experts.to(self.routes.dtype)
-            else:
-                self.routes[:b, slot, p.moe_row] = experts.to(self.routes.dtype)
+            self.routes[at, slot, p.moe_row] = experts.to(self.routes.dtype)
 
         self.record_at = None if self.routes is None else record
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
         return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts, lo),
                                          lambda layer, h: layer.decode(h)))
+
+    def _decode_mask(self, b, at, slot, lo, kv_len):
+        """The key mask (b, 1, 1, L) of a decode step (broadcast over heads and queries), each row's slot marked in
+        key_mask first (from a device tensor: a Python True would be copied from the host). Eager decode without
+        left padding, every row at the same slot, attends to every filled slot: no mask (None); the slots it fills
+        are marked in key_mask later, only if a step that reads the mask comes."""
+        if self.unpadded and not torch.is_tensor(slot):
+            first = self.unmarked[1] if self.unmarked is not None else slot
+            self.unmarked = (b, first, slot)
+            return None
+        self.key_mask[at, slot] = self.trues[:b]
+        return self.key_mask[:b, None, None, lo:kv_len]
 
     def _narrowed(self, slot, kv_len):
         """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
@@ -507,6 +511,11 @@ class StaticDecoder:
         top = slot if top is None else top
         if not self.use_graph:
             return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
+        return self._replay(tok, slot, top)
+
+    def _replay(self, tok, slot, top):
+        """`decode` on CUDA graphs: the step of the batch bucket and cache span that hold these rows, replayed."""
+        n = tok.shape[0]
         b = self.batch_for(n)
         self.tok_in[:n] = tok
         self.slot_in[:n] = slot

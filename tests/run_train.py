@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 import model_loading  # noqa: E402
 import sharding  # noqa: E402
 from layers import engine, routing, transformer  # noqa: E402
@@ -80,9 +81,9 @@ def uneven_sampling(root, d, pad_id):
         static = root(sampling.sample, prompt, torch.ones_like(prompt), **kwargs)
     static_calls, before = calls[0] - before, calls[0]
     with sharding.gathered(root):  # the Hugging Face forward, blocks kept gathered for the loop
-        gathered = root(sampling.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
+        gathered = root(sampler_options.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     gathered_calls, before = calls[0] - before, calls[0]
-    per_forward = root(sampling.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
+    per_forward = root(sampler_options.sample, prompt, torch.ones_like(prompt), static_cache=False, **kwargs)
     sharding.free_gathered(root)
     return {"static_supported": static_supported,
             "lengths": [r.completion_mask.sum(1).tolist() for r in (static, gathered, per_forward)],
@@ -153,7 +154,7 @@ def run(argv):
     def recording_sample(*args, **kwargs):
         rollout = original_sample(*args, **kwargs)
         if not checking[0]:  # the start-up check's few tokens are no step's rollout
-            ids, tp = rollout.completion_ids, kwargs.get("tp")
+            ids, tp = rollout.completion_ids, getattr(args[0], "tp", None)  # the features' Sampler's
             if tp is not None and tp.size > 1:  # a tensor-parallel group's rows: this rank's share, as wide as alone
                 n = ids.shape[0] // tp.size
                 ids = ids[tp.rank * n:(tp.rank + 1) * n, :int(rollout.completion_mask[tp.rank * n:(tp.rank + 1) * n]

@@ -21,6 +21,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from layers import hf_decoder  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
@@ -60,7 +61,7 @@ def test_takes_the_path_claimed(family):
 
 def test_greedy_tokens_equal_generate(family):
     _, model, tok, enc = family
-    ours = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
+    ours = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
                            pad_id=tok.pad_token_id, temperature=0)
     with torch.no_grad():
         ref = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -70,7 +71,7 @@ def test_greedy_tokens_equal_generate(family):
 
 def test_one_turn_logprobs_equal_the_model_forward(family):
     _, model, tok, enc = family
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=20, eos_ids=STOPS,
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=20, eos_ids=STOPS,
                         pad_id=tok.pad_token_id, seeds=torch.arange(6) * 7 + 3)
     pol = r.policy_mask.bool()
     assert r.completion_mask.sum(1).unique().numel() > 1  # rows stopped at different lengths
@@ -82,7 +83,7 @@ def test_one_turn_logprobs_equal_the_model_forward(family):
 def test_several_turns_equal_one_forward_over_the_trajectory(family):
     """Rows pause at a stop, forget what they sampled past it, take answers of different lengths and resume."""
     _, model, tok, enc = family
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOPS,
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOPS,
                         pad_id=tok.pad_token_id, seeds=torch.arange(6) * 7 + 3, max_turns=3, check_every=4,
                         respond=answering(lambda row, k: (row % 3) + 2 * k))
     pol = r.policy_mask.bool()
@@ -220,7 +221,7 @@ def test_layers_without_a_mask_rule_stop_the_run_also_with_the_check_off(tmp_pat
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"^FalconH1ForCausalLM: the sampler cannot reproduce layers of type "
                                          r"'hybrid'$"):
-        sampling.sample(model, ids, mask, max_new_tokens=2, eos_ids=[0], pad_id=0)
+        sampler_options.sample(model, ids, mask, max_new_tokens=2, eos_ids=[0], pad_id=0)
 
 
 def test_tool_run_with_adapters_keeps_sampler_and_trainer_in_agreement(tmp_path, capsys, monkeypatch):

@@ -20,6 +20,7 @@ import grpo  # noqa: E402
 
 import logprobs  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 import model_loading  # noqa: E402
 from layers import engine, transformer  # noqa: E402
 
@@ -69,7 +70,7 @@ def run(model, tok, enc, **kw):
     args = dict(max_new_tokens=24, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, temperature=1.0,
                 seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3, keep_decoder=True)  # kept: tests inspect it
     args.update(kw)
-    return sampling.sample(model, enc.input_ids, enc.attention_mask, **args)
+    return sampler_options.sample(model, enc.input_ids, enc.attention_mask, **args)
 
 
 def assert_same_rollout(a, b, logp_atol=1e-5):

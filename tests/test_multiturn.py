@@ -17,6 +17,7 @@ import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 import rollouts  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 import sharding  # noqa: E402
 from layers import engine, transformer  # noqa: E402
 import tasks  # noqa: E402
@@ -49,7 +50,7 @@ def multi_turn(model, tok, enc, static_cache=True, max_new=40, **kw):
                 seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3, max_turns=3, check_every=4,
                 respond=answering(lambda r, k: (r % 3) + 2 * k), static_cache=static_cache)
     args.update(kw)
-    return sampling.sample(model, enc.input_ids, enc.attention_mask, **args)
+    return sampler_options.sample(model, enc.input_ids, enc.attention_mask, **args)
 
 
 def training_logprobs(model, enc, r):
@@ -127,7 +128,7 @@ def test_pause_resume_against_a_script():
 
     def respond(turns):
         return [answers.get(t.row) if len(t.ids) < 8 else None for t in turns]
-    r = sampling.sample(Scripted(cfg, 2, script), ids, torch.ones_like(ids), max_new_tokens=10, eos_ids=[eos],
+    r = sampler_options.sample(Scripted(cfg, 2, script), ids, torch.ones_like(ids), max_new_tokens=10, eos_ids=[eos],
                         pad_id=0, temperature=0, stop_sequences=[stop], respond=respond, max_turns=2, check_every=4)
     # row 0: policy 1 5 6 | answer 70 71 | policy resumes at its own position 5: the script's 9 (EOS)
     assert r.completion_ids[0, :6].tolist() == [1, 5, 6, 70, 71, 9]
@@ -141,7 +142,7 @@ def test_a_stop_sequence_ends_a_row_without_respond():
     cfg = tiny_model()[0].config
     ids = torch.full((2, 2), 40)
     script = [[1, 5, 6, 2, 2, 2, 2, 2], [5, 1, 1, 1, 1, 1, 1, 1]]
-    r = sampling.sample(Scripted(cfg, 2, script), ids, torch.ones_like(ids), max_new_tokens=8, eos_ids=[9],
+    r = sampler_options.sample(Scripted(cfg, 2, script), ids, torch.ones_like(ids), max_new_tokens=8, eos_ids=[9],
                         pad_id=0, temperature=0, stop_sequences=[[5, 6]])
     assert r.completion_mask.sum(1).tolist() == [3, 8] and r.truncated.tolist() == [False, True]
 
@@ -149,7 +150,7 @@ def test_a_stop_sequence_ends_a_row_without_respond():
 def test_answer_without_room_ends_the_row_truncated():
     cfg = tiny_model()[0].config
     ids = torch.full((1, 2), 40)
-    r = sampling.sample(Scripted(cfg, 2, [[9] * 8]), ids, torch.ones_like(ids), max_new_tokens=6, eos_ids=[9],
+    r = sampler_options.sample(Scripted(cfg, 2, [[9] * 8]), ids, torch.ones_like(ids), max_new_tokens=6, eos_ids=[9],
                         pad_id=0, temperature=0, respond=lambda turns: [[70] * 5 for _ in turns], max_turns=3)
     assert r.completion_mask.sum().item() == 1 and r.truncated.tolist() == [True] and r.turns.tolist() == [1]
 
@@ -163,7 +164,7 @@ def test_gradient_counts_policy_tokens_only(tmp_path):
     run = train.setup(cfg, sharding.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     batch = run.rollout(run, 1)
     lm = run.policy.lm
-    batch.rollout = sampling.sample(lm, batch.prompt_ids, batch.prompt_mask, max_new_tokens=30, eos_ids=STOP_IDS,
+    batch.rollout = sampler_options.sample(lm, batch.prompt_ids, batch.prompt_mask, max_new_tokens=30, eos_ids=STOP_IDS,
                                     pad_id=run.tokenizer.pad_token_id, seeds=torch.arange(8), max_turns=3,
                                     respond=answering(lambda r, k: 1 + (r % 4)))
     r = batch.rollout

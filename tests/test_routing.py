@@ -14,6 +14,7 @@ import logprobs  # noqa: E402
 from layers import routing  # noqa: E402
 import rollouts  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
@@ -44,7 +45,7 @@ def nudge_routers(model, scale=0.5):
 def test_training_forward_routes_as_the_sampler_did(family):
     model, tok = architectures.tiny(family)
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30, eos_ids=list(range(97, 105)),
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30, eos_ids=list(range(97, 105)),
                         pad_id=tok.pad_token_id, seeds=torch.arange(4) * 7 + 3, max_turns=3, check_every=4,
                         respond=answering(lambda row, k: (row % 3) + 2 * k), record_routing=True)
     layers = len(routing.routers(model))
@@ -119,7 +120,7 @@ def test_written_out_sampler_records_what_the_model_forward_records(family):
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
     out = {}
     for static in (True, False):
-        out[static] = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30,
+        out[static] = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=30,
                                       eos_ids=list(range(97, 105)), pad_id=tok.pad_token_id,
                                       seeds=torch.arange(4) * 7 + 3, max_turns=3, check_every=4,
                                       respond=answering(lambda row, k: (row % 3) + 2 * k), record_routing=True,
@@ -135,7 +136,7 @@ def test_replayed_gates_come_from_the_live_router():
     model's own choice gives exactly its log-probs."""
     model, tok = architectures.tiny("qwen3_moe")
     enc = tok(TEXT, return_tensors="pt", padding=True, add_special_tokens=False)
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=12, eos_ids=[],
                         pad_id=tok.pad_token_id, record_routing=True)
     ids = torch.cat([enc.input_ids, r.completion_ids], 1)
     mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
@@ -155,7 +156,7 @@ def test_routing_rows_survive_cat_and_selection():
     parts = []
     for text, t in ((["a>", "hello world>"], 5), (["xyz"], 9)):
         enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
-        parts.append(sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
+        parts.append(sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[],
                                      pad_id=tok.pad_token_id, record_routing=True))
     both = rollouts.cat_rollouts(parts, tok.pad_token_id)
     assert both.routing.shape[:2] == (3, 9) and both.prompt_routing.shape[:2] == (3, parts[0].prompt_routing.shape[1])
@@ -236,7 +237,7 @@ def test_no_decoder_outlives_a_recorded_rollout():
     gc.collect()
     gc.disable()
     try:
-        r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=8, eos_ids=[],
+        r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=8, eos_ids=[],
                             pad_id=tok.pad_token_id, record_routing=True)
         alive = [o for o in gc.get_objects() if type(o) is StaticDecoder]
     finally:
@@ -262,7 +263,7 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records(stat
     seeds = torch.arange(n) * 7 + 3
 
     def run(**kw):
-        return sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOP_IDS,
+        return sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, eos_ids=STOP_IDS,
                                pad_id=pad, seeds=seeds, max_turns=3, check_every=4, record_routing=True,
                                respond=answering(lambda r, k: (r % 3) + 2 * k), static_cache=static_cache, **kw)
     whole = run()

@@ -18,7 +18,7 @@ PROMPTS = ["a>", "the quick brown fox>", "é~7"]
 def test_greedy_matches_generate(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
     ours = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=[-1], pad_id=tokenizer.pad_token_id,
-                       temperature=0)
+                       draw=sampling.Draw(temperature=0))
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
     assert ref.unique().numel() > 3  # the model is not degenerate: the comparison means something
@@ -49,7 +49,7 @@ def test_sampler_logprobs_equal_training_forward(model, tokenizer):
     ids, mask = encode(tokenizer, PROMPTS)
     for temperature in (1.0, 0.7):
         r = sampling.sample(model, ids, mask, max_new_tokens=16, eos_ids=[tokenizer.eos_token_id],
-                        pad_id=tokenizer.pad_token_id, temperature=temperature)
+                        pad_id=tokenizer.pad_token_id, draw=sampling.Draw(temperature))
         train_logp = _training_logprobs(model, ids, mask, r, temperature)
         assert (train_logp - r.logprobs).abs().max() < 1e-5
 
@@ -139,7 +139,7 @@ def test_mask_when_pad_is_eos(model, tokenizer):
     script = [[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]]
     ids = torch.full((3, 2), 40)
     r = sampling.sample(Scripted(model.config, 2, script), ids, torch.ones_like(ids), max_new_tokens=5,
-                        eos_ids=[eos, 6], pad_id=eos, temperature=0)  # two EOS ids
+                        eos_ids=[eos, 6], pad_id=eos, draw=sampling.Draw(temperature=0))  # two EOS ids
     assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert r.completion_ids.tolist() == [[1, 2, 5, 5, 5], [5, 5, 5, 5, 5], [1, 2, 3, 4, 6]]
     assert torch.equal(r.policy_mask, r.completion_mask) and not r.truncated.any()

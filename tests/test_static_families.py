@@ -24,6 +24,7 @@ import logprobs  # noqa: E402
 import model_loading  # noqa: E402
 from layers import lora  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 from layers import engine, transformer  # noqa: E402
 from layers import static_moe  # noqa: E402
 from test_fast_paths import prompts, with_completions  # noqa: E402
@@ -70,7 +71,7 @@ def test_greedy_tokens_equal_generate(case):
     model, tok = build(case)
     enc = prompts(tok)
     t = 16
-    ours = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[tok.eos_token_id],
+    ours = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=t, eos_ids=[tok.eos_token_id],
                            pad_id=tok.pad_token_id, temperature=0.0)
     with torch.no_grad():
         ref = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=False,
@@ -87,7 +88,7 @@ def test_sampled_logprobs_equal_a_forward_of_each_row(case):
     """One turn, rows stopping at scattered lengths (the decoder drops finished rows as it goes)."""
     model, tok = build(case)
     enc = prompts(tok)
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
                         pad_id=tok.pad_token_id, temperature=0.8, seeds=torch.arange(6) * 3, check_every=4)
     lengths = r.completion_mask.sum(1)
     assert lengths.min() < lengths.max()
@@ -358,13 +359,13 @@ def test_kept_moe_decoder_reads_the_experts_as_they_are_now():
     model, tok = build("qwen3_moe")
     enc = prompts(tok)
     kw = dict(max_new_tokens=10, eos_ids=[], pad_id=tok.pad_token_id, seeds=torch.arange(6), keep_decoder=True)
-    sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    sampler_options.sample(model, enc.input_ids, enc.attention_mask, **kw)
     kept = model._static_decoder
     with torch.no_grad():
         for mlp in _moe_blocks(model):
             mlp.experts.down_proj.mul_(3.0)
             mlp.gate.weight.mul_(-1.0)
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, **kw)
     assert model._static_decoder is kept
     torch.testing.assert_close(r.logprobs, per_row_logprobs(model, enc, r) * r.completion_mask, atol=1e-4, rtol=0)
 
@@ -399,7 +400,7 @@ def test_moe_in_bfloat16_with_lora_on_experts(case):
     assert all(m.grouped and not m.grouped_lora for m in moe)
     enc = prompts(tok)
     kw = dict(max_new_tokens=12, eos_ids=[], pad_id=tok.pad_token_id, seeds=torch.arange(6))
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, **kw)
     want = per_row_logprobs(model, enc, r)
     with lora.adapters_disabled(model):
         base = per_row_logprobs(model, enc, r)
@@ -441,7 +442,7 @@ def test_recurrent_states_follow_their_rows_through_compaction():
     with their rows, and each row's log-probs still equal a forward of the row alone."""
     model, tok = build("qwen3_5")
     enc = prompts(tok)
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, eos_ids=list(range(97, 110)),
                         pad_id=tok.pad_token_id, temperature=0.8, seeds=torch.arange(6) * 3, check_every=4,
                         keep_decoder=True)
     assert model._static_decoder.compactions > 0
@@ -452,7 +453,7 @@ def test_recurrent_states_follow_their_rows_through_compaction():
 def ours_against_the_model(model, tok, enc, new_tokens=6):
     """How far our paths' log-probs lie from the model's own forward over the same trajectory: the largest
     difference over a few sampled tokens per row, for the sampler and (where written out) the training forward."""
-    r = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens, eos_ids=[],
+    r = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=new_tokens, eos_ids=[],
                         pad_id=tok.pad_token_id, seeds=torch.arange(enc.input_ids.shape[0]) * 7 + 3)
     want = per_row_logprobs(model, enc, r)
     out = {"sampler": (r.logprobs - want).abs().max().item()}

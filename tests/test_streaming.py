@@ -1,4 +1,4 @@
-"""Rows streaming through fewer decode places than there are rows (`sampling.sample(in_flight=...)`, the run's
+"""Rows streaming through fewer decode places than there are rows (`sampler_options.sample(in_flight=...)`, the run's
 `--rollouts_in_flight`): when a row ends, its place takes the next row, whose prompt enters that place's cache
 while the other rows keep theirs. Each row must sample what it samples with every row in one batch (its own
 seed), one turn and several, on each kind of layer a place is emptied and refilled for: attention over a KV
@@ -164,6 +164,7 @@ def test_rows_stream_in_the_iterations_their_queue_order_needs(static_cache):
     scheduling in queue order, each place given to the next row at the first check after its row ended (the
     bench's bound, bench.longtail.queue_iterations), counted by the draws; one batch after another takes more."""
     import sampling
+    from features import sampler_options
     from bench.longtail import EndAt, queue_iterations
     model, tok = architectures.tiny("qwen3")
     lengths = [5, 30, 9, 17, 2, 26, 12, 8, 21, 3, 14, 11]
@@ -178,7 +179,7 @@ def test_rows_stream_in_the_iterations_their_queue_order_needs(static_cache):
     draw = Counted(ends=sampling.row_keys(seeds, torch.tensor(lengths) - 1), stop=stop)
 
     def run(rows, **kw):
-        return sampling.sample(model, enc.input_ids[rows], enc.attention_mask[rows], seeds=seeds[rows],
+        return sampler_options.sample(model, enc.input_ids[rows], enc.attention_mask[rows], seeds=seeds[rows],
                                max_new_tokens=32, eos_ids=[stop], pad_id=tok.pad_token_id, draw=draw,
                                static_cache=static_cache, **kw)
     r = run(slice(0, len(lengths)), in_flight=4)
@@ -225,6 +226,7 @@ def test_a_stream_on_cuda_graphs_samples_what_one_batch_samples(family):
 def stream_against_one_batch(family, device, turns=1, static_cache=True):
     import rollouts
     import sampling
+    from features import sampler_options
     model, tok = architectures.tiny(family)
     model.to(device)
     enc = _letters(tok).to(device)
@@ -236,7 +238,7 @@ def stream_against_one_batch(family, device, turns=1, static_cache=True):
     asked = {"whole": [], "stream": []}
     respond = (lambda name: answering(lambda r, k: (r % 3) + 2 * k, asked[name])) if turns > 1 else (lambda _: None)
     longest = 24 * turns  # room for the answers
-    whole = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=longest, eos_ids=STOP_IDS,
+    whole = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=longest, eos_ids=STOP_IDS,
                             pad_id=pad, seeds=seeds, respond=respond("whole"), max_turns=turns,
                             static_cache=static_cache)
     ended = []
@@ -279,6 +281,7 @@ def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_lo
     cache matters), so the check can fail. On the written-out decoder (its copies refreshed in place) and on the
     model's own forward (its live weights)."""
     import sampling
+    from features import sampler_options
     from bench.longtail import EndAt
     from transformers import DynamicCache
     model, tok = architectures.tiny("qwen3")
@@ -495,6 +498,7 @@ def test_a_groups_prompt_prefilled_once_samples_what_each_rows_own_prefill_does(
     states and window positions to the group's rows; every row then samples the tokens it samples with a prefill
     of its own, with its log-probs within float noise. A copy to the wrong row would change that row's tokens."""
     import sampling
+    from features import sampler_options
     from layers import engine
     model, tok = architectures.tiny(family)
     text = [t for t in ["a>", "hello world>", "xyz", "the quick brown fox>"] for _ in range(3)]
@@ -503,10 +507,10 @@ def test_a_groups_prompt_prefilled_once_samples_what_each_rows_own_prefill_does(
     with torch.no_grad():
         model.get_output_embeddings().weight[STOP_IDS] *= 2
     kw = dict(max_new_tokens=16, eos_ids=STOP_IDS, pad_id=tok.pad_token_id, seeds=torch.arange(len(text)) * 5 + 1)
-    own = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+    own = sampler_options.sample(model, enc.input_ids, enc.attention_mask, **kw)
     rows_run, embed = [], engine.StaticDecoder._embed
     monkeypatch.setattr(engine.StaticDecoder, "_embed", lambda self, ids: (rows_run.append(ids.shape), embed(self, ids))[1])
-    shared = sampling.sample(model, enc.input_ids, enc.attention_mask, share_prompts=True, **kw)
+    shared = sampler_options.sample(model, enc.input_ids, enc.attention_mask, share_prompts=True, **kw)
     assert rows_run[0] == (4, enc.input_ids.shape[1])  # the prefill: one row per distinct prompt
     for k in ("completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(shared, k), getattr(own, k)), k
@@ -522,6 +526,7 @@ def test_a_groups_prompt_admitted_once_samples_what_each_rows_own_prefill_does(f
     group. Every row then samples the tokens of one batch without sharing, log-probs within float noise. A copy
     to the wrong place, or a state not copied, would change the rows' tokens."""
     import sampling
+    from features import sampler_options
     from layers import engine
     model, tok = architectures.tiny(family)
     text = ["a>", "hello world>", "xyz", "the quick brown fox>"] * 3  # the first 6 places: 2 prompts twice
@@ -529,7 +534,7 @@ def test_a_groups_prompt_admitted_once_samples_what_each_rows_own_prefill_does(f
     with torch.no_grad():
         model.get_output_embeddings().weight[STOP_IDS] *= 2
     n, seeds = len(text), torch.arange(len(text)) * 5 + 1
-    own = sampling.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=16, eos_ids=STOP_IDS,
+    own = sampler_options.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=16, eos_ids=STOP_IDS,
                           pad_id=tok.pad_token_id, seeds=seeds)
     heads, copied, extend = [], [], engine.StaticDecoder.extend
     monkeypatch.setattr(engine.StaticDecoder, "extend", lambda self, ids, valid, start, top, batch_rows=None: (

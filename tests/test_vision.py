@@ -16,6 +16,7 @@ import logprobs
 import model_loading
 from layers import lora
 import sampling
+from features import sampler_options
 from layers import vision
 
 pytest.importorskip("PIL")  # the image processors' backend without torchvision
@@ -116,7 +117,7 @@ def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(famil
     answers = iter([[3, 1, 4], [1], [5, 9], [2, 6, 5], [7, 7]])
     # turns of one token, answers of different lengths, a token sampled past each pause forgotten: decode and
     # extend steps after the image at positions of each row's own
-    rollout = sampling.sample(model, ids, mask, max_new_tokens=14, eos_ids=range(vocab), pad_id=tok.pad_token_id,
+    rollout = sampler_options.sample(model, ids, mask, max_new_tokens=14, eos_ids=range(vocab), pad_id=tok.pad_token_id,
                               seeds=torch.arange(4), check_every=2, max_turns=3, images=images,
                               respond=lambda turns: [next(answers, [7]) for _ in turns])
     want = plain_logprobs(model, ids, mask, rollout, images)
@@ -150,10 +151,10 @@ def test_image_prompts_stream_through_places(monkeypatch):
     ids, mask, pad = enc.input_ids, enc.attention_mask, tok.pad_token_id
     vocab = model.config.get_text_config().vocab_size
     seeds, stops = torch.arange(8) * 5 + 1, list(range(0, vocab, 4))  # rows end at different steps
-    whole = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
+    whole = sampler_options.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
                             images=images)
     assert whole.completion_mask.sum(1).unique().numel() > 2
-    streamed = sampling.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
+    streamed = sampler_options.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
                                images=images, in_flight=3)
     assert sum(admitted) >= 2  # image prompts took a place after the first prefill
     stream = sampling.Stream(3, 8, ids.shape[1] + 3, 12, stops, pad, sampling.Draw(), torch.device("cpu"))

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import sampling  # noqa: E402
+from features import sampler_options  # noqa: E402
 from layers import transformer  # noqa: E402
 from layers.tensor_parallel import Slice  # noqa: E402
 
@@ -247,7 +248,7 @@ def main(out_path):
                     continue
                 kw = dict(kw, pad_id=tok.pad_token_id, seeds=torch.tensor([5, 6, 7]), keep_decoder=True)
                 enc = prompts.get(case, prompts[""])
-                whole = sampling.sample(model, enc.input_ids, enc.attention_mask, **kw)
+                whole = sampler_options.sample(model, enc.input_ids, enc.attention_mask, **kw)
                 whole_bytes = model._static_decoder.weight_bytes()
                 ref = None
                 if case == "greedy":
@@ -256,7 +257,7 @@ def main(out_path):
                                              do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
                                              eos_token_id=tok.eos_token_id)[:, enc.input_ids.shape[1]:].tolist()
                 for size, tp in groups.items():
-                    got = sampling.sample(model, enc.input_ids, enc.attention_mask, tp=tp, **kw)
+                    got = sampler_options.sample(model, enc.input_ids, enc.attention_mask, tp=tp, **kw)
                     mask = whole.policy_mask.bool()
                     diff = (got.logprobs - whole.logprobs)[mask].abs().max().item() if mask.any() else 0.0
                     lines.append(dict(
