@@ -35,6 +35,18 @@ from layers.engine import StaticDecoder
 
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
+# The sampler's optional features (features/sampler_options.py, which puts itself here when imported: the run's
+# feature list imports it). The core imports no feature file; a call that asks for a feature reaches it through
+# `_options()`, and the default path never does.
+OPTIONS = None
+
+
+def _options():
+    if OPTIONS is None:
+        raise RuntimeError("this sampling call asks for an optional feature of the sampler: import "
+                           "features.sampler_options first (train.py's feature list does)")
+    return OPTIONS
+
 
 # ----------------------------------------------------------------------------- tokens
 
@@ -674,8 +686,7 @@ class Stream:
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag
         by_tag = respond and (lambda turns: respond([t._replace(row=self.tag_of[t.row]) for t in turns]))
-        from features.sampler_rows import Rows
-        rows = self.rows = Rows(None, capacity, max_new_tokens, eos_ids, pad_id, device, self.waiting, keys,
+        rows = self.rows = _options().Rows(None, capacity, max_new_tokens, eos_ids, pad_id, device, self.waiting, keys,
                                 stop_sequences, by_tag, max_turns,
                                 on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
         rows.active[:] = False  # no row yet: `add` starts each
@@ -752,8 +763,7 @@ class Stream:
             # the routers' recorder, as `sample`'s: a model without experts is refused here in one line
             replay = routing.of(model) if rows.route_width is not None else None
             if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
-                from features.sampler_options import static_steps
-                steps = static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.places,
+                steps = _options().static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.places,
                                      replay is not None, self.tp, self.share, cuda_graph=self.cuda_graph,
                                      attention_kernel=self.attention_kernel, dtype=self.dtype)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
@@ -774,8 +784,7 @@ class Stream:
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-        from features.sampler_options import iterations
-        limit = iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
+        limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
         # on the model's own forward its routers record while the stream runs (the training forward replays between)
         replay = self.loop.steps.replay
         if replay is not None:
@@ -825,8 +834,7 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     (or with images: features/sampler_options.py's `start_rows`), each rollout's environment is made and reset on
     the rank that samples it."""
     if agent is not None or images is not None:
-        from features import sampler_options
-        return sampler_options.start_rows(rows, mine, tokenizer, cfg, device, agent, images)
+        return _options().start_rows(rows, mine, tokenizer, cfg, device, agent, images)
     prompts = [r["prompt"] for r in rows]
     enc = encode_prompts(tokenizer, prompts, cfg, device)
     return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, None
@@ -869,8 +877,7 @@ def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eo
     vision.PromptImages), calling on_end(rows, ids) as rows end (`sample`'s), in batches, on a tensor-parallel
     group."""
     if _features_asked(cfg, d, agent, record_routing, images, on_end):
-        from features import sampler_options
-        return sampler_options.generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
+        return _options().generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
                                         agent, episodes, record_routing, images, on_end)
     with sharding.gathered(policy):  # full weights once for the whole decode loop
         rollout = policy(sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
@@ -996,8 +1003,7 @@ def check_exact(model, tolerance=2e-3, new_tokens=3, tp=None):
     model.eval()
     try:
         # every token is a stop: each turn is one token, and the check every 2 tokens forgets the one after it
-        from features import sampler_options
-        rollout = sampler_options.sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab),
+        rollout = _options().sample(model, ids, mask, max_new_tokens=new_tokens * 5, eos_ids=range(vocab),
                                          pad_id=0, seeds=torch.tensor([1, 2]), check_every=2, max_turns=new_tokens,
                                          respond=lambda turns: [[t % vocab for t in next(answers, [7])] for _ in turns],
                                          tp=tp)

@@ -73,6 +73,7 @@ try:
     from runs import log as run_log
     from runs.setup import setup as make_run  # the models, task, tools and optimizer of a run
     import features  # the optional features, applied to the run's seams in one place
+    import features.sampler_options  # noqa: F401 (the sampler's features, which sampling.py calls when asked)
     import rollouts
     import sampling
     import sharding

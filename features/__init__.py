@@ -13,8 +13,12 @@ Each file here is one feature, read on its own: what it replaces or wraps, and i
     lora_reference.py     --lora_rank with --beta: the reference is the policy with its adapters off
     code_execution.py     programs run in the sandbox during a step: their metrics
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
-What the sampler and the layers apply from outside (tensor-parallel slices, CUDA graphs, the Triton kernels, MoE
-and recurrent layers) is chosen where the decoder is built (sampling.py, layers/engine.py).
+    sampler_options.py    the sampler's options: tensor-parallel groups, batches of rows, rows streaming through
+                          places, kept decoders, CUDA graphs off, the Triton kernel, shared prefill, routing
+                          records, images; the features' `sample`, `generate` and the start-up check's path
+    sampler_rows.py       rows with turns (stops, an environment's answers), admission and routing records
+The layers' own features (tensor-parallel slices, MoE and recurrent layers, the Triton kernels, the model's own
+forward) are in layers/, chosen where the decoder is built.
 
 Imports: the top-level modules (sampling, rollouts, rewards, logprobs, sharding), runs/log.py, layers/ (lora,
 routing) and sandbox/executor.py; only train.py imports it, and no core file imports a file of it.

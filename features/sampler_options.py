@@ -6,6 +6,7 @@ attention, routing records, image prompts, rows handed on as they end).
 """
 
 import functools
+import sys
 
 import torch
 
@@ -258,3 +259,6 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     prompts, episodes = agent.start(rows[mine])
     enc = encode_prompts(tokenizer, prompts, cfg, device)
     return prompts, enc.input_ids, enc.attention_mask, episodes, None
+
+
+sampling.OPTIONS = sys.modules[__name__]  # what the core sampler calls for a feature it is asked for (sampling._options)

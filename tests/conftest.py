@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sandbox import executor  # noqa: E402
 import model_loading  # noqa: E402
+import features.sampler_options  # noqa: E402,F401 (the sampler's features, as train.py's feature list imports them)
 
 
 @pytest.fixture(scope="session")
