@@ -3,7 +3,7 @@
 `completion_logprobs` runs the training forward (written out where layers/transformer.py can, else the model's own)
 and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,
 chunk by chunk over the vocabulary with a hand-written backward, so the (tokens x vocabulary) logits never exist
-whole. The head applies what the model applies to its final logits (layers/head.py: a scale, a softcap),
+whole. The head applies what the model applies to its final logits (`transformer.head_of`: a scale, a softcap),
 as the sampler does.
 `micro_batches` packs a step's rows into forwards of equal cost (sorted by length, trimmed to the longest row).
 With --shared_prompts (`SharedPrompts`), the rows of a micro-batch that share a prompt run as one sequence, the
@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from layers import vision
-from layers import routing as routing_replay
 from layers import static_recurrent
-from layers.head import head_of
 from layers import transformer
-from layers.transformer import hidden_states
+from layers.transformer import head_of, hidden_states
 
 # ----------------------------------------------------------------------------- positions
 
@@ -65,8 +63,10 @@ _FUSED = {}
 def fused_head_available(device):
     """On CUDA with Triton, the chunk math runs compiled: the eager version makes about ten float32 passes
     over each (rows, V) chunk of logits, which costs more than the vocabulary matmul itself."""
-    if torch.device(device).type != "cuda":
-        return False
+    return torch.device(device).type == "cuda" and _has_triton()
+
+
+def _has_triton():
     try:
         import triton  # noqa: F401  (torch.compile's GPU code generator)
     except ImportError:
@@ -135,7 +135,6 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, kept, entropy = ctx.saved_tensors
-        with_entropy = ctx.entropy_grad and grad_entropy is not None
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
         # the weight's gradient sums over every chunk: in float32, so that bf16 rounding does not grow with
@@ -145,32 +144,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            if ctx.fused and not with_entropy:
-                z = _fused("grad")(F.linear(h, weight), targets[s:e], lse[s:e], grad_logp[s:e].float(),
-                                   1.0 / ctx.temperature)
-            else:
+            if kept is not None:  # the only chunk's softmax, kept from the forward
                 g = grad_logp[s:e, None].float()
-                if kept is not None:  # the only chunk's softmax, kept from the forward
-                    z = kept * -g  # -g * softmax (a new tensor: a retained graph may run backward again)
-                else:
-                    raw = z = F.linear(h, weight).float()
-                    if ctx.head is not None:
-                        z = ctx.head.apply(raw.clone())
-                    if ctx.temperature != 1.0:
-                        z.div_(ctx.temperature)
-                    z.sub_(lse[s:e, None])  # log softmax
-                    if with_entropy:  # the entropy's gradient: -p (log p + H), times its incoming gradient
-                        gh = grad_entropy[s:e, None].float()
-                        extra = z.exp() * (z + entropy[s:e, None]) * -gh
-                    z.exp_().mul_(-g)  # -g * softmax
-                    if with_entropy:
-                        z.add_(extra)
-                z.scatter_add_(-1, targets[s:e, None], g)  # + g at the target
-                if ctx.temperature != 1.0:
-                    z.div_(ctx.temperature)
-                if ctx.head is not None:  # the chain rule through the head's transform of the raw logits
-                    z.mul_(ctx.head.derivative(raw))
-                z = z.to(hidden.dtype)
+                # -g * softmax (a new tensor: a retained graph may run backward again)
+                z = _logit_grad(kept * -g, targets[s:e], g, ctx.temperature).to(hidden.dtype)
+            else:
+                z = _recomputed_grad(ctx, h, weight, targets[s:e], lse[s:e], grad_logp[s:e],
+                                     None if grad_entropy is None else grad_entropy[s:e], entropy, s, e)
             if want_h:
                 grad_h[s:e] = z @ weight
             if want_w:
@@ -181,6 +161,36 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
+def _logit_grad(z, targets, g, temperature):
+    """d(sum g * logp) / d logits from z = -g * softmax: g added at each row's target, over the temperature."""
+    z.scatter_add_(-1, targets[:, None], g)  # + g at the target
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _recomputed_grad(ctx, h, weight, targets, lse, grad_logp, grad_entropy, entropy, s, e):
+    """One chunk's d loss / d logits, in h's dtype, from its logits recomputed: compiled (`fused`), or eagerly,
+    through the head's transform and with the entropy's gradient where they apply."""
+    if ctx.fused and not (ctx.entropy_grad and grad_entropy is not None):
+        return _fused("grad")(F.linear(h, weight), targets, lse, grad_logp.float(), 1.0 / ctx.temperature)
+    g = grad_logp[:, None].float()
+    raw = z = F.linear(h, weight).float()
+    if ctx.head is not None:
+        z = ctx.head.apply(raw.clone())
+    if ctx.temperature != 1.0:
+        z.div_(ctx.temperature)
+    z.sub_(lse[:, None])  # log softmax
+    with_entropy = ctx.entropy_grad and grad_entropy is not None
+    if with_entropy:  # the entropy's gradient: -p (log p + H), times its incoming gradient
+        extra = z.exp() * (z + entropy[s:e, None]) * -grad_entropy[:, None].float()
+    z.exp_().mul_(-g)  # -g * softmax
+    if with_entropy:
+        z.add_(extra)
+    z = _logit_grad(z, targets, g, ctx.temperature)
+    if ctx.head is not None:  # the chain rule through the head's transform of the raw logits
+        z.mul_(ctx.head.derivative(raw))
+    return z.to(h.dtype)
+
+
 def default_chunk_tokens(vocab_size, device):
     """Rows per chunk of the vocabulary projection: 16M logits on CPU (64 MB in float32), 128M on GPU."""
     budget = 1 << (27 if torch.device(device).type == "cuda" else 24)
@@ -189,20 +199,89 @@ def default_chunk_tokens(vocab_size, device):
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
                         chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
-                        entropy_grad=False, routing=None, images=None):
+                        entropy_grad=False, routing=None, images=None, forward=None, extras=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
-    input_ids (N, S) are left-padded prompts then completions; attention_mask
-    (N, S) marks the real tokens. The transformer runs once; the vocabulary
-    projection runs over chunks of `chunk_tokens` positions and is recomputed
-    chunk by chunk in backward, so no (N, T, V) float32 tensor ever exists.
-    Temperature is applied exactly as in `sample`. Returns (logp, entropy),
-    each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
+    input_ids (N, S) are left-padded prompts then completions; attention_mask (N, S) marks the real tokens.
+    `forward` gives the final hidden states that predict the completion tokens: the plain `Forward` (the
+    written-out layers where `fast_forward`, by default where the run decided so, compiled when `compile_layers`),
+    or a feature's variant around it (features/forward_*.py, `TreeForward`), which reads the rows' `extras`
+    (routing records, images): this function carries them without reading. `width`: the forward's columns
+    (`MicroBatch.width`).
+    The vocabulary projection then runs over chunks of `chunk_tokens` positions and is recomputed chunk by chunk
+    in backward, so no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as in `sample`.
+    Returns (logp, entropy), each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
-    `fast_forward` (default: where supported) runs the transformer as
-    `transformer.hidden_states` instead of the Hugging Face forward, with
-    its layers compiled when `compile_layers` (the Hugging Face forward is
-    never compiled here).
+    `routing` (N, S, layers, k), `images` and a SharedPrompts `width` choose their feature's forward here
+    (`feature_forward`), for callers that pass them so.
+    """
+    if forward is None:
+        forward = Forward(fast_forward, compile_layers)
+        if routing is not None or images is not None or isinstance(width, SharedPrompts):
+            forward, extras = feature_forward(forward, routing, images, width)
+    t = num_completion_tokens
+    rows = forward.layout(model, input_ids, attention_mask, t, width, extras)
+    hidden = rows.predicting(forward.hidden(model, rows, extras))
+    return _token_logprobs(model, hidden, input_ids[:, -t:], temperature, chunk_tokens, fused, entropy_grad)
+
+
+def feature_forward(forward, routing, images, width):
+    """`forward` with the variants that `routing` (routing replay: features/forward_routing.py), `images` (a
+    vision-language model's prompts: features/forward_vision.py) and a SharedPrompts `width` (--shared_prompts:
+    `TreeForward`) ask for, and their extras."""
+    from features import forward_routing, forward_vision
+    if images is not None:
+        forward = forward_vision.Forward(forward)
+    if routing is not None:
+        forward = forward_routing.Forward(forward)
+    if isinstance(width, SharedPrompts):
+        forward = TreeForward(forward)
+    return forward, {"routing": routing, "images": images}
+
+
+class Forward:
+    """The training forward, in two parts: `layout` lays the rows out (`Layout`: each row's padding moved to its
+    end), `hidden` runs the model over them; the laid-out rows' `predicting` then picks the positions before the
+    completion tokens. The written-out layers (`transformer.hidden_states`, compiled with `compile_layers`) run
+    where `fast_forward` says, by default where the run decided (`transformer.paths_of`), else the model's own
+    forward (never compiled here).
+    A feature's variant wraps a forward (features/forward_*.py, `TreeForward`): it has the same three methods and
+    hands to its `inner` forward what it does not change.
+    """
+
+    def __init__(self, fast_forward=None, compile_layers=False):
+        self.fast_forward, self.compile_layers = fast_forward, compile_layers
+
+    def layout(self, model, input_ids, attention_mask, t, width, extras):
+        return Layout.of(input_ids, attention_mask, t, width)
+
+    def written_out(self, model):
+        if self.fast_forward is None:
+            return transformer.paths_of(model).trains_written_out(model)  # the run's, decided at setup
+        return self.fast_forward
+
+    def hidden(self, model, rows, extras):
+        """The final-norm hidden states (N, width, H) over the laid-out rows."""
+        if self.written_out(model):
+            return hidden_states(model, rows.ids, rows.mask, rows.positions, compiled=self.compile_layers)
+        return model.base_model(input_ids=rows.ids, attention_mask=rows.mask, position_ids=rows.positions,
+                                use_cache=False).last_hidden_state
+
+
+def _lead(attention_mask, t):
+    """(each row's leading padding columns (N,), whether the rows are left-padded only with a real prompt token
+    each, whether any row is padded)."""
+    s = attention_mask.shape[1]
+    lead = (attention_mask.cumsum(1) == 0).sum(1)
+    # left padding only, and every row with a real prompt token (an empty prompt's first token would be
+    # predicted from itself once moved): then the move applies
+    movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
+    return lead, *torch.stack([movable, lead.any()]).tolist()
+
+
+@dataclass
+class Layout:
+    """A micro-batch's rows as the forward takes them (`of`).
 
     Each row's left padding is moved to its right end before the forward, so
     every row starts at column 0 with position 0 and attention needs no mask:
@@ -218,71 +297,46 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     completion is longest, all but its last token (`MicroBatch.width`).
     Completion tokens predicted from past `width` then get finite log-probs
     that mean nothing, for the caller to mask.
-    `routing` (N, S, layers, k): with routing replay (layers/routing.py), the experts
-    each token goes to in each MoE layer, moved with its row; the forward then
-    routes as the sampler did.
-    `images`: the rows' vision.PromptImages (a vision-language model's prompts with images): the language model
-    runs with their embeddings in place of the prompts' image tokens and their rotary positions (layers/vision.py), as
-    in the sampler's prefill.
-    `width` a SharedPrompts (--shared_prompts; `micro_batches(prompt_ids=...)` makes them): the rows that share a
-    prompt run as one sequence, the prompt once and each completion a branch (`pack`), where `shares_prompts` says
-    the forward takes it and the rows are left-padded only, without images; elsewhere the padded forward above runs
-    with its `width`. The log-probs are the same either way, in the same (N, T) layout.
     """
-    t = num_completion_tokens
-    n, s = input_ids.shape
-    targets = input_ids[:, -t:]
-    lead = (attention_mask.cumsum(1) == 0).sum(1)  # (N,) leading padding columns
-    # left padding only, and every row with a real prompt token (an empty prompt's first token would be
-    # predicted from itself once moved): then the move applies
-    movable = ((attention_mask.sum(1) + lead == s) & (lead < s - t)).all()
-    left_padded_only, padded = torch.stack([movable, lead.any()]).tolist()
-    real = attention_mask.bool()
-    pictures = None  # the prompts' image tokens, moved with their rows
-    if images is not None and any(g.shape[0] for g in images.grid):
-        pictures = vision.image_mask(model, input_ids, s - t, real)
-    if fast_forward is None:
-        fast_forward = transformer.paths_of(model).trains_written_out(model)  # the run's, decided at setup
-    if isinstance(width, SharedPrompts):  # --shared_prompts: each prompt once, where the forward takes a tree
-        if left_padded_only and pictures is None and shares_prompts(model, fast_forward):
-            hidden = _tree_hidden_states(model, input_ids, attention_mask, t, width.completion, fast_forward,
-                                         compile_layers, routing)
-            return _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad)
-        width = width.width  # else the padded forward, as without it
-    if left_padded_only:
-        if padded:  # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
-            cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s
-            input_ids, real = input_ids.gather(1, cols), real.gather(1, cols)
-            pictures = None if pictures is None else pictures.gather(1, cols)
-            if routing is not None:
-                routing = routing.gather(1, cols[:, :, None, None].expand_as(routing))
-        if width is not None and width < s:
-            input_ids, real = input_ids[:, :width], real[:, :width]
-            pictures = None if pictures is None else pictures[:, :width]
-            routing = None if routing is None else routing[:, :width]
-        mask, positions = None, torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
-    else:
-        lead = torch.zeros_like(lead)
-        mask, positions = attention_mask, position_ids_from_mask(attention_mask)
-    if routing is not None:  # kept set after the forward: activation checkpointing recomputes in backward
-        routing_replay.of(model).replay(routing, real)
-    elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
-        routing_replay.attached(model).stop()
-    if pictures is not None:
-        rope, _ = vision.rope_positions(model, input_ids, pictures, images, real)
-        hidden = vision.hidden_states(model, input_ids, pictures, images, attention_mask=mask, position_ids=rope,
-                                      use_cache=False).last_hidden_state
-    elif fast_forward:
-        hidden = hidden_states(model, input_ids, mask, positions, compiled=compile_layers)
-    else:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                  use_cache=False).last_hidden_state
-    h = hidden.shape[-1]
-    # the position before each completion token predicts it: column s - t - 1 + j, moved left with its row
-    # (clamped: past `width` the last column stands in, for tokens the caller does not count)
-    before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - lead[:, None]).clamp(0, hidden.shape[1] - 1)
-    hidden = hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
-    return _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad)
+    input_ids: torch.Tensor       # (N, S) as given
+    attention_mask: torch.Tensor  # (N, S) as given
+    t: int                        # completion tokens
+    lead: torch.Tensor            # (N,) the columns each row moved left by
+    cols: object                  # (N, S) each moved column's source column; None: none moved
+    width: int                    # columns the forward runs
+    ids: torch.Tensor = None      # (N, width) the laid-out rows
+    real: torch.Tensor = None     # (N, width) their real tokens
+    mask: object = None           # the forward's attention mask: None (causal), or attention_mask as given
+    positions: torch.Tensor = None
+
+    @staticmethod
+    def of(input_ids, attention_mask, t, width=None):
+        s = input_ids.shape[1]
+        lead, left_padded_only, padded = _lead(attention_mask, t)
+        if not left_padded_only:
+            return Layout(input_ids, attention_mask, t, torch.zeros_like(lead), None, s, input_ids,
+                          attention_mask.bool(), attention_mask, position_ids_from_mask(attention_mask))
+        # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
+        cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s if padded else None
+        rows = Layout(input_ids, attention_mask, t, lead, cols, s if width is None else min(width, s))
+        rows.ids, rows.real = rows.move(input_ids), rows.move(attention_mask.bool())
+        rows.positions = torch.arange(rows.ids.shape[1], device=input_ids.device).expand(rows.ids.shape)
+        return rows
+
+    def move(self, x):
+        """x (N, S, ...), a value per token, laid out as the rows are: moved with its row, cut to `width`."""
+        if self.cols is not None:
+            x = x.gather(1, self.cols.view(*self.cols.shape, *[1] * (x.dim() - 2)).expand_as(x))
+        return x[:, :self.width]
+
+    def predicting(self, hidden):
+        """The hidden states (N * T, H) that predict the completion tokens, of the forward's (N, width, H)."""
+        (n, s), t, h = self.input_ids.shape, self.t, hidden.shape[-1]
+        # the position before each completion token predicts it: column s - t - 1 + j, moved left with its row
+        # (clamped: past `width` the last column stands in, for tokens the caller does not count)
+        before = (torch.arange(s - t - 1, s - 1, device=hidden.device) - self.lead[:, None]).clamp(
+            0, hidden.shape[1] - 1)
+        return hidden.gather(1, before[..., None].expand(n, t, h)).reshape(n * t, h)
 
 
 def _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad):
@@ -324,6 +378,36 @@ def shares_prompts(model, written_out):
     return written_out or transformer.tree_refusal(model) is None
 
 
+class TreeForward:
+    """The training forward around `inner` for --shared_prompts, where a micro-batch's `width` is a SharedPrompts
+    (`micro_batches(prompt_ids=...)` makes them): the rows that share a prompt run as one sequence, the prompt once
+    and each completion a branch (`pack`), where `shares_prompts` says the forward takes it and the rows are
+    left-padded only, without images; elsewhere the padded forward runs with the SharedPrompts' `width`. The
+    log-probs are the same either way, in the same (N, T) layout. The variants inside it run over the packed rows
+    (`Packed`, which `inner.hidden` takes as it takes a `Layout`)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def written_out(self, model):
+        return self.inner.written_out(model)
+
+    def hidden(self, model, rows, extras):
+        return self.inner.hidden(model, rows, extras)
+
+    def layout(self, model, input_ids, attention_mask, t, width, extras):
+        if not isinstance(width, SharedPrompts):
+            return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
+        extras = extras or {}
+        images, written_out = extras.get("images"), self.written_out(model)
+        pictures = images is not None and any(g.shape[0] for g in images.grid)
+        if not _lead(attention_mask, t)[1] or pictures or not shares_prompts(model, written_out):
+            return self.inner.layout(model, input_ids, attention_mask, t, width.width, extras)
+        packed = pack(input_ids, attention_mask, t, width.completion, extras.get("routing"), flat=written_out)
+        packed.mask = packed.tree if written_out else own_forward_tree_mask(model, packed)
+        return packed
+
+
 @dataclass
 class Packed:
     """A micro-batch's rows packed one sequence per distinct prompt (`pack`): the prompt's real tokens once, then each
@@ -336,6 +420,16 @@ class Packed:
     segment: torch.Tensor    # (B, L) -1 in a prompt, the row r in row r's branch, -2 at padding
     before: torch.Tensor     # (N, T) the position (of B * L) whose hidden state predicts each completion token
     tree: transformer.Tree   # the same layout for the written-out attention
+    mask: object = None      # the forward's attention mask: the tree (written-out layers) or `own_forward_tree_mask`
+
+    def move(self, x):
+        """x (N, S, ...), a value per token of the micro-batch's rows, at the packed positions; -1 at padding."""
+        flat = x.reshape(-1, *x.shape[2:])[self.source]
+        return torch.where(self.real.view(*self.real.shape, *[1] * (flat.dim() - 2)), flat, -1)
+
+    def predicting(self, hidden):
+        """The hidden states (N * T, H) that predict the completion tokens, of the forward's over the sequences."""
+        return hidden.reshape(-1, hidden.shape[-1])[self.before.reshape(-1)]
 
     def positions_computed(self):
         """What the forward runs over, padding between the sequences included."""
@@ -442,22 +536,6 @@ def own_forward_tree_mask(model, packed):
     if list(windows) == [None]:
         return form(windows[None])
     return {kind: form(w) for kind, w in windows.items()}
-
-
-def _tree_hidden_states(model, input_ids, attention_mask, t, completion, written_out, compile_layers, routing):
-    """The final hidden states (N * T, H) that predict each row's completion tokens, through `pack`'s trees."""
-    packed = pack(input_ids, attention_mask, t, completion, routing, flat=written_out)
-    if routing is not None:  # each packed token's recorded experts; padding routes live
-        flat = routing.reshape(-1, *routing.shape[2:])[packed.source]
-        routing_replay.of(model).replay(torch.where(packed.real[..., None, None], flat, -1), packed.real)
-    elif routing_replay.attached(model) is not None:
-        routing_replay.attached(model).stop()
-    if written_out:
-        hidden = hidden_states(model, packed.ids, None, packed.positions, compiled=compile_layers, tree=packed.tree)
-    else:
-        hidden = model.base_model(input_ids=packed.ids, attention_mask=own_forward_tree_mask(model, packed),
-                                  position_ids=packed.positions, use_cache=False).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1])[packed.before.reshape(-1)]
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """What a model does to its logits after the vocabulary projection: the one home of the final-logit transform.
 
-The sampler's written-out decoder (layers/transformer.py) applies it to the logits it samples from, and the
-training head (logprobs.py, chunk by chunk with its own backward) to the logits it takes log-probs of: both read
-it here, so the two cannot disagree. Imports torch alone.
+The sampler's written-out decoder (layers/engine.py) applies it to the logits it samples from, and the
+training head (logprobs.py, chunk by chunk with its own backward) to the logits it takes log-probs of: both take it
+from `transformer.head_of`, which reads a model's settings into a Head, so the two cannot disagree. Imports torch
+alone.
 """
 
 from dataclasses import dataclass
@@ -30,13 +31,3 @@ class Head:
         if not self.softcap:
             return self.scale
         return (1 - (raw * (self.scale / self.softcap)).tanh().square()) * self.scale
-
-
-def head_of(model):
-    """The model's logit transform as a Head, or None when its logits are the projection's output as they are."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
-    if getattr(cfg, "logits_scaling", None):
-        scale /= float(cfg.logits_scaling)
-    softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
-    return Head(scale, softcap) if scale != 1.0 or softcap else None

@@ -18,11 +18,12 @@ One concern in one file (past 650 lines on purpose): what the written-out layers
 
 MoE blocks (layers/static_moe.py) read the model's experts in place; Gated DeltaNet layers
 (layers/static_recurrent.py) keep states per row. Families with either, or with a gated query, are written out
-in the sampler only: their training runs on the model's own forward. The final-logit transform is
-layers/head.py's, which the training head (logprobs.py) applies too.
+in the sampler only: their training runs on the model's own forward. The final-logit transform is `head_of`'s
+(a layers/head.py Head), which the training head (logprobs.py) applies too.
 
-Of the project it imports layers/head.py, layers/lora.py (what an adapted projection applies),
-layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py (what a slice cannot cut).
+Of the project it imports layers/head.py (where a model transforms its final logits), layers/lora.py (what an
+adapted projection applies), layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py (what a
+slice cannot cut).
 """
 
 import dataclasses
@@ -34,7 +35,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from layers import lora, static_moe, static_recurrent, tensor_parallel
-from layers.head import head_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +370,21 @@ def _spec(model, fam=None):
     return Spec(fam, settings, getattr(inner.embed_tokens, "embed_scale", None), head_of(model))
 
 
+def head_of(model):
+    """The model's final-logit transform (a layers/head.Head: a scale, a softcap), or None when its logits are the
+    projection's output as they are. The decoder (`Spec.head`) and the training head (logprobs.py) both take it
+    from here, so the two cannot disagree."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+    if scale == 1.0 and not softcap:
+        return None
+    from layers.head import Head
+    return Head(scale, softcap)
+
+
 def layer_params(l, settings, fam, take):
     """The LayerParams of the decoder layer `l`: its `settings` (`Spec.layers`) with its tensors as `take` gives them,
     `Live` (the training forward) or the decoder's copies (engine.py). The one place that says which tensor of a
@@ -390,18 +405,24 @@ def layer_params(l, settings, fam, take):
         t["qkv"] = take.linears("qkv", [a.q_proj, a.k_proj, a.v_proj], ("heads", "kv_heads", "kv_heads"),
                                 split_gate=settings.head_dim if settings.gated else None)
         t["o"] = take.linear("o", a.o_proj, "inputs")
-        if fam.qk_norm == "head":
-            t["qk_table"] = take.table("qk_table", [(a.q_norm, settings.heads), (a.k_norm, settings.kv_heads)])
-        elif fam.qk_norm == "projection":  # sliced decoding refuses these (transformer.decide): they stay whole
-            t["q_norm"], t["k_norm"] = take.norm("q_norm", a.q_norm, None)[0], take.norm("k_norm", a.k_norm, None)[0]
-        if fam.sinks:
-            t["sinks"] = take.tensor("sinks", a.sinks, "heads")
+        if fam.qk_norm or fam.sinks:
+            _attention_options(t, a, settings, fam, take)
     if is_moe(m):
         t["moe"] = take.moe(m)
     else:
         t["gate_up"] = take.linears("gate_up", [m.gate_proj, m.up_proj], ("columns", "columns"))
         t["down"] = take.linear("down", m.down_proj, "inputs")
     return dataclasses.replace(settings, **t)
+
+
+def _attention_options(t, a, settings, fam, take):
+    """`layer_params`' tensors of the attention module `a` for the family's q/k norms and sinks, put in `t`."""
+    if fam.qk_norm == "head":
+        t["qk_table"] = take.table("qk_table", [(a.q_norm, settings.heads), (a.k_norm, settings.kv_heads)])
+    elif fam.qk_norm == "projection":  # sliced decoding refuses these (transformer.decide): they stay whole
+        t["q_norm"], t["k_norm"] = take.norm("q_norm", a.q_norm, None)[0], take.norm("k_norm", a.k_norm, None)[0]
+    if fam.sinks:
+        t["sinks"] = take.tensor("sinks", a.sinks, "heads")
 
 
 class Live:
@@ -626,22 +647,36 @@ def _linears(x, parts):
 def _qkv(h, p):
     """The attention's inputs from the normed h (*lead, H): q and k together (*lead, heads + kv_heads, head_dim),
     normed as the family does, v (*lead, kv_heads, head_dim), and the query's gate (*lead, heads * head_dim) or None."""
-    nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
     qkv = _linears(h, p.qkv)
-    gate = None
-    if p.gated:  # the gates come after q, k and v (see _query_parts)
-        qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
-    if p.qk_norm == "projection":  # over all of q and all of k, before the split into heads
-        eps = p.eps["qk"]
-        q = _rms_norm(qkv[..., :nh * hd], p.q_norm, eps, p.upcast)
-        k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p.k_norm, eps, p.upcast)
-        return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
-            qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd)), gate
+    if p.gated or p.qk_norm == "projection":
+        return _qkv_parts(qkv, p)
+    return (*_qk_v(qkv, p), None)
+
+
+def _qk_v(qkv, p):
+    """q and k together, each head of them normed where the family does ("head"), and v, of q, k and v concatenated."""
+    nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
     heads = qkv.unflatten(-1, (-1, hd))
     qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:nh + 2 * nkv, :]
     if p.qk_norm == "head":  # each head of q and k, in one pass
         qk = _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast)
-    return qk, v, gate
+    return qk, v
+
+
+def _qkv_parts(qkv, p):
+    """`_qkv` for a gated query (its gates after q, k and v: see _query_parts) or norms over all of q and all of k,
+    before the split into heads (qk_norm "projection")."""
+    nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
+    gate = None
+    if p.gated:
+        qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
+    if p.qk_norm != "projection":
+        return (*_qk_v(qkv, p), gate)
+    eps = p.eps["qk"]
+    q = _rms_norm(qkv[..., :nh * hd], p.q_norm, eps, p.upcast)
+    k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p.k_norm, eps, p.upcast)
+    return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
+        qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd)), gate
 
 
 def is_moe(mlp):
@@ -666,27 +701,34 @@ def grouped_attention(q, k, v, key_mask=None, scale=None):
 
 
 def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):
-    """softmax(q k^T * scale) v per head, with the options of the layer's settings p: "scaling", "softcap" (each
-    score s becomes c tanh(s / c), Gemma 2) and "sinks" (a learned logit per head in the softmax's denominator
-    only, gpt-oss; None: none).
+    """softmax(q k^T * p.scaling) v per head; with a softcap or sinks in the layer's settings p, `_scored_attention`.
 
     q (B, heads, Q, hd); k, v (B, kv heads, L, hd), kv heads dividing heads (grouped-query attention: each K/V
     head serves heads / kv heads query heads; decode passes them grouped, the queries sharing a K/V head as its
     Q axis). mask broadcasting to (B, heads, Q, L), True: attend; None: every key, or with `causal` the keys
     up to the query's own column. gqa: SDPA may serve grouped heads itself, with no copy of K/V (else they are
     repeated). kernel(q, k, v, mask, scale): the attention without options, instead of SDPA (decode on a CPU,
-    or the Triton kernel). With an option the scores are computed as the model's eager attention does.
+    or the Triton kernel).
     """
-    scale, cap, sinks = p.scaling, p.softcap, p.sinks
-    plain = cap is None and sinks is None
+    if p.softcap is not None or p.sinks is not None:
+        return _scored_attention(q, k, v, mask, p, causal)
     rep = q.shape[1] // k.shape[1]
-    if rep > 1 and not (plain and gqa):
+    if rep > 1 and not gqa:
         k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
-    if plain:
-        if kernel is not None:
-            return kernel(q, k, v, mask, scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=rep > 1 and gqa)
+    if kernel is not None:
+        return kernel(q, k, v, mask, p.scaling)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scaling,
+                                          enable_gqa=rep > 1 and gqa)
+
+
+def _scored_attention(q, k, v, mask, p, causal):
+    """`attention` with its options, the scores computed as the model's eager attention does: "softcap" (each score
+    s becomes c tanh(s / c), Gemma 2) and "sinks" (a learned logit per head in the softmax's denominator only,
+    gpt-oss; None: none)."""
+    scale, cap, sinks = p.scaling, p.softcap, p.sinks
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
@@ -737,10 +779,7 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
     x = x + _norm(a, p.attn_out, upcast)
     h = _norm(x, p.mlp_in, upcast)
     if p.moe is not None:
-        m, experts = p.moe(h.reshape(-1, h.shape[-1]))  # tokens (T, H)
-        m = m.view(h.shape)
-        if record is not None:
-            record(p, experts)
+        m = _moe(h, p, record)
     else:
         parts = p.gate_up
         gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
@@ -748,6 +787,14 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
     if reduce is not None:
         m = reduce(m)
     return x + _norm(m, p.mlp_out, upcast)
+
+
+def _moe(h, p, record):
+    """A MoE block's output for the normed h (layers/static_moe.py), and routing replay's `record` of its choice."""
+    m, experts = p.moe(h.reshape(-1, h.shape[-1]))  # tokens (T, H)
+    if record is not None:
+        record(p, experts)
+    return m.view(h.shape)
 
 
 def _padded_causal_mask(attn):
@@ -790,16 +837,12 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     values and gradients), in fewer elementwise passes and without the
     per-call mask and cache bookkeeping: on a small model the Hugging Face
     forward spends much of its time there. attention_mask None means no
-    padding (plain causal attention). Sliding windows count position_ids, which
-    agree with the Hugging Face forward's columns wherever a row's real tokens
-    are contiguous (left and right padding). With activation checkpointing on,
-    the layers the Hugging Face forward would recompute in backward are
-    recomputed, with the same checkpoint function. compiled: each layer's
+    padding (plain causal attention); sliding windows and rows packed as trees: `_masks`. With activation
+    checkpointing on, `_checkpointed`. compiled: each layer's
     arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
     by the layers of one kind.
-    tree: rows that share a prompt packed as one sequence each (`Tree`, --shared_prompts); attention_mask is then
-    None, position_ids continue from each prompt's end in every branch, and the layers run eagerly (not compiled).
     """
+    tree = attention_mask if isinstance(attention_mask, Tree) else tree
     inner = model.model
     spec = _spec(model)
     embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in the HF forward
@@ -809,31 +852,45 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
         cos, sin = _rotary(inner.rotary_emb, spec.fam, x, position_ids, key)  # (N, S, head_dim)
         tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     windows = {st.window for st in spec.layers}
-    if tree is not None:  # each window's masks over the tree's prompts and branches; the layers eager
-        masks, compiled = {w: tree.attend(w) for w in windows}, False
+    if tree is not None or windows != {None}:
+        masks, compiled = _masks(windows, attention_mask, position_ids, tree, x.device), compiled and tree is None
     else:
         masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
-        s = input_ids.shape[1]
-        for w in windows - {None}:
-            if s <= w:  # no two positions of a row are a window apart
-                masks[w] = masks[None]
-            else:
-                base = masks[None] if masks[None] is not None else \
-                    torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-                masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
     math = compiled_layer() if compiled else _layer
     live = Live(spec.fam)  # the layers' own parameters, as each call finds them
     for layer, settings in zip(inner.layers, spec.layers):
         call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
-        cos, sin = tables[settings.rope]
-        mask = masks[settings.window]
-        # activation checkpointing exactly where and how the Hugging Face layer would apply it
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-            checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
-            x = checkpoint(call, math, x, cos, sin, mask, settings, live)
-        else:
-            x = call(math, x, cos, sin, mask, settings, live)
+            call = _checkpointed(layer, call)
+        x = call(math, x, *tables[settings.rope], masks[settings.window], settings, live)
     return _rms_norm(x, _norm_weight(inner.norm.weight, spec.fam), _eps(inner.norm), spec.fam.upcast)
+
+
+def _masks(windows, attention_mask, position_ids, tree, device):
+    """The training forward's attention masks, by sliding window (None: full attention). Sliding windows count
+    position_ids, which agree with the Hugging Face forward's columns wherever a row's real tokens are contiguous
+    (left and right padding).
+    tree: rows that share a prompt packed as one sequence each (`Tree`, --shared_prompts); attention_mask is then
+    None, position_ids continue from each prompt's end in every branch, and the layers run eagerly (not compiled)."""
+    if tree is not None:  # each window's masks over the tree's prompts and branches
+        return {w: tree.attend(w) for w in windows}
+    masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
+    s = position_ids.shape[1]
+    for w in windows - {None}:
+        if s <= w:  # no two positions of a row are a window apart
+            masks[w] = masks[None]
+        else:
+            base = masks[None] if masks[None] is not None else \
+                torch.ones(s, s, dtype=torch.bool, device=device).tril()
+            masks[w] = base & _in_window(position_ids, position_ids, w)[:, None]
+    return masks
+
+
+def _checkpointed(layer, call):
+    """`call` with activation checkpointing exactly where and how the Hugging Face layer would apply it: the layers
+    its forward would recompute in backward are recomputed, with the same checkpoint function."""
+    checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or _default_checkpoint
+    return functools.partial(checkpoint, call)
 
 
 def _layer_on(layer, math, x, cos, sin, mask, settings, live):
