@@ -199,44 +199,30 @@ def default_chunk_tokens(vocab_size, device):
 
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
                         chunk_tokens=None, fused=None, fast_forward=None, width=None, compile_layers=False,
-                        entropy_grad=False, routing=None, images=None, forward=None, extras=None):
+                        entropy_grad=False, forward=None, extras=None):
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask (N, S) marks the real tokens.
     `forward` gives the final hidden states that predict the completion tokens: the plain `Forward` (the
     written-out layers where `fast_forward`, by default where the run decided so, compiled when `compile_layers`),
-    or a feature's variant around it (features/forward_*.py, `TreeForward`), which reads the rows' `extras`
+    or a feature's variant around it (features/routing_replay.py's, features/images.py's, `TreeForward`; a run
+    builds it once: `run.forward`), which reads the rows' `extras`
     (routing records, images): this function carries them without reading. `width`: the forward's columns
     (`MicroBatch.width`).
     The vocabulary projection then runs over chunks of `chunk_tokens` positions and is recomputed chunk by chunk
     in backward, so no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as in `sample`.
     Returns (logp, entropy), each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
     `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
-    `routing` (N, S, layers, k), `images` and a SharedPrompts `width` choose their feature's forward here
-    (`feature_forward`), for callers that pass them so.
+    A SharedPrompts `width` with no `forward` given runs the plain forward as a tree (`TreeForward`).
     """
     if forward is None:
         forward = Forward(fast_forward, compile_layers)
-        if routing is not None or images is not None or isinstance(width, SharedPrompts):
-            forward, extras = feature_forward(forward, routing, images, width)
+        if isinstance(width, SharedPrompts):  # --shared_prompts' micro-batches
+            forward = TreeForward(forward)
     t = num_completion_tokens
     rows = forward.layout(model, input_ids, attention_mask, t, width, extras)
     hidden = rows.predicting(forward.hidden(model, rows, extras))
     return _token_logprobs(model, hidden, input_ids[:, -t:], temperature, chunk_tokens, fused, entropy_grad)
-
-
-def feature_forward(forward, routing, images, width):
-    """`forward` with the variants that `routing` (routing replay: features/forward_routing.py), `images` (a
-    vision-language model's prompts: features/forward_vision.py) and a SharedPrompts `width` (--shared_prompts:
-    `TreeForward`) ask for, and their extras."""
-    from features import forward_routing, forward_vision
-    if images is not None:
-        forward = forward_vision.Forward(forward)
-    if routing is not None:
-        forward = forward_routing.Forward(forward)
-    if isinstance(width, SharedPrompts):
-        forward = TreeForward(forward)
-    return forward, {"routing": routing, "images": images}
 
 
 class Forward:
@@ -245,7 +231,8 @@ class Forward:
     completion tokens. The written-out layers (`transformer.hidden_states`, compiled with `compile_layers`) run
     where `fast_forward` says, by default where the run decided (`transformer.paths_of`), else the model's own
     forward (never compiled here).
-    A feature's variant wraps a forward (features/forward_*.py, `TreeForward`): it has the same three methods and
+    A feature's variant wraps a forward (features/routing_replay.py's, features/images.py's, `TreeForward`): it
+    has the same three methods and
     hands to its `inner` forward what it does not change.
     """
 

@@ -121,6 +121,7 @@ def setup(cfg, d):
     below, then the run's optional features applied to them in order (features/__init__.py)."""
     run = make_run(cfg, d)
     run.rollout, run.draw, run.micro_batches = rollout, draw, micro_batches
+    run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
     features.apply(run, sys.modules[__name__])
     return run
 
@@ -194,7 +195,8 @@ def advantages(run, all_total, all_parts):
 
 def forward_extras(run, batch):
     """What each micro-batch's forward takes from the features besides its tokens (routing records, images: the
-    functions in `run.forward_extras`), as a function of the micro-batch; by default nothing."""
+    functions in `run.forward_extras`), as a function of the micro-batch: the `extras` that `run.forward`'s
+    variants read (logprobs.completion_logprobs carries them without reading); by default none."""
     makers = [extra(run, batch) for extra in run.forward_extras]
     return lambda mb: {k: v for make in makers for k, v in make(mb).items()}
 
@@ -204,7 +206,7 @@ def reference_logprobs(run, ids, mask, micro, extras):
     reference's forward: the reference model's (runs/setup.py), or a feature's (LoRA: the policy, adapters off)."""
     with torch.no_grad():
         logp = [run.reference(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, run.cfg.temperature,
-                              width=mb.width, compile_layers=run.cfg.compile_layers, **extras(mb))[0] for mb in micro]
+                              width=mb.width, forward=run.forward, extras=extras(mb))[0] for mb in micro]
     if run.ref is not None:
         sharding.free_gathered(run.ref)  # never backward: nothing else would free the root's gathered weights
     return logp
@@ -216,7 +218,7 @@ def sampling_logprobs(run, ids, mask, micro, extras):
     cfg, policy = run.cfg, run.policy
     with torch.no_grad():
         return [policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature, width=mb.width,
-                       compile_layers=cfg.compile_layers, **extras(mb)) for mb in micro]
+                       forward=run.forward, extras=extras(mb)) for mb in micro]
 
 
 def micro_batches(run, batch, rows, mask, loss_mask, T):
@@ -402,9 +404,8 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
     step_loss = step_entropy = 0.0
     for i, mb in enumerate(micro):
         logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                               width=mb.width, compile_layers=cfg.compile_layers,
-                               entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
-                               **inputs["extras"](mb))
+                               width=mb.width, entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
+                               forward=run.forward, extras=inputs["extras"](mb))
         mb_mask = loss_mask[mb.rows, :mb.t]
         if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
             old.keep(j, i, mb, logp.detach())

@@ -35,10 +35,10 @@ def apply(run, core):
     cfg = run.cfg
     if cfg.lora_rank and cfg.beta > 0:
         lora_reference.apply(run)
+    if run.images is not None:  # the training forward's variants, innermost first (run.forward)
+        images.apply(run)
     if cfg.routing_replay:
         routing_replay.apply(run)
-    if run.images is not None:
-        images.apply(run)
     if cfg.shared_prompts:
         shared_prompts.apply(run)
     if cfg.rollouts_in_flight or cfg.max_staleness:

@@ -5,8 +5,11 @@ each micro-batch's forward gets its rows' images (vision.PromptImages of the bat
 The sampler gets them with the rows (sampling.rows_of).
 """
 
+from layers import vision
+
 
 def apply(run):
+    run.forward = Forward(run.forward)
     run.forward_extras.append(extras)
 
 
@@ -15,3 +18,27 @@ def extras(run, batch):
     if batch.images is None:
         return lambda mb: {}
     return lambda mb: {"images": batch.images.rows(mb.rows)}
+
+
+class Forward:
+    """The training forward around `inner` (logprobs.Forward or a variant of it), through the vision model where
+    the rows' prompts hold images (`extras["images"]`)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def layout(self, model, input_ids, attention_mask, t, width, extras):
+        return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
+
+    def written_out(self, model):
+        return self.inner.written_out(model)
+
+    def hidden(self, model, rows, extras):
+        images = (extras or {}).get("images")
+        if images is None or not any(g.shape[0] for g in images.grid):
+            return self.inner.hidden(model, rows, extras)
+        s = rows.input_ids.shape[1]
+        pictures = rows.move(vision.image_mask(model, rows.input_ids, s - rows.t, rows.attention_mask.bool()))
+        rope, _ = vision.rope_positions(model, rows.ids, pictures, images, rows.real)
+        return vision.hidden_states(model, rows.ids, pictures, images, attention_mask=rows.mask, position_ids=rope,
+                                    use_cache=False).last_hidden_state

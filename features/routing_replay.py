@@ -10,10 +10,12 @@ import torch
 
 import sharding
 from layers import routing
+from layers import routing as routing_replay
 
 
 def apply(run):
     run.sample_options["record_routing"] = True
+    run.forward = Forward(run.forward)
     run.forward_extras.append(extras)
     if run.reference is not None:
         run.reference = CountedReference(run, run.reference)
@@ -21,7 +23,8 @@ def apply(run):
 
 
 def extras(run, batch):
-    """The micro-batch's experts per token, (m, S + T, layers, k): the prompt's and the completion's records."""
+    """The micro-batch's experts per token, (m, S + T, layers, k): the prompt's and the completion's records
+    (`Forward` below replays them)."""
     rollout = batch.rollout
     if rollout.routing is None:
         return lambda mb: {}
@@ -39,7 +42,7 @@ class CountedReference:
 
     def __call__(self, fn, *args, **kwargs):
         run = self.run
-        if kwargs.get("routing") is None:
+        if (kwargs.get("extras") or {}).get("routing") is None:
             return self.inner(fn, *args, **kwargs)
         if run.ref is None:  # the policy itself (LoRA): its own tally goes on as if this forward had not run
             with routing.of(run.policy.lm).apart() as counted:
@@ -61,3 +64,25 @@ def metrics(run, batch, step, so_far):
         out["routing_replay_differ_ref"] = differ / max(1.0, decisions)
         run.ref_routing = [0.0, 0.0]
     return out
+
+
+class Forward:
+    """The training forward (routing replay's variant, `run.forward`) around `inner` (logprobs.Forward or a variant of it), replaying the rows' recorded
+    experts (`extras["routing"]`); a forward without records has the routers choose live again."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def layout(self, model, input_ids, attention_mask, t, width, extras):
+        return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
+
+    def written_out(self, model):
+        return self.inner.written_out(model)
+
+    def hidden(self, model, rows, extras):
+        routing = (extras or {}).get("routing")
+        if routing is not None:  # kept set after the forward: activation checkpointing recomputes in backward
+            routing_replay.of(model).replay(rows.move(routing), rows.real)
+        elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
+            routing_replay.attached(model).stop()
+        return self.inner.hidden(model, rows, extras)

@@ -10,6 +10,7 @@ import logprobs
 
 def apply(run):
     run.micro_batches = micro_batches
+    run.forward = logprobs.TreeForward(run.forward)
 
 
 def micro_batches(run, batch, rows, mask, loss_mask, T):

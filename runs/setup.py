@@ -65,6 +65,7 @@ class Run:
     draw: typing.Callable = None        # (run, step) -> the step's scored batch (train.draw)
     micro_batches: typing.Callable = None  # (run, batch, rows, mask, loss_mask, T) -> a mini-batch's micro-batches
     reference: object = None            # runs the reference's forward: `ref` itself, unless a feature says otherwise
+    forward: object = None              # the training forward (logprobs.Forward), which features wrap
     sample_options: dict = field(default_factory=dict)  # keywords of sampling.sample_rows a feature adds
     forward_extras: list = field(default_factory=list)  # (run, batch) -> (micro-batch -> forward keywords)
     step_metrics: list = field(default_factory=list)    # (run, batch, step, metrics so far) -> a feature's metrics

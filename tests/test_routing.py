@@ -15,6 +15,9 @@ from layers import routing  # noqa: E402
 import rollouts  # noqa: E402
 import sampling  # noqa: E402
 from features import sampler_options  # noqa: E402
+from features import routing_replay  # noqa: E402
+
+REPLAYING = routing_replay.Forward(logprobs.Forward())  # the training forward with routing replay's variant
 from layers import transformer  # noqa: E402
 from test_multiturn import answering  # noqa: E402
 
@@ -75,7 +78,8 @@ def test_training_forward_routes_as_the_sampler_did(family):
     nudge_routers(model)
     seen = experts_seen(model)
     replay = routing.of(model)
-    logp, _ = logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
+    logp, _ = logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], forward=REPLAYING,
+                                           extras={"routing": route})
     differ, decisions = replay.counts()
     lead = (mask.cumsum(1) == 0).sum(1)
     cols = (torch.arange(ids.shape[1]) + lead[:, None]) % ids.shape[1]
@@ -90,7 +94,8 @@ def test_training_forward_routes_as_the_sampler_did(family):
 
     # with the routers as they sampled, no replayed decision differs: past each row's end nothing is replayed
     model.load_state_dict(as_sampled)
-    logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], routing=route)
+    logprobs.completion_logprobs(model, ids, mask, r.completion_ids.shape[1], forward=REPLAYING,
+                                           extras={"routing": route})
     differ, decisions = replay.counts()
     assert decisions > 0 and differ == 0
 
@@ -142,7 +147,7 @@ def test_replayed_gates_come_from_the_live_router():
     mask = torch.cat([enc.attention_mask, r.completion_mask], 1)
     route = torch.cat([r.prompt_routing, r.routing], 1)
     plain, _ = logprobs.completion_logprobs(model, ids, mask, 12)
-    replayed, _ = logprobs.completion_logprobs(model, ids, mask, 12, routing=route)
+    replayed, _ = logprobs.completion_logprobs(model, ids, mask, 12, forward=REPLAYING, extras={"routing": route})
     torch.testing.assert_close(replayed, plain, atol=1e-6, rtol=0)
     replayed.sum().backward()
     assert all(rt.weight.grad is not None and rt.weight.grad.abs().sum() > 0 for rt in routing.routers(model))

@@ -17,6 +17,7 @@ import model_loading
 from layers import lora
 import sampling
 from features import sampler_options
+from features import images as images_feature
 from layers import vision
 
 pytest.importorskip("PIL")  # the image processors' backend without torchvision
@@ -126,7 +127,9 @@ def test_image_prompts_sampler_and_training_logprobs_match_a_plain_forward(famil
     assert (rollout.logprobs - want)[policy].abs().max() < 1e-4
     full_ids = torch.cat([ids, rollout.completion_ids], 1)
     full_mask = torch.cat([mask, rollout.completion_mask], 1)
-    train, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1], images=images)
+    train, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1],
+                                            forward=images_feature.Forward(logprobs.Forward()),
+                                            extras={"images": images})
     assert (train - want)[policy].abs().max() < 1e-4
     # the images matter: without them the same tokens have other log-probs
     blind, _ = logprobs.completion_logprobs(model, full_ids, full_mask, rollout.completion_ids.shape[1])
