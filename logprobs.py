@@ -1,4 +1,6 @@
 """Token log-probs of completions, computed without the full logits, and the micro-batches they are taken in.
+One concern in one file (past 650 lines on purpose): how a batch's rows are laid out (micro-batches, padding
+moved, prompt trees) is what the forward and the chunked head read, and the three change together.
 
 `completion_logprobs` runs the training forward (written out where layers/transformer.py can, else the model's own)
 and the chunked head: the log-prob of each completion token (and its entropy) from the last hidden states,

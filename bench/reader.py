@@ -39,7 +39,7 @@ class _Trace:
         self.lines, self.codes = {}, set()  # file -> {line numbers that ran}; code objects that ran
 
     def __call__(self, frame, event, arg):
-        path = frame.f_code.co_filename
+        path = os.path.normpath(frame.f_code.co_filename)  # a module imported through "tests/.." is the project's
         if event != "call" or not path.startswith(ROOT + os.sep) or "/tests/" in path or "/bench/" in path:
             return None
         self.codes.add(frame.f_code)
@@ -93,7 +93,7 @@ def measure(trace):
     for c in trace.codes:
         if c.co_name == "<module>" or c.co_name.startswith("<"):  # lambdas and comprehensions lie in their def
             continue
-        by_file.setdefault(c.co_filename, []).append(c)
+        by_file.setdefault(os.path.normpath(c.co_filename), []).append(c)
     for path, codes in sorted(by_file.items()):
         text = open(path).read()
         lines = text.splitlines()

@@ -1,15 +1,15 @@
 """The optional features a run applies, in one place and in order (`apply`), as torchtitan's `parallelize` applies
 parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`,
-`micro_batches`, `reference`, `sample_options`, `forward_extras`, `step_metrics`) and the core step (train.py)
+`micro_batches`, `reference`, `forward`, `sample_options`, `forward_extras`, `step_metrics`) and the core step (train.py)
 holds no branch on its setting. A default run applies none of them, and a default step enters none of these files.
 
 Each file here is one feature, read on its own: what it replaces or wraps, and its metrics.
     streaming.py          --rollouts_in_flight, --max_staleness: rows through a few decode places, scored as
                           their groups land; the sampler working ahead across steps
     dynamic_sampling.py   --dynamic_sampling: draws until enough groups have a signal (DAPO)
-    routing_replay.py     --routing_replay: the sampler's experts, replayed by the training forwards
-    images.py             a vision-language policy's prompt images, into each training forward
-    shared_prompts.py     --shared_prompts: a group's rows trained as one tree over their prompt
+    routing_replay.py     --routing_replay: the sampler's experts, replayed by the training forward's variant
+    images.py             a vision-language policy's prompt images, through the training forward's variant
+    shared_prompts.py     --shared_prompts: a group's rows trained as one tree over their prompt (TreeForward)
     lora_reference.py     --lora_rank with --beta: the reference is the policy with its adapters off
     code_execution.py     programs run in the sandbox during a step: their metrics
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs

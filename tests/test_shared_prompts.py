@@ -24,6 +24,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from layers import static_recurrent, transformer  # noqa: E402
 import architectures  # noqa: E402
+from features import routing_replay  # noqa: E402
 
 T = 7                     # completion columns
 PROMPTS = (5, 9, 9)       # prompt lengths (left-padded to the longest): one short prompt, two long ones
@@ -439,8 +440,10 @@ def test_routing_replay_through_the_tree(prompts_routed, packs):
     for shared in (False, True):
         (mb,) = logprobs.micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
         with torch.no_grad():
+            forward = routing_replay.Forward(logprobs.Forward())  # --shared_prompts: as a tree around it
             logp = logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, width=mb.width,
-                                                routing=mb.take(route)[0])[0]
+                                                forward=logprobs.TreeForward(forward) if shared else forward,
+                                                extras={"routing": mb.take(route)[0]})[0]
         out.append(torch.zeros(loss_mask.shape).index_put((mb.rows,), logp * loss_mask[mb.rows, :mb.t]))
         assert replay.counts()[1] > 0
     replay.stop()

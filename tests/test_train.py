@@ -508,7 +508,7 @@ def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monke
     micro = [logprobs.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), logprobs.MicroBatch(torch.tensor([1, 3]),
                                                                                         slice(0, 3), 3, 3)]
     policy = lambda fn, ids, mask, t, *a, **k: (None, entropy[ids[:, 0]])  # noqa: E731 (rows named by ids)
-    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy,
+    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy, forward=None,
                                 d=types.SimpleNamespace(world_size=2, device=torch.device("cpu")))
     ids = torch.arange(4)[:, None].expand(4, 3)
     threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask, lambda mb: {})
