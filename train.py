@@ -409,8 +409,10 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
         mb_mask = loss_mask[mb.rows, :mb.t]
         if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
             old.keep(j, i, mb, logp.detach())
-        keep = select_tokens(cfg, entropy, logp, inputs["sampler"][mb.rows, :mb.t], advantages[mb.rows], mb_mask,
-                             threshold)
+        keep = None  # every token counts, unless an entropy or off-policy mask says otherwise (`select_tokens`)
+        if cfg.top_entropy_quantile < 1 or cfg.off_policy_mask_threshold is not None:
+            keep = select_tokens(cfg, entropy, logp, inputs["sampler"][mb.rows, :mb.t], advantages[mb.rows],
+                                 mb_mask, threshold)
         is_weight = old.is_weight[j][i]
         loss, m = grpo.grpo_loss(logp, old.logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
                                  advantages[mb.rows], mb_mask, objective, num_sequences=inputs["num_sequences"],

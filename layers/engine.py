@@ -371,8 +371,9 @@ class StaticDecoder:
         self.unpadded = not self.use_graph and bool(attn.bool().all())
         self.unmarked = None
         self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
-        masks = self._windowed(transformer._padded_causal_mask(attn), positions, p,
-                               key_pos=None if inverse is None else all_pos)
+        causal = transformer._padded_causal_mask(attn)
+        masks = self._windowed(causal, positions, p, key_pos=None if inverse is None else all_pos) if self.windows \
+            else {None: causal}
         fresh = {}  # the layer's K/V of the rows run, which their attention reads
 
         def write(i, k, v):
