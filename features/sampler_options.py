@@ -13,7 +13,7 @@ import torch
 import logprobs
 import sharding
 from layers import routing, transformer, vision
-from layers.engine import WHOLE, StaticDecoder
+from layers.engine import StaticDecoder
 from rollouts import cat_rollouts
 import sampling
 from sampling import (Draw, Sampler, _HFSteps, _image_prefill, _StaticSteps, _Waiting, _text, encode_prompts,
@@ -86,7 +86,7 @@ class Options(Sampler):
         self.stop_sequences, self.respond, self.max_turns = stop_sequences, respond, max_turns
         self.images, self.in_flight, self.on_end, self.share = images, in_flight, on_end, share_prompts
         self.sliced = tp is not None and tp.size > 1
-        self.tp = tp if self.sliced else WHOLE
+        self.tp = tp if self.sliced else None  # None: each rank decodes alone, on whole layers
         self.replay = routing.of(model) if record_routing else None
         if self.replay is None and routing.attached(model) is not None:  # routers left replaying a training
             routing.attached(model).stop()  # forward's choice
@@ -104,12 +104,12 @@ class Options(Sampler):
         masks, never written-out layers)."""
         model, tp, images, k = self.model, self.tp, self.images, waiting.places
         ids, attn, positions = waiting.ids[:k], waiting.attn[:k], waiting.positions[:k]
-        paths = transformer.paths_of(model, tp.size)  # the run's, decided once at setup
-        if tp.size > 1:
+        paths = transformer.paths_of(model, tp.size if tp else 1)  # the run's, decided once at setup
+        if tp:
             why = paths.sampler or ("images in prompts" if images is not None else None)
             if why:
                 raise ValueError(f"tensor-parallel decoding over {tp.size} ranks: {why}")
-        if tp.size > 1 or (self.static_cache and paths.samples_written_out()):
+        if tp or (self.static_cache and paths.samples_written_out()):
             return static_steps(model, ids, attn, positions, max_new, len(ids), self.replay is not None, tp,
                                 self.share, **self.decoder)
         prefill = None if images is None else _image_prefill(model, ids, attn, images.rows(slice(0, len(ids))))
@@ -148,9 +148,9 @@ def static_steps(model, ids, attn, positions, max_new, batch, record, tp, share,
     """sampling._StaticSteps on the model's decoder for `batch` rows (StaticDecoder.for_model with these options;
     tp: a tensor-parallel share, or None), recording each token's experts where `record` says so
     (StaticDecoder.record, before the prefill)."""
-    tp = tp or WHOLE
-    dec = StaticDecoder.for_model(model, batch, ids.shape[1] + max_new + 1, cuda_graph=cuda_graph, tp=tp, dtype=dtype,
-                                  device=ids.device if tp.size > 1 else None)
+    sliced = {} if tp is None else dict(tp=tp, device=ids.device)  # a group's share: on the rows' device
+    dec = StaticDecoder.for_model(model, batch, ids.shape[1] + max_new + 1, cuda_graph=cuda_graph, dtype=dtype,
+                                  **sliced)
     dec.use_kernel(attention_kernel)
     dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
     return _StaticSteps(dec, ids, attn, positions, share)
@@ -261,4 +261,4 @@ def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
     return prompts, enc.input_ids, enc.attention_mask, episodes, None
 
 
-sampling.OPTIONS = sys.modules[__name__]  # what the core sampler calls for a feature it is asked for (sampling._options)
+sampling.OPTIONS = sys.modules[__name__]  # what the core sampler calls for a feature asked of it (sampling._options)
