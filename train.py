@@ -531,8 +531,8 @@ def train_step(run, step):
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages).
 
     The features a run applies (features/__init__.py) plug in at the run's seams, never here: `run.draw` and
-    `run.rollout` (the batch), `run.reference`, `run.forward_extras` and `run.micro_batches` (the update's
-    forwards), `run.step_metrics` (each feature's own metrics)."""
+    `run.rollout` (the batch), `run.reference`, `run.forward`, `run.forward_extras` and `run.micro_batches` (the
+    update's forwards), `run.step_metrics` (each feature's own metrics)."""
     d = run.d
     t0 = time.time()
     peak_memory(d)
