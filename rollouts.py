@@ -45,7 +45,8 @@ class Rollout:
     held_steps: torch.Tensor = None
 
     def to(self, device):
-        return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device)) for f in dataclasses.fields(self)})
+        return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device))
+                          for f in dataclasses.fields(self)})
 
 
 def carried(rollout, version):

@@ -763,9 +763,10 @@ class Stream:
             # the routers' recorder, as `sample`'s: a model without experts is refused here in one line
             replay = routing.of(model) if rows.route_width is not None else None
             if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
-                steps = _options().static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, self.places,
-                                     replay is not None, self.tp, self.share, cuda_graph=self.cuda_graph,
-                                     attention_kernel=self.attention_kernel, dtype=self.dtype)
+                steps = _options().static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new,
+                                                self.places, replay is not None, self.tp, self.share,
+                                                cuda_graph=self.cuda_graph, attention_kernel=self.attention_kernel,
+                                                dtype=self.dtype)
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
                 steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
@@ -784,7 +785,8 @@ class Stream:
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
         # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-        limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
+        limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns,
+                                      self.check_every)
         # on the model's own forward its routers record while the stream runs (the training forward replays between)
         replay = self.loop.steps.replay
         if replay is not None:

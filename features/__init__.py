@@ -1,7 +1,8 @@
 """The optional features a run applies, in one place and in order (`apply`), as torchtitan's `parallelize` applies
 parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`,
 `micro_batches`, `reference`, `forward`, `sample_options`, `forward_extras`, `step_metrics`) and the core step
-(train.py) holds no branch on its setting. A default run applies none of them, and a default step enters none of these files.
+(train.py) holds no branch on its setting. A default run applies none of them, and a default step enters none of
+these files.
 
 Each file here is one feature, read on its own: what it replaces or wraps, and its metrics.
     streaming.py          --rollouts_in_flight, --max_staleness: rows through a few decode places, scored as

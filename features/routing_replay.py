@@ -67,8 +67,9 @@ def metrics(run, batch, step, so_far):
 
 
 class Forward:
-    """The training forward (routing replay's variant, `run.forward`) around `inner` (logprobs.Forward or a variant of it), replaying the rows' recorded
-    experts (`extras["routing"]`); a forward without records has the routers choose live again."""
+    """The training forward (routing replay's variant, `run.forward`) around `inner` (logprobs.Forward or a variant
+    of it), replaying the rows' recorded experts (`extras["routing"]`); a forward without records has the routers
+    choose live again."""
 
     def __init__(self, inner):
         self.inner = inner
