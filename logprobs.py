@@ -367,22 +367,31 @@ def shares_prompts(model, written_out):
     return written_out or transformer.tree_refusal(model) is None
 
 
-class TreeForward:
-    """The training forward around `inner` for --shared_prompts, where a micro-batch's `width` is a SharedPrompts
-    (`micro_batches(prompt_ids=...)` makes them): the rows that share a prompt run as one sequence, the prompt once
-    and each completion a branch (`pack`), where `shares_prompts` says the forward takes it and the rows are
-    left-padded only, without images; elsewhere the padded forward runs with the SharedPrompts' `width`. The
-    log-probs are the same either way, in the same (N, T) layout. The variants inside it run over the packed rows
-    (`Packed`, which `inner.hidden` takes as it takes a `Layout`)."""
+class Around:
+    """A variant of the training forward around `inner` (a `Forward` or another variant): it hands on what it does
+    not change. A feature's variant (features/routing_replay.py's, features/images.py's, `TreeForward`) subclasses it
+    and overrides the method it changes."""
 
     def __init__(self, inner):
         self.inner = inner
+
+    def layout(self, model, input_ids, attention_mask, t, width, extras):
+        return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
 
     def written_out(self, model):
         return self.inner.written_out(model)
 
     def hidden(self, model, rows, extras):
         return self.inner.hidden(model, rows, extras)
+
+
+class TreeForward(Around):
+    """The training forward around `inner` for --shared_prompts, where a micro-batch's `width` is a SharedPrompts
+    (`micro_batches(prompt_ids=...)` makes them): the rows that share a prompt run as one sequence, the prompt once
+    and each completion a branch (`pack`), where `shares_prompts` says the forward takes it and the rows are
+    left-padded only, without images; elsewhere the padded forward runs with the SharedPrompts' `width`. The
+    log-probs are the same either way, in the same (N, T) layout. The variants inside it run over the packed rows
+    (`Packed`, which `inner.hidden` takes as it takes a `Layout`)."""
 
     def layout(self, model, input_ids, attention_mask, t, width, extras):
         if not isinstance(width, SharedPrompts):

@@ -5,6 +5,7 @@ each micro-batch's forward gets its rows' images (vision.PromptImages of the bat
 The sampler gets them with the rows (sampling.rows_of).
 """
 
+import logprobs
 from layers import vision
 
 
@@ -20,18 +21,9 @@ def extras(run, batch):
     return lambda mb: {"images": batch.images.rows(mb.rows)}
 
 
-class Forward:
+class Forward(logprobs.Around):
     """The training forward around `inner` (logprobs.Forward or a variant of it), through the vision model where
     the rows' prompts hold images (`extras["images"]`)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def layout(self, model, input_ids, attention_mask, t, width, extras):
-        return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
-
-    def written_out(self, model):
-        return self.inner.written_out(model)
 
     def hidden(self, model, rows, extras):
         images = (extras or {}).get("images")

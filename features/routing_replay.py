@@ -8,9 +8,9 @@ own (`run.reference` wrapped), and the step reports how often the live routers w
 
 import torch
 
+import logprobs
 import sharding
 from layers import routing
-from layers import routing as routing_replay
 
 
 def apply(run):
@@ -66,24 +66,15 @@ def metrics(run, batch, step, so_far):
     return out
 
 
-class Forward:
+class Forward(logprobs.Around):
     """The training forward (routing replay's variant, `run.forward`) around `inner` (logprobs.Forward or a variant
     of it), replaying the rows' recorded experts (`extras["routing"]`); a forward without records has the routers
     choose live again."""
 
-    def __init__(self, inner):
-        self.inner = inner
-
-    def layout(self, model, input_ids, attention_mask, t, width, extras):
-        return self.inner.layout(model, input_ids, attention_mask, t, width, extras)
-
-    def written_out(self, model):
-        return self.inner.written_out(model)
-
     def hidden(self, model, rows, extras):
-        routing = (extras or {}).get("routing")
-        if routing is not None:  # kept set after the forward: activation checkpointing recomputes in backward
-            routing_replay.of(model).replay(rows.move(routing), rows.real)
-        elif routing_replay.attached(model) is not None:  # a forward without: the routers choose live again
-            routing_replay.attached(model).stop()
+        records = (extras or {}).get("routing")
+        if records is not None:  # kept set after the forward: activation checkpointing recomputes in backward
+            routing.of(model).replay(rows.move(records), rows.real)
+        elif routing.attached(model) is not None:  # a forward without: the routers choose live again
+            routing.attached(model).stop()
         return self.inner.hidden(model, rows, extras)
