@@ -165,6 +165,12 @@ class Config:
     tp_size: int = setting(1, run=False, at_least=1)  # tensor-parallel decoding: groups of this many processes decode
         # their rows together, each holding 1/tp_size of every layer and of the vocabulary (layers/tensor_parallel.py);
         # it divides the number of processes. Same completions as 1, less memory per process while sampling
+    replicas: int = setting(0, run=False, at_least=0)  # HSDP: the processes hold R copies of the model, each sharded
+        # over W / R consecutive ranks (FSDP2 on a 2-D mesh): gradients are reduce-scattered within a copy and
+        # all-reduced across copies. 1 = one flat mesh over every process; 0 = one copy per node when torchrun formed
+        # several nodes and the plan says a node's processes hold the model's shards, else flat
+    nodes: int = setting(0, run=False, at_least=0)  # the nodes this run must span: a process whose torchrun formed
+        # another number of nodes (a node that rendezvoused on its own) stops at start. 0 = what torchrun formed
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
         # (layers/kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
@@ -307,8 +313,22 @@ def tp_size_problem(tp_size, world_size):
             f"({', '.join(map(str, fits[:-1]))} or {fits[-1]} divides them)")
 
 
-def validate(cfg, world_size=1):
-    """ConfigError naming the first setting that is impossible (alone, or for `world_size` processes)."""
+def mesh_problems(cfg, world_size, local_size, need):
+    """The settings that depend on how torchrun formed the run: `world_size` processes, `local_size` on a node."""
+    nodes = max(1, world_size // local_size)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    need(not cfg.nodes or cfg.nodes == nodes, "nodes",
+         f"torchrun formed a run of {nodes} node{'s' * (nodes > 1)} ({world_size} processes, {local_size} on each) at "
+         f"{where}, and --nodes={cfg.nodes} asks for {cfg.nodes}: every node's torchrun must name the same "
+         f"--rdzv_endpoint, --rdzv_id and --nnodes; refusing to train on a part of the run")
+    need(nodes == 1 or cfg.tp_size <= local_size, "tp_size",
+         f"a group of {cfg.tp_size} would span nodes: a node runs {local_size} processes; a tensor-parallel group "
+         f"must lie within one, so at most {local_size}")
+
+
+def validate(cfg, world_size=1, local_size=0):
+    """ConfigError naming the first setting that is impossible (alone, or for `world_size` processes; `local_size`
+    of them on each node, given where torchrun formed the run)."""
     def need(ok, key, message):
         if not ok:
             raise ConfigError(key, message)
@@ -328,6 +348,13 @@ def validate(cfg, world_size=1):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
+    need(world_size % max(1, cfg.replicas) == 0, "replicas",
+         f"{cfg.replicas} copies of the model do not split the {world_size} processes evenly")
+    shards = world_size // max(1, cfg.replicas)
+    need(shards % cfg.tp_size == 0, "tp_size", f"a group of {cfg.tp_size} would span two of the {cfg.replicas} "
+         f"copies of {shards} processes each (--replicas): a group decodes from one copy's shards")
+    if local_size:
+        mesh_problems(cfg, world_size, local_size, need)
     # streaming's places: each a row decoding at once, its KV cache allocated whether a row ever takes it or not
     streams = "--rollouts_in_flight" if cfg.rollouts_in_flight else "--max_staleness" if cfg.max_staleness else None
     need(not cfg.generation_batch_size or streams is None, "generation_batch_size",

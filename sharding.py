@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from layers.shards import dim0_mesh, is_shard  # noqa: F401 (what a shard is, for runs/ too)
 from runs import disk
 
 # ----------------------------------------------------------------------------- setup
@@ -34,20 +35,43 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
-    mesh: object = None  # a 1-D DeviceMesh over all processes; None with one process
-    tp: object = None  # this rank's share of a tensor-parallel group when the sampler decodes in groups (`tensor_parallel`)
+    mesh: object = None  # the DeviceMesh FSDP2 shards over (`setup`); None with one process
+    tp: object = None  # this rank's share of a tensor-parallel group when the sampler decodes in groups
+    replicas: int = 1  # HSDP: copies of the sharded model, each over world_size / replicas processes; 1 = flat
+    nodes: int = 1  # the nodes torchrun formed the run of (WORLD_SIZE / LOCAL_WORLD_SIZE)
 
     @property
     def master(self):  # only this process prints, logs and exports
         return self.rank == 0
 
+    @property
+    def shards(self):  # the processes one replica's shards are spread over
+        return self.world_size // self.replicas
 
-def setup(device=None, mixed_precision="auto"):
+    def describe(self):
+        """The mesh in words, for the banner."""
+        if self.replicas == 1:
+            return f"{self.world_size} shards" + (f" over {self.nodes} nodes" if self.nodes > 1 else "")
+        per_node = ", one replica per node" if self.replicas == self.nodes else ""
+        return f"{self.replicas} replicas x {self.shards} shards{per_node}"
+
+
+def nodes_and_local():
+    """(nodes, processes per node) as torchrun formed the run: WORLD_SIZE / LOCAL_WORLD_SIZE; (1, 1) alone."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    local = local or world
+    return max(1, world // local), local
+
+
+def setup(device=None, mixed_precision="auto", replicas=1):
     """Read RANK / LOCAL_RANK / WORLD_SIZE set by torchrun; without them, one process.
 
     NCCL on CUDA, gloo on CPU. `device` ("cpu", "cuda") overrides the choice. A plain process asking for a
     mixed precision by name (bf16, fp16: FSDP2's MixedPrecisionPolicy is what applies it) runs as a world of one,
     as under `torchrun --nproc_per_node 1`.
+    replicas: R > 1 builds HSDP's 2-D mesh, (replicate, shard) = (R, W / R): replica r is the consecutive ranks
+    r * W / R ... (r + 1) * W / R - 1, so with one replica per node each replica's all-gathers and reduce-scatters
+    stay inside a node and only the gradients' all-reduce crosses nodes (once per step). 1: one flat mesh.
     """
     use_cuda = torch.cuda.is_available() if device in (None, "", "auto") else str(device).startswith("cuda")
     alone = "RANK" not in os.environ
@@ -71,30 +95,14 @@ def setup(device=None, mixed_precision="auto"):
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     mesh = None
+    if world % replicas:
+        raise ValueError(f"{replicas} replicas do not divide the {world} processes")
     # one GPU under torchrun too: FSDP2's bf16 compute over fp32 weights; one CPU process where a precision is named
     if world > 1 or dev.type == "cuda" or mixed_precision in ("bf16", "fp16"):
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    return Dist(rank, local_rank, world, dev, mesh)
-
-
-def tensor_parallel(d, size):
-    """Split the processes into groups of `size` consecutive ranks (0..size-1, size..2*size-1, ...), each of which
-    decodes its ranks' rows together, every rank holding 1/size of each layer; d.tp becomes this rank's
-    layers/tensor_parallel.py. Every rank makes every group, in the same order, as torch.distributed asks."""
-    from layers.tensor_parallel import Slice
-    if size == 1:
-        d.tp = Slice()
-        return d.tp
-    if d.world_size % size:
-        raise ValueError(f"tp_size={size} does not divide the {d.world_size} processes")
-    mine = None
-    for start in range(0, d.world_size, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= d.rank < start + size:
-            mine = group
-    d.tp = Slice(d.rank % size, size, mine)
-    return d.tp
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",)) if replicas == 1 else \
+            init_device_mesh(dev.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    return Dist(rank, local_rank, world, dev, mesh, replicas=replicas, nodes=nodes_and_local()[0] if not alone else 1)
 
 
 def teardown():
@@ -228,6 +236,16 @@ def shard(root, d, mixed_precision="auto", cpu_offload=False):
     # what FSDP warns about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     return root
+
+
+def all_reduce_after(root, d, last):
+    """HSDP: let this backward all-reduce the gradients across the replicas (the traffic between nodes) only where
+    it is the optimizer step's `last`; before it each replica only reduce-scatters within itself, and FSDP2 adds
+    what it kept to the last backward's all-reduce: one exchange between nodes per optimizer step, however many
+    micro-batches. Flat, or one process: nothing to do."""
+    if d.replicas > 1:
+        for m in fsdp_modules(root):
+            m.set_requires_all_reduce(last, recurse=False)
 
 
 def placement(module):
@@ -785,11 +803,12 @@ def full_host_tensor(x):
     rank, and gloo copies a collective's output through a buffer of its own: twice the tensor on every rank."""
     if not hasattr(x, "full_tensor"):
         return x.detach().cpu()
-    from torch.distributed.tensor import Shard
-    mesh = x.device_mesh
-    if mesh.ndim != 1 or tuple(x.placements) != (Shard(0),):
+    mesh = dim0_mesh(x)
+    if mesh is None:
         whole = x.full_tensor().cpu()
-        return whole if mesh.get_local_rank() == 0 else None
+        return whole if dist.get_rank() == 0 else None
+    if x.device_mesh.ndim == 2 and x.device_mesh.get_local_rank("replicate") != 0:
+        return None  # HSDP: the first replica's ranks hold every row; the other replicas' copies are not needed
     local, world, first = x.to_local(), mesh.size(), mesh.get_local_rank() == 0
     if local.device.type != mesh.device_type:  # shards kept on the host (--cpu_offload): NCCL gathers on GPUs
         local = local.to(mesh.device_type)

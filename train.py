@@ -35,7 +35,10 @@ def parse_config(argv):
         argv = [f"--preset={task[-1]}"] + list(argv)  # a task with a recipe of its own name starts from it
     cfg = cli.parse(Config, argv, RECIPES, doc=__doc__, other_names=OTHER_NAMES)
     # the processes the run will have: torchrun's, or those a plan is made for
-    validate(cfg, cfg.plan_world_size if cfg.plan and cfg.plan_world_size else int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.plan and cfg.plan_world_size:
+        validate(cfg, cfg.plan_world_size)
+    else:  # and how torchrun formed them (nodes), where it did
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     return cfg
 
 
@@ -419,6 +422,7 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
                                  num_tokens=num_tokens, is_weight=is_weight, keep=keep, entropy=entropy)
         # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks (float16: the
         # loss scaled up, the gradients divided back in optimizer_step)
+        sharding.all_reduce_after(policy, d, last=i == len(micro) - 1)
         (loss * (d.world_size if run.loss_scale is None else d.world_size * run.loss_scale.scale)).backward()
         step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
         sums["loss"] += loss.detach()
@@ -615,10 +619,9 @@ def main(argv):
         return
     set_threads(cfg.threads)
     sharding.map_large_host_tensors()  # freed host memory goes back to the system: a process holds what it uses
-    d = sharding.setup(cfg.device, cfg.mixed_precision)
+    d = sharding.setup(cfg.device, cfg.mixed_precision, replicas=mesh_replicas(cfg))
     try:
         validate(cfg, d.world_size)
-        sharding.tensor_parallel(d, cfg.tp_size)
         try:
             lock = sharding.lock_out_dir(cfg.out_dir, d)  # this run owns out_dir until it ends
         except sharding.OutDirBusy as e:  # on every rank: the lock is taken together
@@ -645,6 +648,16 @@ def main(argv):
             sharding.teardown()
         raise
     sharding.teardown()
+
+
+def mesh_replicas(cfg):
+    """The copies of the model the processes hold (HSDP; sharding.setup): --replicas, else with several nodes one
+    per node where the plan says a node's processes hold the model's shards (runs/plan.py), else 1 (flat)."""
+    nodes, local = sharding.nodes_and_local()
+    if cfg.replicas or nodes == 1 or cfg.plan:
+        return cfg.replicas or 1
+    from runs import plan
+    return plan.node_replicas(cfg, nodes * local, local)
 
 
 def set_threads(threads):

@@ -107,7 +107,7 @@ def settings_for(args, device):
         fam_shapes="tiny",  # or "real": each family at its published shape (bench.decode.REAL_SHAPES; for a GPU)
         fam_names="",  # comma-separated families of tests/architectures.py to run (Llama always, for the ratio); "": all
         # hostmem row: a model of hm_layers layers of hidden size hm_hidden (271M parameters), hm_steps steps
-        hm_hidden=1024, hm_layers=24, hm_steps=2, hm_prompt_len=16, hm_processes="1,2,4", hm_lora=0,
+        hm_hidden=1024, hm_layers=24, hm_steps=2, hm_prompt_len=16, hm_processes="1,2,4,2x2", hm_lora=0,
         hm_moe=0,  # > 0: a Qwen3-MoE shape of this many experts a layer, trained with --routing_replay
         # longtail row: lt_places decode places, lt_rows_per_place times as many rows, ending at log-normal lengths
         # (median lt_median tokens, sigma lt_sigma) of at most lt_max_new_tokens

@@ -1,9 +1,11 @@
-"""The hostmem row: a whole run's peak host memory per process at 1, 2 and 4 processes (CPU, gloo).
+"""The hostmem row: a whole run's peak host memory per process at 1, 2 and 4 processes (CPU, gloo), and at 4 as
+HSDP's 2 replicas x 2 shards (`hm_processes` "2x2").
 
 A Qwen2-shaped model of `hm_layers` layers of hidden size `hm_hidden` (with `hm_moe` = E, a Qwen3-MoE shape of E
 experts a layer, trained with --routing_replay) is saved with safetensors weights; train.py runs `hm_steps` steps
 on it alone (plain python) and under `torchrun --nproc_per_node N --tp_size=N`, each process reading its own shards
-and decoding in one tensor-parallel group. Each run is launched from a process of its own,
+and decoding in one tensor-parallel group (a mesh R x S: --replicas=R, groups of S, each reading its replica's
+shards). Each run is launched from a process of its own,
 whose `getrusage(RUSAGE_CHILDREN)` is then the peak resident memory of the largest process of that run alone.
 Reported: each peak, its ratio to one process's, and whether the runs' rewards equal one process's.
 
@@ -13,7 +15,8 @@ each process reading its own shards) and exports it (runs/export.py), each proce
 resident memory (RssAnon, read every millisecond) over each phase; the files' pages it maps while reading them are
 page cache, measured apart (VmHWM's rise over the loading, less the private rise), and so are the modules loading
 imports on first use (torch.distributed.checkpoint, FSDP, the model's class: the interpreter's, which the plan
-leaves out as it leaves out torch's, about 55 MiB a process), imported and measured before the loading.
+leaves out as it leaves out torch's, about 55 MiB a process), imported and measured before the loading. Each
+process's own figures are kept beside the largest (`per_rank`).
 """
 
 import json
@@ -63,9 +66,9 @@ sys.path.insert(0, sys.argv[1])
 import sharding
 from config import Config
 from runs import export, setup
-path, out, lora, moe = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+path, out, lora, moe, replicas = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 sharding.map_large_host_tensors()  # as train.py
-d = sharding.setup("cpu")
+d = sharding.setup("cpu", replicas=replicas)
 cfg = Config(model=path, beta=0.04, out_dir=out, device="cpu", lora_rank=lora, routing_replay=bool(moe),
              check_model=False)
 
@@ -107,6 +110,12 @@ with open(os.path.join(out, f"phases_rank{d.rank}.json"), "w") as f:
 """
 
 
+def mesh(spec):
+    """(processes, replicas) of an hm_processes entry: "4" is 4 processes on one flat mesh, "2x2" 2 replicas x 2."""
+    r, _, n = str(spec).rpartition("x")
+    return (int(r) * int(n), int(r)) if r else (int(n), 1)
+
+
 def bench_phases(s, root, path, env, counts):
     """{processes: {phase: (planned, measured), ...}} for loading and export: the plan's figure per process
     (runs/plan.py, at these settings) and the largest process's private rise (`_PHASES`); also the loading's mapped file pages."""
@@ -114,25 +123,29 @@ def bench_phases(s, root, path, env, counts):
     from runs import plan
     config = plan.model_config(Config(model=path))
     out = {}
-    for n in counts:
-        folder = os.path.join(root, f"phases_{n}")
+    for spec in counts:
+        n, replicas = mesh(spec)
+        folder = os.path.join(root, f"phases_{spec}")
         os.makedirs(folder, exist_ok=True)
         launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={n}"]
         r = subprocess.run([*launcher, os.path.join(root, "phases.py"), ROOT, path, folder, str(s["hm_lora"]),
-                            str(s.get("hm_moe", 0))], cwd=ROOT, env=env, capture_output=True, text=True)
+                            str(s.get("hm_moe", 0)), str(replicas)], cwd=ROOT, env=env, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"hostmem: the phases of {n} processes failed:\n{r.stderr[-3000:]}")
         ranks = [json.load(open(os.path.join(folder, f"phases_rank{k}.json"))) for k in range(n)]
         cfg = Config(model=path, beta=0.04, device="cpu", lora_rank=s["hm_lora"], routing_replay=bool(s.get("hm_moe")),
                      max_prompt_length=s["hm_prompt_len"])
-        p = plan.plan(cfg, config, n, "cpu")
-        out[n] = {phase: (p.phase(phase).total, max(k[phase] for k in ranks)) for phase in ("loading", "export")}
-        out[n]["loading_mapped"] = max(k["loading_mapped"] for k in ranks)
-        out[n]["loading_imports"] = max(k["loading_imports"] for k in ranks)
-        print(f"  {n} process(es): " + ", ".join(f"{ph} planned {a / 2**20:.0f} MiB, measured {b / 2**20:.0f} MiB"
-                                               for ph, (a, b) in list(out[n].items())[:2])
-              + f"; modules imported first {out[n]['loading_imports'] / 2**20:.0f} MiB", flush=True)
+        p = plan.plan(cfg, config, n, "cpu", replicas=replicas)
+        row = out[spec] = {phase: (p.phase(phase).total, max(k[phase] for k in ranks))
+                           for phase in ("loading", "export")}
+        row["loading_mapped"] = max(k["loading_mapped"] for k in ranks)
+        row["loading_imports"] = max(k["loading_imports"] for k in ranks)
+        row["per_rank"] = ranks
+        print(f"  {spec} process(es): " + ", ".join(f"{ph} planned {a / 2**20:.0f} MiB, measured {b / 2**20:.0f} MiB"
+                                                  for ph, (a, b) in list(row.items())[:2])
+              + f"; modules imported first {row['loading_imports'] / 2**20:.0f} MiB; loading per rank "
+              + ", ".join(f"{k['loading'] / 2**20:.0f}" for k in ranks) + " MiB", flush=True)
     return out
 
 
@@ -143,12 +156,14 @@ def bench_hostmem(s, root):
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     peaks, rewards = {}, {}
-    counts = [int(n) for n in str(s["hm_processes"]).split(",")]
-    for n in counts:
-        out = os.path.join(root, f"hostmem_{n}")
+    counts = str(s["hm_processes"]).split(",")
+    for spec in counts:
+        n, replicas = mesh(spec)
+        out = os.path.join(root, f"hostmem_{spec}")
         args = ["train.py", f"--model={path}", f"--max_steps={s['hm_steps']}", "--beta=0.04", f"--out_dir={out}",
                 "--resume=never", "--save_every=0", "--print_completions_every=0", "--device=cpu",
-                f"--max_prompt_length={s['hm_prompt_len']}", f"--tp_size={n}",
+                f"--max_prompt_length={s['hm_prompt_len']}", f"--tp_size={n // replicas}",
+                f"--replicas={replicas}",
                 *([f"--lora_rank={s['hm_lora']}"] if s["hm_lora"] else []),
                 *(["--routing_replay"] if s.get("hm_moe") else [])]
         launcher = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -157,10 +172,10 @@ def bench_hostmem(s, root):
                            text=True)
         if r.returncode:
             raise RuntimeError(f"hostmem: the run of {n} processes failed:\n{r.stderr[-3000:]}")
-        peaks[n] = int(r.stdout.split()[-1])
+        peaks[spec] = int(r.stdout.split()[-1])
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            rewards[n] = [json.loads(line)["reward"] for line in f]
-        print(f"  {n} process(es): peak {peaks[n] / 2**30:.2f} GiB", flush=True)
+            rewards[spec] = [json.loads(line)["reward"] for line in f]
+        print(f"  {spec} process(es): peak {peaks[spec] / 2**30:.2f} GiB", flush=True)
     one = peaks[counts[0]]
     with open(os.path.join(root, "phases.py"), "w") as f:
         f.write(_PHASES)

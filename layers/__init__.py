@@ -12,6 +12,7 @@
                          joining the slices, the group's rows and answers, the vocabulary-sliced draw's collectives
     kernels.py           Triton decode attention for the GPU (its plain PyTorch math, transformer.grouped_attention,
                          is the CPU path)
+    shards.py            what a weight is under FSDP2 (a plain tensor or a DTensor) and which ranks cut its rows
     lora.py              LoRA adapters on a model's weight matrices, and how the fast paths read them
     routing.py           routing replay: the training forward sends each token to the experts the sampler chose
     vision.py            images in prompts: encoded once per group, through prefill and the training forwards

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 
-from layers.tensor_parallel import is_shard
+from layers.shards import dim0_mesh, is_shard
 
 
 ALL_TARGETS = "all"  # lora_target_modules' default: every weight matrix of the decoder layers but MoE routing
@@ -345,7 +345,7 @@ def _local(p):
 
 def _own_rows(whole, p):
     """The rows of `whole` that this process's shard of `p` holds: FSDP2's dim-0 chunk of its rank."""
-    mesh = getattr(p, "device_mesh", None)
+    mesh = dim0_mesh(p)
     if mesh is None or whole.dim() == 0:
         return whole
     rows = -(-whole.shape[0] // mesh.size())

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from layers import lora
-from layers.tensor_parallel import is_shard
+from layers.shards import is_shard
 
 
 def _qwen_router(router):

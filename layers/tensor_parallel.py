@@ -14,8 +14,9 @@ Everything of tensor parallelism is here but the two sums in transformer.layer (
 layers/static_moe.py and layers/static_recurrent.py hold); `refusal`, what a model's sizes cannot be
 cut into (transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functional collectives); the vocabulary
 (`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and
-answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after. With size 1
-every slice is the whole tensor and `reduce` is the identity. It imports nothing of the project.
+answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after; the groups
+themselves (`groups`). With size 1 every slice is the whole tensor and `reduce` is the identity. Of the project it
+imports only layers/shards.py (what a shard is).
 
 Slices from FSDP2's shards. Every cut is a list of spans along one dimension, a function of the rank's Slice
 (`pieces`, `Slice.take`), so that any rank can say what any other rank takes. A weight that is an FSDP2 shard (a
@@ -29,6 +30,8 @@ import dataclasses
 import math
 
 import torch
+
+from layers.shards import dim0_mesh, is_shard
 
 
 # How each kind of weight is cut: transformer.layer_params names the kind of each of a layer's weights, and
@@ -82,14 +85,13 @@ class Slice:
         if not is_shard(t):
             parts = [t.narrow(dim, a, b - a) for a, b in spans(self)]
             return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone() if copy else parts[0]
-        from torch.distributed.tensor import Shard
-        mesh = t.device_mesh
-        if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):  # another layout: gathered whole, this tensor alone
+        mesh = dim0_mesh(t)  # the ranks cutting dim 0: the whole mesh, or under HSDP this rank's replica
+        if mesh is None:  # another layout: gathered whole, this tensor alone
             return self.take(self.whole(t), dim, spans, copy)
         me = mesh.get_local_rank()
         if me % self.size != self.rank:
             raise ValueError(f"rank {me} of the mesh is not rank {self.rank} of its tensor-parallel group: groups "
-                             f"must be consecutive ranks of the FSDP2 mesh (sharding.tensor_parallel)")
+                             f"must be consecutive ranks of the FSDP2 mesh (`groups`)")
         # the groups are consecutive ranks of the mesh: its rank m is rank m % size of its group
         wants = [spans(dataclasses.replace(self, rank=m % self.size)) for m in range(mesh.size())]
         device, dtype = self.to or (None, None)
@@ -100,11 +102,11 @@ class Slice:
         FSDP2 shard (a collective), cast and moved as `to` says; t itself where it is whole."""
         if not is_shard(t):
             return t
-        from torch.distributed.tensor import Shard
         device, dtype = self.to or (None, None)
-        if t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),):  # every rank takes every row
-            return _fetch(t, 0, [[(0, t.shape[0])]] * t.device_mesh.size(), t.device_mesh.get_local_rank(),
-                          t.device_mesh.get_group(), device, dtype)
+        mesh = dim0_mesh(t)
+        if mesh is not None:  # every rank takes every row
+            return _fetch(t, 0, [[(0, t.shape[0])]] * mesh.size(), mesh.get_local_rank(), mesh.get_group(), device,
+                          dtype)
         return t.to(device=device or t.device, dtype=dtype or t.dtype).full_tensor()
 
     def part(self, t, dim=0, what="a dimension", groups=1):
@@ -252,15 +254,6 @@ class Slice:
         return gather(x.contiguous(), 0, self.group)
 
 
-def is_shard(t):
-    """True for a DTensor: a weight of an FSDP2-sharded module outside a gather."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
 def _fetch(t, dim, wants, me, group, device=None, dtype=None):
     """Mesh rank me's spans wants[me] of the DTensor t along dim, concatenated in order, None where it wants none;
     wants[m]: the spans [(start, stop)] of every rank m of t's mesh (each rank passes the same list).
@@ -346,3 +339,23 @@ def refusal(config, vocab, size, whole_projection_norms=False):
 
 
 WHOLE = Slice()  # one rank: every weight whole
+
+
+def groups(d, size):
+    """Split the processes into groups of `size` consecutive ranks (0..size-1, size..2*size-1, ...), each of which
+    decodes its ranks' rows together, every rank holding 1/size of each layer; d.tp becomes this rank's Slice. Every
+    rank makes every group, in the same order, as torch.distributed asks. Under HSDP a group lies inside one replica
+    (its size divides a replica's processes), so its cuts come from that replica's shards."""
+    import torch.distributed as dist
+    if size == 1:
+        d.tp = Slice()
+        return d.tp
+    if d.world_size % size:
+        raise ValueError(f"tp_size={size} does not divide the {d.world_size} processes")
+    mine = None
+    for start in range(0, d.world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= d.rank < start + size:
+            mine = group
+    d.tp = Slice(d.rank % size, size, mine)
+    return d.tp

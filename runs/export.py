@@ -24,7 +24,7 @@ import struct
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
@@ -59,7 +59,7 @@ def _full_merged(adapter, w, a, b):
     expert as W does) and the merged weight is gathered like any other: no process holds W twice."""
     if not hasattr(w, "device_mesh"):
         return _merge_rows(adapter, w, a, b).cpu()
-    if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+    if sharding.dim0_mesh(w) is None:
         raise ValueError(f"export: a LoRA-adapted weight sharded as {w.placements}; the merge expects FSDP2's dim 0")
     a = a.full_tensor() if a.dim() == 2 else a.to_local()
     mine = _merge_rows(adapter, w.to_local(), a, b.to_local())

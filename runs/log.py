@@ -323,11 +323,12 @@ def banner(run, resumed):
                  f"{cfg.ref_model_mixup_alpha:g})" if cfg.sync_ref_model else "frozen copy")
     if cfg.ref_bf16 and cfg.beta > 0 and not cfg.lora_rank:  # its log-probs, and so the KL, are bfloat16 weights'
         reference = reference.replace("copy", "copy in bfloat16 (--ref_bf16)", 1)
+    mesh = f" as {d.describe()}" if d.replicas > 1 or d.nodes > 1 else ""  # several nodes, or HSDP's copies
     minis = f" in {cfg.steps_per_generation} mini-batches" if cfg.steps_per_generation > 1 else ""
     from layers import lora  # here, not at the top: the rest of this file has no use for torch
     adapted = lora.lora_summary(lm)  # which layers, how many of each: "all" differs by family
     lines = [
-        f"device {device} x {d.world_size} process(es), {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
+        f"device {device} x {d.world_size} process(es){mesh}, {threads} CPU thread(s) each | out_dir {cfg.out_dir}",
         f"model {cfg.model} ({type(lm).__name__}): {count(total)} parameters, {count(trainable)} trainable | "
         f"reference: {reference}",
         f"paths: {run.paths}{' | routing replay' if cfg.routing_replay else ''}",

@@ -144,6 +144,7 @@ class Plan:
     lengths: tuple = (0, 0)  # (prompt, completion) tokens every row is planned at: the longest each may be
     read: int = 0        # bytes each process reads from the checkpoint while loading (its own shards, as stored)
     headroom: int = 0    # bytes of each GPU left free for what the plan does not count (--plan_gpu_headroom)
+    replicas: int = 1    # HSDP: the model's copies, each sharded over world / replicas processes (--replicas)
 
     def phase(self, name):
         return next(p for p in self.phases if p.name == name)
@@ -302,11 +303,15 @@ def _has_moe(model):
     return any(transformer.is_moe(getattr(b, "mlp", None)) for b in _blocks(model))
 
 
-def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
+def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0, replicas=None):
     """The Plan of the run `cfg` (a config.Config) for the model of `config` on `world` processes, each on a GPU of
     `gpu_gib` GiB (device "cuda") or on the CPU (device "cpu"; per process, the host's share), nodes of
-    GPUS_PER_NODE processes with `host_gib` GiB of host memory each."""
+    GPUS_PER_NODE processes with `host_gib` GiB of host memory each. replicas: HSDP's copies of the model (None:
+    --replicas, its 0 planned flat); a process holds 1 / (world / replicas) of the state, its copy's share, and
+    1 / world of the step's rows."""
     param_dtype, compute, sharded = _dtypes(cfg, device, world)
+    replicas = replicas or cfg.replicas or 1
+    shards = world // replicas
     cb = compute.itemsize
     model = meta_model(config, param_dtype, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     refused = tp_verdict(model, cfg.tp_size)
@@ -323,16 +328,16 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     reference = cfg.beta > 0 and cfg.lora_rank == 0
     ref_dtype = torch.bfloat16 if cfg.ref_bf16 else None
 
-    loading, read = _loading(cfg, config, model, world, device, sharded, param_dtype, notes)
-    export = _export(cfg, model, params, world, device)
+    loading, read = _loading(cfg, config, model, world, device, sharded, param_dtype, notes, shards)
+    export = _export(cfg, model, params, shards, device)
 
     # what stays through the run: the policy's shards, gradients and AdamW's moments and steps, the reference
-    state = [("policy parameters", tensor_bytes(params, world)),
-             ("gradients", tensor_bytes(trained, world)),
-             ("AdamW moments", 2 * tensor_bytes(trained, world)),
+    state = [("policy parameters", tensor_bytes(params, shards)),
+             ("gradients", tensor_bytes(trained, shards)),
+             ("AdamW moments", 2 * tensor_bytes(trained, shards)),
              ("AdamW steps", 4 * len(trained))]
     if reference:
-        state.append(("reference parameters", tensor_bytes(params, world, ref_dtype)))
+        state.append(("reference parameters", tensor_bytes(params, shards, ref_dtype)))
     host = []
     if cfg.cpu_offload and sharded:  # FSDP2's CPUOffloadPolicy: the shards, gradients and AdamW's moments in host memory
         host, state = state, []
@@ -352,6 +357,11 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
                                                           cfg.lora_target_modules) if compute != param_dtype
                                                else model, rows * tp, length, tp)
     gen = [part for part in state if part[0] != "gradients"]  # freed after each optimizer step (set_to_none)
+    if replicas > 1:  # what a node's processes hold together: a whole copy where a replica is a node
+        node, held = min(world, GPUS_PER_NODE), sum(b for _, b in state + host)
+        notes.append(f"mesh: {replicas} replicas x {shards} shards (HSDP): a process holds 1/{shards} of the "
+                     f"training state, {held / GiB:.1f} GiB; a node's {node} processes hold {node / shards:g} "
+                     f"of the model's copies, {node * held / GiB:.1f} GiB together")
     if sharded and tp > 1:  # each tensor's slice cut from the shards, one tensor at a time (Slice.take): no whole
         # layer or root tensor; at most about three slices at once: sent, received, and an adapter's delta added
         slice_bytes = max(-(-p.numel() // tp) for p in params) * cb
@@ -388,7 +398,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0):
     return Plan(world, device, sum(p.numel() for p in params), sum(p.numel() for p in trained), phases,
                 int(gpu_gib * GiB), int(host_gib * GiB), notes,
                 lengths=(cfg.max_prompt_length, cfg.max_completion_length), read=read,
-                headroom=int(cfg.plan_gpu_headroom * GiB) if device == "cuda" else 0)
+                headroom=int(cfg.plan_gpu_headroom * GiB) if device == "cuda" else 0, replicas=replicas)
 
 
 def decode_rows(cfg, world):
@@ -406,7 +416,7 @@ def decode_rows(cfg, world):
     return rows_total, "the step's rows on a process"
 
 
-def _loading(cfg, config, model, world, device, sharded, param_dtype, notes):
+def _loading(cfg, config, model, world, device, sharded, param_dtype, notes, shards):
     """(the loading Phase, the bytes each process reads from the checkpoint); appends its notes to `notes`.
 
     With several processes each builds the model on the meta device, shards it and reads its own shards of the
@@ -424,9 +434,9 @@ def _loading(cfg, config, model, world, device, sharded, param_dtype, notes):
     adapters = {id(p) for m in lora.lora_modules(model).values() for p in (m.lora_A, m.lora_B)}
     stored = {id(p): None if id(p) in adapters else _stored_dtype(config, param_dtype) for p in params}
     if world > 1:
-        parts = [("policy shards", tensor_bytes(params, world))] + (
-            [("reference shards", tensor_bytes(params, world, ref_dtype))] if reference else [])
-        read = sum(_read_bytes(t, world, stored[id(t)], quantized) for t in params) * (2 if reference else 1)
+        parts = [("policy shards", tensor_bytes(params, shards))] + (
+            [("reference shards", tensor_bytes(params, shards, ref_dtype))] if reference else [])
+        read = sum(_read_bytes(t, shards, stored[id(t)], quantized) for t in params) * (2 if reference else 1)
         notes.append(f"loading: each process reads its own shards from a folder of safetensors or .bin weights (a hub "
                      f"id's, in the Hugging Face cache); a hub id not downloaded yet builds the whole model in each "
                      f"process instead ({whole / GiB:.1f} GiB, twice with a reference)")
@@ -658,6 +668,29 @@ def advise(cfg, config, p, more_gpus=True, **limits):
     return p
 
 
+def replicas_at(cfg, config, world, device, limits, local=GPUS_PER_NODE):
+    """The copies of the model (HSDP) `world` processes hold, `local` on each node: --replicas, else one per node where
+    the plan at that mesh fits, else 1 (one flat mesh: a node's processes alone cannot hold the model's state)."""
+    nodes = world // local if world % local == 0 else 1
+    if cfg.replicas or nodes <= 1:
+        return cfg.replicas or 1
+    q = _plan_or_none(dataclasses.replace(cfg, replicas=nodes), config, world, device, limits)
+    return nodes if q is not None and not q.over() else 1
+
+
+def node_replicas(cfg, world, local):
+    """replicas_at for the run starting here: this machine's device and memory, the model's config; 1 (flat) where
+    the plan cannot be made (a config it cannot read), as a run without a plan would be."""
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    host, _ = host_memory(cfg, world, "cuda" if cuda else "cpu")
+    gpu = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else host / local
+    try:
+        return replicas_at(cfg, model_config(cfg), world, "cuda" if cuda else "cpu", dict(gpu_gib=gpu, host_gib=host),
+                           local)
+    except (OSError, ValueError):
+        return 1
+
+
 def _plan_or_none(cfg, config, world, device, limits):
     """The plan, or None where the settings are ones the run would refuse (a --tp_size, LoRA on a model)."""
     try:
@@ -747,8 +780,9 @@ def report(p, host_from=""):
     """The plan as text: each phase's parts and total, what does not fit, the verdict with the lengths it assumed
     and the advice. host_from: which figure the host memory is (printed beside it)."""
     where = "GPU" if p.device == "cuda" else "process"
+    mesh = f" as {p.replicas} replicas x {p.world // p.replicas} shards" if p.replicas > 1 else ""
     lines = [f"memory plan: {p.params / 1e6:,.1f} M parameters ({p.trained / 1e6:,.1f} M trained), {p.world} "
-             f"process{'es' if p.world > 1 else ''}; per {where}: {_size(p.gpu_bytes).strip()}"
+             f"process{'es' if p.world > 1 else ''}{mesh}; per {where}: {_size(p.gpu_bytes).strip()}"
              + (f" ({_size(p.headroom).strip()} of it left free: --plan_gpu_headroom)" if p.headroom else "")
              + ", host per node "
              f"({min(p.world, GPUS_PER_NODE)} processes): {_size(p.host_bytes).strip()}"
@@ -816,6 +850,7 @@ def run(cfg):
                                     cfg.lora_target_modules), cfg.tp_size)
     if refused:
         cfg = dataclasses.replace(cfg, tp_size=1)
+    cfg = dataclasses.replace(cfg, replicas=replicas_at(cfg, config, world, device, limits))  # as the run would
     p = plan(cfg, config, world, device, **limits)
     text = report(advise(cfg, config, p, **limits), host_from)
     return f"--tp_size: {refused}. The plan at --tp_size=1:\n{text}" if refused else text

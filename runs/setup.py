@@ -23,7 +23,7 @@ import sampling
 import sharding
 import tasks
 from environments import responses
-from layers import hf_decoder, lora, routing, transformer, vision
+from layers import hf_decoder, lora, routing, tensor_parallel, transformer, vision
 from sandbox import executor
 from config import Config, ConfigError
 
@@ -84,6 +84,7 @@ def setup(cfg, d):
     except ValueError as e:
         raise ConfigError("reward_funcs", e) from e
     check_sandbox(cfg, d)
+    tensor_parallel.groups(d, cfg.tp_size)  # d.tp: this rank's place in its decoding group (every rank makes all)
     # several processes: load on the CPU, fully_shard moves each process's shard to its device
     load_device = "cpu" if d.world_size > 1 else d.device
     tokenizer, policy, ref = load_models(cfg, d, load_device)

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+import sharding
+
 BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -169,9 +171,10 @@ def shard_rows(p):
     """(this process's shard of parameter `p`, the row of `p` it starts at): FSDP2 cuts dim 0 into chunks of
     ceil(n / W) rows, the last ones short or empty; a parameter that is not sharded is its own shard."""
     mine = p.to_local() if hasattr(p, "to_local") else p
-    if not hasattr(p, "device_mesh") or mine.dim() == 0:
+    mesh = sharding.dim0_mesh(p)  # under HSDP, the ranks of this process's replica
+    if mesh is None or mine.dim() == 0:
         return mine, 0
-    return mine, p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
+    return mine, mesh.get_local_rank() * -(-p.shape[0] // mesh.size())
 
 
 def fill_rows(sources, files, folder):

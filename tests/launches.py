@@ -1,13 +1,17 @@
 """Launching the trainer for the multi-process tests, and reading what a run left (used by test_distributed.py
 and test_vision.py): several train.py runs to a launch of tests/run_train.py (`launch_runs`), 1 process or 2
-under torchrun with gloo; metrics.jsonl, the tokens each rank sampled, and whether an exported folder holds the
-trained weights."""
+under torchrun with gloo, or several torchrun agents on this machine as several nodes would run them
+(`launch_nodes`); metrics.jsonl, the tokens each rank sampled, and whether an exported folder holds the trained
+weights."""
 
 import glob
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TRAIN = os.path.join(ROOT, "tests", "run_train.py")
@@ -30,6 +34,81 @@ def launch(script, args, nproc, timeout=240):
     out = r.stdout + r.stderr
     assert r.returncode == 0 or exited_after_finishing(out, args, nproc), f"{' '.join(cmd)} failed:\n{out[-6000:]}"
     return out
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent_command(script_args, nnodes, nproc, port, join_timeout=120):
+    """One node's torchrun, as the README gives it for several nodes: c10d rendezvous at 127.0.0.1:port."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes",
+            f"--rdzv_conf=join_timeout={join_timeout}", *script_args]
+
+
+def start_agents(script_args, nnodes, nproc, started=None, join_timeout=120):
+    """Popen of `started` (all by default) of the `nnodes` agents of one run on this machine, each in a session of
+    its own (so that a test can kill one with its workers)."""
+    port = free_port()
+    return [subprocess.Popen(agent_command(script_args, nnodes, nproc, port, join_timeout), cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            for _ in range(nnodes if started is None else started)]
+
+
+def launch_nodes(runs, folder, name, nnodes=2, nproc=2, kill_when_paused=None, timeout=600):
+    """Several runs of run_train.py (as `launch_runs`) in one run of `nnodes` torchrun agents of `nproc` processes.
+
+    kill_when_paused: the out_dir of a run given --pause_after_step; once every rank waits there, each agent is
+    sent SIGTERM (a scheduler's kill: the agent passes it on to its workers and exits), and the launch's output is
+    returned as it is. Otherwise every run must finish; {out_dir: its output}."""
+    path = os.path.join(folder, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(runs, f)
+    for marker in glob.glob(os.path.join(out_dir_of(runs[-1]), "finished_rank*")):
+        os.remove(marker)
+    agents, deadline = start_agents([RUN_TRAIN, f"--runs={path}"], nnodes, nproc), time.time() + timeout
+    world = nnodes * nproc
+    if kill_when_paused:
+        paused = [os.path.join(kill_when_paused, f"paused_rank{r}") for r in range(world)]
+        while not all(map(os.path.exists, paused)) and all(a.poll() is None for a in agents):
+            assert time.time() < deadline, "the run never paused"
+            time.sleep(0.2)
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGTERM)
+    outs = [a.communicate(timeout=max(1, deadline - time.time()))[0] for a in agents]
+    out = "".join(outs)
+    if kill_when_paused:
+        assert all(map(os.path.exists, paused)), out[-6000:]
+        return out
+    finished = all(os.path.exists(os.path.join(out_dir_of(runs[-1]), f"finished_rank{r}")) for r in range(world))
+    assert all(a.returncode == 0 for a in agents) or (
+        finished and "terminate called without an active exception" in out), out[-6000:]
+    said = {}
+    for part in out.split("=== run ")[1:]:
+        where, _, text = part.partition("\n")
+        said[where] = text
+    assert list(said) == [out_dir_of(r) for r in runs], out[-6000:]
+    return said
+
+
+def launch_failing(script_args, nproc, timeout=240):
+    """Run a script under torchrun (one node, `nproc` processes) that must fail; its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
+    r = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode != 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
 
 
 def launch_runs(runs, nproc, folder, name, timeout=600):

@@ -14,11 +14,13 @@ Records, in out_dir:
   ref.pt                 (rank 0, with sync_ref_model) the reference's full weights at the end
   sample_rank<r>.json    (several processes) sampling when ranks' completions end at different lengths
   finished_rank<r>       written when all of rank r's work is done: what is left is the teardown and the exit
+  paused_rank<r>         (--pause_after_step=K) rank r finished step K and waits to be killed
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -126,8 +128,32 @@ def stop_often():
     return undo
 
 
+def pause_after(step, out_dir):
+    """After train_step `step` (its update done, nothing of it saved or logged) each rank writes
+    paused_rank<r> in out_dir and waits there, to be killed: a run stopped mid-way. Returns what undoes it."""
+    original = train.train_step
+
+    def paused(run, at):
+        result = original(run, at)
+        if at == step:
+            open(os.path.join(out_dir, f"paused_rank{run.d.rank}"), "w").close()
+            while True:
+                time.sleep(1)
+        return result
+    train.train_step = paused
+
+    def undo():
+        train.train_step = original
+    return undo
+
+
 def main(argv):
     undo = lambda: None  # noqa: E731
+    pause = [a for a in argv if a.startswith("--pause_after_step=")]
+    if pause:
+        argv = [a for a in argv if a not in pause]
+        undo = pause_after(int(pause[0].split("=")[1]), next(a.split("=", 1)[1] for a in argv
+                                                              if a.startswith("--out_dir=")))
     if "--pause_often" in argv:
         argv = [a for a in argv if a != "--pause_often"]
         undo = pause_often()
@@ -162,6 +188,13 @@ def run(argv):
             record(ids)
         return rollout
 
+    original_all_reduce, across = dist.all_reduce, [0]
+
+    def counted_all_reduce(tensor, *args, group=None, **kwargs):  # HSDP's all-reduces across the replicas: over a
+        ranks = dist.get_process_group_ranks(group) if group is not None else []  # group of ranks not in a row
+        across[0] += len(ranks) > 1 and ranks != list(range(ranks[0], ranks[0] + len(ranks)))
+        return original_all_reduce(tensor, *args, group=group, **kwargs)
+    dist.all_reduce = counted_all_reduce
     original_stream_batch = features.streaming.RolloutStream.batch
 
     def recording_stream_batch(self, step, round=0):  # max_staleness: a step's rows come out of the stream
@@ -217,7 +250,7 @@ def run(argv):
             original_check_exact, original_check
         transformer._layer_on, sharding.teardown = original_layer, teardown
         engine.StaticDecoder.prefill = original_prefill
-        features.streaming.RolloutStream.batch = original_stream_batch
+        features.streaming.RolloutStream.batch, dist.all_reduce = original_stream_batch, original_all_reduce
         run_setup.load_models = original_load
 
     policy, ref = seen["policy"], seen["ref"]
@@ -247,6 +280,8 @@ def run(argv):
         "sharded": d.world_size > 1 and all(hasattr(p, "device_mesh") for p in policy.parameters()),
         "written_out_layer_calls": layer_calls[0],
         "written_out_prefills": prefills[0],
+        "all_reduces_across_replicas": across[0],
+        "fsdp_groups": len(sharding.fsdp_modules(policy)),
     })
     with open(os.path.join(out_dir, f"after_rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -11,8 +11,10 @@ import concurrent.futures
 import glob
 import json
 import os
+import pathlib
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launches import launch, launch_runs, metrics, tokens  # noqa: E402
+from launches import (launch, launch_failing, launch_nodes, launch_runs, metrics, start_agents,  # noqa: E402
+                      tokens)
 import model_loading  # noqa: E402
 
 FLAGS = ["--log_every=1", "--keep_checkpoints=2", "--print_completions_every=0"]
@@ -760,3 +763,92 @@ def test_sharded_loading_with_routing_replay_trains_as_one_process(runs):
     # them as the sampler did (near-ties aside), the policy a step on otherwise
     assert two[1]["kl"] > 0 and two[1]["staleness_mean"] == 1
     assert two[1]["routing_replay_differ_ref"] < 0.01 < two[1]["routing_replay_differ"]
+
+
+# ----------------------------------------------------------------------------- several nodes (HSDP)
+#
+# Two torchrun agents on this machine, 2 processes each, form one run of 4 as two nodes would (c10d rendezvous on
+# 127.0.0.1): with --replicas left at 0 the run holds one copy of the model per node, sharded over its 2
+# processes (HSDP). The 1-process runs they are compared with are the module's own (A1, weights1, lora_weights1).
+
+NODE_RUNS = {"hA": "A", "hW": "weights", "hL": "lora_weights", "hM": "mini"}  # on 2 x 2: the 1-process run alike
+
+
+@pytest.fixture(scope="module")
+def nodes(runs, tmp_path_factory):
+    p, _ = runs
+    t = os.path.dirname(p["A1"])
+    n = {k: str(tmp_path_factory.mktemp("nodes") / k) for k in ("hA", "hW", "hL", "hM", "hK", "hK1")}
+    flags = {"hA": train_flags(n["hA"], 4), "hK": train_flags(n["hK"], 4),
+             "hM": [f"--out_dir={n['hM']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]}
+    for name, check in (("hW", "weights"), ("hL", "lora_weights")):
+        flags[name] = [f"--out_dir={n[name]}", *checks(pathlib.Path(t))[check], *FLAGS]
+    out = launch_nodes([flags[k] for k in ("hA", "hW", "hL", "hM")] + [flags["hK"] + ["--pause_after_step=3"]], t,
+                       "nodes1",
+                       kill_when_paused=n["hK"])
+    killed_at = [m["step"] for m in metrics(n["hK"])]
+    shutil.copytree(n["hK"], n["hK1"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # the same command on both agents again; the copy resumed by one process (a flat mesh of another size)
+        again = pool.submit(launch_nodes, [flags["hK"]], t, "nodes2")
+        flat = pool.submit(launch_runs, [train_flags(n["hK1"], 4)], 1, t, "nodes_flat")
+        resumed = {**again.result(), **flat.result()}
+    return n, out, killed_at, resumed
+
+
+def test_two_agents_form_one_run_of_a_replica_per_node(runs, nodes):
+    """2 nodes of 2 processes (two agents) hold one copy of the model per node, sharded over its 2 processes; they
+    train as one process does: the same completions and rewards, loss and gradient norm within 1e-4 relative,
+    with the reference model, reading their own shards of a folder, and with LoRA; the export is the trained
+    weights, gathered from the first copy's shards."""
+    p, _ = runs
+    n, out, _, _ = nodes
+    assert "x 4 process(es) as 2 replicas x 2 shards, one replica per node" in out
+    for two, check in NODE_RUNS.items():
+        assert_trains_alike(p[f"{check}1"], n[two])
+        assert [m["step"] for m in metrics(n[two])] == [m["step"] for m in metrics(p[f"{check}1"])]
+        reports = [json.load(open(os.path.join(n[two], f"after_rank{r}.json"))) for r in range(4)]
+        assert all(r["sharded"] for r in reports), two
+        if check != "lora_weights":  # (the adapters are merged into the export: it is not the trained tensors)
+            assert reports[0]["export_differs"] is None and reports[0]["policy_changed"]
+    assert "each process read its own shards" in out.split(n["hW"])[1].split("=== run")[0]
+    # mini-batches of several micro-batches: one exchange between the nodes per optimizer step (3 steps x 2
+    # mini-batches x 2 iterations), for each of the 3 FSDP groups, not one per micro-batch
+    report = json.load(open(os.path.join(n["hM"], "after_rank0.json")))
+    assert report["all_reduces_across_replicas"] == 3 * 2 * 2 * report["fsdp_groups"], report
+    refs = [torch.load(os.path.join(d, "ref.pt")) for d in (p["mini1"], n["hM"])]  # the synced reference alike
+    for k in refs[0]:
+        torch.testing.assert_close(refs[1][k], refs[0][k], rtol=0, atol=1e-5, msg=k)
+    assert metrics(n["hA"])[-1]["kl"] > 0 and metrics(n["hL"])[-1]["kl"] > 0
+
+
+def test_killed_agents_resume_exactly_on_any_mesh(nodes):
+    """Both agents killed after step 3 (checkpoint at step 2) and started again with the same command: steps 3 and 4
+    redone exactly as the run that was never stopped (every metric, every token, the exported weights). The same
+    checkpoint resumed by one process trains on as the straight run within 1e-4."""
+    n, out, killed_at, resumed = nodes
+    assert killed_at == [1, 2]  # step 3 was never logged
+    assert "resuming from" in resumed[n["hK"]] and "step_00000002" in resumed[n["hK"]].split("resuming from")[1]
+    assert "saved by 4 process(es), now 1" in resumed[n["hK1"]]
+    assert [m["step"] for m in metrics(n["hK"])] == [1, 2, 3, 4]
+    assert_same_metrics(metrics(n["hA"]), metrics(n["hK"]))
+    a = tokens(n["hA"])  # step 3 sampled before the kill, then again after it: the same both times
+    assert tokens(n["hK"]) == [a[0], a[1], a[2], a[2], a[3]]
+    wa, wb = exported_weights(n["hA"]), exported_weights(n["hK"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_trains_alike(n["hA"], n["hK1"])
+
+
+def test_an_agent_alone_stops(tmp_path):
+    """A node whose partner never starts: its agent stops after the stated join timeout, naming the rendezvous.
+    A node that rendezvoused on its own (a world of 1 node) where --nodes says 2: every process refuses in one
+    line naming both numbers, before any model loads."""
+    start = time.time()
+    lone, = start_agents([os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path / 'lone'}"], 2, 1, started=1,
+                         join_timeout=5)
+    said = lone.communicate(timeout=120)[0]
+    assert lone.returncode != 0 and time.time() - start < 60 and "RendezvousTimeoutError" in said, said[-3000:]
+    alone = launch_failing([os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path / 'alone'}", "--nodes=2"], 2)
+    assert "--nodes: torchrun formed a run of 1 node (2 processes, 2 on each)" in alone, alone[-3000:]
+    assert "--nodes=2 asks for 2" in alone and "loading" not in alone
+    assert not os.path.exists(tmp_path / "alone")

@@ -588,3 +588,38 @@ def test_a_hub_id_not_cached_and_no_hub_is_said_without_a_download_attempt(monke
     monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert plan.hub_reachable() is False
+
+
+def _plan_8b(world, replicas=None, batch=16):
+    cfg = Config(max_completion_length=4096, prompts_per_step=64, num_generations=8, micro_batch_size=1,
+                 gradient_checkpointing=True, mixed_precision="bf16", generation_batch_size=batch)
+    return cfg, plan.plan(cfg, plan.shape_config("Qwen3-8B"), world, replicas=replicas)
+
+
+def test_a_replica_holds_the_state_of_a_flat_mesh_its_size():
+    """HSDP on 32 GPUs as 4 replicas: a process holds the training state of one of 8 flat processes (its replica's
+    share), and decodes the rows of one of 32; the report names the mesh."""
+    _, hybrid = _plan_8b(32, replicas=4, batch=0)  # every row of a process decodes at once
+    _, flat8 = _plan_8b(8, batch=0)
+    _, flat32 = _plan_8b(32, batch=0)
+    state = ("policy parameters", "gradients", "AdamW moments", "reference parameters")
+    parts = {name: dict(p.phase("training").parts) for name, p in (("hybrid", hybrid), ("8", flat8), ("32", flat32))}
+    for k in state:
+        assert parts["hybrid"][k] == parts["8"][k] > parts["32"][k], k
+    kv = {name: dict(p.phase("generation").parts)["KV cache"] for name, p in (("hybrid", hybrid), ("8", flat8),
+                                                                                ("32", flat32))}
+    assert kv["hybrid"] == kv["32"] == kv["8"] / 4  # 16 rows a process, not 64
+    assert dict(hybrid.phase("loading").parts)["policy shards"] == dict(flat8.phase("loading").parts)["policy shards"]
+    assert "32 processes as 4 replicas x 8 shards" in plan.report(hybrid).splitlines()[0]
+
+
+def test_the_default_mesh_is_a_replica_per_node_where_a_node_holds_it():
+    """--replicas=0: Qwen3-8B on 4 nodes of 8 GPUs fits a node's GPUs and goes one replica per node; Qwen3-30B-A3B's
+    state does not fit 8 GPUs beside the step and stays flat; one node is always flat."""
+    cfg, _ = _plan_8b(32)
+    limits = dict(gpu_gib=80.0, host_gib=2048.0)
+    assert plan.replicas_at(cfg, plan.shape_config("Qwen3-8B"), 32, "cuda", limits) == 4
+    assert plan.replicas_at(cfg, plan.shape_config("Qwen3-30B-A3B"), 32, "cuda", limits) == 1
+    assert plan.replicas_at(cfg, plan.shape_config("Qwen3-8B"), 8, "cuda", limits) == 1
+    assert plan.replicas_at(dataclasses.replace(cfg, replicas=2), plan.shape_config("Qwen3-30B-A3B"), 32, "cuda",
+                            limits) == 2

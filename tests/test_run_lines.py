@@ -202,3 +202,32 @@ def test_the_mismatch_warning_reads_each_metric_on_its_own_side(tmp_path):
     loud = {"mismatch/ess": 0.2, "mismatch/ppl_ratio": 0.8, "mismatch/log_ratio": -0.2}
     assert [k for k, _, _ in logger.mismatched(loud)] == ["ess", "ppl_ratio", "log_ratio"]
     assert [k for k, _, _ in logger.mismatched({"mismatch/ppl_ratio": 1.2})] == ["ppl_ratio"]
+
+
+def test_a_mesh_the_processes_cannot_form_stops_in_one_line(monkeypatch):
+    """Several nodes: a node that rendezvoused alone where --nodes says more refuses, naming both numbers and where
+    it rendezvoused; a tensor-parallel group cannot span nodes or replicas; replicas must split the processes."""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError) as e:
+        config.validate(config.Config(nodes=4), 8, 8)
+    assert e.value.code.startswith("config error: --nodes: torchrun formed a run of 1 node (8 processes, 8 on each) "
+                                   "at 10.0.0.1:29500, and --nodes=4 asks for 4")
+    with pytest.raises(ConfigError) as e:
+        config.validate(config.Config(tp_size=16), 32, 8)
+    assert "--tp_size: a group of 16 would span nodes: a node runs 8 processes" in e.value.code
+    assert e.value.code.endswith("at most 8")
+    assert _code(config.Config(replicas=3), 8) == ("config error: --replicas: 3 copies of the model do not split the "
+                                                   "8 processes evenly")
+    assert "--tp_size: a group of 4 would span two of the 4 copies of 2 processes" in _code(
+        config.Config(replicas=4, tp_size=4), 8)
+    config.validate(config.Config(nodes=4, tp_size=8, replicas=4), 32, 8)  # a group a node, a copy a node
+
+
+def test_the_banner_names_the_mesh():
+    """Flat on one node says nothing more; several nodes or copies say how the processes hold the model."""
+    def mesh(world, replicas, nodes):
+        return sharding.Dist(0, 0, world, torch.device("cpu"), replicas=replicas, nodes=nodes).describe()
+    assert mesh(32, 4, 4) == "4 replicas x 8 shards, one replica per node"
+    assert mesh(32, 1, 4) == "32 shards over 4 nodes"
+    assert mesh(8, 2, 1) == "2 replicas x 4 shards"
