@@ -171,6 +171,10 @@ class Config:
         # several nodes and the plan says a node's processes hold the model's shards, else flat
     nodes: int = setting(0, run=False, at_least=0)  # the nodes this run must span: a process whose torchrun formed
         # another number of nodes (a node that rendezvoused on its own) stops at start. 0 = what torchrun formed
+    cp_size: int = setting(1, run=False, at_least=1)  # sequence parallelism for long rows: groups of this many
+        # processes train their rows together, each computing 1/cp_size of every row's positions through the layers,
+        # an all-to-all around each attention (Ulysses; features/sequence_parallel.py). It divides the processes.
+        # The same training as 1, with 1/cp_size of the layers' activations per process
     decode_attention_kernel: bool = setting(False, run=False)  # CUDA: decode attention by the split-KV Triton kernel
         # (layers/kernels.py) instead of SDPA; tested against it, speed not yet measured
     compile_layers: bool = setting(False, run=False)  # torch.compile the training forward's decoder layers (meant for
@@ -348,6 +352,12 @@ def validate(cfg, world_size=1, local_size=0):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
+    need(world_size % cfg.cp_size == 0, "cp_size", tp_size_problem(cfg.cp_size, world_size).replace("a group of",
+         "a sequence-parallel group of"))
+    need(cfg.cp_size == 1 or not cfg.shared_prompts, "cp_size", "cannot take --shared_prompts: a group's rows "
+         "packed as a tree have branches that would cross the split of positions")
+    need(cfg.cp_size == 1 or not cfg.routing_replay, "cp_size", "cannot take --routing_replay: its records follow "
+         "the rows, and the split is by positions")
     need(world_size % max(1, cfg.replicas) == 0, "replicas",
          f"{cfg.replicas} copies of the model do not split the {world_size} processes evenly")
     shards = world_size // max(1, cfg.replicas)

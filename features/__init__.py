@@ -11,6 +11,8 @@ Each file here is one feature, read on its own: what it replaces or wraps, and i
     routing_replay.py     --routing_replay: the sampler's experts, replayed by the training forward's variant
     images.py             a vision-language policy's prompt images, through the training forward's variant
     shared_prompts.py     --shared_prompts: a group's rows trained as one tree over their prompt (TreeForward)
+    sequence_parallel.py  --cp_size: a row's positions split over a group's processes in the training forward,
+                          an all-to-all around each attention (Ulysses)
     lora_reference.py     --lora_rank with --beta: the reference is the policy with its adapters off
     code_execution.py     programs run in the sandbox during a step: their metrics
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
@@ -27,7 +29,7 @@ routing) and sandbox/executor.py; only train.py imports it, and no core file imp
 
 from runs import log as run_log
 from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, schedules,
-                      shared_prompts, streaming)
+                      sequence_parallel, shared_prompts, streaming)
 
 
 def apply(run, core):
@@ -36,7 +38,9 @@ def apply(run, core):
     cfg = run.cfg
     if cfg.lora_rank and cfg.beta > 0:
         lora_reference.apply(run)
-    if run.images is not None:  # the training forward's variants, innermost first (run.forward)
+    if cfg.cp_size > 1:  # the training forward's variants, innermost first (run.forward)
+        sequence_parallel.apply(run)
+    if run.images is not None:
         images.apply(run)
     if cfg.routing_replay:
         routing_replay.apply(run)

@@ -837,12 +837,14 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     values and gradients), in fewer elementwise passes and without the
     per-call mask and cache bookkeeping: on a small model the Hugging Face
     forward spends much of its time there. attention_mask None means no
-    padding (plain causal attention); sliding windows and rows packed as trees: `_masks`. With activation
+    padding (plain causal attention); sliding windows and rows packed as trees: `_masks`. attention_mask may also
+    be any object with the Tree's `attend(window)`, whose masks are attentions of their own (called as
+    `mask(q, k, v, p)`): a feature's layout of the rows (features/sequence_parallel.py). With activation
     checkpointing on, `_checkpointed`. compiled: each layer's
     arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
     by the layers of one kind.
     """
-    tree = attention_mask if isinstance(attention_mask, Tree) else tree
+    tree = attention_mask if hasattr(attention_mask, "attend") else tree  # a Tree, or a feature's own layout
     inner = model.model
     spec = _spec(model)
     embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in the HF forward
@@ -934,8 +936,8 @@ def _self_attention(q, k, v, mask, p):
     mask None: causal (no padding); a TreeMask: rows packed as trees (`_tree_attention`). Grouped-query attention
     by SDPA's enable_gqa, which needs no copies of K/V, but on CUDA the kernel that takes a mask (memory-efficient)
     lacks it, so masked CUDA calls copy."""
-    if isinstance(mask, TreeMask):
-        return _tree_attention(q, k, v, mask, p)
+    if callable(mask):  # an attention of its own: a TreeMask, or a feature's (`hidden_states`' `tree`)
+        return mask(q, k, v, p)
     o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p, causal=mask is None,
                   gqa=mask is None or not q.is_cuda)
     return o.transpose(1, 2)
@@ -995,6 +997,9 @@ class TreeMask:
     tree: Tree
     prompts: torch.Tensor
     branches: torch.Tensor
+
+    def __call__(self, q, k, v, p):
+        return _tree_attention(q, k, v, self, p)
 
 
 def _tree_attention(q, k, v, mask, p):

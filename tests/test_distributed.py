@@ -86,6 +86,21 @@ def checks(t):
     }
 
 
+# --cp_size=2 runs (2 processes) and the 1-process run each trains as (sequence_parallel_runs)
+SEQUENCE_PARALLEL = ("cpA", "cp_lora", "cp_budget", "cp_qwen3", "cp_llama")
+
+
+def sequence_parallel_runs(t, p):
+    """{name: (the 1-process run it trains as, train.py flags)}: the default run; LoRA on a folder; token-budget
+    micro-batches with activation checkpointing; Qwen3 with 1 K/V head (repeated for 2 ranks) and Llama (2 K/V
+    heads, 1 a rank), whose 1-process runs are "<name>1"."""
+    return {"cpA": ("A1", ["--max_steps=4", "--save_every=0"]),
+            "cp_lora": ("lora_weights1", checks(t)["lora_weights"]),
+            "cp_budget": ("budget1", checks(t)["budget"]),
+            "cp_qwen3": ("cp_qwen31", ["--max_steps=2", "--save_every=0", f"--model={t / 'qwen3'}"]),
+            "cp_llama": ("cp_llama1", ["--max_steps=2", "--save_every=0", f"--model={t / 'llama'}"])}
+
+
 STALENESS = ("rows_carried", "staleness_mean", "staleness_max")  # --max_staleness's metrics
 STALE_FLAGS = ["--max_staleness=1", "--max_completion_length=12", "--stop_often"]
 MINI_FLAGS = ["--save_every=2", "--steps_per_generation=2", "--num_iterations=2", "--micro_batch_tokens=60",
@@ -101,8 +116,10 @@ def runs(tmp_path_factory):
     (t / "lopsided.py").write_text(LOPSIDED_REWARD)
     save_weights(t / "saved")
     save_moe_weights(t / "moe")
+    save_family_weights(t / "qwen3", "qwen3", num_key_value_heads=1)  # fewer K/V heads than --cp_size
+    save_family_weights(t / "llama", "llama")
     p = {k: str(t / k) for k in ("A1", "A2", "B1", "B2", "C", "D", "mini1", "mini2", "lopsided", "offload", "tp",
-                                 "staleA", "staleB", "stale_tp", "dynamic_tp")}
+                                 "staleA", "staleB", "stale_tp", "dynamic_tp", *SEQUENCE_PARALLEL)}
     for name in checks(t):
         p.update({f"{name}{w}": str(t / f"{name}{w}") for w in (1, 2)})
     first = {1: [train_flags(p["A1"], 4),                  # straight to step 4
@@ -121,9 +138,14 @@ def runs(tmp_path_factory):
                  [f"--out_dir={p['stale_tp']}", *checks(t)["stale"], "--max_steps=10", "--tp_size=2", *FLAGS],
                  # and an agent's rows and further rounds in that group's stream
                  [f"--out_dir={p['dynamic_tp']}", *checks(t)["dynamic"], "--tp_size=2", *FLAGS]]}
+    for name, (_, flags) in sequence_parallel_runs(t, p).items():  # each row's positions split over the two
+        first[2].append([f"--out_dir={p[name]}", *flags, "--cp_size=2", *FLAGS])
     for name, flags in checks(t).items():
         for w in (1, 2):
             first[w].append([f"--out_dir={p[name + str(w)]}", *flags, *FLAGS])
+    for name in ("cp_qwen3", "cp_llama"):
+        p[name + "1"] = str(t / (name + "1"))
+        first[1].append([f"--out_dir={p[name + '1']}", *sequence_parallel_runs(t, p)[name][1], *FLAGS])
     out = {}
 
     def both(runs_of, phase):  # a one-process launch leaves a core idle: the two side by side
@@ -529,6 +551,18 @@ def save_weights(path, **config_overrides):
     return path
 
 
+def save_family_weights(path, family, **overrides):
+    """A tiny folder of one of tests/architectures.py's families, its weights written out."""
+    from transformers import AutoModelForCausalLM
+    import architectures
+    torch.manual_seed(0)
+    tokenizer = model_loading.build_byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(architectures.config(family, tokenizer, **overrides))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def save_moe_weights(path):
     """A tiny Qwen3-MoE folder: its checkpoint stores a matrix per expert, the model one fused tensor for all."""
     from transformers import AutoModelForCausalLM
@@ -771,20 +805,23 @@ def test_sharded_loading_with_routing_replay_trains_as_one_process(runs):
 # 127.0.0.1): with --replicas left at 0 the run holds one copy of the model per node, sharded over its 2
 # processes (HSDP). The 1-process runs they are compared with are the module's own (A1, weights1, lora_weights1).
 
-NODE_RUNS = {"hA": "A", "hW": "weights", "hL": "lora_weights", "hM": "mini"}  # on 2 x 2: the 1-process run alike
+# each run on 2 x 2 (hO: the hW run with --cpu_offload) and the 1-process run it trains as
+NODE_RUNS = {"hA": "A", "hW": "weights", "hL": "lora_weights", "hM": "mini", "hR": "replay_weights", "hO": "weights",
+             "hC": "A"}  # hC: the hA run at --cp_size=4, each row's positions split over all 4 processes
 
 
 @pytest.fixture(scope="module")
 def nodes(runs, tmp_path_factory):
     p, _ = runs
     t = os.path.dirname(p["A1"])
-    n = {k: str(tmp_path_factory.mktemp("nodes") / k) for k in ("hA", "hW", "hL", "hM", "hK", "hK1")}
+    n = {k: str(tmp_path_factory.mktemp("nodes") / k) for k in (*NODE_RUNS, "hK", "hK1")}
     flags = {"hA": train_flags(n["hA"], 4), "hK": train_flags(n["hK"], 4),
+             "hC": train_flags(n["hC"], 4) + ["--cp_size=4"],
              "hM": [f"--out_dir={n['hM']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]}
-    for name, check in (("hW", "weights"), ("hL", "lora_weights")):
-        flags[name] = [f"--out_dir={n[name]}", *checks(pathlib.Path(t))[check], *FLAGS]
-    out = launch_nodes([flags[k] for k in ("hA", "hW", "hL", "hM")] + [flags["hK"] + ["--pause_after_step=3"]], t,
-                       "nodes1",
+    for name in ("hW", "hL", "hR", "hO"):
+        flags[name] = [f"--out_dir={n[name]}", *checks(pathlib.Path(t))[NODE_RUNS[name]], *FLAGS]
+    flags["hO"].append("--cpu_offload")
+    out = launch_nodes([flags[k] for k in NODE_RUNS] + [flags["hK"] + ["--pause_after_step=3"]], t, "nodes1",
                        kill_when_paused=n["hK"])
     killed_at = [m["step"] for m in metrics(n["hK"])]
     shutil.copytree(n["hK"], n["hK1"])
@@ -799,8 +836,9 @@ def nodes(runs, tmp_path_factory):
 def test_two_agents_form_one_run_of_a_replica_per_node(runs, nodes):
     """2 nodes of 2 processes (two agents) hold one copy of the model per node, sharded over its 2 processes; they
     train as one process does: the same completions and rewards, loss and gradient norm within 1e-4 relative,
-    with the reference model, reading their own shards of a folder, and with LoRA; the export is the trained
-    weights, gathered from the first copy's shards."""
+    with the reference model, reading their own shards of a folder (with --cpu_offload too), with LoRA, with
+    routing replay on a MoE folder, with mini-batches and a synced reference; the export is the trained weights,
+    gathered from the first copy's shards."""
     p, _ = runs
     n, out, _, _ = nodes
     assert "x 4 process(es) as 2 replicas x 2 shards, one replica per node" in out
@@ -820,6 +858,7 @@ def test_two_agents_form_one_run_of_a_replica_per_node(runs, nodes):
     for k in refs[0]:
         torch.testing.assert_close(refs[1][k], refs[0][k], rtol=0, atol=1e-5, msg=k)
     assert metrics(n["hA"])[-1]["kl"] > 0 and metrics(n["hL"])[-1]["kl"] > 0
+    assert_trains_alike(p["replay_weights1"], n["hR"], also=("routing_replay_differ", "routing_replay_differ_ref"))
 
 
 def test_killed_agents_resume_exactly_on_any_mesh(nodes):
@@ -852,3 +891,21 @@ def test_an_agent_alone_stops(tmp_path):
     assert "--nodes: torchrun formed a run of 1 node (2 processes, 2 on each)" in alone, alone[-3000:]
     assert "--nodes=2 asks for 2" in alone and "loading" not in alone
     assert not os.path.exists(tmp_path / "alone")
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+
+
+def test_sequence_parallel_groups_train_as_one_process(runs):
+    """--cp_size=2: the two processes train their rows together, each computing half of every row's positions
+    through the layers, and train as one process does: the same completions and rewards, loss, gradient norm and KL
+    within 1e-4 relative; with the reference model, LoRA, token-budget micro-batches and activation checkpointing,
+    GQA with fewer K/V heads than the group (Qwen3) and Llama. The written-out layers ran (no fallback)."""
+    p, out = runs
+    t = os.path.dirname(p["A1"])
+    for name, (one, _) in sequence_parallel_runs(pathlib.Path(t), p).items():
+        assert [m["step"] for m in metrics(p[name])] == [m["step"] for m in metrics(p[one])][:len(metrics(p[name]))]
+        assert_trains_alike(p[one], p[name])
+        report = json.load(open(os.path.join(p[name], "after_rank0.json")))
+        assert report["written_out_layer_calls"] > 0, name
+    assert metrics(p["cpA"])[-1]["kl"] > 0 and metrics(p["cp_lora"])[-1]["kl"] > 0

@@ -1,0 +1,175 @@
+"""--cp_size=C: sequence parallelism for the training forward (Ulysses; Jacobs et al. 2023, DeepSpeed-Ulysses), so
+that a row longer than one process's activations trains over C processes.
+
+Groups of C consecutive ranks train their rows together. The sampler, the rewards and the loss keep each rank's
+own rows, as without it; only the forward is shared (`Forward`, the innermost variant of `run.forward`):
+  1. the group's laid-out rows are gathered, so that every rank of the group holds all of them, padded to one
+     width that C divides;
+  2. rank c runs the written-out layers over positions [c w / C, (c + 1) w / C) of every row: its embeddings,
+     norms, projections and MLP, and so its activations, are 1/C of the rows';
+  3. in each attention an all-to-all trades positions for heads: rank c gets every position of heads
+     [c h / C, (c + 1) h / C) and attends over the whole rows, then a second all-to-all trades back (`Attention`).
+     K/V heads split the same way, keeping each query head with its K/V head; a model with fewer K/V heads than
+     C (or a count C does not divide) repeats them to one per query head first, as verl and prime-rl do;
+  4. the final hidden states go back to the rank that owns each row (a third all-to-all), whose head computes
+     its rows' log-probs as it always does: the head's positions are 1/C of the group's as well.
+Every all-to-all is differentiable (its backward is the reverse exchange), so each rank's loss on its own rows
+sends its gradient back to the ranks that computed those positions, and the gradient is one process's: the
+loss's token counts and sums are the core's own, unchanged. FSDP2 shards the model over every rank, the group's
+together with the others (torchtitan's dp_shard x cp).
+
+What it refuses, at start in one line (`refusal`): layers that carry a state along the sequence (Gated DeltaNet's
+recurrence: a rank's positions would need the state of the positions before them), a model whose training forward
+is not written out (its own forward: the MoE and vision-language models), --shared_prompts (a tree's branches
+cross the position split) and --routing_replay (its records follow the rows, not the positions).
+"""
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import logprobs
+from layers import transformer
+
+
+def apply(run):
+    """The innermost variant of the training forward; the run stops here, in one line, where `refusal` says so."""
+    from runs.cli import ConfigError
+    why = refusal(run.policy.lm, run.cfg.cp_size)
+    if why is not None:
+        raise ConfigError("cp_size", why)
+    run.forward = Forward(run.forward, groups(run.d, run.cfg.cp_size))
+
+
+def groups(d, size):
+    """(this rank's place in its group, the group): groups of `size` consecutive ranks, every rank making every
+    group in the same order, as torch.distributed asks."""
+    mine = None
+    for start in range(0, d.world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= d.rank < start + size:
+            mine = group
+    return d.rank % size, mine
+
+
+def refusal(model, size):
+    """Why `model`'s training forward cannot be split over `size` ranks' positions, None where it can (the settings
+    it cannot take with: config.validate)."""
+    name = type(model).__name__
+    for layer in model.model.layers:
+        if not transformer._attends(layer):
+            mixer = getattr(layer, "linear_attn", None) or layer
+            return (f"{type(mixer).__name__} carries a recurrent state along the sequence: a rank's positions would "
+                    f"need the state of all the positions before them")
+    if transformer.paths_of(model).training is not None:
+        return f"{name} trains through its own forward, and sequence parallelism splits the written-out one"
+    heads = model.config.num_attention_heads
+    if heads % size:
+        return f"{name}'s {heads} attention heads do not divide into {size} groups"
+    return None
+
+
+class Forward(logprobs.Around):
+    """The training forward around `inner` (the plain `logprobs.Forward`), its layers split by positions over the
+    group `group` = (this rank's place, the process group) of C ranks; C = 1 runs `inner` as it is."""
+
+    def __init__(self, inner, group):
+        super().__init__(inner)
+        self.rank, self.group = group
+        self.size = dist.get_world_size(self.group) if self.group is not None else 1
+
+    def hidden(self, model, rows, extras):
+        if self.size == 1:
+            return self.inner.hidden(model, rows, extras)
+        c, size, group = self.rank, self.size, self.group
+        n, w = rows.ids.shape
+        counts = _gather(torch.tensor([[n, w]], device=rows.ids.device), group).tolist()
+        width = -(-max(cw for _, cw in counts) // size) * size  # every rank's rows, padded to a width C divides
+        chunk = width // size
+        mask = rows.mask if rows.mask is not None else None  # None: causal, the rows' padding at their ends
+        ids = _rows_of_group(rows.ids, counts, width, group, 0)
+        positions = _rows_of_group(rows.positions, counts, width, group, 0)
+        keys = None if mask is None else _rows_of_group(mask.long(), counts, width, group, 0).bool()
+        mine = slice(c * chunk, (c + 1) * chunk)
+        layout = Attention(group, size, c, keys, positions, mine)
+        hidden = transformer.hidden_states(model, ids[:, mine], layout, positions[:, mine])  # (group rows, chunk, H)
+        # back to the rows' owners: rank r takes its rows' chunk from every rank, chunk c from rank c
+        sizes = [cn for cn, _ in counts]
+        got = _all_to_all(hidden, [n] * size, sizes, group)  # (C * n, chunk, H), chunk by chunk
+        return got.view(size, n, chunk, -1).transpose(0, 1).reshape(n, width, -1)[:, :w]
+
+
+class Attention:
+    """The layout `transformer.hidden_states` takes for a rank's positions of the group's rows (`attend(window)`):
+    each layer's attention trades positions for heads, attends over whole rows and trades back. keys (rows, width)
+    bool: the rows' real tokens where the layout keeps a mask (None: plain causal); positions (rows, width)."""
+
+    def __init__(self, group, size, rank, keys, positions, mine):
+        self.group, self.size, self.rank = group, size, rank
+        self.keys, self.positions, self.mine = keys, positions, mine
+
+    def attend(self, window):
+        masks = transformer._masks({window}, self.keys, self.positions, None, self.positions.device)
+        return _Exchange(self, masks[window])
+
+
+class _Exchange:
+    """One layer kind's attention under the exchange: a callable (q, k, v, p), as `transformer._self_attention`
+    takes a mask that attends itself."""
+
+    def __init__(self, layout, mask):
+        self.layout, self.mask = layout, mask
+
+    def __call__(self, q, k, v, p):
+        size, group, c = self.layout.size, self.layout.group, self.layout.rank
+        heads, kv = q.shape[2], k.shape[2]
+        if kv % size:  # fewer K/V heads than ranks (or not a multiple): one per query head, then split alike
+            k, v = k.repeat_interleave(heads // kv, 2), v.repeat_interleave(heads // kv, 2)
+        q, k, v = (_heads_for_positions(x, size, group) for x in (q, k, v))
+        if p.sinks is not None:  # a learned logit per head: this rank's heads'
+            share = p.sinks.shape[0] // size
+            p = dataclasses.replace(p, sinks=p.sinks[c * share:(c + 1) * share])
+        o = transformer._self_attention(q, k, v, self.mask, p)  # (rows, width, heads / C, hd)
+        return _positions_for_heads(o, size, group)
+
+
+def _heads_for_positions(x, size, group):
+    """x (rows, chunk, heads, hd), this rank's positions of every head -> (rows, C * chunk, heads / C, hd), every
+    position of this rank's heads (head group c from rank c' arrives as positions chunk c')."""
+    n, chunk, heads, hd = x.shape
+    out = _all_to_all(x.reshape(n, chunk, size, heads // size, hd).permute(2, 0, 1, 3, 4).contiguous(), None, None,
+                      group)
+    return out.permute(1, 0, 2, 3, 4).reshape(n, size * chunk, heads // size, hd)
+
+
+def _positions_for_heads(x, size, group):
+    """The inverse of `_heads_for_positions`: (rows, C * chunk, heads / C, hd) -> (rows, chunk, heads, hd)."""
+    n, width, h, hd = x.shape
+    chunk = width // size
+    out = _all_to_all(x.reshape(n, size, chunk, h, hd).transpose(0, 1).contiguous(), None, None, group)
+    return out.permute(1, 2, 0, 3, 4).reshape(n, chunk, size * h, hd)
+
+
+def _all_to_all(x, output_sizes, input_sizes, group):
+    """Differentiable all_to_all_single along dim 0 (None: equal splits); its backward is the reverse exchange."""
+    exchange = getattr(funcol, "all_to_all_single_autograd", None) or funcol.all_to_all_single  # (names by torch)
+    out = exchange(x.contiguous(), output_sizes, input_sizes, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def _gather(x, group):
+    """Every rank's x (same shape), concatenated along dim 0 in rank order (no gradient)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _rows_of_group(x, counts, width, group, fill):
+    """Every rank's rows of x (n_r, w_r), in rank order, each padded at its end to `width` with `fill`."""
+    most = max(n for n, _ in counts)
+    padded = x.new_full((most, width), fill)
+    padded[:x.shape[0], :x.shape[1]] = x
+    parts = _gather(padded, group).view(len(counts), most, width)
+    return torch.cat([parts[r, :n] for r, (n, _) in enumerate(counts)])
