@@ -24,15 +24,12 @@ import torch
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """(r - mean) / (std + eps) within each group of `group_size` consecutive completions.
 
-    `rewards` (N,) float, NaN where no reward function could score a completion:
-    those are left out of the statistics and get advantage 0. A group whose
-    valid rewards are all equal (or has fewer than two) gets exactly 0.
-    scale: "group" divides by the group's std (the paper); "batch" and "none": `rescaled`.
-    The statistics are taken in float64, where no finite float32 rewards can
-    overflow; ValueError when the advantages do not fit float32 (only possible
-    with scale "none" and rewards near float32's limit) or a reward is infinite.
-    Returns (advantages (N,) float32, group_std (P,) float64).
-    """
+    `rewards` (N,) float, NaN where no reward function could score a completion: those are left out of the statistics
+    and get advantage 0. A group whose valid rewards are all equal (or has fewer than two) gets exactly 0. scale:
+    "group" divides by the group's std (the paper); "batch" and "none": `rescaled`. The statistics are taken in float64,
+    where no finite float32 rewards can overflow; ValueError when the advantages do not fit float32 (only possible with
+    scale "none" and rewards near float32's limit) or a reward is infinite. Returns (advantages (N,) float32, group_std
+    (P,) float64)."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
     r = rewards.double().view(-1, group_size)  # (P, G)

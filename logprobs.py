@@ -554,24 +554,17 @@ class MicroBatch:
 def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0, prompt_ids=None):
     """Split a batch into micro-batches that spend little compute on padding.
 
-    attention_mask (N, P + T) over left-padded prompts then completions;
-    token_mask (N, T) marks the completion tokens that count (loss, metrics).
-    Rows are ordered by the columns they need (real prompt tokens, then the
-    completion up to its last counted token; none when no token counts, as for
-    masked truncated completions), longest first, so rows of similar length
-    share a micro-batch; each then drops the columns none of its rows needs:
-    leading prompt padding, and completion positions after every row's last
-    counted token. Neither changes a counted token's log-prob: padding is
-    never attended, and in a causal model later positions do not affect earlier ones.
-    `completion_logprobs` then moves each row's padding to its end, so the
-    forward runs `width` positions: the longest real prompt + counted
-    completion of the rows (less its last token, which predicts nothing), not
-    the longest prompt plus the longest completion.
-    A micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as
-    keep rows x width within it (a row longer than that alone): the forward's
-    activations then stay about the same size whether completions are short or long.
-    `prompt_ids` (N, P), the left-padded prompts: --shared_prompts (`shared_micro_batches`).
-    """
+    attention_mask (N, P + T) over left-padded prompts then completions; token_mask (N, T) marks the completion tokens
+    that count (loss, metrics). Rows are ordered by the columns they need (real prompt tokens, then the completion up to
+    its last counted token; none when no token counts, as for masked truncated completions), longest first, so rows of
+    similar length share a micro-batch; each then drops the columns none of its rows needs: leading prompt padding, and
+    completion positions after every row's last counted token. Neither changes a counted token's log-prob: padding is
+    never attended, and in a causal model later positions do not affect earlier ones. `completion_logprobs` then moves
+    each row's padding to its end, so the forward runs `width` positions: the longest real prompt + counted completion
+    of the rows (less its last token, which predicts nothing), not the longest prompt plus the longest completion. A
+    micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as keep rows x width within it (a row longer
+    than that alone): the forward's activations then stay about the same size whether completions are short or long.
+    `prompt_ids` (N, P), the left-padded prompts: --shared_prompts (`shared_micro_batches`)."""
     if prompt_ids is not None:
         return shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids)
     t_all = num_completion_tokens

@@ -239,13 +239,10 @@ def shard(root, d, mixed_precision="auto", cpu_offload=False):
 
 
 def all_reduce_after(root, d, last):
-    """HSDP: let this backward all-reduce the gradients across the replicas (the traffic between nodes) only where
-    it is the optimizer step's `last`; before it each replica only reduce-scatters within itself, and FSDP2 adds
-    what it kept to the last backward's all-reduce: one exchange between nodes per optimizer step, however many
-    micro-batches. Flat, or one process: nothing to do."""
-    if d.replicas > 1:
-        for m in fsdp_modules(root):
-            m.set_requires_all_reduce(last, recurse=False)
+    """HSDP: the gradients' all-reduce across replicas (between nodes) at an optimizer step's `last` backward only;
+    before it FSDP2 keeps each replica's reduce-scattered sums and adds them in (docs/design.md, "Several nodes")."""
+    for m in fsdp_modules(root) if d.replicas > 1 else ():
+        m.set_requires_all_reduce(last, recurse=False)
 
 
 def placement(module):

@@ -67,6 +67,7 @@ if __name__ == "__main__":
 
 try:
     import torch
+    import torch.nn.functional as F
 
     from runs import disk
     import grpo
@@ -375,7 +376,7 @@ class OldLogprobs:
         self.logp[j][i] = logp
         diff = (logp - sampler).abs() * compared
         self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
-        self.diff_max = torch.maximum(self.diff_max, diff.max())
+        self.diff_max = torch.maximum(self.diff_max, F.pad(diff.flatten(), (0, 1)).max())  # (no rows: 0)
         if self.cfg.importance_sampling != "none":
             self._weights(j, i, logp, sampler, mb_mask)
 
@@ -394,8 +395,10 @@ class OldLogprobs:
         self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
                                                        cfg.importance_sampling_min, cfg.importance_sampling_max)
         w, counted = self.is_weight[j][i].expand_as(mb_mask), mb_mask > 0  # a sequence's weight on its tokens
-        self.is_min = torch.minimum(self.is_min, torch.where(counted, w, math.inf).min())
-        self.is_max = torch.maximum(self.is_max, torch.where(counted, w, -math.inf).max())
+        self.is_min = torch.minimum(self.is_min, F.pad(torch.where(counted, w, math.inf).flatten(), (0, 1),
+                                                       value=math.inf).min())
+        self.is_max = torch.maximum(self.is_max, F.pad(torch.where(counted, w, -math.inf).flatten(), (0, 1),
+                                                       value=-math.inf).max())
 
 
 def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, threshold, sums):

@@ -69,6 +69,7 @@ from bench.common import MODELS, build_model_dir, free, medians
 from bench.decode import bench_decode, bench_families, bench_multiturn
 from bench.export import bench_export
 from bench.hostmem import bench_hostmem
+from bench.long_rows import bench_split_rows
 from bench.longtail import bench_longtail, bench_longtail_steps, step_modes
 from bench.shared import bench_shared
 from bench.step import (bench_long, bench_memory, bench_step, bench_training_forward, train_overrides, training_mfu,
@@ -91,6 +92,9 @@ def settings_for(args, device):
         long_prompts=32 if gpu else 2, long_num_generations=8 if gpu else 4, long_micro_batch=8 if gpu else 4,
         long_new_tokens=4096 if gpu else 256, long_gradient_checkpointing=True,
         long_warmup_new_tokens=256 if gpu else 32, long_reps=1 if gpu else args.reps,
+        # and one row of sp_tokens trained whole and at each --cp_size of sp_sizes on the CPU (gloo), a dense model of
+        # sp_layers layers of hidden size sp_hidden; "" skips it
+        sp_tokens=8192, sp_hidden=256, sp_layers=4, sp_sizes="1,2,4",
         # memory row
         mem_vocab=151936, mem_rows=8, mem_prompt_len=16, mem_completion_len=256,
         # multiturn row: turns of about mt_turn_tokens tokens, an answer of mt_answer_tokens after each
@@ -508,6 +512,13 @@ def main(argv):
                     results.update(bench_long(path, s, device, root, overrides))
                 except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
                     results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+            if s["sp_sizes"]:
+                with row_lines("long", f"one row of {s['sp_tokens']:,} tokens trained whole and split over "
+                               f"{s['sp_sizes']} processes (--cp_size, CPU)", results,
+                               lambda r: ", ".join(f"C={c}: {v:.2f}x the activations, "
+                                                   f"{r['long_split_time_ratio'][c]:.2f}x the time"
+                                                   for c, v in r["long_split_rise_ratio"].items())):
+                    results.update(bench_split_rows(s, root))
         if "longtail" in only:
             longtail_rows(path, s, device, root, results, reps)
         if "shared" in only:

@@ -40,7 +40,22 @@ def apply(run):
     why = refusal(run.policy.lm, run.cfg.cp_size)
     if why is not None:
         raise ConfigError("cp_size", why)
-    run.forward = Forward(run.forward, groups(run.d, run.cfg.cp_size))
+    group = groups(run.d, run.cfg.cp_size)
+    run.forward = Forward(run.forward, group)
+    inner = run.micro_batches
+    run.micro_batches = lambda *args: in_turn(inner(*args), *group)
+
+
+def in_turn(micro, rank, group):
+    """This rank's micro-batches taking turns with the group's: the group's forward k carries the rows of rank
+    k % C alone (its micro-batch k // C), the others' micro-batch there empty, so that a forward's positions are
+    one rank's rows split C ways (C rows of one rank each would be a whole row's positions again)."""
+    size = dist.get_world_size(group)
+    out = []
+    for mb in micro:
+        empty = logprobs.MicroBatch(mb.rows[:0], mb.cols, mb.t, mb.width)
+        out += [mb if r == rank else empty for r in range(size)]
+    return out
 
 
 def groups(d, size):
@@ -98,7 +113,8 @@ class Forward(logprobs.Around):
         # back to the rows' owners: rank r takes its rows' chunk from every rank, chunk c from rank c
         sizes = [cn for cn, _ in counts]
         got = _all_to_all(hidden, [n] * size, sizes, group)  # (C * n, chunk, H), chunk by chunk
-        return got.view(size, n, chunk, -1).transpose(0, 1).reshape(n, width, -1)[:, :w]
+        h = hidden.shape[-1]
+        return got.view(size, n, chunk, h).transpose(0, 1).reshape(n, width, h)[:, :w]
 
 
 class Attention:

@@ -833,16 +833,12 @@ def _one_fsdp_group(layer):
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False, tree=None):
     """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
 
-    What `model.base_model(...).last_hidden_state` computes (tests compare the
-    values and gradients), in fewer elementwise passes and without the
-    per-call mask and cache bookkeeping: on a small model the Hugging Face
-    forward spends much of its time there. attention_mask None means no
-    padding (plain causal attention); sliding windows and rows packed as trees: `_masks`. attention_mask may also
-    be any object with the Tree's `attend(window)`, whose masks are attentions of their own (called as
-    `mask(q, k, v, p)`): a feature's layout of the rows (features/sequence_parallel.py). With activation
-    checkpointing on, `_checkpointed`. compiled: each layer's
-    arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared
-    by the layers of one kind.
+    What `model.base_model(...).last_hidden_state` computes (tests compare the values and gradients), in fewer
+    elementwise passes and without the per-call mask and cache bookkeeping: on a small model the Hugging Face forward
+    spends much of its time there. attention_mask None means no padding (plain causal attention); sliding windows,
+    rows packed as trees and a feature's own layout (any `attend(window)` whose masks attend themselves,
+    `mask(q, k, v, p)`): `_masks`. With activation checkpointing on, `_checkpointed`. compiled: each layer's
+    arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared by the layers of one kind.
     """
     tree = attention_mask if hasattr(attention_mask, "attend") else tree  # a Tree, or a feature's own layout
     inner = model.model

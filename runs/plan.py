@@ -226,6 +226,18 @@ def activation_bytes(config, tokens, dtype_bytes, checkpointing):
     return tokens * (sum(layers) + ends), 0
 
 
+def exchange_bytes(config, positions, dtype_bytes, size, checkpointing):
+    """What --cp_size's all-to-alls add to a layer's activations for `positions` a rank computes: the q, k and v it
+    receives (every position of its heads: as many bytes as its positions' own, K/V repeated to one per query head
+    where `size` does not divide their count) and the attention's output it sends back, b (2q + 2kv) per position
+    and attention layer; with checkpointing, one layer's (recomputed in backward)."""
+    text, heads, kv, hd = _attention_dims(config)
+    kv = kv if kv % size == 0 else heads
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    per_layer = positions * dtype_bytes * (2 * heads * hd + 2 * kv * hd)
+    return per_layer * (1 if checkpointing else sum(k != "linear_attention" for k in kinds))
+
+
 def logprob_bytes(config, completion_tokens, dtype_bytes, device):
     """The chunked head's buffers for one micro-batch (logprobs.py), estimated: (kept for backward: the completion
     positions' hidden states, and a chunk's float32 softmax when one chunk holds them all; transient: the hidden
@@ -314,7 +326,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0, repli
     shards = world // replicas
     cb = compute.itemsize
     model = meta_model(config, param_dtype, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
-    refused = tp_verdict(model, cfg.tp_size)
+    refused = tp_verdict(model, cfg.tp_size) or (cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size))
     if refused:  # never planned as a path the run would not take
         raise ValueError(refused)
     params = _unique(model.parameters())
@@ -555,6 +567,10 @@ def _training(cfg, config, model, state, root, biggest, sampler, rows_total, com
     positions, shape, tree = mb_rows * width, f"{mb_rows} rows x {width} positions", 0
     if cfg.shared_prompts and _shares_prompts(model):  # each group's prompt once, its rows' completions as branches
         positions, shape, tree = _trees(cfg, config, mb_rows, cb, device)
+    exchange = 0
+    if cfg.cp_size > 1:  # one rank's micro-batch a forward, its positions split over the group (sequence_parallel)
+        positions, shape = -(-positions // cfg.cp_size), f"{shape}, 1/{cfg.cp_size} of them"
+        exchange = exchange_bytes(config, positions, cb, cfg.cp_size, cfg.gradient_checkpointing)
     kept, recomputed = activation_bytes(config, positions, cb, cfg.gradient_checkpointing)
     if cfg.gradient_checkpointing:
         recomputed += tree
@@ -563,6 +579,10 @@ def _training(cfg, config, model, state, root, biggest, sampler, rows_total, com
     tr.append((f"activations ({shape}{', layer inputs: checkpointed' if cfg.gradient_checkpointing else ''})", kept))
     if recomputed:
         tr.append(("one layer recomputed in backward", recomputed))
+    if exchange:
+        tr.append(("all-to-all buffers (heads for positions, and back)", exchange))
+        tr.append(("final hidden states back to the rows' rank", mb_rows * width * config.get_text_config().hidden_size
+                   * cb))
     head_kept, head_transient = logprob_bytes(config, mb_rows * cfg.max_completion_length, cb, device)
     tr.append(("log-prob head: kept for backward", head_kept))
     tr.append(("log-prob head: a chunk's buffers, the gradient", head_transient))
@@ -613,6 +633,12 @@ def _candidates(cfg, config, world, device):
         t *= 2
         if not tp_refusal(model, t):  # a size the sampler cannot split this model over is no advice
             out.append((f"--tp_size={t}", dict(tp_size=t)))
+    c = cfg.cp_size
+    while c * 2 <= min(world, GPUS_PER_NODE) and world % (c * 2) == 0 and not cfg.shared_prompts and \
+            not cfg.routing_replay:  # a row's positions over a group within a node
+        c *= 2
+        if cp_refusal(model, c) is None:
+            out.append((f"--cp_size={c}", dict(cp_size=c)))
     if world > 1 and not cfg.cpu_offload:
         out.append(("--cpu_offload", dict(cpu_offload=True)))
     if cfg.beta > 0 and cfg.lora_rank == 0 and not cfg.ref_bf16:
@@ -629,6 +655,12 @@ def _candidates(cfg, config, world, device):
 
 
 EXPERIMENT = ("lora_rank", "beta")  # settings whose change trains another model or objective, advised last
+
+
+def cp_refusal(model, size):
+    """Why a model's training forward cannot split a row over `size` ranks (features/sequence_parallel.py)."""
+    from features import sequence_parallel
+    return sequence_parallel.refusal(model, size)
 
 
 def _more_gpus(cfg, world, most=64):
@@ -846,14 +878,16 @@ def run(cfg):
         raise SystemExit(f"model: {e}") from e
     limits = dict(gpu_gib=cfg.plan_gpu_memory if device == "cuda" else host / min(world, GPUS_PER_NODE),
                   host_gib=host)
-    refused = tp_verdict(meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha,
-                                    cfg.lora_target_modules), cfg.tp_size)
-    if refused:
-        cfg = dataclasses.replace(cfg, tp_size=1)
+    model = meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    said = ""  # a size the run would refuse: said first, in the line the run would stop with, then planned at 1
+    for key, why in (("tp_size", tp_verdict(model, cfg.tp_size)),
+                     ("cp_size", cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size))):
+        if why:
+            said += f"--{key}: {why}. The plan at --{key}=1:\n"
+            cfg = dataclasses.replace(cfg, **{key: 1})
     cfg = dataclasses.replace(cfg, replicas=replicas_at(cfg, config, world, device, limits))  # as the run would
     p = plan(cfg, config, world, device, **limits)
-    text = report(advise(cfg, config, p, **limits), host_from)
-    return f"--tp_size: {refused}. The plan at --tp_size=1:\n{text}" if refused else text
+    return said + report(advise(cfg, config, p, **limits), host_from)
 
 
 # ----------------------------------------------------------------------------- the table of docs/memory.md

@@ -623,3 +623,39 @@ def test_the_default_mesh_is_a_replica_per_node_where_a_node_holds_it():
     assert plan.replicas_at(cfg, plan.shape_config("Qwen3-8B"), 8, "cuda", limits) == 1
     assert plan.replicas_at(dataclasses.replace(cfg, replicas=2), plan.shape_config("Qwen3-30B-A3B"), 32, "cuda",
                             limits) == 2
+
+
+def test_a_row_that_does_not_fit_is_split_by_the_advice():
+    """Qwen3-8B on 8 GPUs of 80 GB, checkpointed layers, one row a micro-batch: 64k-token completions fit one GPU's
+    training phase, 128k do not and the advice is --cp_size=2 (or --cpu_offload), 256k only --cp_size=4. Split over
+    C ranks, a rank's activations are 1/C of the row's (layer inputs kept and one layer recomputed alike), plus the
+    all-to-all's buffers."""
+    config, limits = plan.shape_config("Qwen3-8B"), dict(gpu_gib=80.0, host_gib=2048.0)
+
+    def at(tokens, **change):
+        cfg = Config(max_completion_length=tokens, max_prompt_length=1024, prompts_per_step=8, num_generations=8,
+                     micro_batch_size=1, gradient_checkpointing=True, mixed_precision="bf16", rollouts_in_flight=1,
+                     **change)
+        return cfg, plan.plan(cfg, config, 8, "cuda", **limits)
+    assert not at(65536)[1].over()
+    for tokens, advice in ((131072, "fits with any one of: --cp_size=2, --cpu_offload"),
+                           (262144, "fits with any one of: --cp_size=4")):
+        cfg, p = at(tokens)
+        assert [ph.name for ph, _ in p.over()] == ["training"]
+        assert plan.advise(cfg, config, p, **limits).advice == [advice]
+    whole, split = (dict(at(131072, cp_size=c)[1].phase("training").parts) for c in (1, 4))
+    kept = [k for k in whole if k.startswith("activations")][0]
+    assert split[kept.replace("positions", "positions, 1/4 of them")] == whole[kept] / 4
+    assert split["one layer recomputed in backward"] == whole["one layer recomputed in backward"] / 4
+    assert 0 < split["all-to-all buffers (heads for positions, and back)"] < whole[kept] / 4
+
+
+def test_a_layer_that_cannot_be_split_is_said_first_in_the_plan(tmp_path):
+    """--plan --cp_size=2 on Qwen3.5 names the Gated DeltaNet layer, then plans at --cp_size=1."""
+    import train
+    tok = model_loading.build_byte_tokenizer()
+    architectures.config("qwen3_5", tok).save_pretrained(tmp_path)
+    cfg = train.parse_config(["--plan", f"--model={tmp_path}", "--plan_world_size=2", "--cp_size=2"])
+    text = plan.run(cfg)
+    assert text.startswith("--cp_size: Qwen3_5GatedDeltaNet carries a recurrent state along the sequence"), text[:300]
+    assert "The plan at --cp_size=1:\nmemory plan:" in text
