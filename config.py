@@ -356,8 +356,6 @@ def validate(cfg, world_size=1, local_size=0):
          "a sequence-parallel group of"))
     need(cfg.cp_size == 1 or not cfg.shared_prompts, "cp_size", "cannot take --shared_prompts: a group's rows "
          "packed as a tree have branches that would cross the split of positions")
-    need(cfg.cp_size == 1 or not cfg.routing_replay, "cp_size", "cannot take --routing_replay: its records follow "
-         "the rows, and the split is by positions")
     need(world_size % max(1, cfg.replicas) == 0, "replicas",
          f"{cfg.replicas} copies of the model do not split the {world_size} processes evenly")
     shards = world_size // max(1, cfg.replicas)

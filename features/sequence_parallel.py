@@ -18,10 +18,15 @@ sends its gradient back to the ranks that computed those positions, and the grad
 loss's token counts and sums are the core's own, unchanged. FSDP2 shards the model over every rank, the group's
 together with the others (torchtitan's dp_shard x cp).
 
+A model that trains on its own forward (the MoE families) runs it over its positions the same way, with the
+exchange as its attention modules' attention: registered with transformers' AttentionInterface under `ATTENTION` and
+switched on in the model's config for the forward's length alone (`_own_forward`); the sampler's forwards never see it.
+
 What it refuses, at start in one line (`refusal`): layers that carry a state along the sequence (Gated DeltaNet's
-recurrence: a rank's positions would need the state of the positions before them), a model whose training forward
-is not written out (its own forward: the MoE and vision-language models), --shared_prompts (a tree's branches
-cross the position split) and --routing_replay (its records follow the rows, not the positions).
+recurrence: a rank's positions would need the state of the positions before them), a vision-language model (its
+images' positions), activation checkpointing on a model's own forward (its recompute in backward would run after the
+exchange is switched off) and --shared_prompts (a tree's branches cross the position split). Routing replay's records
+are split with their positions (`_split_replay`).
 """
 
 import dataclasses
@@ -31,13 +36,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import logprobs
-from layers import transformer
+from layers import routing, transformer, vision
+
+ATTENTION = "grpo_sequence_parallel"  # the name a model's own attention modules find the exchange under
+_running = []  # the layout of the split forward running on a model's own forward now (`_own_forward`)
 
 
 def apply(run):
     """The innermost variant of the training forward; the run stops here, in one line, where `refusal` says so."""
     from runs.cli import ConfigError
-    why = refusal(run.policy.lm, run.cfg.cp_size)
+    why = refusal(run.policy.lm, run.cfg.cp_size, run.cfg.gradient_checkpointing)
     if why is not None:
         raise ConfigError("cp_size", why)
     group = groups(run.d, run.cfg.cp_size)
@@ -69,17 +77,20 @@ def groups(d, size):
     return d.rank % size, mine
 
 
-def refusal(model, size):
+def refusal(model, size, checkpointing=False):
     """Why `model`'s training forward cannot be split over `size` ranks' positions, None where it can (the settings
     it cannot take with: config.validate)."""
     name = type(model).__name__
+    if vision.is_vision_model(model):
+        return f"{name} sees images, whose positions in a row the split does not follow"
     for layer in model.model.layers:
         if not transformer._attends(layer):
             mixer = getattr(layer, "linear_attn", None) or layer
             return (f"{type(mixer).__name__} carries a recurrent state along the sequence: a rank's positions would "
                     f"need the state of all the positions before them")
-    if transformer.paths_of(model).training is not None:
-        return f"{name} trains through its own forward, and sequence parallelism splits the written-out one"
+    if checkpointing and transformer.paths_of(model).training is not None:
+        return (f"{name} trains on its own forward, whose activation checkpointing would recompute its attention "
+                f"in backward without the exchange: --gradient_checkpointing=false")
     heads = model.config.num_attention_heads
     if heads % size:
         return f"{name}'s {heads} attention heads do not divide into {size} groups"
@@ -100,16 +111,25 @@ class Forward(logprobs.Around):
             return self.inner.hidden(model, rows, extras)
         c, size, group = self.rank, self.size, self.group
         n, w = rows.ids.shape
-        counts = _gather(torch.tensor([[n, w]], device=rows.ids.device), group).tolist()
+        told = _gather(torch.tensor([[n, w, rows.mask is not None]], device=rows.ids.device), group).tolist()
+        counts = [(cn, cw) for cn, cw, _ in told]
         width = -(-max(cw for _, cw in counts) // size) * size  # every rank's rows, padded to a width C divides
         chunk = width // size
-        mask = rows.mask if rows.mask is not None else None  # None: causal, the rows' padding at their ends
         ids = _rows_of_group(rows.ids, counts, width, group, 0)
         positions = _rows_of_group(rows.positions, counts, width, group, 0)
-        keys = None if mask is None else _rows_of_group(mask.long(), counts, width, group, 0).bool()
+        # the rows' real tokens where a rank's layout keeps a mask (every rank attends over every row); None: plain
+        # causal, each row's padding moved to its end
+        real = rows.mask if rows.mask is not None else rows.real
+        keys = _rows_of_group(real.long(), counts, width, group, 0).bool() if any(m for *_, m in told) else None
         mine = slice(c * chunk, (c + 1) * chunk)
-        layout = Attention(group, size, c, keys, positions, mine)
-        hidden = transformer.hidden_states(model, ids[:, mine], layout, positions[:, mine])  # (group rows, chunk, H)
+        _split_replay(model, n, w, counts, width, group, mine)
+        if self.inner.written_out(model):  # sliding windows count positions, as transformer._masks does
+            layout = Attention(group, size, c, keys, positions, mine)
+            hidden = transformer.hidden_states(model, ids[:, mine], layout, positions[:, mine])  # (rows, chunk, H)
+        else:  # the model's own masks count columns
+            columns = torch.arange(width, device=ids.device).expand(ids.shape)
+            layout = Attention(group, size, c, keys, columns, mine)
+            hidden = _own_forward(model, ids[:, mine], positions[:, mine], layout)
         # back to the rows' owners: rank r takes its rows' chunk from every rank, chunk c from rank c
         sizes = [cn for cn, _ in counts]
         got = _all_to_all(hidden, [n] * size, sizes, group)  # (C * n, chunk, H), chunk by chunk
@@ -120,7 +140,8 @@ class Forward(logprobs.Around):
 class Attention:
     """The layout `transformer.hidden_states` takes for a rank's positions of the group's rows (`attend(window)`):
     each layer's attention trades positions for heads, attends over whole rows and trades back. keys (rows, width)
-    bool: the rows' real tokens where the layout keeps a mask (None: plain causal); positions (rows, width)."""
+    bool: the rows' real tokens where the layout keeps a mask (None: plain causal); positions (rows, width): what a
+    sliding window counts."""
 
     def __init__(self, group, size, rank, keys, positions, mine):
         self.group, self.size, self.rank = group, size, rank
@@ -149,6 +170,39 @@ class _Exchange:
             p = dataclasses.replace(p, sinks=p.sinks[c * share:(c + 1) * share])
         o = transformer._self_attention(q, k, v, self.mask, p)  # (rows, width, heads / C, hd)
         return _positions_for_heads(o, size, group)
+
+
+@dataclasses.dataclass
+class _Scores:
+    """What `transformer.attention` reads of a layer's settings, for a model's own attention module."""
+    scaling: float
+    softcap: float = None
+    sinks: torch.Tensor = None
+
+
+def _own_forward(model, ids, positions, layout):
+    """The model's own forward over this rank's positions, its attention modules attending through the exchange."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(ATTENTION, _own_attention)
+    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the layout holds the masks
+    config = model.config
+    before, config._attn_implementation = config._attn_implementation, ATTENTION
+    _running.append(layout)
+    try:
+        return model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    finally:
+        config._attn_implementation = before
+        _running.pop()
+
+
+def _own_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                   s_aux=None, **_):
+    """A model's own attention module's attention (transformers' AttentionInterface): query (B, heads, S, hd), key
+    and value (B, kv heads, S, hd) of this rank's positions -> (B, S, heads, hd) and no weights. The mask the module
+    passes is for its positions alone; the layout's masks cover the whole rows."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    return _running[-1].attend(sliding_window)(q, k, v, _Scores(scaling, None, s_aux)), None
 
 
 def _heads_for_positions(x, size, group):
@@ -183,9 +237,22 @@ def _gather(x, group):
 
 
 def _rows_of_group(x, counts, width, group, fill):
-    """Every rank's rows of x (n_r, w_r), in rank order, each padded at its end to `width` with `fill`."""
+    """Every rank's rows of x (n_r, w_r, ...), in rank order, each padded at its end to `width` with `fill`."""
     most = max(n for n, _ in counts)
-    padded = x.new_full((most, width), fill)
+    padded = x.new_full((most, width, *x.shape[2:]), fill)
     padded[:x.shape[0], :x.shape[1]] = x
-    parts = _gather(padded, group).view(len(counts), most, width)
+    parts = _gather(padded, group).view(len(counts), most, width, *x.shape[2:])
     return torch.cat([parts[r, :n] for r, (n, _) in enumerate(counts)])
+
+
+def _split_replay(model, n, w, counts, width, group, mine):
+    """Routing replay's records, which its variant of the forward set for this rank's n rows of w positions
+    (features/routing_replay.py), replaced by the group's rows' records at this rank's positions."""
+    replay = routing.attached(model)
+    if replay is None or replay.mode != "replay":
+        return
+    layers, k = len(replay.current), replay.current[0].shape[-1]
+    records = torch.stack(replay.current, 1).view(n, w, layers, k)
+    records = _rows_of_group(records.long(), counts, width, group, 0).to(records.dtype)  # (gloo: no small ints)
+    real = _rows_of_group(replay.real.long(), counts, width, group, 0).bool()
+    replay.replay(records[:, mine], real[:, mine])

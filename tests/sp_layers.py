@@ -1,9 +1,11 @@
-"""The written-out training forward split by positions (features/sequence_parallel.py) against the whole forward, for
+"""The training forward split by positions (features/sequence_parallel.py) against the whole forward, for
 tests/test_sequence_parallel.py: run under torchrun with gloo (4 processes), it writes one JSON line per (family,
 group size, case) to the file named by its argument.
 
 Every rank builds the same tiny model (float32) and holds rows of its own: left-padded prompts of different lengths
-and a different number of rows on each rank, so that the group pads rows and columns. The whole forward runs each
+and a different number of rows on each rank, so that the group pads rows and columns; one of rank 1's prompts has a
+hole, so its layout keeps a mask that the group's attention must apply to every row. The written-out families and two
+that train on their own forward (Qwen3-MoE; gpt-oss with sinks and sliding windows). The whole forward runs each
 rank's rows alone; the split one runs them in groups of C = 2 (ranks 0-1, 2-3) and C = 4. Compared: the final
 hidden states of each rank's rows, and the gradients of the layers' parameters summed over the ranks (each rank's
 loss is a fixed random weighting of its rows' hidden states, so the sum is one process's gradient of all the
@@ -29,7 +31,8 @@ from features import sequence_parallel  # noqa: E402
 # family -> config overrides: GQA with fewer K/V heads than ranks (1 K/V head), one per two query heads at C = 2
 # and copied at C = 4 (2), a sliding window on every layer, a softcap and a final softcap
 CASES = {"qwen3": dict(num_key_value_heads=1), "llama": dict(num_key_value_heads=2),
-         "mistral_window": dict(num_key_value_heads=4), "gemma2": dict()}
+         "mistral_window": dict(num_key_value_heads=4), "gemma2": dict(),
+         "qwen3_moe": dict(), "gpt_oss": dict(num_key_value_heads=1)}  # on their own forward; gpt-oss: sinks, window
 
 
 def rows_of(rank, vocab):
@@ -40,6 +43,8 @@ def rows_of(rank, vocab):
     mask = torch.ones(n, width, dtype=torch.long)
     for i in range(n):
         mask[i, :int(torch.randint(0, width - t - 3, (1,), generator=g))] = 0
+    if rank == 1:  # a hole inside a prompt: this rank's layout keeps the mask, the others' rows are plain causal
+        mask[0, width - t - 2] = 0
     return ids * mask, mask, t
 
 
@@ -65,11 +70,11 @@ def main(out_path):
         rows = rows_of(rank, len(tok))
         n, t = rows[0].shape[0], rows[2]
         weights = torch.randn(n * t, model.config.hidden_size, generator=torch.Generator().manual_seed(rank))
-        whole_h, whole_g = run(model, rows, logprobs.Forward(fast_forward=True), weights)
+        whole_h, whole_g = run(model, rows, logprobs.Forward(), weights)
         for size in (2, 4):
             group = sequence_parallel.groups(_Dist(rank, world), size)
             for case in ("split", "wrong order"):
-                forward = sequence_parallel.Forward(logprobs.Forward(fast_forward=True), group)
+                forward = sequence_parallel.Forward(logprobs.Forward(), group)
                 original = sequence_parallel._positions_for_heads
                 if case == "wrong order":  # each rank's positions come back as another rank's
                     sequence_parallel._positions_for_heads = lambda x, s, g: original(x.roll(x.shape[1] // s, 1), s, g)
