@@ -95,6 +95,11 @@ def launch_nodes(runs, folder, name, nnodes=2, nproc=2, kill_when_paused=None, t
     finished = all(os.path.exists(os.path.join(out_dir_of(runs[-1]), f"finished_rank{r}")) for r in range(world))
     assert all(a.returncode == 0 for a in agents) or (
         finished and "terminate called without an active exception" in out), out[-6000:]
+    return split_runs(out, runs)
+
+
+def split_runs(out, runs):
+    """{out_dir: its part of the output} of a launch of several runs (run_train.py prints `=== run OUT_DIR`)."""
     said = {}
     for part in out.split("=== run ")[1:]:
         where, _, text = part.partition("\n")
@@ -117,13 +122,7 @@ def launch_runs(runs, nproc, folder, name, timeout=600):
     path = os.path.join(folder, f"{name}.json")
     with open(path, "w") as f:
         json.dump(runs, f)
-    out = launch(RUN_TRAIN, [f"--runs={path}"], nproc, timeout)
-    said = {}
-    for part in out.split("=== run ")[1:]:
-        where, _, text = part.partition("\n")
-        said[where] = text
-    assert list(said) == [out_dir_of(r) for r in runs], out[-6000:]
-    return said
+    return split_runs(launch(RUN_TRAIN, [f"--runs={path}"], nproc, timeout), runs)
 
 
 def out_dir_of(args):

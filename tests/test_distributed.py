@@ -824,6 +824,8 @@ def nodes(runs, tmp_path_factory):
     for name in ("hW", "hL", "hR", "hO"):
         flags[name] = [f"--out_dir={n[name]}", *checks(pathlib.Path(t))[NODE_RUNS[name]], *FLAGS]
     flags["hO"].append("--cpu_offload")
+    for f in flags.values():  # as the README's command for several nodes has it
+        f.append("--nodes=2")
     out = launch_nodes([flags[k] for k in NODE_RUNS] + [flags["hK"] + ["--pause_after_step=3"]], t, "nodes1",
                        kill_when_paused=n["hK"])
     killed_at = [m["step"] for m in metrics(n["hK"])]
