@@ -50,6 +50,7 @@ def apply(run):
         raise ConfigError("cp_size", why)
     group = groups(run.d, run.cfg.cp_size)
     run.forward = Forward(run.forward, group)
+    run.paths = f"{run.paths}, each row's positions split over {run.cfg.cp_size} ranks (--cp_size)"  # the banner's
     inner = run.micro_batches
     run.micro_batches = lambda *args: in_turn(inner(*args), *group)
 

@@ -916,3 +916,4 @@ def test_sequence_parallel_groups_train_as_one_process(runs):
         report = json.load(open(os.path.join(p[name], "after_rank0.json")))
         assert (report["written_out_layer_calls"] > 0) == (name not in ("cp_moe", "cp_replay")), name
     assert metrics(p["cpA"])[-1]["kl"] > 0 and metrics(p["cp_lora"])[-1]["kl"] > 0
+    assert "training on written-out layers, each row's positions split over 2 ranks (--cp_size)" in out["cpA"]
