@@ -325,9 +325,9 @@ def mesh_problems(cfg, world_size, local_size, need):
          f"torchrun formed a run of {nodes} node{'s' * (nodes > 1)} ({world_size} processes, {local_size} on each) at "
          f"{where}, and --nodes={cfg.nodes} asks for {cfg.nodes}: every node's torchrun must name the same "
          f"--rdzv_endpoint, --rdzv_id and --nnodes; refusing to train on a part of the run")
-    need(nodes == 1 or cfg.tp_size <= local_size, "tp_size",
+    need(nodes == 1 or (cfg.tp_size <= local_size and local_size % cfg.tp_size == 0), "tp_size",
          f"a group of {cfg.tp_size} would span nodes: a node runs {local_size} processes; a tensor-parallel group "
-         f"must lie within one, so at most {local_size}")
+         f"must lie within one, so at most {local_size}, and a size that divides it")
 
 
 def validate(cfg, world_size=1, local_size=0):
