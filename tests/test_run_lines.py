@@ -218,7 +218,7 @@ def test_a_mesh_the_processes_cannot_form_stops_in_one_line(monkeypatch):
     assert "--tp_size: a group of 16 would span nodes: a node runs 8 processes" in e.value.code
     assert e.value.code.endswith("at most 8, and a size that divides it")
     with pytest.raises(ConfigError) as e:
-        config.validate(config.Config(tp_size=4), 12, 6)  # divides the 12 processes, not a node's 6
+        config.validate(config.Config(tp_size=4, prompts_per_step=12), 12, 6)  # divides the 12 processes, not 6
     assert "--tp_size: a group of 4 would span nodes: a node runs 6 processes" in e.value.code
     assert _code(config.Config(replicas=3), 8) == ("config error: --replicas: 3 copies of the model do not split the "
                                                    "8 processes evenly")
