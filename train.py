@@ -124,7 +124,7 @@ def setup(cfg, d):
     """The run (runs/setup.py: models, task, tools, optimizer), its seams set to the core step's own functions
     below, then the run's optional features applied to them in order (features/__init__.py)."""
     run = make_run(cfg, d)
-    run.rollout, run.draw, run.micro_batches = rollout, draw, micro_batches
+    run.rollout, run.draw, run.rewards, run.micro_batches = rollout, draw, rewards_of, micro_batches
     run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
     features.apply(run, sys.modules[__name__])
     return run
@@ -169,11 +169,7 @@ def score(run, batch, step):
     """
     problem, seconds, t = None, {}, time.time()
     try:
-        if batch.landing is not None:  # scored as the groups landed: what is left is the wait for the last ones
-            total, parts, seconds = batch.landing.result()
-        else:
-            total, parts = rollouts.score_batch(batch, run.task.reward_funcs, run.weights, run.tokenizer,
-                                                rollouts.reward_context(run.cfg, step), seconds)
+        total, parts = run.rewards(run, batch, step, seconds)
     except rewards.RewardFunctionError as e:
         problem = f"step {step}: {e}"
     times = [time.time() - t] + list(seconds.values())
@@ -186,6 +182,12 @@ def score(run, batch, step):
         times = sharding.all_gather_rows(torch.tensor([times], dtype=torch.float64), run.d).max(0).values.tolist()
     names = ["reward_time"] + ([f"reward_time/{name}" for name in seconds] if len(seconds) > 1 else [])
     return total, parts, dict(zip(names, times))
+
+
+def rewards_of(run, batch, step, seconds):
+    """The batch's rewards, (total (n,), {function: (n,)}); each function's seconds go into `seconds`."""
+    return rollouts.score_batch(batch, run.task.reward_funcs, run.weights, run.tokenizer,
+                                rollouts.reward_context(run.cfg, step), seconds)
 
 
 def advantages(run, all_total, all_parts):

@@ -1,5 +1,5 @@
 """The optional features a run applies, in one place and in order (`apply`), as torchtitan's `parallelize` applies
-parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`,
+parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`, `rewards`,
 `micro_batches`, `reference`, `forward`, `sample_options`, `forward_extras`, `step_metrics`) and the core step
 (train.py) holds no branch on its setting. A default run applies none of them, and a default step enters none of
 these files.

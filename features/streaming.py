@@ -2,10 +2,10 @@
 --max_staleness the sampler working ahead across steps.
 
 Applied by features/__init__.py (`apply` below), never read by the core step: it replaces the run's rollout source
-(`run.rollout`: train.rollout samples each step's rows at once, on the current weights) and adds its own metrics
-(`run.step_metrics`). What it changes in training is per-row data the core carries without reading a setting: the
-Batch's `landing` (rewards already computed), and the rollout's weight versions, from which the core's
-`OldLogprobs` takes the tokens whose old log-prob only the sampler knows (rollouts.carried).
+(`run.rollout`: train.rollout samples each step's rows at once, on the current weights), takes a batch's rewards
+where its groups were scored as they landed (`run.rewards`) and adds its own metrics (`run.step_metrics`). What it
+changes in training is per-row data the core carries without reading a setting: the rollout's weight versions, from
+which the core's `OldLogprobs` takes the tokens whose old log-prob only the sampler knows (rollouts.carried).
 """
 
 import time
@@ -26,7 +26,19 @@ def apply(run, core):
         run.rollout = lambda run, step, round=0: run.stream.batch(step, round)
     elif scores_on_land(run):
         run.rollout = lambda run, step, round=0: landing_rollout(run, step, core.step_rows(run, step, round))
+    inner = run.rewards
+    run.rewards = lambda run, batch, step, seconds: landed_rewards(inner, run, batch, step, seconds)
     run.step_metrics.append(metrics)
+
+
+def landed_rewards(inner, run, batch, step, seconds):
+    """A batch's rewards where its groups were scored as they landed (`Landing`): what is left is the wait for the
+    last ones; `inner` (train.rewards_of) for a batch that was not."""
+    if batch.landing is None:
+        return inner(run, batch, step, seconds)
+    total, parts, landed = batch.landing.result()
+    seconds.update(landed)
+    return total, parts
 
 
 def landing_rollout(run, step, rows):

@@ -63,6 +63,7 @@ class Run:
     # features/__init__.py applies the run's features to them, in order):
     rollout: typing.Callable = None     # (run, step, round) -> this rank's rows sampled (rollouts.Batch)
     draw: typing.Callable = None        # (run, step) -> the step's scored batch (train.draw)
+    rewards: typing.Callable = None     # (run, batch, step, seconds) -> the batch's rewards (train.rewards_of)
     micro_batches: typing.Callable = None  # (run, batch, rows, mask, loss_mask, T) -> a mini-batch's micro-batches
     reference: object = None            # runs the reference's forward: `ref` itself, unless a feature says otherwise
     forward: object = None              # the training forward (logprobs.Forward), which features wrap
