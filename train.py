@@ -91,16 +91,18 @@ except KeyboardInterrupt:  # Ctrl-C while importing: one line, not the importer'
 # ----------------------------------------------------------------------------- optimizer
 
 
+LR_SCHEDULES = {  # --lr_schedule: the multiplier on lr after the warm-up, of the progress through the rest (0 to 1)
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: max(0.0, 1.0 - progress),
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+}
+
+
 def lr_factor(cfg, opt_step, total_opt_steps):
-    """Multiplier on cfg.lr at optimizer step `opt_step` (0-based)."""
+    """Multiplier on cfg.lr at optimizer step `opt_step` (0-based): a linear warm-up, then the schedule."""
     if opt_step < cfg.warmup_steps:
         return (opt_step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = (opt_step - cfg.warmup_steps) / max(1, total_opt_steps - cfg.warmup_steps)
-    if cfg.lr_schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return LR_SCHEDULES[cfg.lr_schedule]((opt_step - cfg.warmup_steps) / max(1, total_opt_steps - cfg.warmup_steps))
 
 
 def optimizer_steps(cfg, steps):

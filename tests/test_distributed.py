@@ -810,7 +810,8 @@ def test_sharded_loading_with_routing_replay_trains_as_one_process(runs):
 
 # each run on 2 x 2 (hO: the hW run with --cpu_offload) and the 1-process run it trains as
 NODE_RUNS = {"hA": "A", "hW": "weights", "hL": "lora_weights", "hM": "mini", "hR": "replay_weights", "hO": "weights",
-             "hC": "A"}  # hC: the hA run at --cp_size=4, each row's positions split over all 4 processes
+             "hT": "weights", "hC": "A"}  # hT: --tp_size=2, a node's group cut from its copy's shards; hC: the hA run
+#                                         at --cp_size=4, each row's positions split over all 4 processes
 
 
 @pytest.fixture(scope="module")
@@ -821,9 +822,10 @@ def nodes(runs, tmp_path_factory):
     flags = {"hA": train_flags(n["hA"], 4), "hK": train_flags(n["hK"], 4),
              "hC": train_flags(n["hC"], 4) + ["--cp_size=4"],
              "hM": [f"--out_dir={n['hM']}", "--max_steps=3", *MINI_FLAGS, *FLAGS]}
-    for name in ("hW", "hL", "hR", "hO"):
+    for name in ("hW", "hL", "hR", "hO", "hT"):
         flags[name] = [f"--out_dir={n[name]}", *checks(pathlib.Path(t))[NODE_RUNS[name]], *FLAGS]
     flags["hO"].append("--cpu_offload")
+    flags["hT"].append("--tp_size=2")
     for f in flags.values():  # as the README's command for several nodes has it
         f.append("--nodes=2")
     out = launch_nodes([flags[k] for k in NODE_RUNS] + [flags["hK"] + ["--pause_after_step=3"]], t, "nodes1",
@@ -841,9 +843,10 @@ def nodes(runs, tmp_path_factory):
 def test_two_agents_form_one_run_of_a_replica_per_node(runs, nodes):
     """2 nodes of 2 processes (two agents) hold one copy of the model per node, sharded over its 2 processes; they
     train as one process does: the same completions and rewards, loss and gradient norm within 1e-4 relative,
-    with the reference model, reading their own shards of a folder (with --cpu_offload too), with LoRA, with
-    routing replay on a MoE folder, with mini-batches and a synced reference; the export is the trained weights,
-    gathered from the first copy's shards."""
+    with the reference model, reading their own shards of a folder (with --cpu_offload too, and decoding in
+    tensor-parallel groups of a node's 2 processes, their slices cut from their copy's shards), with LoRA, with
+    routing replay on a MoE folder, with mini-batches and a synced reference, and with each row's positions split over
+    the 4 (--cp_size=4); the export is the trained weights, gathered from the first copy's shards."""
     p, _ = runs
     n, out, _, _ = nodes
     assert "x 4 process(es) as 2 replicas x 2 shards, one replica per node" in out

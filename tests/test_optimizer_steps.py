@@ -264,3 +264,19 @@ def test_resume_with_adaptive_entropy_is_exact(tmp_path, monkeypatch):
     assert [m["entropy_coef"] for m in resumed] == [m["entropy_coef"] for m in straight]
     assert straight[-1]["entropy_coef"] == pytest.approx(0.04)
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_the_learning_rate_warms_up_then_follows_its_schedule(schedule):
+    """lr_factor against the formulas written out step by step: (s + 1) / warm-up during the warm-up, then 1, the
+    line from 1 down to 0, or half a cosine period from 1 to 0 over the remaining optimizer steps."""
+    import math
+    from config import Config
+    cfg, total = Config(lr_schedule=schedule, warmup_steps=3), 13
+    for s in range(total + 2):
+        if s < 3:
+            want = (s + 1) / 3
+        else:
+            done = min(1.0, (s - 3) / 10)
+            want = {"constant": 1.0, "linear": 1.0 - done, "cosine": (1.0 + math.cos(math.pi * done)) / 2}[schedule]
+        assert train.lr_factor(cfg, s, total) == pytest.approx(max(0.0, want), abs=1e-12), (schedule, s)
