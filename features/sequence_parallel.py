@@ -24,12 +24,13 @@ switched on in the model's config for the forward's length alone (`_own_forward`
 
 What it refuses, at start in one line (`refusal`): layers that carry a state along the sequence (Gated DeltaNet's
 recurrence: a rank's positions would need the state of the positions before them), a vision-language model (its
-images' positions), activation checkpointing on a model's own forward (its recompute in backward would run after the
-exchange is switched off) and --shared_prompts (a tree's branches cross the position split). Routing replay's records
+images' positions) and --shared_prompts (a tree's branches cross the position split). Routing replay's records
 are split with their positions (`_split_replay`).
 """
 
+import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ _running = []  # the layout of the split forward running on a model's own forwar
 def apply(run):
     """The innermost variant of the training forward; the run stops here, in one line, where `refusal` says so."""
     from runs.cli import ConfigError
-    why = refusal(run.policy.lm, run.cfg.cp_size, run.cfg.gradient_checkpointing)
+    why = refusal(run.policy.lm, run.cfg.cp_size)
     if why is not None:
         raise ConfigError("cp_size", why)
     group = groups(run.d, run.cfg.cp_size)
@@ -78,7 +79,7 @@ def groups(d, size):
     return d.rank % size, mine
 
 
-def refusal(model, size, checkpointing=False):
+def refusal(model, size):
     """Why `model`'s training forward cannot be split over `size` ranks' positions, None where it can (the settings
     it cannot take with: config.validate)."""
     name = type(model).__name__
@@ -89,9 +90,6 @@ def refusal(model, size, checkpointing=False):
             mixer = getattr(layer, "linear_attn", None) or layer
             return (f"{type(mixer).__name__} carries a recurrent state along the sequence: a rank's positions would "
                     f"need the state of all the positions before them")
-    if checkpointing and transformer.paths_of(model).training is not None:
-        return (f"{name} trains on its own forward, whose activation checkpointing would recompute its attention "
-                f"in backward without the exchange: --gradient_checkpointing=false")
     heads = model.config.num_attention_heads
     if heads % size:
         return f"{name}'s {heads} attention heads do not divide into {size} groups"
@@ -182,16 +180,34 @@ class _Scores:
 
 
 def _own_forward(model, ids, positions, layout):
-    """The model's own forward over this rank's positions, its attention modules attending through the exchange."""
+    """The model's own forward over this rank's positions, its attention modules attending through the exchange;
+    with activation checkpointing, each layer's recompute in backward switches the exchange on again (torch's
+    checkpoint `context_fn`), for the same layout."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION, _own_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the layout holds the masks
+    checkpointed = [layer for layer in model.model.layers if getattr(layer, "gradient_checkpointing", False)]
+    kept = [layer._gradient_checkpointing_func for layer in checkpointed]
+    for layer, checkpoint in zip(checkpointed, kept):
+        layer._gradient_checkpointing_func = functools.partial(
+            checkpoint, context_fn=lambda: (contextlib.nullcontext(), _exchanging(model, layout)))
+    try:
+        with _exchanging(model, layout):
+            return model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    finally:
+        for layer, checkpoint in zip(checkpointed, kept):
+            layer._gradient_checkpointing_func = checkpoint
+
+
+@contextlib.contextmanager
+def _exchanging(model, layout):
+    """The model's attention modules attend through the exchange over `layout` inside the `with`."""
     config = model.config
     before, config._attn_implementation = config._attn_implementation, ATTENTION
     _running.append(layout)
     try:
-        return model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        yield
     finally:
         config._attn_implementation = before
         _running.pop()

@@ -326,8 +326,7 @@ def plan(cfg, config, world, device="cuda", gpu_gib=80.0, host_gib=2048.0, repli
     shards = world // replicas
     cb = compute.itemsize
     model = meta_model(config, param_dtype, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
-    refused = tp_verdict(model, cfg.tp_size) or (cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size,
-                                                                                   cfg.gradient_checkpointing))
+    refused = tp_verdict(model, cfg.tp_size) or (cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size))
     if refused:  # never planned as a path the run would not take
         raise ValueError(refused)
     params = _unique(model.parameters())
@@ -637,7 +636,7 @@ def _candidates(cfg, config, world, device):
     c = cfg.cp_size
     while c * 2 <= min(world, GPUS_PER_NODE) and world % (c * 2) == 0 and not cfg.shared_prompts:  # within a node
         c *= 2
-        if cp_refusal(model, c, cfg.gradient_checkpointing) is None:
+        if cp_refusal(model, c) is None:
             out.append((f"--cp_size={c}", dict(cp_size=c)))
     if world > 1 and not cfg.cpu_offload:
         out.append(("--cpu_offload", dict(cpu_offload=True)))
@@ -657,10 +656,10 @@ def _candidates(cfg, config, world, device):
 EXPERIMENT = ("lora_rank", "beta")  # settings whose change trains another model or objective, advised last
 
 
-def cp_refusal(model, size, checkpointing=False):
+def cp_refusal(model, size):
     """Why a model's training forward cannot split a row over `size` ranks (features/sequence_parallel.py)."""
     from features import sequence_parallel
-    return sequence_parallel.refusal(model, size, checkpointing)
+    return sequence_parallel.refusal(model, size)
 
 
 def _more_gpus(cfg, world, most=64):
@@ -881,7 +880,7 @@ def run(cfg):
     model = meta_model(config, _dtypes(cfg, device, world)[0], cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     said = ""  # a size the run would refuse: said first, in the line the run would stop with, then planned at 1
     for key, why in (("tp_size", tp_verdict(model, cfg.tp_size)),
-                     ("cp_size", cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size, cfg.gradient_checkpointing))):
+                     ("cp_size", cfg.cp_size > 1 and cp_refusal(model, cfg.cp_size))):
         if why:
             said += f"--{key}: {why}. The plan at --{key}=1:\n"
             cfg = dataclasses.replace(cfg, **{key: 1})

@@ -55,15 +55,12 @@ def _model(family, **overrides):
 
 
 def test_what_cannot_be_split_is_refused_in_one_line():
-    """A recurrent layer names its class; a model trained on its own forward (MoE) passes, but not with activation
-    checkpointing; heads that do not divide say both numbers; a dense written-out model passes. Settings it cannot
-    take stop at the command line."""
+    """A recurrent layer names its class; heads that do not divide say both numbers; a dense written-out model and a
+    model trained on its own forward (MoE) pass. Settings it cannot take stop at the command line."""
     assert sequence_parallel.refusal(_model("qwen3"), 2) is None
     assert sequence_parallel.refusal(_model("qwen3_5"), 2).startswith(
         "Qwen3_5GatedDeltaNet carries a recurrent state along the sequence")
     assert sequence_parallel.refusal(_model("qwen3_moe"), 2) is None  # its own forward, the exchange as attention
-    assert sequence_parallel.refusal(_model("qwen3_moe"), 2, checkpointing=True).startswith(
-        "Qwen3MoeForCausalLM trains on its own forward, whose activation checkpointing would recompute")
     assert sequence_parallel.refusal(_model("llama"), 8) == "LlamaForCausalLM's 4 attention heads do not divide into " \
                                                             "8 groups"
     for setting, said in (("shared_prompts", "cannot take --shared_prompts"),):
