@@ -5,8 +5,8 @@ Groups of C consecutive ranks train their rows together. The sampler, the reward
 own rows, as without it; only the forward is shared (`Forward`, the innermost variant of `run.forward`):
   1. the group's laid-out rows are gathered, so that every rank of the group holds all of them, padded to one
      width that C divides;
-  2. rank c runs the written-out layers over positions [c w / C, (c + 1) w / C) of every row: its embeddings,
-     norms, projections and MLP, and so its activations, are 1/C of the rows';
+  2. rank c runs the layers over positions [c w / C, (c + 1) w / C) of every row: its embeddings, norms,
+     projections and MLP, and so its activations, are 1/C of the rows';
   3. in each attention an all-to-all trades positions for heads: rank c gets every position of heads
      [c h / C, (c + 1) h / C) and attends over the whole rows, then a second all-to-all trades back (`Attention`).
      K/V heads split the same way, keeping each query head with its K/V head; a model with fewer K/V heads than
@@ -16,11 +16,13 @@ own rows, as without it; only the forward is shared (`Forward`, the innermost va
 Every all-to-all is differentiable (its backward is the reverse exchange), so each rank's loss on its own rows
 sends its gradient back to the ranks that computed those positions, and the gradient is one process's: the
 loss's token counts and sums are the core's own, unchanged. FSDP2 shards the model over every rank, the group's
-together with the others (torchtitan's dp_shard x cp).
+together with the others (torchtitan's dp_shard x cp). The group's forwards take turns (`in_turn`, the wrapper of
+`run.micro_batches`): each carries one rank's micro-batch, so that a forward's positions are one rank's rows.
 
 A model that trains on its own forward (the MoE families) runs it over its positions the same way, with the
 exchange as its attention modules' attention: registered with transformers' AttentionInterface under `ATTENTION` and
-switched on in the model's config for the forward's length alone (`_own_forward`); the sampler's forwards never see it.
+switched on in the model's config for the forward's length alone and for each checkpointed layer's recompute
+(`_own_forward`); the sampler's forwards never see it.
 
 What it refuses, at start in one line (`refusal`): layers that carry a state along the sequence (Gated DeltaNet's
 recurrence: a rank's positions would need the state of the positions before them), a vision-language model (its
