@@ -352,8 +352,7 @@ def validate(cfg, world_size=1, local_size=0):
     need(not cfg.cpu_offload or cfg.device != "cpu" or world_size > 1, "cpu_offload",
          "needs torchrun (FSDP2 shards what it offloads); one plain process on the CPU has nothing to offload")
     need(world_size % cfg.tp_size == 0, "tp_size", tp_size_problem(cfg.tp_size, world_size))
-    need(world_size % cfg.cp_size == 0, "cp_size", tp_size_problem(cfg.cp_size, world_size).replace("a group of",
-         "a sequence-parallel group of"))
+    need(world_size % cfg.cp_size == 0, "cp_size", "sequence parallelism: " + tp_size_problem(cfg.cp_size, world_size))
     need(cfg.cp_size == 1 or not cfg.shared_prompts, "cp_size", "cannot take --shared_prompts: a group's rows "
          "packed as a tree have branches that would cross the split of positions")
     need(world_size % max(1, cfg.replicas) == 0, "replicas",

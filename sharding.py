@@ -95,6 +95,10 @@ def setup(device=None, mixed_precision="auto", replicas=1):
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     mesh = None
+    if world > 1:  # rank 0's choice for all: each process's own (its memory, its cache) could differ, and hang
+        box = [replicas]
+        dist.broadcast_object_list(box, src=0)
+        replicas = box[0]
     if world % replicas:
         raise ValueError(f"{replicas} replicas do not divide the {world} processes")
     # one GPU under torchrun too: FSDP2's bf16 compute over fp32 weights; one CPU process where a precision is named

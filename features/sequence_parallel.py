@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import logprobs
+import sharding
 from layers import routing, transformer, vision
 
 ATTENTION = "grpo_sequence_parallel"  # the name a model's own attention modules find the exchange under
@@ -55,18 +56,21 @@ def apply(run):
     run.forward = Forward(run.forward, group)
     run.paths = f"{run.paths}, each row's positions split over {run.cfg.cp_size} ranks (--cp_size)"  # the banner's
     inner = run.micro_batches
-    run.micro_batches = lambda *args: in_turn(inner(*args), *group)
+    run.micro_batches = lambda run, *rest: in_turn(inner(run, *rest), run.d, *group)
 
 
-def in_turn(micro, rank, group):
+def in_turn(micro, d, rank, group):
     """This rank's micro-batches taking turns with the group's: the group's forward k carries the rows of rank
     k % C alone (its micro-batch k // C), the others' micro-batch there empty, so that a forward's positions are
-    one rank's rows split C ways (C rows of one rank each would be a whole row's positions again)."""
-    size = dist.get_world_size(group)
+    one rank's rows split C ways (C rows of one rank each would be a whole row's positions again). First every
+    rank's micro-batches are made as many as the most any rank has (a token budget gives each its own number):
+    the core's own evening-out (train.mini_batches) then finds them even."""
+    most = int(sharding.all_gather_rows(torch.tensor([len(micro)], device=d.device), d).max())
+    micro = logprobs.split_micro_batches(micro, most)
     out = []
     for mb in micro:
-        empty = logprobs.MicroBatch(mb.rows[:0], mb.cols, mb.t, mb.width)
-        out += [mb if r == rank else empty for r in range(size)]
+        empty = logprobs.MicroBatch(mb.rows[:0], mb.cols, mb.t, 1)  # no rows, no columns to pad the others to
+        out += [mb if r == rank else empty for r in range(dist.get_world_size(group))]
     return out
 
 
@@ -114,14 +118,14 @@ class Forward(logprobs.Around):
         n, w = rows.ids.shape
         told = _gather(torch.tensor([[n, w, rows.mask is not None]], device=rows.ids.device), group).tolist()
         counts = [(cn, cw) for cn, cw, _ in told]
-        width = -(-max(cw for _, cw in counts) // size) * size  # every rank's rows, padded to a width C divides
+        # the rows of the ranks that hold any (in turns: one), padded to a width C divides
+        width = -(-max((cw for cn, cw in counts if cn), default=1) // size) * size
         chunk = width // size
         ids = _rows_of_group(rows.ids, counts, width, group, 0)
         positions = _rows_of_group(rows.positions, counts, width, group, 0)
         # the rows' real tokens where a rank's layout keeps a mask (every rank attends over every row); None: plain
         # causal, each row's padding moved to its end
-        real = rows.mask if rows.mask is not None else rows.real
-        keys = _rows_of_group(real.long(), counts, width, group, 0).bool() if any(m for *_, m in told) else None
+        keys = _rows_of_group(rows.real.long(), counts, width, group, 0).bool() if any(m for *_, m in told) else None
         mine = slice(c * chunk, (c + 1) * chunk)
         _split_replay(model, n, w, counts, width, group, mine)
         if self.inner.written_out(model):  # sliding windows count positions, as transformer._masks does
@@ -147,10 +151,13 @@ class Attention:
     def __init__(self, group, size, rank, keys, positions, mine):
         self.group, self.size, self.rank = group, size, rank
         self.keys, self.positions, self.mine = keys, positions, mine
+        self.masks = {}  # by window: built once a forward (a model's own layers ask for it layer by layer)
 
     def attend(self, window):
-        masks = transformer._masks({window}, self.keys, self.positions, None, self.positions.device)
-        return _Exchange(self, masks[window])
+        if window not in self.masks:
+            masks = transformer._masks({window}, self.keys, self.positions, None, self.positions.device)
+            self.masks[window] = _Exchange(self, masks[window])
+        return self.masks[window]
 
 
 class _Exchange:
@@ -243,8 +250,7 @@ def _positions_for_heads(x, size, group):
 
 def _all_to_all(x, output_sizes, input_sizes, group):
     """Differentiable all_to_all_single along dim 0 (None: equal splits); its backward is the reverse exchange."""
-    exchange = getattr(funcol, "all_to_all_single_autograd", None) or funcol.all_to_all_single  # (names by torch)
-    out = exchange(x.contiguous(), output_sizes, input_sizes, group)
+    out = funcol.all_to_all_single_autograd(x.contiguous(), output_sizes, input_sizes, group)
     return out.wait() if hasattr(out, "wait") else out
 
 
@@ -259,7 +265,7 @@ def _rows_of_group(x, counts, width, group, fill):
     """Every rank's rows of x (n_r, w_r, ...), in rank order, each padded at its end to `width` with `fill`."""
     most = max(n for n, _ in counts)
     padded = x.new_full((most, width, *x.shape[2:]), fill)
-    padded[:x.shape[0], :x.shape[1]] = x
+    padded[:x.shape[0], :x.shape[1]] = x[:, :width]
     parts = _gather(padded, group).view(len(counts), most, width, *x.shape[2:])
     return torch.cat([parts[r, :n] for r, (n, _) in enumerate(counts)])
 

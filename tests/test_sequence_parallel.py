@@ -69,4 +69,25 @@ def test_what_cannot_be_split_is_refused_in_one_line():
         assert e.value.code.startswith(f"config error: --cp_size: {said}")
     with pytest.raises(ConfigError) as e:
         config.validate(config.Config(cp_size=2), 1)
-    assert "a sequence-parallel group of 2 needs torchrun" in e.value.code
+    assert "--cp_size: sequence parallelism: a group of 2 needs torchrun" in e.value.code
+
+
+def test_turns_are_even_across_ranks_and_empty_turns_pad_nothing(monkeypatch):
+    """A token budget gives ranks different numbers of micro-batches: before taking turns a rank splits its own up to
+    the most any rank has (here another rank's 3 against its 1 of 4 rows: halved, then the larger half halved), then its
+turn k carries its micro-batch
+    k // 2 and the other's turn an empty one, one column wide (so that the group's forward pads to the rows it
+    carries, not to an empty turn's width)."""
+    import torch
+    import logprobs
+    import sharding
+    from types import SimpleNamespace
+    monkeypatch.setattr(sharding, "all_gather_rows", lambda x, d: torch.cat([x, torch.tensor([3])]))
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group: 2)
+    mine = [logprobs.MicroBatch(torch.arange(4), slice(0, 30), 6, 25)]
+    for rank in (0, 1):
+        turns = sequence_parallel.in_turn(mine, SimpleNamespace(device="cpu"), rank, None)
+        assert len(turns) == 6
+        own = [mb for k, mb in enumerate(turns) if k % 2 == rank]
+        assert [mb.rows.tolist() for mb in own] == [[0], [1], [2, 3]] and {mb.width for mb in own} == {25}
+        assert all(len(mb.rows) == 0 and mb.width == 1 for k, mb in enumerate(turns) if k % 2 != rank)
