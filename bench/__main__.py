@@ -418,6 +418,24 @@ def parse(argv):
     return args, device, s, overrides, only
 
 
+def long_rows(path, s, device, root, overrides, results):
+    """The long row: our step over long completions, then one long row trained whole and split (--cp_size)."""
+    with row_lines("long", f"our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
+                   f"{s['long_new_tokens']} tokens, {s['warmup']} warm-up + {s['long_reps']} timed steps",
+                   results, lambda r: r.get("long_error") or f"{fmt(r['long_step_s'], 's')} per step"):
+        try:
+            results.update(bench_long(path, s, device, root, overrides))
+        except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
+            results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
+    if s["sp_sizes"]:
+        with row_lines("long", f"one row of {s['sp_tokens']:,} tokens trained whole and split over "
+                       f"{s['sp_sizes']} processes (--cp_size, CPU)", results,
+                       lambda r: ", ".join(f"C={c}: {v:.2f}x the activations, "
+                                           f"{r['long_split_time_ratio'][c]:.2f}x the time"
+                                           for c, v in r["long_split_rise_ratio"].items())):
+            results.update(bench_split_rows(s, root))
+
+
 def longtail_rows(path, s, device, root, results, reps):
     """The longtail rows: decode-only streaming against full rows, then whole steps in the four modes."""
     with row_lines("longtail", f"long-tailed rows through {s['lt_places']} places: batches one after another "
@@ -505,20 +523,7 @@ def main(argv):
                 results.update(bench_multiturn(path, s, device))
             free(device)
         if "long" in only:
-            with row_lines("long", f"our step, {s['long_prompts']} x {s['long_num_generations']} completions of "
-                           f"{s['long_new_tokens']} tokens, {s['warmup']} warm-up + {s['long_reps']} timed steps",
-                           results, lambda r: r.get("long_error") or f"{fmt(r['long_step_s'], 's')} per step"):
-                try:
-                    results.update(bench_long(path, s, device, root, overrides))
-                except torch.OutOfMemoryError as e:  # say so, and keep the other rows' figures (e.g. at 8192 tokens)
-                    results["long_error"] = f"out of memory: {str(e).splitlines()[0]}"
-            if s["sp_sizes"]:
-                with row_lines("long", f"one row of {s['sp_tokens']:,} tokens trained whole and split over "
-                               f"{s['sp_sizes']} processes (--cp_size, CPU)", results,
-                               lambda r: ", ".join(f"C={c}: {v:.2f}x the activations, "
-                                                   f"{r['long_split_time_ratio'][c]:.2f}x the time"
-                                                   for c, v in r["long_split_rise_ratio"].items())):
-                    results.update(bench_split_rows(s, root))
+            long_rows(path, s, device, root, overrides, results)
         if "longtail" in only:
             longtail_rows(path, s, device, root, results, reps)
         if "shared" in only:

@@ -83,3 +83,32 @@ def free(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def memory_rise(fn, fields=("RssAnon",)):
+    """(fn's result, the largest rise of this process's resident memory while fn ran: the /proc/self/status `fields`
+    summed, read every millisecond by a thread), from a start where what earlier code freed was given back."""
+    import threading
+
+    import sharding
+
+    def resident():
+        with open("/proc/self/status") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(fields))
+
+    sharding.return_host_memory()
+    before, top, done = resident(), [0], []
+
+    def watch():
+        while not done:
+            top[0] = max(top[0], resident())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.append(True)
+        thread.join()
+    return result, max(top[0], resident()) - before

@@ -18,11 +18,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _WORKER = r"""
-import json, os, sys, threading, time
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from transformers import AutoModelForCausalLM
 import logprobs, model_loading, sharding
+from bench.common import memory_rise
 from features import sequence_parallel
 out, tokens, hidden, layers = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 sharding.map_large_host_tensors()  # as train.py
@@ -44,26 +45,12 @@ def step():
     logp, _ = root(logprobs.completion_logprobs, ids, mask, t, 1.0, forward=forward)
     logp.sum().backward()
 
-def anon():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon"))
-
 step()  # allocates the gradients
-sharding.return_host_memory()
-base, top, done = anon(), [0], []
-def watch():
-    while not done:
-        top[0] = max(top[0], anon())
-        time.sleep(0.001)
-w = threading.Thread(target=watch)
-w.start()
 start = time.perf_counter()
-step()
+_, rise = memory_rise(step)  # the activations and the step's transient buffers
 seconds = time.perf_counter() - start
-done.append(1)
-w.join()
 with open(os.path.join(out, f"rank{d.rank}.json"), "w") as f:
-    json.dump({"rise": max(top[0], anon()) - base, "seconds": seconds}, f)
+    json.dump({"rise": rise, "seconds": seconds}, f)
 sharding.teardown()
 """
 

@@ -37,6 +37,8 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 import logprobs
 import sharding
@@ -127,7 +129,7 @@ class Forward(logprobs.Around):
         # causal, each row's padding moved to its end
         keys = _rows_of_group(rows.real.long(), counts, width, group, 0).bool() if any(m for *_, m in told) else None
         mine = slice(c * chunk, (c + 1) * chunk)
-        _split_replay(model, n, w, counts, width, group, mine)
+        _split_replay(model, counts, width, group, mine)
         if self.inner.written_out(model):  # sliding windows count positions, as transformer._masks does
             layout = Attention(group, size, c, keys, positions, mine)
             hidden = transformer.hidden_states(model, ids[:, mine], layout, positions[:, mine])  # (rows, chunk, H)
@@ -191,11 +193,7 @@ class _Scores:
 def _own_forward(model, ids, positions, layout):
     """The model's own forward over this rank's positions, its attention modules attending through the exchange;
     with activation checkpointing, each layer's recompute in backward switches the exchange on again (torch's
-    checkpoint `context_fn`), for the same layout."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTENTION, _own_attention)
-    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the layout holds the masks
+    checkpoint `context_fn`), for the same layout. The exchange is registered with transformers under ATTENTION below."""
     checkpointed = [layer for layer in model.model.layers if getattr(layer, "gradient_checkpointing", False)]
     kept = [layer._gradient_checkpointing_func for layer in checkpointed]
     for layer, checkpoint in zip(checkpointed, kept):
@@ -270,14 +268,19 @@ def _rows_of_group(x, counts, width, group, fill):
     return torch.cat([parts[r, :n] for r, (n, _) in enumerate(counts)])
 
 
-def _split_replay(model, n, w, counts, width, group, mine):
-    """Routing replay's records, which its variant of the forward set for this rank's n rows of w positions
-    (features/routing_replay.py), replaced by the group's rows' records at this rank's positions."""
+def _split_replay(model, counts, width, group, mine):
+    """Routing replay's records, which its variant of the forward set for this rank's rows (features/routing_replay.py),
+    replaced by the group's rows' records at this rank's positions."""
     replay = routing.attached(model)
     if replay is None or replay.mode != "replay":
         return
-    layers, k = len(replay.current), replay.current[0].shape[-1]
-    records = torch.stack(replay.current, 1).view(n, w, layers, k)
+    records, real = replay.replayed  # (n, w, layers, k), (n, w)
     records = _rows_of_group(records.long(), counts, width, group, 0).to(records.dtype)  # (gloo: no small ints)
-    real = _rows_of_group(replay.real.long(), counts, width, group, 0).bool()
+    real = _rows_of_group(real.long(), counts, width, group, 0).bool()
     replay.replay(records[:, mine], real[:, mine])
+
+
+# the exchange as the attention and mask implementations named ATTENTION (the layout holds the masks), which a model's
+# own attention modules use only while `_exchanging` names it in their config
+AttentionInterface.register(ATTENTION, _own_attention)
+AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)

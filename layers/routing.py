@@ -72,6 +72,7 @@ class Replay:
             raise ValueError(f"{type(model).__name__} has no expert router to record")
         self.k = None
         self.mode, self.records, self.current, self.real = None, None, None, None
+        self.replayed = None  # (indices (N, S, layers, k), real (N, S)) as `replay` was given them
         self.differ = self.decisions = 0  # (token, layer) routing decisions replayed, and those the live router changed
         for layer, router in enumerate(self.routers):
             router.forward = self._wrapped(router.forward, layer)
@@ -111,7 +112,7 @@ class Replay:
 
     def replay(self, indices, real):
         """From now each router call routes its tokens to indices[:, :, layer] (N, S, layers, k)."""
-        self.mode = "replay"
+        self.mode, self.replayed = "replay", (indices, real)
         self.current = [indices[:, :, layer].reshape(-1, indices.shape[-1]) for layer in range(len(self.routers))]
         self.real, self.counted = real, [False] * len(self.routers)
 

@@ -490,34 +490,9 @@ def test_a_vision_language_model_is_planned_loading_its_own_shards():
 
 
 def _resident_rise(fn):
-    """(fn's result, the largest rise of this process's resident memory while it ran, private and file pages:
-    RssAnon + RssFile, read every millisecond by a thread), from a start where what earlier code freed was given
-    back."""
-    import threading
-    import time
-
-    import sharding
-
-    def private():
-        with open("/proc/self/status") as f:
-            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("RssAnon", "RssFile")))
-
-    sharding.return_host_memory()
-    before, top, done = private(), [0], []
-
-    def watch():
-        while not done:
-            top[0] = max(top[0], private())
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=watch)
-    thread.start()
-    try:
-        result = fn()
-    finally:
-        done.append(True)
-        thread.join()
-    return result, max(top[0], private()) - before
+    """(fn's result, the largest rise of this process's resident memory while it ran, private and file pages)."""
+    from bench.common import memory_rise
+    return memory_rise(fn, ("RssAnon", "RssFile"))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
