@@ -37,6 +37,12 @@ class Whole:
     def whole(self, t):
         return t
 
+    def take(self, t, dim, spans, copy=False):
+        """t's spans along dim, concatenated, where spans(reader) -> [(start, stop)] (a Gated DeltaNet layer's
+        rows: static_recurrent.delta_net_spans)."""
+        parts = [t.narrow(dim, a, b - a) for a, b in spans(self)]
+        return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone() if copy else parts[0]
+
     def cut(self, t, kind, kv_heads=None):
         return t
 
@@ -140,7 +146,7 @@ class StaticDecoder:
         self.rotary_keys = sorted({s.rope for s in spec.layers} - {None})
         self.windows = sorted({s.window for s in spec.layers} - {None})
         self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
-                                                       tp=self.tp if tp.size > 1 else None)
+                                                       tp=self.tp)
                           for i, l in enumerate(layers) if not transformer._attends(l)}
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         self._allocate(model, max_batch, max_len)

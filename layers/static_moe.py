@@ -40,7 +40,7 @@ cut of their factors.
 
 Routing replay (layers/routing.py) records the experts chosen here: `MoE.__call__`
 returns them, and the decoder keeps them per cache slot.
-Of the project it imports lora (what an adapted linear layer is) and tensor_parallel (what a shard is).
+Of the project it imports lora (what an adapted linear layer is) and shards (what a shard is).
 """
 
 import torch

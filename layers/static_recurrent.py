@@ -21,13 +21,14 @@ A state cannot forget a token once absorbed: the decoder says so
 (`forgets_exactly`), and the sampler then looks at rows after every token, so
 that none samples past a stop.
 
-Tensor parallelism (`tp`, this rank's share of a group of T ranks, layers/tensor_parallel.py): a rank
+Tensor parallelism (`tp`, this rank's share of a group of T ranks, layers/tensor_parallel.py's Slice; the
+decoder's whole reader, engine.Whole, with one rank): a rank
 holds 1/T of the key heads and the value heads those key heads serve, with
 their slices of every projection (and of an adapter's factors), of the
 convolution's channels and of the states; the gated norm's weight, shared by
 the heads, stays whole. Its output is a partial sum that the caller's
 all-reduce completes. Of the project it imports lora (an adapted projection's
-low-rank term) and tensor_parallel.
+low-rank term); the reader `tp` comes from the decoder.
 """
 
 import inspect
@@ -37,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from layers import lora
-from layers.tensor_parallel import WHOLE
 
 # the layer classes this file reproduces
 CLASSES = ("Qwen3_5GatedDeltaNet",)
@@ -75,21 +75,43 @@ def _l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+
+def delta_net_spans(tp, nk, nv, dk, dv):
+    """The rows of a Gated DeltaNet layer (nk key heads of dk, nv value heads of dv) that rank tp.rank of a
+    tensor-parallel group of tp.size holds, in the model's coordinates, as lists of (start, stop): "qkv" its rows of
+    in_proj_qkv (q, k and v each by heads), which are also its channels of the convolution; "values" its value
+    heads' dv-wide rows of in_proj_z and columns of out_proj; "heads" its value heads (rows of in_proj_b and
+    in_proj_a, A_log, dt_bias); "in" its rows of the four input projections stacked (an adapter's stacked B).
+    Contiguous shares: key head i serves value heads [i nv/nk, (i + 1) nv/nk), so a rank's nk/T key heads serve
+    exactly its nv/T value heads."""
+    if nk % tp.size or nv % tp.size:
+        raise ValueError(f"tensor parallelism over {tp.size} ranks: the Gated DeltaNet's key heads ({nk}) and "
+                         f"value heads ({nv}) must each divide by {tp.size}")
+    (k0, k1), (v0, v1) = tp.span(nk, "key heads"), tp.span(nv, "value heads")
+    key, value = nk * dk, nv * dv
+    qkv = [(k0 * dk, k1 * dk), (key + k0 * dk, key + k1 * dk), (2 * key + v0 * dv, 2 * key + v1 * dv)]
+    c = 2 * key + value
+    return {"qkv": qkv, "values": [(v0 * dv, v1 * dv)], "heads": [(v0, v1)],
+            "in": qkv + [(c + v0 * dv, c + v1 * dv), (c + value + v0, c + value + v1),
+                         (c + value + nv + v0, c + value + nv + v1)]}
+
+
 class DeltaNet:
     """One Gated DeltaNet layer over a batch of rows: its fused input projection and its per-row states.
 
     conv (rows, channels, kernel - 1): the last inputs of the convolution; rec (rows, value heads, key_dim,
     value_dim) float32: the recurrent matrix. Rows are batch rows, as the decoder's cache rows."""
 
-    def __init__(self, module, max_batch, device, dtype, tp=None):
-        """tp: this rank's share of a tensor-parallel group (None: the whole layer); its sizes are the rank's."""
+    def __init__(self, module, max_batch, device, dtype, tp):
+        """tp: how the decoder reads weights, this rank's share of a tensor-parallel group (engine.Whole: the whole
+        layer); its sizes are the rank's."""
         m = module
-        self.tp = tp = tp or WHOLE
+        self.tp = tp
         nk, nv, self.dk, self.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-        # this rank's rows of each projection, in the model's coordinates (layers/tensor_parallel.py's delta_net_spans;
-        # the whole layer's with one rank): key head i serves value heads [i nv/nk, (i + 1) nv/nk), as the
-        # repeat_interleave of the model's rule and of _step
-        self.spans = tp.delta_net_spans(nk, nv, self.dk, self.dv)
+        # this rank's rows of each projection, in the model's coordinates (delta_net_spans; the whole layer's with
+        # one rank): key head i serves value heads [i nv/nk, (i + 1) nv/nk), as the repeat_interleave of the
+        # model's rule and of _step
+        self.spans = delta_net_spans(tp, nk, nv, self.dk, self.dv)
         (v0, v1), = self.spans["heads"]
         self.nk, self.nv = nk // tp.size, v1 - v0
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
@@ -111,7 +133,7 @@ class DeltaNet:
         tp, sizes = self.tp, (m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim)
 
         def rows(t, name, dim=0, j=None):  # its spans `name` of t, or the j-th of them alone
-            return tp.take(t, dim, lambda s: s.delta_net_spans(*sizes)[name][slice(j, None if j is None else j + 1)])
+            return tp.take(t, dim, lambda s: delta_net_spans(s, *sizes)[name][slice(j, None if j is None else j + 1)])
 
         sp = self.spans
         parts = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]

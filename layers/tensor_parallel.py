@@ -10,8 +10,8 @@ rank 0 alone. The vocabulary is cut the same way: each rank holds rows of the em
 
 Everything of tensor parallelism is here but the two sums in transformer.layer (`p.reduce`): `CUTS` and
 `Slice.cut`, how each kind of a layer's weight is cut (transformer.layer_params names the kind of each), with
-`Slice.experts` and `Slice.delta_net_spans` for the MoE experts and the Gated DeltaNet heads (whose copies
-layers/static_moe.py and layers/static_recurrent.py hold); `refusal`, what a model's sizes cannot be
+`Slice.experts` for the MoE experts (whose copies layers/static_moe.py holds; layers/static_recurrent.py names
+a Gated DeltaNet rank's heads itself, `delta_net_spans`, from a Slice's rank and size); `refusal`, what a model's sizes cannot be
 cut into (transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functional collectives); the vocabulary
 (`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and
 answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after; the groups
@@ -38,8 +38,8 @@ from layers.shards import dim0_mesh, is_shard
 # `Slice.cut` cuts it. kind -> (the dimension cut, what it is, for an error). Besides these, "kv_heads" (the K/V
 # projections, by outputs, in shares of the K/V heads: `Slice.kv_share`) and "vocabulary" (the embedding's and the
 # head's rows, in ceil-sized shares, the last one shorter). MoE experts are cut along their intermediate dimension
-# (`Slice.experts`), Gated DeltaNet layers by key and value heads (`Slice.delta_net_spans`); layers/static_moe.py
-# and layers/static_recurrent.py hold those copies.
+# (`Slice.experts`), Gated DeltaNet layers by key and value heads (static_recurrent.delta_net_spans);
+# layers/static_moe.py and layers/static_recurrent.py hold those copies.
 CUTS = {
     "heads": (0, "a projection into the query heads"),     # by outputs: q, the query's gate, a sink per head
     "kv_heads": (0, "the K/V projections"),
@@ -153,24 +153,6 @@ class Slice:
         if interleaved:
             return self.take(t, dim, lambda s: [(2 * a, 2 * b) for a, b in s.pieces(n // 2, what)], copy=True)
         return self.part(t, dim, what, groups=2)
-
-    def delta_net_spans(self, nk, nv, dk, dv):
-        """This rank's rows of a Gated DeltaNet layer (nk key heads of dk, nv value heads of dv), in the model's
-        coordinates, as lists of (start, stop): "qkv" its rows of in_proj_qkv (q, k and v each by heads), which are
-        also its channels of the convolution; "values" its value heads' dv-wide rows of in_proj_z and columns of
-        out_proj; "heads" its value heads (rows of in_proj_b and in_proj_a, A_log, dt_bias); "in" its rows of the
-        four input projections stacked (an adapter's stacked B). Contiguous shares: key head i serves value heads
-        [i nv/nk, (i + 1) nv/nk), so a rank's nk/T key heads serve exactly its nv/T value heads."""
-        if nk % self.size or nv % self.size:
-            raise ValueError(f"tensor parallelism over {self.size} ranks: the Gated DeltaNet's key heads ({nk}) and "
-                             f"value heads ({nv}) must each divide by {self.size}")
-        (k0, k1), (v0, v1) = self.span(nk, "key heads"), self.span(nv, "value heads")
-        key, value = nk * dk, nv * dv
-        qkv = [(k0 * dk, k1 * dk), (key + k0 * dk, key + k1 * dk), (2 * key + v0 * dv, 2 * key + v1 * dv)]
-        c = 2 * key + value
-        return {"qkv": qkv, "values": [(v0 * dv, v1 * dv)], "heads": [(v0, v1)],
-                "in": qkv + [(c + v0 * dv, c + v1 * dv), (c + value + v0, c + value + v1),
-                             (c + value + nv + v0, c + value + nv + v1)]}
 
     def kv_share(self, kv_heads):
         """The share of the K/V heads this rank holds, as a Slice over them: with fewer K/V heads than ranks, each

@@ -127,6 +127,15 @@ def test_layers_and_sandbox_import_nothing_of_the_project_outside_their_folder()
             assert not outside, f"{f} imports {outside}"
 
 
+def test_tensor_parallelism_is_applied_from_three_places_at_most():
+    """Tensor parallelism is applied from outside the layers it cuts: its groups made at setup (runs/setup.py),
+    its refusals asked when the paths are decided (layers/transformer.py), the plan's decoder on the meta device
+    (runs/plan.py). A weight-copy site that imports it to cut a weight makes a fourth, and this fails: the decoder
+    reads every weight through the reader it was given (layers/engine.py's Whole, or a Slice)."""
+    users = sorted(f for f, targets in graph().items() if "layers/tensor_parallel.py" in targets)
+    assert len(users) <= 3, f"layers/tensor_parallel.py is imported by {users}"
+
+
 if __name__ == "__main__":
     edges = graph()
     by_folder = {}

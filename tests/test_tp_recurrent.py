@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 from layers import static_recurrent  # noqa: E402
+from layers.engine import WHOLE  # noqa: E402
 from layers.tensor_parallel import Slice  # noqa: E402
 
 NK, NV = 4, 8
@@ -36,7 +37,7 @@ def deltanet_module(lora=False):
 
 def layers(m, size, rows):
     """The whole layer and its `size` ranks, loaded."""
-    whole = static_recurrent.DeltaNet(m, rows, "cpu", torch.float32)
+    whole = static_recurrent.DeltaNet(m, rows, "cpu", torch.float32, tp=WHOLE)
     ranks = [static_recurrent.DeltaNet(m, rows, "cpu", torch.float32, tp=Slice(rank=t, size=size))
              for t in range(size)]
     for layer in [whole, *ranks]:
@@ -114,9 +115,9 @@ def test_each_rank_holds_its_share_of_the_weights(size, lora):
 
 
 def test_the_whole_layer_when_the_group_has_one_rank():
-    """tp of size 1 is the whole layer: the same copies, the same outputs bit for bit."""
+    """A Slice of size 1 reads what the decoder's whole reader reads: the same copies, the same outputs bit for bit."""
     m = deltanet_module()
-    whole = static_recurrent.DeltaNet(m, 2, "cpu", torch.float32)
+    whole = static_recurrent.DeltaNet(m, 2, "cpu", torch.float32, tp=WHOLE)
     one = static_recurrent.DeltaNet(m, 2, "cpu", torch.float32, tp=Slice(rank=0, size=1))
     whole.load(m)
     one.load(m)
