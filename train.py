@@ -239,18 +239,11 @@ def micro_batches(run, batch, rows, mask, loss_mask, T):
 
 
 def update(run, batch, advantages, step):
-    """Reference log-probs, then mu passes over the batch, each one optimizer step per mini-batch
-    (steps_per_generation): the mini-batch's micro-batched loss and backward (`backward_mini_batch`), then the
-    optimizer step (`optimizer_step`).
-
-    Each mini-batch's loss is normalised by its own counts over all ranks, so an optimizer step's gradient is
-    that of its mini-batch alone (with one mini-batch, the whole batch's). The old log-probs are those of the
-    weights that sampled (`OldLogprobs`). With one mini-batch, the first pass's forward is at those weights: its
-    log-probs, kept, are the old log-probs of the later passes. With several, mini-batch 2's first forward comes
-    after an optimizer step, so a forward without gradient takes every row's old log-probs first (as TRL then
-    does). Either way they are compared with the sampler's (`sampler_logprob_diff`). With sync_ref_model the
-    reference is mixed toward the policy after every ref_model_sync_steps-th optimizer step of the run; this
-    step's reference log-probs were taken before (TRL takes them when it generates).
+    """Reference log-probs, then mu passes over the batch (num_iterations), each one optimizer step per mini-batch
+    (steps_per_generation, `mini_batches`): the mini-batch's micro-batched loss and backward
+    (`backward_mini_batch`), then the optimizer step (`optimizer_step`). The old log-probs are those of the weights
+    that sampled (`OldLogprobs`): with one mini-batch, the first pass's forward is at those weights, and its
+    log-probs, kept, are the later passes' old log-probs; with several, they are read first (`before_first_step`).
     Returns the sums and maxima behind the step's metrics (on this rank), the gradient norm and learning
     rate of the last optimizer step, and how many optimizer steps were skipped.
     """
@@ -296,8 +289,8 @@ def update(run, batch, advantages, step):
 def mini_batches(run, batch, mask, loss_mask):
     """The step's mini-batches, each a list of micro-batches, and each mini-batch's counted tokens over all ranks.
     Mini-batch j: the step's rows i with i % steps_per_generation == j, whatever the world size (n /
-    steps_per_generation of them on each rank); its normalisers over all ranks, so any world size gives the same
-    gradient. In each, the micro-batches of `run.micro_batches` (`micro_batches` below unless a feature groups rows
+    steps_per_generation of them on each rank). Its loss is normalised by its own counts over all ranks, so an
+    optimizer step's gradient is that of its mini-batch alone, and any world size gives the same one. In each, the micro-batches of `run.micro_batches` (`micro_batches` below unless a feature groups rows
     otherwise); with a token budget, as many on every rank (each forward makes FSDP collectives)."""
     cfg, d = run.cfg, run.d
     rows = logprobs.mini_batch_rows(mask.shape[0], batch.mine.start, cfg.steps_per_generation, d.device)
@@ -313,7 +306,8 @@ def mini_batches(run, batch, mask, loss_mask):
 
 def before_first_step(run, ids, mask, minis, loss_mask, old, extras):
     """What must be read at the weights that sampled before the first optimizer step moves them: with several
-    mini-batches, every row's old log-probs (one forward without gradient each, kept in `old`); with
+    mini-batches, every row's old log-probs (one forward without gradient each, kept in `old`: mini-batch 2's first
+    forward with gradient comes after an optimizer step, and TRL too reads them first); with
     top_entropy_quantile, each mini-batch's entropy threshold (`entropy_threshold`). The thresholds, or Nones."""
     cfg = run.cfg
     threshold = [None] * len(minis)  # each mini-batch's entropy quantile
@@ -471,7 +465,8 @@ def optimizer_step(run, opt_step, step_loss):
         run.loss_scale.update(done)
     run.optimizer.zero_grad(set_to_none=True)
     # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so a resumed
-    # run syncs where an uninterrupted one does
+    # run syncs where an uninterrupted one does; the step's reference log-probs were taken before (as TRL takes them
+    # when it generates)
     if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
         sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
     return grad_norm, lr, done
