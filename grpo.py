@@ -30,16 +30,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     where no finite float32 rewards can overflow; ValueError when the advantages do not fit float32 (only possible with
     scale "none" and rewards near float32's limit) or a reward is infinite. Returns (advantages (N,) float32, group_std
     (P,) float64)."""
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
     r = rewards.double().view(-1, group_size)  # (P, G)
-    if torch.isinf(r).any():
-        raise ValueError(f"group_advantages: {torch.isinf(r).sum().item()} reward(s) are infinite; "
-                         f"rewards must be finite, or NaN where none was given")
     valid = ~torch.isnan(r)
     n = valid.sum(1, keepdim=True)
-    r0 = torch.where(valid, r, 0.0)
-    mean = r0.sum(1, keepdim=True) / n.clamp(min=1)
+    mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / n.clamp(min=1)
     centred = torch.where(valid, r - mean, 0.0)
     std = (centred.pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # unbiased, like torch.std
     hi = torch.where(valid, r, float("-inf")).amax(1, keepdim=True)
@@ -47,9 +41,8 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     flat = (hi <= lo) | (n < 2)  # all equal: no signal, and rounding in `mean` must not invent one
     adv = centred / (std + eps) if scale == "group" else rescaled(centred, r, valid, scale, eps)
     adv = torch.where(flat, 0.0, adv).float()
-    if not torch.isfinite(adv).all():
-        raise ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
-                         f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
+    if torch.isinf(r).any() or not torch.isfinite(adv).all():
+        raise unfit_rewards(r, centred, scale)
     return adv.reshape(-1), std.squeeze(1)
 
 
@@ -61,7 +54,19 @@ def rescaled(centred, r, valid, scale, eps):
         all_valid = r[valid]
         batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         return centred / (batch_std + eps)
+    if scale != "none":
+        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
     return centred
+
+
+def unfit_rewards(r, centred, scale):
+    """group_advantages' ValueError for rewards `r` (P, G) with an infinite one, or whose centred values `centred`
+    give advantages that do not fit float32."""
+    if torch.isinf(r).any():
+        return ValueError(f"group_advantages: {torch.isinf(r).sum().item()} reward(s) are infinite; "
+                          f"rewards must be finite, or NaN where none was given")
+    return ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
+                      f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
 
 
 def decoupled_rewards(parts, weights, group_size):
