@@ -229,8 +229,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     The vocabulary projection then runs over chunks of `chunk_tokens` positions and is recomputed chunk by chunk
     in backward, so no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as in `sample`.
     Returns (logp, entropy), each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
-    `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
-    """
+    `fused` (default: on CUDA with Triton) runs each chunk's math compiled."""
     forward = forward or default_forward(fast_forward, compile_layers, width)
     t = num_completion_tokens
     rows = forward.layout(model, input_ids, attention_mask, t, width, extras)
@@ -314,14 +313,20 @@ class Layout:
         s = input_ids.shape[1]
         lead, left_padded_only, padded = _lead(attention_mask, t)
         if not left_padded_only:
-            return Layout(input_ids, attention_mask, t, torch.zeros_like(lead), None, s, input_ids,
-                          attention_mask.bool(), attention_mask, position_ids_from_mask(attention_mask))
+            return Layout.as_given(input_ids, attention_mask, t)
         # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
         cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s if padded else None
         rows = Layout(input_ids, attention_mask, t, lead, cols, s if width is None else min(width, s))
         rows.ids, rows.real = rows.move(input_ids), rows.move(attention_mask.bool())
         rows.positions = torch.arange(rows.ids.shape[1], device=input_ids.device).expand(rows.ids.shape)
         return rows
+
+    @staticmethod
+    def as_given(input_ids, attention_mask, t):
+        """The rows as they are, under their attention mask: where the padding cannot move (`of`)."""
+        lead = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        return Layout(input_ids, attention_mask, t, lead, None, input_ids.shape[1], input_ids, attention_mask.bool(),
+                      attention_mask, position_ids_from_mask(attention_mask))
 
     def move(self, x):
         """x (N, S, ...), a value per token, laid out as the rows are: moved with its row, cut to `width`."""
@@ -687,10 +692,9 @@ def split_micro_batches(micro, count):
 def mini_batch_rows(num_rows, first_row, count, device=None):
     """This rank's rows of each of `count` mini-batches (one optimizer step each): (num_rows / count,) indices each.
 
-    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is
-    every global row i with i % count == j. The split is then the same for any number of processes, every rank
-    holds as many rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G
-    consecutive completions is spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)
-    """
+    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is every
+    global row i with i % count == j. The split is then the same for any number of processes, every rank holds as many
+    rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G consecutive completions is
+    spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)"""
     rows = torch.arange(num_rows, device=device)
     return [rows[(rows + first_row) % count == j] for j in range(count)]

@@ -124,12 +124,10 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
 
     Each function gets prompts, completions and every field (one value per completion) by keyword, and the
     run-level keywords in `context` (the trainer's: step, max_completion_length, soft_punish_cache).
-    The total is the weighted sum over the functions that scored a completion,
-    NaN when none did. A score or total that does not fit REWARD_DTYPE raises
-    RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}. rows: each completion's
-    number in the batch, where these are some of its rows (the groups that have landed:
-    features/streaming.py's Landing).
-    """
+    The total is the weighted sum over the functions that scored a completion, NaN when none did. A score or total
+    that does not fit REWARD_DTYPE raises RewardFunctionError. `seconds`, a dict, receives each function's time:
+    {name: s}. rows: each completion's number in the batch, where these are some of its rows (the groups that have
+    landed: features/streaming.py's Landing)."""
     parts = reward_parts(reward_funcs, prompts, completions, fields, seconds, context, rows)
     return weighted_total(parts, weights, completions, rows), parts
 
