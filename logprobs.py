@@ -145,8 +145,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 # -g * softmax (a new tensor: a retained graph may run backward again)
                 z = _logit_grad(kept * -g, targets[s:e], g, ctx.temperature).to(hidden.dtype)
             else:
-                z = _recomputed_grad(ctx, h, weight, targets[s:e], lse[s:e], grad_logp[s:e],
-                                     None if grad_entropy is None else grad_entropy[s:e], entropy, s, e)
+                z = _recomputed_grad(ctx, ctx.saved_tensors, grad_logp, grad_entropy, s, e)
             if want_h:
                 grad_h[s:e] = z @ weight
             if want_w:
@@ -185,9 +184,12 @@ class _FusedTokenLogprobs(_ChunkedTokenLogprobs):
         return logp, entropy
 
 
-def _recomputed_grad(ctx, h, weight, targets, lse, grad_logp, grad_entropy, entropy, s, e):
-    """One chunk's d loss / d logits, in h's dtype, from its logits recomputed: compiled (`fused`), or eagerly,
-    through the head's transform and with the entropy's gradient where they apply."""
+def _recomputed_grad(ctx, saved, grad_logp, grad_entropy, s, e):
+    """Chunk s:e's d loss / d logits from its logits recomputed (`saved`: the forward's tensors), in their dtype:
+    compiled (`fused`), or eagerly, through the head's transform and with the entropy's gradient where they apply."""
+    hidden, weight, targets, lse, _, entropy = saved
+    h, targets, lse, grad_logp = hidden[s:e], targets[s:e], lse[s:e], grad_logp[s:e]
+    grad_entropy = None if grad_entropy is None else grad_entropy[s:e]
     if ctx.fused and not (ctx.entropy_grad and grad_entropy is not None):
         return _fused("grad")(F.linear(h, weight), targets, lse, grad_logp.float(), 1.0 / ctx.temperature)
     g = grad_logp[:, None].float()
