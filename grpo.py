@@ -30,16 +30,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     where no finite float32 rewards can overflow; ValueError when the advantages do not fit float32 (only possible with
     scale "none" and rewards near float32's limit) or a reward is infinite. Returns (advantages (N,) float32, group_std
     (P,) float64)."""
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
     r = rewards.double().view(-1, group_size)  # (P, G)
-    if torch.isinf(r).any():
-        raise ValueError(f"group_advantages: {torch.isinf(r).sum().item()} reward(s) are infinite; "
-                         f"rewards must be finite, or NaN where none was given")
     valid = ~torch.isnan(r)
     n = valid.sum(1, keepdim=True)
-    r0 = torch.where(valid, r, 0.0)
-    mean = r0.sum(1, keepdim=True) / n.clamp(min=1)
+    mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / n.clamp(min=1)
     centred = torch.where(valid, r - mean, 0.0)
     std = (centred.pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # unbiased, like torch.std
     hi = torch.where(valid, r, float("-inf")).amax(1, keepdim=True)
@@ -47,9 +41,8 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     flat = (hi <= lo) | (n < 2)  # all equal: no signal, and rounding in `mean` must not invent one
     adv = centred / (std + eps) if scale == "group" else rescaled(centred, r, valid, scale, eps)
     adv = torch.where(flat, 0.0, adv).float()
-    if not torch.isfinite(adv).all():
-        raise ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
-                         f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
+    if torch.isinf(r).any() or not torch.isfinite(adv).all():
+        raise unfit_rewards(r, centred, scale)
     return adv.reshape(-1), std.squeeze(1)
 
 
@@ -61,7 +54,19 @@ def rescaled(centred, r, valid, scale, eps):
         all_valid = r[valid]
         batch_std = all_valid.std() if all_valid.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         return centred / (batch_std + eps)
+    if scale != "none":
+        raise ValueError(f"scale_rewards: unknown value {scale!r} (group, batch or none)")
     return centred
+
+
+def unfit_rewards(r, centred, scale):
+    """group_advantages' ValueError for rewards `r` (P, G) with an infinite one, or whose centred values `centred`
+    give advantages that do not fit float32."""
+    if torch.isinf(r).any():
+        return ValueError(f"group_advantages: {torch.isinf(r).sum().item()} reward(s) are infinite; "
+                          f"rewards must be finite, or NaN where none was given")
+    return ValueError(f"group_advantages: advantages up to {centred.abs().max().item():.4g} do not fit float32 "
+                      f"(scale_rewards={scale!r}); scale the rewards down or use scale_rewards='group'")
 
 
 def decoupled_rewards(parts, weights, group_size):
@@ -85,9 +90,8 @@ def decoupled_rewards(parts, weights, group_size):
 def k3_kl(ref_logp, logp):
     """Per-token KL(policy || ref) estimate exp(d) - d - 1 with d = ref - logp (Schulman's k3).
 
-    Unbiased, non-negative, and computed in float32 with exp's argument capped so
-    that it stays finite for any finite input, also from bfloat16.
-    """
+    Unbiased, non-negative, and computed in float32 with exp's argument capped so that it stays finite for any finite
+    input, also from bfloat16."""
     d = ref_logp.float() - logp.float()
     return (torch.expm1(d.clamp(max=20.0)) - d).clamp(min=0.0)
 
@@ -295,8 +299,7 @@ def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_le
       sequence_mean (grpo, sapo): mean over sequences of the per-sequence token mean (DeepSeekMath)
       token_mean (dapo, bnpo, cispo, vespo): sum over tokens / tokens in the batch (DAPO's token-level loss)
       constant (dr_grpo): sum over tokens / (sequences * max_completion_length) (Dr. GRPO)
-      sequence_sum (luspo): mean over sequences of the per-sequence token sum (LUSPO)
-    """
+      sequence_sum (luspo): mean over sequences of the per-sequence token sum (LUSPO)"""
     if how == "sequence_mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     return summed_over_tokens(per_token, mask, how, num_sequences, num_tokens, max_completion_length)
@@ -354,17 +357,15 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
               keep=None, entropy=None):
     """Policy term plus beta * k3 KL for one micro-batch, normalised over the whole batch.
 
-    logp (n, T) requires grad; old_logp is the detached log-prob of the policy
-    that sampled (logp.detach() when each batch is used once, so the ratio is 1);
-    ref_logp is None when beta == 0; advantages (n,); mask (n, T).
+    logp (n, T) requires grad; old_logp is the detached log-prob of the policy that sampled (logp.detach() when each
+    batch is used once, so the ratio is 1); ref_logp is None when beta == 0; advantages (n,); mask (n, T).
     objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM, TERMS) and an aggregation
     (AGGREGATION; see `aggregate`); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
     num_sequences, num_tokens: the whole batch's (all micro-batches, accumulation steps and ranks).
     is_weight, keep: None, or what multiplies the policy term (`reweighted`). entropy (n, T): with entropy_coef,
     it must carry its gradient (completion_logprobs(entropy_grad=True)).
     Returns (loss, metrics) with metric means over this micro-batch's tokens, as 0-dim tensors on the loss's
-    device: reading them (.item()) waits for the device, so callers sum them and read once per step.
-    """
+    device: reading them (.item()) waits for the device, so callers sum them and read once per step."""
     o = objective
     if o.loss_type not in POLICY_TERM:
         raise ValueError(f"loss_type: unknown value {o.loss_type!r} (one of {', '.join(LOSS_TYPES)})")
@@ -386,13 +387,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         low, high = clipped(ratio, adv, o)
-        metrics = {
-            "kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),
-            "clip_low": (low.to(mask.dtype) * mask).sum() / count,
-            "clip_high": (high.to(mask.dtype) * mask).sum() / count,
-            "tokens": mask.sum(),
-        }
-    return loss, metrics
+        return loss, {"kl": (kl * mask).sum() / count if kl is not None else torch.zeros((), device=mask.device),
+                      "clip_low": (low.to(mask.dtype) * mask).sum() / count,
+                      "clip_high": (high.to(mask.dtype) * mask).sum() / count, "tokens": mask.sum()}
 
 
 def reweighted(per_token, keep, is_weight, term):

@@ -93,24 +93,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     autograd graph over the vocabulary. When all rows fit in one chunk, that
     chunk's softmax is kept for backward instead of recomputed. The entropy
     is a metric without gradient unless `entropy_grad` (an entropy bonus in the loss): then backward adds
-    d H / d z = -p (log p + H) for z = logits / temperature, in the unfused path (a chunk's logits
-    recomputed). With `fused`, each chunk's math is the compiled
-    `_chunk_stats` / `_chunk_grad` instead (for bf16 weights, no float32 copy of a chunk's logits).
+    d H / d z = -p (log p + H) for z = logits / temperature, with a chunk's logits recomputed.
+    `head`: what the model applies to its final logits (`transformer.head_of`), or None.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, fused=False, entropy_grad=False, head=None):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, entropy_grad=False, head=None):
         n = hidden.shape[0]
-        fused = fused and head is None  # the compiled chunk math knows no head transform
         logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         kept = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            if fused:
-                lse[s:e], logp[s:e], entropy[s:e] = _fused("stats")(F.linear(hidden[s:e], weight), targets[s:e],
-                                                                     1.0 / temperature)
-                continue
             z = F.linear(hidden[s:e], weight).float()
             if head is not None:
                 z = head.apply(z)
@@ -128,7 +122,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad and head is None:
                 kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
-        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, fused, entropy_grad
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, False, entropy_grad
         ctx.head = head
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -151,8 +145,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 # -g * softmax (a new tensor: a retained graph may run backward again)
                 z = _logit_grad(kept * -g, targets[s:e], g, ctx.temperature).to(hidden.dtype)
             else:
-                z = _recomputed_grad(ctx, h, weight, targets[s:e], lse[s:e], grad_logp[s:e],
-                                     None if grad_entropy is None else grad_entropy[s:e], entropy, s, e)
+                z = _recomputed_grad(ctx, ctx.saved_tensors, grad_logp, grad_entropy, s, e)
             if want_h:
                 grad_h[s:e] = z @ weight
             if want_w:
@@ -160,7 +153,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), h)
                 else:
                     grad_w += z.t() @ h
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def _logit_grad(z, targets, g, temperature):
@@ -169,9 +162,34 @@ def _logit_grad(z, targets, g, temperature):
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _recomputed_grad(ctx, h, weight, targets, lse, grad_logp, grad_entropy, entropy, s, e):
-    """One chunk's d loss / d logits, in h's dtype, from its logits recomputed: compiled (`fused`), or eagerly,
-    through the head's transform and with the entropy's gradient where they apply."""
+class _FusedTokenLogprobs(_ChunkedTokenLogprobs):
+    """_ChunkedTokenLogprobs with each chunk's math compiled (`_chunk_stats`, and `_chunk_grad` in its backward;
+    `fused_head_available`): for bf16 weights, no float32 copy of a chunk's logits. It knows no head transform; with
+    `entropy_grad`, backward's chunks take the eager path (`_recomputed_grad`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, entropy_grad=False):
+        n = hidden.shape[0]
+        logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            lse[s:e], logp[s:e], entropy[s:e] = _fused("stats")(F.linear(hidden[s:e], weight), targets[s:e],
+                                                                 1.0 / temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse, None, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, True, entropy_grad
+        ctx.head = None
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+
+def _recomputed_grad(ctx, saved, grad_logp, grad_entropy, s, e):
+    """Chunk s:e's d loss / d logits from its logits recomputed (`saved`: the forward's tensors), in their dtype:
+    compiled (`fused`), or eagerly, through the head's transform and with the entropy's gradient where they apply."""
+    hidden, weight, targets, lse, _, entropy = saved
+    h, targets, lse, grad_logp = hidden[s:e], targets[s:e], lse[s:e], grad_logp[s:e]
+    grad_entropy = None if grad_entropy is None else grad_entropy[s:e]
     if ctx.fused and not (ctx.entropy_grad and grad_entropy is not None):
         return _fused("grad")(F.linear(h, weight), targets, lse, grad_logp.float(), 1.0 / ctx.temperature)
     g = grad_logp[:, None].float()
@@ -206,21 +224,15 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask (N, S) marks the real tokens.
     `forward` gives the final hidden states that predict the completion tokens: the plain `Forward` (the
-    written-out layers where `fast_forward`, by default where the run decided so, compiled when `compile_layers`),
-    or a feature's variant around it (features/routing_replay.py's, features/images.py's, `TreeForward`; a run
-    builds it once: `run.forward`), which reads the rows' `extras`
-    (routing records, images): this function carries them without reading. `width`: the forward's columns
-    (`MicroBatch.width`).
+    written-out layers where `fast_forward`, by default where the run decided so, compiled when `compile_layers`;
+    `default_forward`), or a feature's variant around it (`Around`; a run builds it once: `run.forward`), which
+    reads the rows' `extras` (routing records, images): this function carries them without reading. `width`: the
+    forward's columns (`MicroBatch.width`).
     The vocabulary projection then runs over chunks of `chunk_tokens` positions and is recomputed chunk by chunk
     in backward, so no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as in `sample`.
     Returns (logp, entropy), each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
-    `fused` (default: on CUDA with Triton) runs each chunk's math compiled.
-    A SharedPrompts `width` with no `forward` given runs the plain forward as a tree (`TreeForward`).
-    """
-    if forward is None:
-        forward = Forward(fast_forward, compile_layers)
-        if isinstance(width, SharedPrompts):  # --shared_prompts' micro-batches
-            forward = TreeForward(forward)
+    `fused` (default: on CUDA with Triton) runs each chunk's math compiled."""
+    forward = forward or default_forward(fast_forward, compile_layers, width)
     t = num_completion_tokens
     rows = forward.layout(model, input_ids, attention_mask, t, width, extras)
     hidden = rows.predicting(forward.hidden(model, rows, extras))
@@ -303,14 +315,20 @@ class Layout:
         s = input_ids.shape[1]
         lead, left_padded_only, padded = _lead(attention_mask, t)
         if not left_padded_only:
-            return Layout(input_ids, attention_mask, t, torch.zeros_like(lead), None, s, input_ids,
-                          attention_mask.bool(), attention_mask, position_ids_from_mask(attention_mask))
+            return Layout.as_given(input_ids, attention_mask, t)
         # each row rolled left by its padding: (pad pad a b c) -> (a b c pad pad)
         cols = (torch.arange(s, device=input_ids.device) + lead[:, None]) % s if padded else None
         rows = Layout(input_ids, attention_mask, t, lead, cols, s if width is None else min(width, s))
         rows.ids, rows.real = rows.move(input_ids), rows.move(attention_mask.bool())
         rows.positions = torch.arange(rows.ids.shape[1], device=input_ids.device).expand(rows.ids.shape)
         return rows
+
+    @staticmethod
+    def as_given(input_ids, attention_mask, t):
+        """The rows as they are, under their attention mask: where the padding cannot move (`of`)."""
+        lead = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        return Layout(input_ids, attention_mask, t, lead, None, input_ids.shape[1], input_ids, attention_mask.bool(),
+                      attention_mask, position_ids_from_mask(attention_mask))
 
     def move(self, x):
         """x (N, S, ...), a value per token, laid out as the rows are: moved with its row, cut to `width`."""
@@ -329,15 +347,22 @@ class Layout:
 
 
 def _token_logprobs(model, hidden, targets, temperature, chunk_tokens, fused, entropy_grad):
-    """The head over the hidden states (N * T, H) that predict targets (N, T): (log-probs, entropies), each (N, T)."""
+    """The head over the hidden states (N * T, H) that predict targets (N, T): (log-probs, entropies), each (N, T).
+    Each chunk's math compiled (`_FusedTokenLogprobs`) where `fused` and the model's logits have no transform."""
     n, t = targets.shape
-    weight = model.get_output_embeddings().weight
+    weight, head = model.get_output_embeddings().weight, head_of(model)
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
-    if fused is None:
-        fused = fused_head_available(weight.device)
-    logp, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.reshape(n * t), float(temperature), chunk,
-                                                bool(fused), bool(entropy_grad), head_of(model))
+    args = (hidden, weight, targets.reshape(n * t), float(temperature), chunk, bool(entropy_grad))
+    compiled = head is None and (fused_head_available(weight.device) if fused is None else fused)
+    logp, entropy = _FusedTokenLogprobs.apply(*args) if compiled else _ChunkedTokenLogprobs.apply(*args, head)
     return logp.view(n, t), entropy.view(n, t)
+
+
+def default_forward(fast_forward=None, compile_layers=False, width=None):
+    """The forward of a `completion_logprobs` call given none: the plain `Forward`, run as a tree (`TreeForward`)
+    for --shared_prompts' micro-batches (a SharedPrompts `width`)."""
+    forward = Forward(fast_forward, compile_layers)
+    return TreeForward(forward) if isinstance(width, SharedPrompts) else forward
 
 
 # ----------------------------------------------------------------------------- shared prompts
@@ -567,35 +592,30 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     `prompt_ids` (N, P), the left-padded prompts: --shared_prompts (`shared_micro_batches`)."""
     if prompt_ids is not None:
         return shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids)
-    t_all = num_completion_tokens
-    p = attention_mask.shape[1] - t_all
-    prompt_len = attention_mask[:, :p].long().sum(1)
-    position = torch.arange(1, t_all + 1, device=token_mask.device)
+    p = attention_mask.shape[1] - num_completion_tokens
+    position = torch.arange(1, num_completion_tokens + 1, device=token_mask.device)
     completion_len = ((token_mask > 0) * position).amax(1)  # 1 + the last counted position; 0 if none counts
-    prompt_len = torch.where(completion_len > 0, prompt_len, 0)  # a row with nothing counted needs no column
+    # a row with nothing counted needs no column
+    prompt_len = torch.where(completion_len > 0, attention_mask[:, :p].long().sum(1), 0)
     need = (prompt_len + completion_len).tolist()
     prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
-    order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
-
-    def micro_batch(rows, longest_prompt, longest_completion):
-        t = max(1, longest_completion)
-        # keep at least the last prompt column: it predicts the first completion token
-        start = max(0, min(p - 1, p - longest_prompt))
-        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, width(rows))
 
     def width(rows):  # rows[0] is the longest; its last token predicts nothing
         return max(1, need[rows[0]] - 1)
 
-    out, rows, lp, lc = [], [], 0, 0  # the micro-batch being filled and its longest prompt and completion
-    for i in order:  # longest first: a micro-batch's first row sets its width
+    def micro_batch(rows):
+        t = max(1, max(completion_len[i] for i in rows))
+        # keep at least the last prompt column: it predicts the first completion token
+        start = max(0, min(p - 1, p - max(prompt_len[i] for i in rows)))
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, width(rows))
+
+    out = [[]]  # each micro-batch's rows, longest first: its first row sets its width
+    for i in sorted(range(len(need)), key=lambda i: -need[i]):  # stable: equal lengths keep batch order
+        rows = out[-1]
         if rows and (len(rows) >= size if max_tokens <= 0 else (len(rows) + 1) * width(rows) > max_tokens):
-            out.append(micro_batch(rows, lp, lc))
-            rows, lp, lc = [], 0, 0
-        rows.append(i)
-        lp, lc = max(lp, prompt_len[i]), max(lc, completion_len[i])
-    if rows:
-        out.append(micro_batch(rows, lp, lc))
-    return out
+            out.append([])
+        out[-1].append(i)
+    return [micro_batch(rows) for rows in out if rows]
 
 
 def shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids):
@@ -674,10 +694,9 @@ def split_micro_batches(micro, count):
 def mini_batch_rows(num_rows, first_row, count, device=None):
     """This rank's rows of each of `count` mini-batches (one optimizer step each): (num_rows / count,) indices each.
 
-    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is
-    every global row i with i % count == j. The split is then the same for any number of processes, every rank
-    holds as many rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G
-    consecutive completions is spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)
-    """
+    The rank holds `num_rows` consecutive rows of the step's batch, from global row `first_row`; mini-batch j is every
+    global row i with i % count == j. The split is then the same for any number of processes, every rank holds as many
+    rows of each mini-batch (as many forwards: FSDP's collectives match), and each group of G consecutive completions is
+    spread over the mini-batches. (TRL shuffles the rows and cuts them in order.)"""
     rows = torch.arange(num_rows, device=device)
     return [rows[(rows + first_row) % count == j] for j in range(count)]

@@ -54,11 +54,8 @@ def _call_reward(fn, prompts, completions, fields, context, rows=None):
         _raise_failure(fn, batch_error, prompts, completions, fields, context, rows)
     if type(scores) is not list or len(scores) != len(completions):  # another iterable, or a wrong answer
         scores = _score_list(fn, scores, len(completions))
-    values = [_value(s) for s in scores]
-    if None in values:
-        _raise_bad_score(fn, scores, values.index(None), completions, rows)
-    out = torch.tensor(values, dtype=REWARD_DTYPE)
-    if torch.isinf(out).any():  # finite as a Python float, infinite once stored: training would silently go NaN
+    out = torch.tensor([_value(s) for s in scores], dtype=REWARD_DTYPE)
+    if torch.isinf(out).any():  # not a finite number, or finite but too large once stored: training would go NaN
         _raise_bad_score(fn, scores, torch.isinf(out).nonzero()[0].item(), completions, rows)
     return out
 
@@ -102,19 +99,19 @@ def _score_list(fn, scores, n):
 
 
 def _value(s):
-    """A score as a float, NaN for None; None where it is not a real number that stays finite as a float."""
+    """A score as a float, NaN for None; inf where it is not a real number that stays finite as a float."""
     try:  # float() of a huge int or Fraction raises OverflowError
-        value = float("nan") if s is None else float(s) if isinstance(s, Real) else None
+        value = math.nan if s is None else float(s) if isinstance(s, Real) else math.inf
     except OverflowError:
-        return None
-    return value if value is None or s is None or math.isfinite(value) else None
+        return math.inf
+    return value if s is None or math.isfinite(value) else math.inf
 
 
 def _raise_bad_score(fn, scores, i, completions, rows):
     """RewardFunctionError naming `fn` and completion i, whose score scores[i] is not a finite number, or overflows
     REWARD_DTYPE."""
     s, number, text = scores[i], _number(rows, i), completions[i][:500]
-    if _value(s) is None:
+    if math.isinf(_value(s)):
         raise RewardFunctionError(f"reward function '{reward_name(fn)}' returned {s!r} (a {type(s).__name__}) for "
                                   f"completion {number}: {text!r}; expected a finite number or None")
     raise RewardFunctionError(f"reward function '{reward_name(fn)}' returned {s!r} for completion {number}: "
@@ -127,12 +124,10 @@ def score_completions(reward_funcs, weights, prompts, completions, fields, secon
 
     Each function gets prompts, completions and every field (one value per completion) by keyword, and the
     run-level keywords in `context` (the trainer's: step, max_completion_length, soft_punish_cache).
-    The total is the weighted sum over the functions that scored a completion,
-    NaN when none did. A score or total that does not fit REWARD_DTYPE raises
-    RewardFunctionError. `seconds`, a dict, receives each function's time: {name: s}. rows: each completion's
-    number in the batch, where these are some of its rows (the groups that have landed:
-    features/streaming.py's Landing).
-    """
+    The total is the weighted sum over the functions that scored a completion, NaN when none did. A score or total
+    that does not fit REWARD_DTYPE raises RewardFunctionError. `seconds`, a dict, receives each function's time:
+    {name: s}. rows: each completion's number in the batch, where these are some of its rows (the groups that have
+    landed: features/streaming.py's Landing)."""
     parts = reward_parts(reward_funcs, prompts, completions, fields, seconds, context, rows)
     return weighted_total(parts, weights, completions, rows), parts
 

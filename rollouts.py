@@ -56,8 +56,7 @@ def carried(rollout, version):
     it. None where no row was carried: a rollout sampled at once (no `context_version`), every row on `version`."""
     if rollout.context_version is None:
         return None
-    mask = rollout.policy_mask.bool()
-    return (rollout.context_version < version).to(mask.device)[:, None] & mask
+    return (rollout.context_version < version).to(rollout.policy_mask.device)[:, None] & rollout.policy_mask.bool()
 
 
 def _map(x, fn):

@@ -476,7 +476,7 @@ def test_entropy_gradient_matches_autograd_through_full_logits(chunk):
     targets = torch.randint(0, 40, (10,), generator=g)
     gl, ge = torch.randn(10, generator=g), torch.randn(10, generator=g)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp, entropy = logprobs._ChunkedTokenLogprobs.apply(h1, w1, targets, 0.7, chunk, False, True)
+    logp, entropy = logprobs._ChunkedTokenLogprobs.apply(h1, w1, targets, 0.7, chunk, True)
     ((logp * gl).sum() + (entropy * ge).sum()).backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lsm = torch.log_softmax(h2 @ w2.t() / 0.7, -1)

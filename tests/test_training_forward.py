@@ -371,7 +371,8 @@ def test_cuda_fused_head_matches_eager_chunks(dtype):
     out = []
     for fused, chunk in ((False, 7), (True, 7), (True, 1000)):
         hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
-        logp, ent = logprobs._ChunkedTokenLogprobs.apply(hidden, weight, targets, 0.7, chunk, fused)
+        chunked = logprobs._FusedTokenLogprobs if fused else logprobs._ChunkedTokenLogprobs
+        logp, ent = chunked.apply(hidden, weight, targets, 0.7, chunk)
         (logp * upstream).sum().backward()
         out.append((logp.detach(), ent, hidden.grad.float(), weight.grad.float()))
     for got in out[1:]:
