@@ -89,8 +89,8 @@ class StaticDecoder:
         device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
                 length > dec.max_len or dec.tp != tp:
-            if dec is not None:  # grow: free the old buffers first
-                del model._static_decoder, dec
+            model.__dict__.pop("_static_decoder", None)  # grow: free the old buffers first
+            dec = None
             # slots in multiples of 64: fewer regrowths, aligned
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
@@ -211,23 +211,18 @@ class StaticDecoder:
         self._load_root(model)
 
     def _load_root(self, model):
-        """The embedding, final norm and head: this rank's vocabulary rows of the embedding and head (a sharded
-        root's cut from its shards, the final norm gathered whole); a tied head is the embedding's copy."""
+        """The embedding, final norm and head, as the reader `tp` reads them, in the copies' dtype and device: this
+        rank's vocabulary rows of the embedding and head (a sharded root's cut from its shards, the final norm
+        gathered whole; `Whole`: all of them); a tied head is the embedding's copy."""
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         tied = embed is head or (not transformer._any_dtensor([embed]) and head.data_ptr() == embed.data_ptr())
-        norm = model.model.norm.weight
-        if self.tp.size > 1:
-            to = dict(device=self.device, dtype=self.dtype)
-            embed = self.tp.cut(embed, "vocabulary").to(**to)
-            head = embed if tied else self.tp.cut(head, "vocabulary").to(**to)
-            norm = self.tp.whole(norm).to(**to)
-        root = self.w[1]
-        _put(root, "embed", [embed])
-        _put(root, "norm", [transformer._norm_weight(norm, self.fam)])
+        to, root = dict(device=self.device, dtype=self.dtype), self.w[1]
+        _put(root, "embed", [self.tp.cut(embed, "vocabulary").to(**to)])
+        _put(root, "norm", [transformer._norm_weight(self.tp.whole(model.model.norm.weight).to(**to), self.fam)])
         if tied:
             root["lm_head"] = root["embed"]
         elif root.get("lm_head") is not root["embed"]:  # planned on the meta device, a tied copy may be untied
-            _put(root, "lm_head", [head])
+            _put(root, "lm_head", [self.tp.cut(head, "vocabulary").to(**to)])
         self.rotary = model.model.rotary_emb
 
     def weight_bytes(self):
@@ -457,11 +452,12 @@ class StaticDecoder:
         """The key mask (b, 1, 1, L) of a decode step (broadcast over heads and queries), each row's slot marked in
         key_mask first (from a device tensor: a Python True would be copied from the host). Eager decode without
         left padding, every row at the same slot, attends to every filled slot: no mask (None); the slots it fills
-        are marked in key_mask later, only if a step that reads the mask comes."""
+        are marked in key_mask later (`_mark`), only if a step that reads the mask comes, as this one does."""
         if self.unpadded and not torch.is_tensor(slot):
             first = self.unmarked[1] if self.unmarked is not None else slot
             self.unmarked = (b, first, slot)
             return None
+        self._mark()
         self.key_mask[at, slot] = self.trues[:b]
         return self.key_mask[:b, None, None, lo:kv_len]
 
@@ -489,12 +485,9 @@ class StaticDecoder:
         slot: an int, every row's slot, or a tensor (n,) of each row's own slot, the largest of them `top` (a
         host int). Positions need no input: prefill filled each row's rotary table by slot.
         """
-        n = tok.shape[0]
-        if torch.is_tensor(slot):
-            self._mark()
         top = slot if top is None else top
         if not self.use_graph:
-            return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
+            return self._decode_body(tok.shape[0], slot, top + 1, tok)  # eager: attend over the filled slots only
         return self._replay(tok, slot, top)
 
     def _replay(self, tok, slot, top):
