@@ -90,7 +90,7 @@ class StaticDecoder:
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
                 length > dec.max_len or dec.tp != tp:
             model.__dict__.pop("_static_decoder", None)  # grow: free the old buffers first
-            dec = None
+            dec = None  # (this name held them too)
             # slots in multiples of 64: fewer regrowths, aligned
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
@@ -308,10 +308,9 @@ class StaticDecoder:
         def attend(p, q, k, v):
             write(p.cache_row, k, v)  # (B, nkv, hd) each
             kk, vv = keys(p.cache_row)  # (B, nkv, L, hd)
-            window = p.window
-            mask = masks[window]
-            if starts and window in starts:
-                kk, vv, mask = kk[:, :, starts[window] - lo:], vv[:, :, starts[window] - lo:], None
+            mask = masks[p.window]
+            if p.window in starts:  # its keys narrowed by slots, unmasked (`_narrowed`)
+                kk, vv, mask = kk[:, :, starts[p.window] - lo:], vv[:, :, starts[p.window] - lo:], None
             b = q.shape[0]
             out = transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel)
             return out.reshape(b, nh, hd)
