@@ -7,6 +7,7 @@
     head.py              the final-logit transform (a scale, a softcap), for the sampler and the training head alike
     static_moe.py        Mixture-of-Experts blocks, their experts read in place (or a rank's share copied, with TP)
     static_recurrent.py  Gated DeltaNet layers (Qwen3.5) with their states per row
+    shared_prefill.py    the decoder's prefill with rows of one prompt running it once (--shared_prompts)
     hf_decoder.py        the general path: the model's own forward over a cache whose masks are ours
     tensor_parallel.py   tensor parallelism in one file: how each kind of weight is cut, what cannot be, the sum
                          joining the slices, the group's rows and answers, the vocabulary-sliced draw's collectives

@@ -89,8 +89,8 @@ class StaticDecoder:
         device, dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         if dec is None or dec.device != device or dec.dtype != dtype or batch > dec.max_batch or \
                 length > dec.max_len or dec.tp != tp:
-            if dec is not None:  # grow: free the old buffers first
-                del model._static_decoder, dec
+            model.__dict__.pop("_static_decoder", None)  # grow: free the old buffers first
+            dec = None  # (this name held them too)
             # slots in multiples of 64: fewer regrowths, aligned
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
@@ -211,23 +211,18 @@ class StaticDecoder:
         self._load_root(model)
 
     def _load_root(self, model):
-        """The embedding, final norm and head: this rank's vocabulary rows of the embedding and head (a sharded
-        root's cut from its shards, the final norm gathered whole); a tied head is the embedding's copy."""
+        """The embedding, final norm and head, as the reader `tp` reads them, in the copies' dtype and device: this
+        rank's vocabulary rows of the embedding and head (a sharded root's cut from its shards, the final norm
+        gathered whole; `Whole`: all of them); a tied head is the embedding's copy."""
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         tied = embed is head or (not transformer._any_dtensor([embed]) and head.data_ptr() == embed.data_ptr())
-        norm = model.model.norm.weight
-        if self.tp.size > 1:
-            to = dict(device=self.device, dtype=self.dtype)
-            embed = self.tp.cut(embed, "vocabulary").to(**to)
-            head = embed if tied else self.tp.cut(head, "vocabulary").to(**to)
-            norm = self.tp.whole(norm).to(**to)
-        root = self.w[1]
-        _put(root, "embed", [embed])
-        _put(root, "norm", [transformer._norm_weight(norm, self.fam)])
+        to, root = dict(device=self.device, dtype=self.dtype), self.w[1]
+        _put(root, "embed", [self.tp.cut(embed, "vocabulary").to(**to)])
+        _put(root, "norm", [transformer._norm_weight(self.tp.whole(model.model.norm.weight).to(**to), self.fam)])
         if tied:
             root["lm_head"] = root["embed"]
         elif root.get("lm_head") is not root["embed"]:  # planned on the meta device, a tied copy may be untied
-            _put(root, "lm_head", [head])
+            _put(root, "lm_head", [self.tp.cut(head, "vocabulary").to(**to)])
         self.rotary = model.model.rotary_emb
 
     def weight_bytes(self):
@@ -313,10 +308,9 @@ class StaticDecoder:
         def attend(p, q, k, v):
             write(p.cache_row, k, v)  # (B, nkv, hd) each
             kk, vv = keys(p.cache_row)  # (B, nkv, L, hd)
-            window = p.window
-            mask = masks[window]
-            if starts and window in starts:
-                kk, vv, mask = kk[:, :, starts[window] - lo:], vv[:, :, starts[window] - lo:], None
+            mask = masks[p.window]
+            if p.window in starts:  # its keys narrowed by slots, unmasked (`_narrowed`)
+                kk, vv, mask = kk[:, :, starts[p.window] - lo:], vv[:, :, starts[p.window] - lo:], None
             b = q.shape[0]
             out = transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel)
             return out.reshape(b, nh, hd)
@@ -348,17 +342,12 @@ class StaticDecoder:
 
     @torch.no_grad()
     def prefill(self, ids, attn, positions, share=False):
-        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V).
-
-        share: rows with the same prompt (a group's G completions) run it once, and its K/V, recurrent states and
-        routing records are copied to each of them: the prefill's compute falls by the group size, the cache holds
-        the G copies as before (a row's slots stay its own to decode into)."""
-        n, p = ids.shape
-        inverse = None
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V). share: rows with
+        the same prompt run it once (layers/shared_prefill.py)."""
         if share:
-            ids, attn, positions, inverse = self._distinct(ids, attn, positions)
-        every = (lambda t: t) if inverse is None else (lambda t: t[inverse])  # noqa: E731  each row's of the run's
-        m = ids.shape[0]
+            from layers import shared_prefill
+            return shared_prefill.prefill(self, ids, attn, positions)
+        n, p = ids.shape
         x = self._embed(ids)
         # rotary tables for every position a row will use: prompt positions, then the completion's
         last = positions[:, -1:]
@@ -366,49 +355,31 @@ class StaticDecoder:
         rope = {}
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
-            cos_t[:n], sin_t[:n] = every(cos), every(transformer._signed_sin(sin))  # see _rotate
-            rope[key] = (cos_t[:n, :p, None], sin_t[:n, :p, None]) if inverse is None else \
-                (cos[:, :p, None], transformer._signed_sin(sin)[:, :p, None])
+            cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see _rotate
+            rope[key] = (cos_t[:n, :p, None], sin_t[:n, :p, None])
         if self.pos is not None:
-            self.pos[:n] = every(all_pos)
+            self.pos[:n] = all_pos
         self.key_mask[:n] = False
-        self.key_mask[:n, :p] = every(attn.bool())
+        self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = not self.use_graph and bool(attn.bool().all())
         self.unmarked = None
         self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
         causal = transformer._padded_causal_mask(attn)
-        masks = self._windowed(causal, positions, p, key_pos=None if inverse is None else all_pos) if self.windows \
-            else {None: causal}
-        fresh = {}  # the layer's K/V of the rows run, which their attention reads
+        masks = self._windowed(causal, positions, p) if self.windows else {None: causal}
 
         def write(i, k, v):
-            self.k_cache[i, :n, :, :p] = every(k)
-            self.v_cache[i, :n, :, :p] = every(v)
-            fresh[i] = k, v
+            self.k_cache[i, :n, :, :p] = k
+            self.v_cache[i, :n, :, :p] = v
 
         def keys(i):
-            return (self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]) if inverse is None else fresh.pop(i)
+            return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
 
         self.record_at = None if self.routes is None else \
-            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(every(experts.view(m, p, -1))))
+            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(experts.view(n, p, -1)))
         real = attn.bool()
         x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
-        if inverse is not None:
-            for layer in self.recurrent.values():
-                layer.compact(inverse)  # rows [0, N) take their prompt's states
-        return every(self._logits(x[:, -1]))
-
-    def _distinct(self, ids, attn, positions):
-        """`prefill`'s share: the distinct prompts of ids, attn (N, P), their positions, and each row's index among
-        them (inverse; None where every prompt is distinct, and then the rows themselves)."""
-        p = ids.shape[1]
-        distinct, inverse = torch.unique(torch.cat([ids, attn.long()], 1), dim=0, return_inverse=True)
-        if distinct.shape[0] == ids.shape[0]:
-            return ids, attn, positions, None
-        # the distinct prompts run, in torch.unique's order; row i is inverse[i]
-        ids, attn = distinct[:, :p], distinct[:, p:]
-        return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), inverse  # as logprobs.position_ids_from_mask
+        return self._logits(x[:, -1])
 
     @torch.no_grad()
     def admit(self, rows, positions):
@@ -458,7 +429,7 @@ class StaticDecoder:
         cos, sin = [c[at, slot][:, None] for c in self.cos], [s[at, slot][:, None] for s in self.sin]  # (b, 1, hd)
         attn_mask = self._decode_mask(b, at, slot, lo, kv_len)
         query_pos = None if self.pos is None else self.pos[at, slot][:, None]
-        starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
+        starts = self._narrowed(slot, kv_len) if self.windows and not torch.is_tensor(slot) else {}
         masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts, lo=lo) if self.windows else {None: attn_mask}
 
         def write(i, k, v):  # (b, nkv, hd) each
@@ -480,11 +451,12 @@ class StaticDecoder:
         """The key mask (b, 1, 1, L) of a decode step (broadcast over heads and queries), each row's slot marked in
         key_mask first (from a device tensor: a Python True would be copied from the host). Eager decode without
         left padding, every row at the same slot, attends to every filled slot: no mask (None); the slots it fills
-        are marked in key_mask later, only if a step that reads the mask comes."""
+        are marked in key_mask later (`_mark`), only if a step that reads the mask comes, as this one does."""
         if self.unpadded and not torch.is_tensor(slot):
             first = self.unmarked[1] if self.unmarked is not None else slot
             self.unmarked = (b, first, slot)
             return None
+        self._mark()
         self.key_mask[at, slot] = self.trues[:b]
         return self.key_mask[:b, None, None, lo:kv_len]
 
@@ -512,12 +484,9 @@ class StaticDecoder:
         slot: an int, every row's slot, or a tensor (n,) of each row's own slot, the largest of them `top` (a
         host int). Positions need no input: prefill filled each row's rotary table by slot.
         """
-        n = tok.shape[0]
-        if torch.is_tensor(slot):
-            self._mark()
         top = slot if top is None else top
         if not self.use_graph:
-            return self._decode_body(n, slot, top + 1, tok)  # eager: attend over the filled slots only
+            return self._decode_body(tok.shape[0], slot, top + 1, tok)  # eager: attend over the filled slots only
         return self._replay(tok, slot, top)
 
     def _replay(self, tok, slot, top):
@@ -643,11 +612,7 @@ class StaticDecoder:
 def _put(store, name, parts):
     """store[name]: the parts concatenated (a fused weight), read once: the first time into a new tensor, later
     into the same one (captured graphs hold it)."""
-    parts = [t.detach() for t in parts]
-    if name not in store:
-        store[name] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    else:
-        torch.cat(parts, out=store[name])
+    store[name] = torch.cat([t.detach() for t in parts], out=store.get(name))
     return store[name]
 
 
@@ -664,31 +629,26 @@ class _Copies:
     def norm(self, name, module, eps):
         return _put(self.store, name, [transformer._norm_weight(self.tp.whole(module.weight), self.dec.fam)]), eps
 
-    def _applied(self, module, cut, kv=None):
-        """This rank's share of the weight `module` applies now, as the reader `tp` reads it (`Whole.weight`)."""
-        return self.tp.weight(module, cut, kv)
-
     def linears(self, name, modules, cuts, split_gate=None):
         """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then
         its gate, split_gate rows each: the queries first, the gates after the others (see transformer._qkv)."""
-        kv = self.dec.config_kv
-        weights = [self._applied(m, cut, kv) for m, cut in zip(modules, cuts)]
-        if all(m.bias is None for m in modules):
-            biases = None
-        else:
-            biases = [m.bias if m.bias is not None else
-                      torch.zeros(m.out_features, device=self.dec.device, dtype=self.dec.dtype) for m in modules]
+        weights = [self.tp.weight(m, cut, self.dec.config_kv) for m, cut in zip(modules, cuts)]
         if split_gate:  # no bias: transformer.decide refuses a gated query with one
             # cut by heads, a share of q_proj is whole heads, each its query then its gate: split as the whole is
             weights = transformer._query_parts(weights[0], split_gate, weights[1:])
         w = _put(self.store, name, weights)
-        b = None if biases is None else \
-            _put(self.store, name + "_b", [self.tp.bias(t, cut, kv) for t, cut in zip(biases, cuts)])
-        return [(w, b)]
+        return [(w, None if all(m.bias is None for m in modules) else self._biases(name, modules, cuts))]
+
+    def _biases(self, name, modules, cuts):
+        """The projections' fused bias, zeros for a projection that has none (`linears`)."""
+        biases = [m.bias if m.bias is not None else
+                  torch.zeros(m.out_features, device=self.dec.device, dtype=self.dec.dtype) for m in modules]
+        kv = self.dec.config_kv
+        return _put(self.store, name + "_b", [self.tp.bias(t, cut, kv) for t, cut in zip(biases, cuts)])
 
     def linear(self, name, module, cut):
         bias = self.tp.bias(module.bias, cut)
-        return (_put(self.store, name, [self._applied(module, cut)]),
+        return (_put(self.store, name, [self.tp.weight(module, cut)]),
                 None if bias is None else _put(self.store, name + "_b", [bias]))
 
     def tensor(self, name, t, cut):
