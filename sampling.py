@@ -140,15 +140,21 @@ class Draw:
 
     def whole(self, logits, keys):
         """One token per row of logits (n, V), with its log-prob."""
-        if self.temperature == 0:  # greedy
+        if self.temperature == 0 or self.filtered():
+            return self._greedy_or_filtered(logits, keys)
+        # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
+        pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
+        return pick(logits, keys, 1.0 / self.temperature)
+
+    def _greedy_or_filtered(self, logits, keys):
+        """`whole` at temperature 0 (greedy: the largest logit), or with filters on (the tempered logits, -inf
+        outside the filters, take the same draw)."""
+        if self.temperature == 0:
             logits = logits.float()
             token = logits.argmax(-1)
             return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-        # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
         pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
-        if self.filtered():  # the tempered logits, -inf outside the filters, take the same draw
-            return pick(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), keys, 1.0)
-        return pick(logits, keys, 1.0 / self.temperature)
+        return pick(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), keys, 1.0)
 
     def sliced(self, logits, keys, tp, vocab):
         """`whole` where each rank of a tensor-parallel group `tp` holds a slice of a vocabulary of `vocab` tokens
@@ -213,7 +219,7 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
         loop.run(lambda: all_done(torch.as_tensor(~loop.rows.active, device=device)))
         return loop.rows.rollout()
     finally:
-        sampler.close(steps)
+        sampler.close()
 
 
 class Sampler:
@@ -242,8 +248,9 @@ class Sampler:
         rows = _Rows(steps, max_new, eos_ids, pad_id, keys)
         return _Loop(steps, rows, draw.whole, check_every, steps.compacts, max_new)
 
-    def close(self, steps):
-        steps.close(self.model)
+    def close(self):
+        """Give the decoder's memory back before training needs it."""
+        self.model.__dict__.pop("_static_decoder", None)
 
 
 class _StaticSteps:
@@ -260,13 +267,8 @@ class _StaticSteps:
         """dec: the StaticDecoder, of at least the rows `ids` and P + max_new + 1 slots (slot P + max_new: where
         finished rows write what they still decode; never attended)."""
         self.dec, self.p, self.share = dec, ids.shape[1], share  # share: rows of one prompt run it once
-        self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         # (N, V); with no rows, every place is empty until rows are admitted
         self.first_logits = self.dec.prefill(ids, attn, positions, share) if len(ids) else None
-
-    def close(self, model):
-        """Give the decoder's memory back before training needs it."""
-        model.__dict__.pop("_static_decoder", None)
 
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
@@ -317,7 +319,6 @@ class _HFSteps:
         self.replay = replay  # the routers' recorder (routing.Replay) while routing is recorded, else None
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
-        self.forgets_exactly = self.dec.forgets_exactly
         self.images = {}  # batch row -> (pixel values, grid) of the images of the prompt it was admitted for
 
     def decode(self, tok, cols, cols_h):
@@ -369,9 +370,6 @@ class _HFSteps:
         for b, (pv, grid) in zip(batch_rows.tolist(), zip(*(images.pixel_values, images.grid)) if images else ()):
             if grid.shape[0]:
                 self.images[b] = pv, grid
-
-    def close(self, model):
-        pass
 
     def compact(self, keep, live, fed_top):
         if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
@@ -585,10 +583,8 @@ class _Rows:
         self.uni = int(following[0]) if len(following) and following.min() == following.max() else None
 
     def feed(self, logits, tok, col, feeds):
-        """The batch's next logits: its tokens fed (a decode step)."""
-        if len(self.rows_h) == 0:
-            return logits[:0]
-        return self.steps.decode(tok, col, self.feed_h)
+        """The batch's next logits: its tokens fed (a decode step); none where the batch holds no row."""
+        return self.steps.decode(tok, col, self.feed_h) if len(self.rows_h) else logits[:0]
 
     def rollout(self):
         """The Rollout of every row: its tokens up to its length, each one the policy's."""
@@ -725,7 +721,7 @@ class Stream:
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
                 steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
-            if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
+            if not steps.dec.forgets_exactly and rows.respond is not None and self.max_turns > 1:
                 self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (as `sample`'s)
             rows.steps = steps
             pick = self.draw.whole if self.tp is None else \

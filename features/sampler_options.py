@@ -124,20 +124,21 @@ class Options(Sampler):
         rows = Rows(steps, len(keys), max_new, eos_ids, pad_id, keys.device, waiting, keys, self.stop_sequences,
                     self.respond, self.max_turns, self.on_end)
         rows.route_width = waiting.ids.shape[1] if self.replay is not None else None
-        # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
-        # so that none samples past one (the same on every rank: it depends on the model alone)
-        if not steps.forgets_exactly and self.respond is not None and self.max_turns > 1:
+        # a recurrent state cannot forget what a row sampled past its stop (the decoder's forgets_exactly is False
+        # with recurrent layers): look at rows after every token, so that none samples past one (the same on every
+        # rank: it depends on the model alone)
+        if not steps.dec.forgets_exactly and self.respond is not None and self.max_turns > 1:
             check_every = 1
         # sliced, each rank holds a slice of the logits
         pick = functools.partial(draw.sliced, tp=self.tp, vocab=steps.dec.vocab) if self.sliced else draw.whole
         limit = iterations(len(keys), waiting.places, max_new, self.max_turns, check_every)
         return _Loop(steps, rows, pick, check_every, self.compact and (steps.compacts or self.streams), limit)
 
-    def close(self, steps):
+    def close(self):
         if self.replay is not None:
             self.replay.stop()
         if not self.keep_decoder:
-            steps.close(self.model)
+            super().close()
 
 
 def static_steps(model, ids, attn, positions, max_new, batch, record, tp, share, cuda_graph=True,
