@@ -450,22 +450,6 @@ class _Loop:
         self.logits = self.rows.feed(self.logits, *self.rows.schedule(tok, col, feeds, self.compact))
 
 
-class _Waiting:
-    """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
-    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P);
-    images: their vision.PromptImages, or None."""
-
-    def __init__(self, ids, attn, positions, places, images=None):
-        self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
-        self.images = images  # every row's vision.PromptImages, or None
-        self.rows = list(range(places, ids.shape[0]))
-
-    def prompts(self, rows):
-        """Each row's prompt tokens, its padding left out."""
-        real = self.attn[torch.as_tensor(rows, device=self.ids.device)].bool()
-        return [ids[keep].tolist() for ids, keep in zip(self.ids[torch.as_tensor(rows, device=self.ids.device)], real)]
-
-
 class _Rows:
     """The rows of one `_Loop`: single-turn rows that end at EOS or at the length limit, all in the batch from the
     prefill (features/sampler_rows.py's `Rows` adds turns, stop sequences, admission and routing records).
@@ -632,7 +616,7 @@ class Stream:
         self.first_slot = prompt_width  # no row's prompt starts before this cache slot (the decoder reads from it)
         self.cuda_graph, self.attention_kernel = cuda_graph, attention_kernel
         prompts = torch.full((capacity, prompt_width), pad_id, dtype=torch.long, device=device)
-        self.waiting = _Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
+        self.waiting = _options().Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
         self.waiting.rows = []
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag

@@ -17,9 +17,8 @@ from layers.engine import StaticDecoder
 import rollouts
 from rollouts import cat_rollouts
 import sampling
-from sampling import (Draw, Sampler, _HFSteps, _image_prefill, _Loop, _StaticSteps, _Waiting, _text, encode_prompts,
-                      group_share)
-from features.sampler_rows import Rows
+from sampling import Draw, Sampler, _HFSteps, _image_prefill, _Loop, _StaticSteps, _text, encode_prompts, group_share
+from features.sampler_rows import Rows, Waiting
 
 
 @torch.no_grad()
@@ -97,11 +96,11 @@ class Options(Sampler):
         """The steps the first `in_flight` rows (every row without it) start on: StaticDecoder where the run's
         decision (transformer.paths_of) says so and static_cache allows, always for a tensor-parallel share; else the
         model's own forward (a vision-language model's language model under our masks, never written-out layers).
-        The others wait (`_Waiting`) for the places of rows that end."""
+        The others wait (`Waiting`) for the places of rows that end."""
         n = ids.shape[0]
         places = self.in_flight if 0 < self.in_flight < n else n
         self.streams = places < n
-        self.waiting = waiting = _Waiting(ids, attn, logprobs.position_ids_from_mask(attn), places,
+        self.waiting = waiting = Waiting(ids, attn, logprobs.position_ids_from_mask(attn), places,
                                           self.images if places < n else None)
         model, tp, images, k = self.model, self.tp, self.images, waiting.places
         ids, attn, positions = waiting.ids[:k], waiting.attn[:k], waiting.positions[:k]

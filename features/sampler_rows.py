@@ -1,8 +1,9 @@
 """The sampler's rows with every optional feature (sampling.py's `_Rows` is the core's: single-turn rows that end
 at EOS or at the length limit, all in the batch from the prefill): turns answered by an environment and stop
-sequences (`_answer`, `feed`'s blocks, rows at positions of their own in `draw`), rows streaming through fewer places
-(`admit`, `_feed_heads`, the rows of a sampling.Stream), rows handed on as they end (`on_end`) and the routing
-recorded for each row (`keep_routes`). features/sampler_options.py's Sampler and sampling.Stream make them.
+sequences (`_answer`, `feed`'s blocks, rows at positions of their own in `draw`), an environment's tokens and each
+row's turns in the rollout, rows streaming through fewer places (`Waiting`, `admit`, `_feed_heads`, the rows of a
+sampling.Stream), rows handed on as they end (`on_end`) and the routing recorded for each row (`keep_routes`).
+features/sampler_options.py's Sampler and sampling.Stream make them.
 """
 
 import numpy as np
@@ -11,6 +12,22 @@ import torch.nn.functional as F
 
 from rollouts import Rollout
 from sampling import ENVIRONMENT, Turn, _Rows, _first_stop
+
+
+class Waiting:
+    """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
+    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P);
+    images: their vision.PromptImages, or None."""
+
+    def __init__(self, ids, attn, positions, places, images=None):
+        self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
+        self.images = images  # every row's vision.PromptImages, or None
+        self.rows = list(range(places, ids.shape[0]))
+
+    def prompts(self, rows):
+        """Each row's prompt tokens, its padding left out."""
+        real = self.attn[torch.as_tensor(rows, device=self.ids.device)].bool()
+        return [ids[keep].tolist() for ids, keep in zip(self.ids[torch.as_tensor(rows, device=self.ids.device)], real)]
 
 
 class Rows(_Rows):
