@@ -14,7 +14,7 @@ and resume them; a row ends at EOS or a stop sequence (unless the environment an
 The loop runs on either of two ways to run a step: `_StaticSteps`
 (engine.StaticDecoder: the layers of the families it lists written
 out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
-the model's own forward with masks of our own, for every other model). `generate` runs it on the gathered
+the model's own forward with masks of our own, for every other model). `sample_rows` runs it on the gathered
 weights of the policy for a step's rollout, `evaluate` on held-out prompts. `_Loop.run` stops at a check when
 asked and goes on from it later: `Stream` keeps rows decoding across training steps (--max_staleness).
 """
@@ -140,15 +140,21 @@ class Draw:
 
     def whole(self, logits, keys):
         """One token per row of logits (n, V), with its log-prob."""
-        if self.temperature == 0:  # greedy
+        if self.temperature == 0 or self.filtered():
+            return self._greedy_or_filtered(logits, keys)
+        # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
+        pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
+        return pick(logits, keys, 1.0 / self.temperature)
+
+    def _greedy_or_filtered(self, logits, keys):
+        """`whole` at temperature 0 (greedy: the largest logit), or with filters on (the tempered logits, -inf
+        outside the filters, take the same draw)."""
+        if self.temperature == 0:
             logits = logits.float()
             token = logits.argmax(-1)
             return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
-        # compiled where the log-prob head is (CUDA with Triton): one fused pass over the logits
         pick = _compiled_gumbel_max() if logprobs.fused_head_available(logits.device) else _gumbel_max
-        if self.filtered():  # the tempered logits, -inf outside the filters, take the same draw
-            return pick(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), keys, 1.0)
-        return pick(logits, keys, 1.0 / self.temperature)
+        return pick(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), keys, 1.0)
 
     def sliced(self, logits, keys, tp, vocab):
         """`whole` where each rank of a tensor-parallel group `tp` holds a slice of a vocabulary of `vocab` tokens
@@ -207,62 +213,44 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
     # every row's keys for every completion position at once (the last column for rows that finished): row_keys
     # is elementwise, so these are the numbers of drawing them one step at a time
     keys = row_keys(seeds[:, None], torch.arange(max_new_tokens + 1, device=device)[None, :])  # (N, T + 1)
-    waiting = sampler.waiting(prompt_ids, prompt_mask.long())
-    steps = sampler.steps(waiting, max_new_tokens)
+    steps = sampler.steps(prompt_ids, prompt_mask.long(), max_new_tokens)
     try:
-        rows = sampler.rows(steps, waiting, keys, max_new_tokens, eos_ids, pad_id)
-        check_every = sampler.check_every(steps, check_every)
-        _Loop(steps, rows, sampler.pick(draw or Draw(), steps), check_every, sampler.compacts(steps)).run(
-            lambda: all_done(torch.as_tensor(~rows.active, device=device)),
-            sampler.iterations(n, waiting.places, max_new_tokens, check_every))
-        return rows.rollout()
+        loop = sampler.loop(steps, keys, max_new_tokens, eos_ids, pad_id, draw or Draw(), check_every)
+        loop.run(lambda: all_done(torch.as_tensor(~loop.rows.active, device=device)))
+        return loop.rows.rollout()
     finally:
-        sampler.close(steps)
+        sampler.close()
 
 
 class Sampler:
-    """How `sample` decodes a model's rows: the steps they run on, the rows that drive them, the draw and the end.
-    This one is the core's: every row in the batch from the prefill, on `_StaticSteps` where the run's decision
-    (transformer.paths_of) says so and else on the model's own forward (`_HFSteps`), one turn each, finished rows
-    compacted away, the decoder's memory given back after the call. The optional features' Sampler
+    """How `sample` decodes a model's rows: the steps they run on (the runner) and the loop with the rows that drive
+    it (the scheduler). This one is the core's: every row in the batch from the prefill, on `_StaticSteps` where the
+    run's decision (transformer.paths_of) says so and else on the model's own forward (`_HFSteps`), one turn each,
+    finished rows compacted away, the decoder's memory given back after the call. The optional features' Sampler
     (features/sampler_options.py) overrides the methods whose answers they change."""
 
     def __init__(self, model):
         self.model = model
 
-    def waiting(self, ids, attn):
-        """The rows of the call (`_Waiting`): here every one of them starts in the batch."""
-        return _Waiting(ids, attn, logprobs.position_ids_from_mask(attn), ids.shape[0])
-
-    def steps(self, waiting, max_new):
-        """The steps the first `waiting.places` rows are decoded on (a vision-language model's paths refuse the
-        decoder: its language model is not where a decoder's layers are)."""
-        model, ids, attn, positions = self.model, waiting.ids, waiting.attn, waiting.positions
+    def steps(self, ids, attn, max_new):
+        """The steps the rows (left-padded `ids`, mask `attn`) are decoded on (a vision-language model's paths refuse
+        the decoder: its language model is not where a decoder's layers are)."""
+        model, positions = self.model, logprobs.position_ids_from_mask(attn)
         if transformer.paths_of(model).samples_written_out():
             return _StaticSteps(StaticDecoder.for_model(model, ids.shape[0], ids.shape[1] + max_new + 1), ids, attn,
                                 positions)
         return _HFSteps(model, ids, attn, positions, max_new)
 
-    def rows(self, steps, waiting, keys, max_new, eos_ids, pad_id):
-        return _Rows(steps, len(keys), max_new, eos_ids, pad_id, keys.device, waiting, keys)
+    def loop(self, steps, keys, max_new, eos_ids, pad_id, draw, check_every):
+        """The loop over `steps` and its rows: the draw over the whole vocabulary, finished rows compacted away
+        where the steps do that (on the model's own forward, only rows streaming), and a rank-independent bound on
+        its iterations: a row is active for at most max_new of them."""
+        rows = _Rows(steps, max_new, eos_ids, pad_id, keys)
+        return _Loop(steps, rows, draw.whole, check_every, steps.compacts, max_new)
 
-    def check_every(self, steps, every):
-        return every
-
-    def pick(self, draw, steps):
-        """What draws a token per row of the logits: the draw over the whole vocabulary."""
-        return draw.whole
-
-    def compacts(self, steps):
-        """Whether finished rows leave the batch at checks (on the model's own forward, only rows streaming)."""
-        return steps.compacts
-
-    def iterations(self, n, places, max_new, check_every):
-        """A rank-independent bound on the loop's iterations: a row is active for at most max_new of them."""
-        return max_new
-
-    def close(self, steps):
-        steps.close(self.model)
+    def close(self):
+        """Give the decoder's memory back before training needs it."""
+        self.model.__dict__.pop("_static_decoder", None)
 
 
 class _StaticSteps:
@@ -279,18 +267,11 @@ class _StaticSteps:
         """dec: the StaticDecoder, of at least the rows `ids` and P + max_new + 1 slots (slot P + max_new: where
         finished rows write what they still decode; never attended)."""
         self.dec, self.p, self.share = dec, ids.shape[1], share  # share: rows of one prompt run it once
-        self.forgets_exactly = self.dec.forgets_exactly  # False with recurrent layers: their states cannot forget
         # (N, V); with no rows, every place is empty until rows are admitted
         self.first_logits = self.dec.prefill(ids, attn, positions, share) if len(ids) else None
 
-    def close(self, model):
-        """Give the decoder's memory back before training needs it."""
-        model.__dict__.pop("_static_decoder", None)
-
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""
-        if isinstance(cols, int):  # the shared-slot form
-            return self.dec.decode(tok, self.p + cols)
         return self.dec.decode(tok, cols + self.p, self.p + int(cols_h.max()))
 
     def extend(self, ids, valid, start, top, batch_rows=None):
@@ -338,7 +319,6 @@ class _HFSteps:
         self.replay = replay  # the routers' recorder (routing.Replay) while routing is recorded, else None
         self.dec = hf_decoder.HFDecoder(model, ids, attn, positions, replay, images)
         self.first_logits = self.dec.first_logits
-        self.forgets_exactly = self.dec.forgets_exactly
         self.images = {}  # batch row -> (pixel values, grid) of the images of the prompt it was admitted for
 
     def decode(self, tok, cols, cols_h):
@@ -391,9 +371,6 @@ class _HFSteps:
             if grid.shape[0]:
                 self.images[b] = pv, grid
 
-    def close(self, model):
-        pass
-
     def compact(self, keep, live, fed_top):
         if keep.numel() > 0.75 * live:  # each forward's cost follows its rows: drop them once a quarter has ended
             self.dec.pack()  # but drop now the columns no row holds (past the ends of rows that stay)
@@ -433,38 +410,35 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 class _Loop:
     """The loop behind `sample` and `Stream`. Each iteration draws a token for every row of the batch; at a check
-    it finds the rows that paused, asks for the environment's answers, ends rows, gives the places of ended rows to
-    rows waiting and, with none waiting, may compact the batch; then it feeds the batch: one decode step, or an
-    extend step where some rows take an answer or a new row's prompt. `_Rows` holds the rows' state.
+    the rows find their ends (`_Rows.check`: with turns, pauses and the environment's answers) and then the batch
+    they run in next (`_Rows.schedule`: finished rows compacted away or, with rows waiting, their places given to
+    those); then it feeds the batch: one decode step, or an extend step where some rows take an answer or a new
+    row's prompt. `_Rows` holds the rows' state.
 
-    `run(until, limit)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the
-    batch's active rows end, truncated). A run that stopped on `until` can be run again: it goes on from that
-    check with the logits it had (the next token of each row is drawn from them, by the weights that computed
-    them), and feeds the token drawn at the check on the steps' weights of then."""
+    `run(until)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the batch's
+    active rows end, truncated). A run that stopped on `until` can be run again: it goes on from that check with
+    the logits it had (the next token of each row is drawn from them, by the weights that computed them), and feeds
+    the token drawn at the check on the steps' weights of then."""
 
-    def __init__(self, steps, rows, draw, check_every, compact):
+    def __init__(self, steps, rows, draw, check_every, compact, limit):
         self.steps, self.rows, self.draw, self.check_every, self.compact = steps, rows, draw, check_every, compact
+        self.limit = limit  # a run's iterations at most, the same on every rank whatever its rows do
         self.logits, self.held = steps.first_logits, None  # held: (tok, col, feeds) of the check a run stopped at
 
-    def run(self, until, limit):
+    def run(self, until):
         """True if the run ended at the limit, False if `until` stopped it (`resume` goes on from there)."""
         rows, it = self.rows, 0
         while True:
             tok, col = rows.draw(self.logits, self.draw)
             it += 1
-            final, scheduled = it >= limit, it % self.check_every == 0
+            final, scheduled = it >= self.limit, it % self.check_every == 0
             feeds = []
             if scheduled or final or (rows.ptr[rows.live] >= rows.max_new).any():
-                feeds = rows.check(tok) if len(rows.rows_h) else []
-                if final:
-                    rows.finish(rows.rows_h[rows.active[rows.rows_h]], True)
-                    rows.landed()
-                    return True
-                rows.landed()
-                if scheduled and until():
+                feeds = rows.check(tok, final)
+                if final or (scheduled and until()):
                     self.held = tok, col, feeds
-                    return False
-                tok, col, feeds = self._after_check(tok, col, feeds)
+                    return final
+                tok, col, feeds = rows.schedule(tok, col, feeds, self.compact)
             self.logits = rows.feed(self.logits, tok, col, feeds)
 
     def resume(self):
@@ -473,35 +447,7 @@ class _Loop:
             return
         tok, col, feeds = self.held
         self.held = None
-        self.logits = self.rows.feed(self.logits, *self._after_check(tok, col, feeds))
-
-    def _after_check(self, tok, col, feeds):
-        """Places of ended rows to the rows waiting, or with none waiting the batch compacted; (tok, col, feeds) of
-        the batch as it is then."""
-        rows = self.rows
-        if rows.waiting.rows:
-            more, tok = rows.admit(tok)
-            feeds += more
-        elif self.compact and len(rows.rows_h):
-            feeds, tok, col = rows.compact(feeds, tok, col)
-        rows.realign()
-        return tok, col, feeds
-
-
-class _Waiting:
-    """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
-    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P);
-    images: their vision.PromptImages, or None."""
-
-    def __init__(self, ids, attn, positions, places, images=None):
-        self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
-        self.images = images  # every row's vision.PromptImages, or None
-        self.rows = list(range(places, ids.shape[0]))
-
-    def prompts(self, rows):
-        """Each row's prompt tokens, its padding left out."""
-        real = self.attn[torch.as_tensor(rows, device=self.ids.device)].bool()
-        return [ids[keep].tolist() for ids, keep in zip(self.ids[torch.as_tensor(rows, device=self.ids.device)], real)]
+        self.logits = self.rows.feed(self.logits, *self.rows.schedule(tok, col, feeds, self.compact))
 
 
 class _Rows:
@@ -516,22 +462,18 @@ class _Rows:
     always, for single-turn sampling) the iteration is plain columns, with no per-row state on the device.
     """
 
-    def __init__(self, steps, n, max_new, eos_ids, pad_id, device, waiting, keys, first=None):
+    def __init__(self, steps, max_new, eos_ids, pad_id, keys):
+        n, device = keys.shape[0], keys.device
         self.steps, self.n, self.max_new, self.pad_id, self.device = steps, n, max_new, pad_id, device
         self.keys = keys  # (n, max_new + 1) each row's random keys by completion position (row_keys)
         self.spare = max_new  # the last column and cache position, where finished rows may write
         self.tokens = torch.full((n, max_new + 1), pad_id, dtype=torch.long, device=device)
         self.logps = torch.zeros(n, max_new + 1, dtype=torch.float32, device=device)
-        self.kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
         self.ptr, self.active = np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)
-        self.truncated, self.turns = np.zeros(n, dtype=bool), np.ones(n, dtype=np.int64)
-        self.checked, self.held = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
-        # the batch starts with rows 0 .. first - 1 (`first`: every place, unless a Stream starts it empty)
-        first = waiting.places if first is None else first
-        self.rows_h, self.rows = np.arange(first), torch.arange(first, device=device)
-        self.feed_h = np.full(first, -1, dtype=np.int64)
-        self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
+        self.truncated, self.checked = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+        self.held = np.zeros(n, dtype=np.int64)  # the iterations each row held a place in the batch
+        self.rows_h, self.rows = np.arange(n), torch.arange(n, device=device)  # the batch: every row, from the prefill
+        self.feed_h = np.full(n, -1, dtype=np.int64)
         self.eos = set(int(e) for e in eos_ids)
         self.triggers = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.uni = 0  # the position every batch row writes next, while they share it (single-turn sampling), else None
@@ -554,19 +496,16 @@ class _Rows:
     def finish(self, global_rows, cut):
         self.active[global_rows] = False
         self.truncated[global_rows] = cut
-        self.device_state.clear()
 
-    def landed(self):
-        """After a check: the rows ended there are final (features/sampler_rows.py hands them on)."""
-
-    def check(self, tok):
-        """Ends (and, with turns, pauses and answers) and the length limit for the batch's active rows; the blocks to
-        feed, as [(batch row, first position, token ids)]."""
+    def check(self, tok, final=False):
+        """Ends (and, with turns, pauses and answers) and the length limit for the batch's active rows, and at the
+        loop's `final` iteration the end of every one, truncated; the blocks to feed, as [(batch row, first
+        position, token ids)]."""
         found = self._stops()
         feeds = self._answer(found, tok) if found else []
         rows_h = self.rows_h
-        over = rows_h[self.active[rows_h] & (self.ptr[rows_h] >= self.max_new)]
-        if len(over):  # the length limit, with no stop in its last tokens
+        over = rows_h[self.active[rows_h] & (final | (self.ptr[rows_h] >= self.max_new))]
+        if len(over):  # the length limit (or the loop's), with no stop in its last tokens
             self.finish(over, True)
         return feeds
 
@@ -599,6 +538,14 @@ class _Rows:
         self.finish(ended, False)
         return []
 
+    def schedule(self, tok, col, feeds, compact):
+        """After a check, the batch the rows run in next: where `compact`, the finished rows dropped; (tok, col,
+        feeds) of the batch as it is then. (features/sampler_rows.py's rows give ended rows' places to rows waiting.)"""
+        if compact and len(self.rows_h):
+            feeds, tok, col = self.compact(feeds, tok, col)
+        self.realign()
+        return tok, col, feeds
+
     def compact(self, feeds, tok, col):
         """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
         tokens and columns of the rows kept."""
@@ -610,7 +557,6 @@ class _Rows:
         new_index[keep] = np.arange(len(keep))
         feeds = [(int(new_index[i]), first, block) for i, first, block in feeds]
         self.rows_h, self.rows, self.feed_h = self.rows_h[keep], self.rows[keep_t], self.feed_h[keep]
-        self.device_state.clear()
         return feeds, tok[keep_t], col if isinstance(col, int) else col[keep_t]
 
     def realign(self):
@@ -619,32 +565,21 @@ class _Rows:
         self.live = rows_h[self.active[rows_h]]
         following = np.where(self.active[rows_h], self.ptr[rows_h], np.minimum(self.feed_h + 1, self.spare))
         self.uni = int(following[0]) if len(following) and following.min() == following.max() else None
-        if self.uni is not None:
-            self.device_state.clear()  # the shared-position steps keep the host's state only
 
     def feed(self, logits, tok, col, feeds):
-        """The batch's next logits: its tokens fed (a decode step)."""
-        if len(self.rows_h) == 0:
-            return logits[:0]
-        return self.steps.decode(tok, col, self.feed_h)
+        """The batch's next logits: its tokens fed (a decode step); none where the batch holds no row."""
+        return self.steps.decode(tok, col, self.feed_h) if len(self.rows_h) else logits[:0]
 
-    def rollout(self, rows=None):
-        """The Rollout of rows `rows` (an array of row indices; all by default), in that order."""
-        device = self.device
-        rows = np.arange(self.n) if rows is None else np.asarray(rows)
-        ptr = self.ptr[rows]
-        index = slice(None) if len(rows) == self.n and (rows == np.arange(self.n)).all() else \
-            torch.as_tensor(rows, device=device)
-        t = max(1, int(ptr.max()) if len(rows) else 1)
-        real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
-        policy = real & (self.kind[index, :t] != ENVIRONMENT)
-        out = Rollout(completion_ids=self.tokens[index, :t].masked_fill(~real, self.pad_id),
-                      completion_mask=real.long(), policy_mask=policy.long(),
-                      truncated=torch.as_tensor(self.truncated[rows], device=device),
-                      logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
-                      turns=torch.as_tensor(self.turns[rows], device=device),
-                      held_steps=torch.as_tensor(self.held[rows], device=device))
-        return out
+    def rollout(self):
+        """The Rollout of every row: its tokens up to its length, each one the policy's."""
+        device, t = self.device, int(self.ptr.max(initial=1))
+        real = torch.arange(t, device=device) < torch.as_tensor(self.ptr, device=device)[:, None]  # (N, T)
+        return Rollout(completion_ids=self.tokens[:, :t].masked_fill(~real, self.pad_id),
+                       completion_mask=real.long(), policy_mask=real.long(),
+                       truncated=torch.tensor(self.truncated, device=device),
+                       logprobs=self.logps[:, :t].masked_fill(~real, 0.0),
+                       turns=torch.ones(self.n, dtype=torch.long, device=device),
+                       held_steps=torch.tensor(self.held, device=device))
 
 
 class Stream:
@@ -681,7 +616,7 @@ class Stream:
         self.first_slot = prompt_width  # no row's prompt starts before this cache slot (the decoder reads from it)
         self.cuda_graph, self.attention_kernel = cuda_graph, attention_kernel
         prompts = torch.full((capacity, prompt_width), pad_id, dtype=torch.long, device=device)
-        self.waiting = _Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
+        self.waiting = _options().Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
         self.waiting.rows = []
         keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
         self.tag_of = [None] * capacity  # each row index's tag
@@ -770,12 +705,15 @@ class Stream:
                 model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
             else:  # the model's own forward, on its live weights: nothing to copy at later runs
                 steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
-            if not steps.forgets_exactly and rows.respond is not None and self.max_turns > 1:
-                self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (see `sample`)
+            if not steps.dec.forgets_exactly and rows.respond is not None and self.max_turns > 1:
+                self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (as `sample`'s)
             rows.steps = steps
             pick = self.draw.whole if self.tp is None else \
                 functools.partial(self.draw.sliced, tp=self.tp, vocab=steps.dec.vocab)
-            self.loop = _Loop(steps, rows, pick, self.check_every, compact=True)
+            # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
+            limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns,
+                                          self.check_every)
+            self.loop = _Loop(steps, rows, pick, self.check_every, True, limit)
             self.loop.logits = torch.zeros(0, device=self.device)
             self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
         elif isinstance(self.loop.steps, _StaticSteps):
@@ -784,17 +722,14 @@ class Stream:
             self.loop.steps.dec.first_slot = self.first_slot
         needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
         all_done = all_done or (lambda done: bool(done.all()))
-        # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-        limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns,
-                                      self.check_every)
         # on the model's own forward its routers record while the stream runs (the training forward replays between)
         replay = self.loop.steps.replay
         if replay is not None:
             replay.record()
         try:
             self.loop.resume()
-            if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device)), limit):
-                raise RuntimeError(f"the stream's rows did not end within {limit} iterations")
+            if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device))):
+                raise RuntimeError(f"the stream's rows did not end within {self.loop.limit} iterations")
         finally:
             if replay is not None:
                 replay.stop()
@@ -829,71 +764,45 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
-def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
-    """This rank's prompts, their left-padded ids and mask, with an agent their episodes, and with a
-    vision.ImageEncoder `images` the rows' vision.PromptImages (else None), of `rows` (every rank's rows; `mine`
-    is this rank's slice). Without an agent all rows are tokenized together, so every rank pads alike; with one
-    (or with images: features/sampler_options.py's `start_rows`), each rollout's environment is made and reset on
-    the rank that samples it."""
-    if agent is not None or images is not None:
-        return _options().start_rows(rows, mine, tokenizer, cfg, device, agent, images)
-    prompts = [r["prompt"] for r in rows]
-    enc = encode_prompts(tokenizer, prompts, cfg, device)
-    return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, None
-
-
 def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
     """This rank's rows.Rows of `prompt_rows` (dataset rows, every rank's), G of each in order: row i is prompt
     i // G. Where the rows do not split evenly over the processes, the last rank's share is padded with copies
     of the last row, seed included (they sample alike; the caller drops them), so every rank samples as many
     rows and makes the same collectives. Seeds are seed_of(global row indices): any world size samples the
-    same completions."""
+    same completions. All rows are tokenized together, so every rank pads alike; with an agent's episodes or a
+    vision.ImageEncoder `images`, features/sampler_options.py's `rows_of` makes the rows."""
     count = len(prompt_rows) * G
     per_rank = -(-count // d.world_size)
     index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
     mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
     every = [prompt_rows[i // G] for i in index]
     fields = {k: [r[k] for r in every][mine] for k in prompt_rows[0] if k != "prompt"}
-    prompts, ids, attn, episodes, pictures = start_rows(every, mine, tokenizer, cfg, d.device, agent, images)
     seeds = seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
-    return Rows(prompts, fields, mine, ids, attn, seeds, episodes, pictures)
+    if agent is not None or images is not None:
+        return _options().rows_of(every, mine, fields, seeds, tokenizer, cfg, d.device, agent, images)
+    prompts = [r["prompt"] for r in every]
+    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
+    return Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None, None)
 
 
-def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, record_routing=False, on_end=None):
-    """The rollouts.Batch of `rows` (rollouts.Rows), each sampled by `generate` in eval mode."""
+def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, **features):
+    """The rollouts.Batch of `rows` (rollouts.Rows): one completion per row on the gathered weights, in eval mode,
+    each token drawn as `draw` (a Draw) says, every row at once on each rank alone. Where the run asks for one of
+    the sampler's optional features (an `agent` (environments.Agent) answering the rows' turns, their images, the
+    `features` record_routing and on_end, or the settings below), features/sampler_options.py's `sample_rows`
+    samples them instead."""
+    tp = getattr(d, "tp", None)
+    if agent is not None or features or rows.images is not None or (tp is not None and tp.size > 1) or \
+            cfg.generation_batch_size or cfg.rollouts_in_flight or cfg.shared_prompts or cfg.decode_attention_kernel:
+        return _options().sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent, **features)
     was_training = policy.training
     policy.eval()
-    rollout, completions = generate(policy, tokenizer, rows.prompt_ids, rows.prompt_mask, rows.seeds, draw, cfg, d,
-                                    eos_ids, agent, rows.episodes, record_routing=record_routing, images=rows.images,
-                                    on_end=on_end)
-    policy.train(was_training)
-    return rows.sampled(rollout, completions)
-
-
-def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None,
-             episodes=None, record_routing=False, images=None, on_end=None):
-    """Sample one completion per row on the gathered weights, each token drawn as `draw` (a Draw) says; return the
-    rollout and the completions' text. Every row is decoded at once, on each rank alone; where the run asks for an
-    optional feature (`_features_asked`), features/sampler_options.py's `generate` decodes them instead: with an
-    `agent` (environments.Agent) answering `episodes`' turns, recording routing, with `images` (the rows'
-    vision.PromptImages), calling on_end(rows, ids) as rows end (`sample`'s), in batches, on a tensor-parallel
-    group."""
-    if _features_asked(cfg, d, agent, record_routing, images, on_end):
-        return _options().generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids,
-                                        agent, episodes, record_routing, images, on_end)
     with sharding.gathered(policy):  # full weights once for the whole decode loop
-        rollout = policy(sample, prompt_ids, prompt_mask, max_new_tokens=cfg.max_completion_length, eos_ids=eos_ids,
-                         pad_id=tokenizer.pad_token_id, draw=draw, seeds=seeds, all_done=sharding.all_done_fn(d))
-    return rollout, _text(policy, tokenizer, rollout)
-
-
-def _features_asked(cfg, d, agent, record_routing, images, on_end):
-    """Whether a step's rollout asks for one of the sampler's optional features (the run's settings, or the
-    caller's arguments)."""
-    tp = getattr(d, "tp", None)
-    return any([agent is not None, record_routing, images is not None, on_end is not None,
-                tp is not None and tp.size > 1, cfg.generation_batch_size, cfg.rollouts_in_flight, cfg.shared_prompts,
-                cfg.decode_attention_kernel])
+        rollout = policy(sample, rows.prompt_ids, rows.prompt_mask, max_new_tokens=cfg.max_completion_length,
+                         eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, draw=draw, seeds=rows.seeds,
+                         all_done=sharding.all_done_fn(d))
+    policy.train(was_training)
+    return rows.sampled(rollout, _text(policy, tokenizer, rollout))
 
 
 def _text(policy, tokenizer, rollout):

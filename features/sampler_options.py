@@ -14,11 +14,11 @@ import logprobs
 import sharding
 from layers import routing, transformer, vision
 from layers.engine import StaticDecoder
+import rollouts
 from rollouts import cat_rollouts
 import sampling
-from sampling import (Draw, Sampler, _HFSteps, _image_prefill, _StaticSteps, _Waiting, _text, encode_prompts,
-                      group_share)
-from features.sampler_rows import Rows
+from sampling import Draw, Sampler, _HFSteps, _image_prefill, _Loop, _StaticSteps, _text, encode_prompts, group_share
+from features.sampler_rows import Rows, Waiting
 
 
 @torch.no_grad()
@@ -92,16 +92,16 @@ class Options(Sampler):
             routing.attached(model).stop()  # forward's choice
         self.streams = False
 
-    def waiting(self, ids, attn):
+    def steps(self, ids, attn, max_new):
+        """The steps the first `in_flight` rows (every row without it) start on: StaticDecoder where the run's
+        decision (transformer.paths_of) says so and static_cache allows, always for a tensor-parallel share; else the
+        model's own forward (a vision-language model's language model under our masks, never written-out layers).
+        The others wait (`Waiting`) for the places of rows that end."""
         n = ids.shape[0]
         places = self.in_flight if 0 < self.in_flight < n else n
         self.streams = places < n
-        return _Waiting(ids, attn, logprobs.position_ids_from_mask(attn), places, self.images if places < n else None)
-
-    def steps(self, waiting, max_new):
-        """StaticDecoder where the run's decision (transformer.paths_of) says so and static_cache allows, always for
-        a tensor-parallel share; else the model's own forward (a vision-language model's language model under our
-        masks, never written-out layers)."""
+        self.waiting = waiting = Waiting(ids, attn, logprobs.position_ids_from_mask(attn), places,
+                                          self.images if places < n else None)
         model, tp, images, k = self.model, self.tp, self.images, waiting.places
         ids, attn, positions = waiting.ids[:k], waiting.attn[:k], waiting.positions[:k]
         paths = transformer.paths_of(model, tp.size if tp else 1)  # the run's, decided once at setup
@@ -115,32 +115,29 @@ class Options(Sampler):
         prefill = None if images is None else _image_prefill(model, ids, attn, images.rows(slice(0, len(ids))))
         return _HFSteps(model, ids, attn, positions, max_new, self.replay, prefill)
 
-    def rows(self, steps, waiting, keys, max_new, eos_ids, pad_id):
+    def loop(self, steps, keys, max_new, eos_ids, pad_id, draw, check_every):
+        """The loop over `steps` and its rows (`Rows`: turns, stop sequences, rows waiting for places, on_end,
+        routing records), the draw on a tensor-parallel share's slice of the vocabulary, and the bound on its
+        iterations that turns and places make (`iterations`)."""
+        waiting = self.waiting
         rows = Rows(steps, len(keys), max_new, eos_ids, pad_id, keys.device, waiting, keys, self.stop_sequences,
                     self.respond, self.max_turns, self.on_end)
         rows.route_width = waiting.ids.shape[1] if self.replay is not None else None
-        return rows
-
-    def check_every(self, steps, every):
-        # a recurrent state cannot forget what a row sampled past its stop: look at rows after every token,
-        # so that none samples past one (the same on every rank: it depends on the model alone)
-        return 1 if not steps.forgets_exactly and self.respond is not None and self.max_turns > 1 else every
-
-    def pick(self, draw, steps):
+        # a recurrent state cannot forget what a row sampled past its stop (the decoder's forgets_exactly is False
+        # with recurrent layers): look at rows after every token, so that none samples past one (the same on every
+        # rank: it depends on the model alone)
+        if not steps.dec.forgets_exactly and self.respond is not None and self.max_turns > 1:
+            check_every = 1
         # sliced, each rank holds a slice of the logits
-        return functools.partial(draw.sliced, tp=self.tp, vocab=steps.dec.vocab) if self.sliced else draw.whole
+        pick = functools.partial(draw.sliced, tp=self.tp, vocab=steps.dec.vocab) if self.sliced else draw.whole
+        limit = iterations(len(keys), waiting.places, max_new, self.max_turns, check_every)
+        return _Loop(steps, rows, pick, check_every, self.compact and (steps.compacts or self.streams), limit)
 
-    def compacts(self, steps):
-        return self.compact and (steps.compacts or self.streams)
-
-    def iterations(self, n, places, max_new, check_every):
-        return iterations(n, places, max_new, self.max_turns, check_every)
-
-    def close(self, steps):
+    def close(self):
         if self.replay is not None:
             self.replay.stop()
         if not self.keep_decoder:
-            steps.close(self.model)
+            super().close()
 
 
 def static_steps(model, ids, attn, positions, max_new, batch, record, tp, share, cuda_graph=True,
@@ -168,9 +165,22 @@ def iterations(n, places, max_new, max_turns, check_every):
 # ----------------------------------------------------------------------------- a step's rollout
 
 
+def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, record_routing=False, on_end=None):
+    """sampling.sample_rows with the run's features on: the rollouts.Batch of `rows` (rollouts.Rows), sampled by
+    `generate` in eval mode."""
+    was_training = policy.training
+    policy.eval()
+    rollout, completions = generate(policy, tokenizer, rows.prompt_ids, rows.prompt_mask, rows.seeds, draw, cfg, d,
+                                    eos_ids, agent, rows.episodes, record_routing=record_routing, images=rows.images,
+                                    on_end=on_end)
+    policy.train(was_training)
+    return rows.sampled(rollout, completions)
+
+
 def generate(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, d, eos_ids, agent=None, episodes=None,
              record_routing=False, images=None, on_end=None):
-    """sampling.generate with the run's features on: rows decoded `cfg.generation_batch_size` at a time (all at
+    """Sample one completion per row on the gathered weights, each token drawn as `draw` (a Draw) says; return the
+    rollout and the completions' text. Rows are decoded `cfg.generation_batch_size` at a time (all at
     once when 0; the KV cache holds that many rows; a row draws the same random numbers whatever batch it is in, so
     the setting changes memory and speed, not the completions, up to rounding where bf16 logits depend on the batch
     size; every rank has as many rows, so as many batches), on a tensor-parallel group's slices of the layers, with
@@ -244,21 +254,23 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
     return group_share(rollout, tp, n, pad)
 
 
-def start_rows(rows, mine, tokenizer, cfg, device, agent=None, images=None):
-    """sampling.start_rows with an agent (each rollout's environment made and reset on the rank that samples it)
-    or a vision.ImageEncoder `images` (each prompt's images processed once, its placeholders widened to their
-    tokens)."""
+def rows_of(rows, mine, fields, seeds, tokenizer, cfg, device, agent=None, images=None):
+    """sampling.rows_of's rollouts.Rows of `rows` (every rank's dataset rows, `mine` this rank's slice, with their
+    `fields` and `seeds`) with an agent (each rollout's environment made and reset on the rank that samples it:
+    every rank's prompts are tokenized apart) or a vision.ImageEncoder `images` (each prompt's images processed
+    once, its placeholders widened to their tokens; the rows' vision.PromptImages with them)."""
     if agent is None:
         prompts = [r["prompt"] for r in rows]
         texts, pictures = images(rows, prompts)
         pictures = pictures.rows(range(len(rows))[mine]).to(device)
         enc = encode_prompts(tokenizer, texts, cfg, device)
-        return prompts[mine], enc.input_ids[mine], enc.attention_mask[mine], None, pictures
+        return rollouts.Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None,
+                             pictures)
     if images is not None and any(vision.row_images(r) for r in rows[mine]):
         raise ValueError("prompts with images and tools or an environment together are not supported")
     prompts, episodes = agent.start(rows[mine])
     enc = encode_prompts(tokenizer, prompts, cfg, device)
-    return prompts, enc.input_ids, enc.attention_mask, episodes, None
+    return rollouts.Rows(prompts, fields, mine, enc.input_ids, enc.attention_mask, seeds, episodes, None)
 
 
 sampling.OPTIONS = sys.modules[__name__]  # what the core sampler calls for a feature asked of it (sampling._options)

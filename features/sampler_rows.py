@@ -1,15 +1,33 @@
 """The sampler's rows with every optional feature (sampling.py's `_Rows` is the core's: single-turn rows that end
 at EOS or at the length limit, all in the batch from the prefill): turns answered by an environment and stop
-sequences (`_answer`, `feed`'s blocks, rows at positions of their own in `draw`), rows streaming through fewer places
-(`admit`, `_feed_heads`, the rows of a sampling.Stream), rows handed on as they end (`on_end`) and the routing
-recorded for each row (`keep_routes`). features/sampler_options.py's Sampler and sampling.Stream make them.
+sequences (`_answer`, `feed`'s blocks, rows at positions of their own in `draw`), an environment's tokens and each
+row's turns in the rollout, rows streaming through fewer places (`Waiting`, `admit`, `_feed_heads`, the rows of a
+sampling.Stream), rows handed on as they end (`on_end`) and the routing recorded for each row (`keep_routes`).
+features/sampler_options.py's Sampler and sampling.Stream make them.
 """
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rollouts import Rollout
 from sampling import ENVIRONMENT, Turn, _Rows, _first_stop
+
+
+class Waiting:
+    """The rows of a `sample` call that wait for a place in the batch: the first `places` rows start in it, the
+    others (`rows`, in order) take the places of rows that end. positions: every row's prompt positions (N, P);
+    images: their vision.PromptImages, or None."""
+
+    def __init__(self, ids, attn, positions, places, images=None):
+        self.ids, self.attn, self.positions, self.places = ids, attn, positions, places
+        self.images = images  # every row's vision.PromptImages, or None
+        self.rows = list(range(places, ids.shape[0]))
+
+    def prompts(self, rows):
+        """Each row's prompt tokens, its padding left out."""
+        real = self.attn[torch.as_tensor(rows, device=self.ids.device)].bool()
+        return [ids[keep].tolist() for ids, keep in zip(self.ids[torch.as_tensor(rows, device=self.ids.device)], real)]
 
 
 class Rows(_Rows):
@@ -21,7 +39,15 @@ class Rows(_Rows):
 
     def __init__(self, steps, n, max_new, eos_ids, pad_id, device, waiting, keys, stop_sequences=(), respond=None,
                  max_turns=1, on_end=None, first=None):
-        super().__init__(steps, n, max_new, eos_ids, pad_id, device, waiting, keys, first)
+        super().__init__(steps, max_new, eos_ids, pad_id, keys)
+        self.waiting = waiting  # the rows not yet in the batch, which takes the first `waiting.places`
+        # the batch starts with rows 0 .. first - 1 (`first`: every place, unless a Stream starts it empty)
+        first = waiting.places if first is None else first
+        self.rows_h, self.rows = np.arange(first), torch.arange(first, device=device)
+        self.feed_h, self.live = np.full(first, -1, dtype=np.int64), np.arange(first)
+        self.kind = torch.zeros(n, max_new + 1, dtype=torch.int8, device=device)  # ENVIRONMENT where an answer went
+        self.turns = np.ones(n, dtype=np.int64)
+        self.device_state = {}  # ptr, active and feed on the device, for steps where rows are at different positions
         self.tag = np.arange(n)  # what on_end and a Stream's caller call each row
         self.respond, self.max_turns = respond, max_turns
         self.turn_start = np.zeros(n, dtype=np.int64)
@@ -62,8 +88,15 @@ class Rows(_Rows):
 
     def finish(self, global_rows, cut):
         super().finish(global_rows, cut)
+        self.device_state.clear()
         if self.on_end is not None:
             self.ended += [int(r) for r in np.atleast_1d(global_rows)]
+
+    def check(self, tok, final=False):
+        """`_Rows.check`, the rows ended there then handed on (`landed`): their completions are final."""
+        feeds = super().check(tok, final)
+        self.landed()
+        return feeds
 
     def landed(self):
         """Hand the rows ended since the last check, with their completions, to on_end."""
@@ -139,6 +172,20 @@ class Rows(_Rows):
             self.turns[r] += 1
         return feeds
 
+    def schedule(self, tok, col, feeds, compact):
+        """After a check, the places of ended rows to the rows waiting (`admit`), or with none waiting `_Rows`'s
+        compaction."""
+        if not self.waiting.rows:
+            return super().schedule(tok, col, feeds, compact)
+        more, tok = self.admit(tok)
+        self.realign()
+        return tok, col, feeds + more
+
+    def realign(self):
+        super().realign()
+        if self.uni is not None:
+            self.device_state.clear()  # the shared-position steps keep the host's state only
+
     def admit(self, tok):
         """Give the batch places whose rows ended, then places never used yet (up to `waiting.places`), to the rows
         waiting, in order: each place forgets its row (steps.admit) and its new row's prompt is fed as an
@@ -182,6 +229,7 @@ class Rows(_Rows):
 
     def compact(self, feeds, tok, col):
         self.keep_routes(np.flatnonzero(~self.active[self.rows_h]))  # before their places may be dropped
+        self.device_state.clear()
         return super().compact(feeds, tok, col)
 
     def feed(self, logits, tok, col, feeds):
@@ -258,16 +306,25 @@ class Rows(_Rows):
         return held
 
     def rollout(self, rows=None):
-        """The Rollout of rows `rows` (an array of row indices; all by default), in that order, with the routing
-        recorded for them."""
-        out = super().rollout(rows)
+        """The Rollout of rows `rows` (an array of row indices; all by default), in that order: an environment's
+        tokens in it are not the policy's, and the routing recorded for the rows is in it."""
+        device = self.device
         rows = np.arange(self.n) if rows is None else np.asarray(rows)
+        ptr = self.ptr[rows]
+        index = slice(None) if len(rows) == self.n and (rows == np.arange(self.n)).all() else \
+            torch.as_tensor(rows, device=device)
+        t = max(1, int(ptr.max()) if len(rows) else 1)
+        real = torch.arange(t, device=device) < torch.as_tensor(ptr, device=device)[:, None]  # (N, T)
+        policy = real & (self.kind[index, :t] != ENVIRONMENT)
+        out = Rollout(completion_ids=self.tokens[index, :t].masked_fill(~real, self.pad_id),
+                      completion_mask=real.long(), policy_mask=policy.long(),
+                      truncated=torch.as_tensor(self.truncated[rows], device=device),
+                      logprobs=self.logps[index, :t].masked_fill(~policy, 0.0),
+                      turns=torch.as_tensor(self.turns[rows], device=device),
+                      held_steps=torch.as_tensor(self.held[rows], device=device))
         if self.route_width is not None:  # the rows still in their places first
             self.keep_routes(np.flatnonzero(np.isin(self.rows_h, rows)))
         if self.routes is not None:
-            index = slice(None) if len(rows) == self.n and (rows == np.arange(self.n)).all() else \
-                torch.as_tensor(rows, device=self.device)
-            real = out.completion_mask.bool()
             out.prompt_routing = self.routes[0][index].clone()  # index may be every row: not a view of ours
             # past a row's end the rows were fed what they sampled after finishing: nothing to replay there
             out.routing = self.routes[1][index, :real.shape[1]].masked_fill(~real[:, :, None, None], -1)

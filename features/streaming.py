@@ -211,7 +211,7 @@ class Landing:
     def _score(self, rows, funcs):
         """The rows' scores by `funcs`, as ({function: (len(rows),)}, {function: seconds}, their completions)."""
         run, ids, prompts = self.run, [self.ids[r] for r in rows], [self.prompts[r] for r in rows]
-        completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as sampling.generate decodes
+        completions = run.tokenizer.batch_decode(ids, skip_special_tokens=True)  # as the sampler decodes them
         fields = rollouts.reward_fields({k: [v[r] for r in rows] for k, v in self.fields.items()}, ids, None,
                                         run.tokenizer, prompts, completions)
         seconds = {}

@@ -180,10 +180,13 @@ def test_sampler_stops_once_every_row_is_done(model, tokenizer):
 
 
 def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
-    """sampling.generate a few rows at a time: the same completions (own seeds), padded to the longest batch; and
-    with the run's shared_prompts (the 3 copies of each prompt prefilled once) too."""
+    """features/sampler_options.py's `generate` a few rows at a time: the same completions (own seeds) as the core's
+    sampler of every row at once (sampling.sample_rows), padded to the longest batch; and with the run's
+    shared_prompts (the 3 copies of each prompt prefilled once) too."""
     import types
 
+    from features import sampler_options
+    import rollouts
     import sampling
     import sharding
     prompts = PROMPTS * 3
@@ -199,7 +202,13 @@ def test_generation_batches_sample_what_one_batch_samples(model, tokenizer):
     for size, places, shared in ((0, 0, False), (4, 0, False), (0, 4, False), (0, 0, True)):
         cfg = types.SimpleNamespace(max_completion_length=9, top_k=0, top_p=1.0, generation_batch_size=size,
                                     rollouts_in_flight=places, decode_attention_kernel=False, shared_prompts=shared)
-        out[size, places, shared] = sampling.generate(policy, tokenizer, ids, mask, seeds, sampling.Draw(), cfg, d, eos)
+        if (size, places, shared) == (0, 0, False):  # the core's sampler: every row at once
+            rows = rollouts.Rows(prompts, {}, slice(None), ids, mask, seeds)
+            batch = sampling.sample_rows(policy, tokenizer, rows, sampling.Draw(), cfg, d, eos)
+            out[size, places, shared] = batch.rollout, batch.completions
+        else:
+            out[size, places, shared] = sampler_options.generate(policy, tokenizer, ids, mask, seeds, sampling.Draw(),
+                                                                 cfg, d, eos)
     whole, batched = out[0, 0, False][0], out[4, 0, False][0]
     for other in (out[0, 4, False], out[0, 0, True]):
         assert other[1] == out[0, 0, False][1]
