@@ -217,7 +217,8 @@ def _refusal(model):
     for key, b in inner.rotary_emb.named_buffers():
         if key.endswith("inv_freq") and (2 * b.numel() > head_dim or
                                          (2 * b.numel() != head_dim and not fam.partial_rotary)):
-            return f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not declare"
+            return (f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not "
+                    "declare")
     types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
     for t in types_:
         if t not in ("full_attention", "sliding_attention", "linear_attention"):
@@ -844,7 +845,7 @@ def _one_fsdp_group(layer):
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False, tree=None):
-    """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
+    """The final-norm hidden states (N, S, H) of a model `decide` lets train here, on its own parameters, with grad.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the values and gradients), in fewer
     elementwise passes and without the per-call mask and cache bookkeeping: on a small model the Hugging Face forward
