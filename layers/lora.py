@@ -58,6 +58,14 @@ class LoRALinear(nn.Module):
         """What merging adds to the weight, from `a` and `b` (this module's, or full copies of sharded ones)."""
         return self.scaling * (b @ a)
 
+    def linear_params(self):
+        """What the written-out training forward applies (transformer.Live.linear): (weight, bias), and while the
+        adapter is on (A, B, scaling) after them, whose low-rank term transformer._linear adds apart from the weight,
+        as `forward` does (the frozen weight then needs no gradient of its own)."""
+        if self.enabled:
+            return self.weight, self.bias, self.lora_A, self.lora_B, self.scaling
+        return self.weight, self.bias
+
     def applied_weight(self):
         """The weight this layer applies now, as the decoder copies it (engine.Whole.weight): `applied_weight`."""
         return applied_weight(self)

@@ -39,7 +39,7 @@ shards (`Slice.take`), the adapters merged into the share from the matching
 cut of their factors.
 
 Routing replay (layers/routing.py) records the experts chosen here: `MoE.__call__`
-returns them, and the decoder keeps them per cache slot.
+returns them, `block` hands them to the decoder's recorder, and the decoder keeps them per cache slot.
 Of the project it imports lora (what an adapted linear layer is) and shards (what a shard is).
 """
 
@@ -378,3 +378,13 @@ class MoE:
                               held["shared_down"], held.get("shared_down_bias"))
             routed = routed + torch.sigmoid(F.linear(h, held["shared_gate"], held.get("shared_gate_bias"))) * shared
         return routed, idx
+
+
+def block(h, p, record=None):
+    """A MoE block in place of a decoder layer's MLP (transformer.layer's `p.mlp`, put in by
+    transformer.layer_params): the output of the layer's MoE (`p.moe`) for the normed h (*lead, H), and routing
+    replay's `record(p, experts)` (the decoder's, None when it does not record) given the experts it chose."""
+    m, experts = p.moe(h.reshape(-1, h.shape[-1]))  # tokens (T, H)
+    if record is not None:
+        record(p, experts)
+    return m.view(h.shape)

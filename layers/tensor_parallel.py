@@ -8,15 +8,16 @@ its heads and its intermediate columns whole, and its output projection gives a 
 one all-reduce after the attention and one after the MLP joins them. A bias of a row-sliced projection is added by
 rank 0 alone. The vocabulary is cut the same way: each rank holds rows of the embedding and of the head.
 
-Everything of tensor parallelism is here but the two sums in transformer.layer (`p.reduce`): `CUTS` and
-`Slice.cut`, how each kind of a layer's weight is cut (transformer.layer_params names the kind of each), with
-`Slice.experts` for the MoE experts (whose copies layers/static_moe.py holds; layers/static_recurrent.py names
-a Gated DeltaNet rank's heads itself, `delta_net_spans`, from a Slice's rank and size); `refusal`, what a model's sizes cannot be
-cut into (transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functional collectives); the vocabulary
-(`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and
-answers (`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after; the groups
-themselves (`groups`). With size 1 every slice is the whole tensor and `reduce` is the identity. Of the project it
-imports only layers/shards.py (what a shard is).
+Everything of tensor parallelism is here: `summed`, the sum after each of a layer's two blocks (`p.reduce`, which
+transformer.layer_params applies for a sliced decoder); `CUTS` and `Slice.cut`, how each kind of a layer's weight is
+cut (transformer.layer_params names the kind of each), with `Slice.experts` for the MoE experts (whose copies
+layers/static_moe.py holds; layers/static_recurrent.py names a Gated DeltaNet rank's heads itself,
+`delta_net_spans`, from a Slice's rank and size); `refusal`, what a model's sizes cannot be cut into
+(transformer.decide asks it); `Slice.reduce`, the sum (PyTorch's functional collectives); the vocabulary
+(`Slice.embed`, and `best_of_slices` / `gather_vocab` behind sampling.Draw.sliced); and the group's rows and answers
+(`group_rows`, `group_respond`), which sampling gathers before decoding and takes back after; the groups themselves
+(`groups`). With size 1 every slice is the whole tensor and `reduce` is the identity. Of the project it imports only
+layers/shards.py (what a shard is).
 
 Slices from FSDP2's shards. Every cut is a list of spans along one dimension, a function of the rank's Slice
 (`pieces`, `Slice.take`), so that any rank can say what any other rank takes. A weight that is an FSDP2 shard (a
@@ -298,6 +299,16 @@ def _fetch(t, dim, wants, me, group, device=None, dtype=None):
             into.copy_(recv[at:at + k].view(piece_shape))
             at, offset = at + k, offset + b - a
     return out
+
+
+def summed(block):
+    """A decoder layer's block (its attention or its MLP, transformer.layer's `p.mix` or `p.mlp`) followed by the
+    group's sum of its output: a rank's heads, or its intermediate columns, give a partial sum of the block's
+    output (the row-sliced o and down projections), which `p.reduce` (`Slice.reduce`) joins before the layer's
+    post-norm and residual add."""
+    def block_then_sum(h, p, *rest):
+        return p.reduce(block(h, p, *rest))
+    return block_then_sum
 
 
 def refusal(config, vocab, size, whole_projection_norms=False):

@@ -10,8 +10,10 @@ One concern in one file (past 650 lines on purpose): what the written-out layers
 - `_spec` and `LayerParams`: a model's settings per layer, read once, and `layer_params`, the one function that
   puts a layer's tensors beside them, for the training forward (`Live`: the model's own parameters) and the decoder
   (layers/engine.py: fused copies, a rank's slices) alike;
-- `layer` and `attention`: one decoder layer's arithmetic, written once. The training forward, prefill and decode
-  call it and differ only in what they pass;
+- `layer` and `attention`: one decoder layer's arithmetic, written once: its norms and residual adds around two
+  blocks the layer's params carry, `attention_block` and `dense_mlp`, or a feature's in their place (a Gated
+  DeltaNet layer, a MoE block, a gated query, a tensor-parallel sum after each: `_feature_blocks`, chosen once where
+  the params are built). The training forward, prefill and decode call it and differ only in what they pass;
 - the training forward (`hidden_states`): the layers on the model's own parameters with autograd, under FSDP2
   through a registered method per layer, compiled whole with `--compile_layers`; over rows that share a prompt packed
   as trees (`Tree`, --shared_prompts), its attention in two parts, and `tree_refusal` for the model's own forward.
@@ -22,8 +24,8 @@ in the sampler only: their training runs on the model's own forward. The final-l
 (a layers/head.py Head), which the training head (logprobs.py) applies too.
 
 Of the project it imports layers/head.py (where a model transforms its final logits), layers/lora.py (what an
-adapted projection applies), layers/static_moe.py, layers/static_recurrent.py and layers/tensor_parallel.py (what a
-slice cannot cut).
+adapted projection applies), layers/static_moe.py (its MoE block), layers/static_recurrent.py and
+layers/tensor_parallel.py (what a slice cannot cut, and the sum after a sliced block).
 """
 
 import dataclasses
@@ -35,6 +37,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from layers import lora, static_moe, static_recurrent, tensor_parallel
+from layers.head import Head
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: nothing is a DTensor
+    DTensor = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +118,16 @@ def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-_ACT = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+# the class of the MLP's activation module -> what `dense_mlp` applies in its place (`_spec` reads it)
+_ACT = {"SiLUActivation": F.silu, "SiLU": F.silu, "GELUTanh": _gelu_tanh}
 
 
 def _activation(act_fn):
-    """The name in `_ACT` of the MLP's activation module, None for one this file does not compute alike."""
+    """`_ACT`'s function for the MLP's activation module, None for one this file does not compute alike."""
     name = type(act_fn).__name__
-    if name in ("SiLUActivation", "SiLU"):
-        return "silu"
-    if name == "GELUTanh" and isinstance(getattr(act_fn, "act", None), functools.partial):  # not its Python form
-        return "gelu_tanh"
-    return None
+    if name == "GELUTanh" and not isinstance(getattr(act_fn, "act", None), functools.partial):  # its Python form
+        return None
+    return _ACT.get(name)
 
 
 def own_class(module):
@@ -170,14 +177,10 @@ def _eps(norm):
 
 def _is_sharded(module):
     """True when some parameter of `module` is a DTensor shard (FSDP2 outside a gather)."""
-    return _any_dtensor(module.parameters())
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _any_dtensor(params):
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
     return any(isinstance(p, DTensor) for p in params)
 
 
@@ -214,7 +217,8 @@ def _refusal(model):
     for key, b in inner.rotary_emb.named_buffers():
         if key.endswith("inv_freq") and (2 * b.numel() > head_dim or
                                          (2 * b.numel() != head_dim and not fam.partial_rotary)):
-            return f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not declare"
+            return (f"{name}: rotary over {2 * b.numel()} of each head's {head_dim} dims, which the family does not "
+                    "declare")
     types_ = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
     for t in types_:
         if t not in ("full_attention", "sliding_attention", "linear_attention"):
@@ -272,15 +276,6 @@ def _windows(model, fam):
     return [rule(layer.self_attn, model.config) if _attends(layer) else None for layer in model.model.layers]
 
 
-def _rotary_keys(model, fam):
-    """Each layer's rotary table: the layer type's (one table unless the family has one per type), None
-    for a layer without rotary."""
-    cfg = model.config
-    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
-    return [None if not _attends(layer) or (fam.rotary_on and not fam.rotary_on(layer.self_attn)) else
-            kind if fam.rotary_per_type else "all" for layer, kind in zip(model.model.layers, kinds)]
-
-
 def _rotary(rotary_emb, fam, x, positions, key):
     """(cos, sin) of the rotary table `key` for positions (N, S), from the model's own rotary module."""
     cos, sin = rotary_emb(x, positions, key) if fam.rotary_per_type else rotary_emb(x, positions)
@@ -293,8 +288,8 @@ def _rotary(rotary_emb, fam, x, positions, key):
 class LayerParams:
     """What `layer` reads of one decoder layer: its settings, read by `_spec` from the family's row and the layer's
     modules (the same in training, prefill and decode), and its tensors, put in by `layer_params` (the training
-    forward's live parameters, or the decoder's fused copies). A feature of a family is a field here, a line of
-    `layer_params` and the lines of `layer` that use it.
+    forward's live parameters, or the decoder's fused copies), with the layer's two blocks (`mix`, `mlp`). A
+    feature of a family is a field here, a line of `layer_params` and the lines of the blocks that use it.
 
     Norms are (weight as applied, epsilon), None where the family has none; linear layers are (weight, bias) and,
     with a LoRA adapter on, (A, B, scaling) after them (`_linear`); `qkv` and `gate_up` are lists of them whose
@@ -328,6 +323,9 @@ class LayerParams:
     down: tuple = None
     moe: object = None        # static_moe.MoE (the decoder's; the training forward runs dense layers only)
     recurrent: object = None  # static_recurrent.DeltaNet in place of attention (the decoder's)
+    # the blocks `layer` runs on the normed input (`layer_params` puts them in)
+    mix: object = None        # (h, p, rope, attend, recurrent) -> output: `attention_block`, or a feature's
+    mlp: object = None        # (h, p, record) -> output: `dense_mlp`, or a feature's (a MoE block)
     # the decoder's
     reduce: object = None     # tensor parallelism: the group's sum of a partial output (layers/tensor_parallel.py)
     cache_row: int = None     # the layer's row of the KV cache
@@ -350,22 +348,24 @@ class Spec:
 
 
 def _spec(model, fam=None):
-    """`model`'s Spec; fam: the family to read it as (its own row by default)."""
+    """`model`'s Spec; fam: the family to read it as (by default its own row, as the run's decision found it)."""
     inner, cfg = model.model, model.config
-    fam = fam or _layer_family(inner.layers[0])
+    fam = fam or paths_of(model).family
     softcap = (getattr(cfg, fam.softcap, None) or None) if fam.softcap else None
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(inner.layers)
     settings = []
-    for layer, rope, window in zip(inner.layers, _rotary_keys(model, fam), _windows(model, fam)):
-        s = dict(rope=rope, window=window, upcast=fam.upcast,
+    for layer, kind, window in zip(inner.layers, kinds, _windows(model, fam)):
+        s = dict(window=window, upcast=fam.upcast,
                  eps={slot: _eps(getattr(layer, name)) for slot, name in zip(SLOTS, fam.norms) if name})
         if not is_moe(layer.mlp):
-            s["act"] = _ACT[_activation(layer.mlp.act_fn)]
+            s["act"] = _ACT[type(layer.mlp.act_fn).__name__]  # one `_refusal` admitted (`_activation`)
         if _attends(layer):
             a = layer.self_attn
+            # the layer's rotary table: its layer type's where the family has one per type; None: no rotary
             s.update(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=a.head_dim,
-                     qk_norm=fam.qk_norm, gated=fam.gated_query, scaling=a.scaling, softcap=softcap)
-            if fam.qk_norm:
-                s["eps"]["qk"] = _eps(a.q_norm)
+                     qk_norm=fam.qk_norm, gated=fam.gated_query, scaling=a.scaling, softcap=softcap,
+                     rope=None if fam.rotary_on and not fam.rotary_on(a) else kind if fam.rotary_per_type else "all")
+            s["eps"]["qk"] = _eps(a.q_norm) if fam.qk_norm else None
         settings.append(LayerParams(**s))
     return Spec(fam, settings, getattr(inner.embed_tokens, "embed_scale", None), head_of(model))
 
@@ -376,18 +376,15 @@ def head_of(model):
     from here, so the two cannot disagree."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     scale = float(getattr(model, "logit_scale", None) or getattr(cfg, "logit_scale", None) or 1.0)
-    if getattr(cfg, "logits_scaling", None):
-        scale /= float(cfg.logits_scaling)
+    scale /= float(getattr(cfg, "logits_scaling", None) or 1.0)
     softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
-    if scale == 1.0 and not softcap:
-        return None
-    from layers.head import Head
-    return Head(scale, softcap)
+    return None if scale == 1.0 and not softcap else Head(scale, softcap)
 
 
 def layer_params(l, settings, fam, take):
     """The LayerParams of the decoder layer `l`: its `settings` (`Spec.layers`) with its tensors as `take` gives them,
-    `Live` (the training forward) or the decoder's copies (engine.py). The one place that says which tensor of a
+    `Live` (the training forward) or the decoder's copies (engine.py), and its blocks: `attention_block` and
+    `dense_mlp`, or a feature's in their place (`_feature_blocks`). The one place that says which tensor of a
     layer feeds which part of `layer`; `take` says only in what form.
 
     take.norm(name, module, eps) -> a norm; take.linears(name, modules, cuts, split_gate) -> the list `qkv`/`gate_up`
@@ -399,20 +396,34 @@ def layer_params(l, settings, fam, take):
     a, m = getattr(l, "self_attn", None), l.mlp
     t = {slot: None if name is None else take.norm(slot, getattr(l, name), settings.eps[slot])
          for slot, name in zip(SLOTS, fam.norms)}
-    if a is None:
-        t["recurrent"] = take.recurrent(l.linear_attn)
-    else:
+    t.update(mix=attention_block, mlp=dense_mlp)
+    if a is not None:
         t["qkv"] = take.linears("qkv", [a.q_proj, a.k_proj, a.v_proj], ("heads", "kv_heads", "kv_heads"),
                                 split_gate=settings.head_dim if settings.gated else None)
         t["o"] = take.linear("o", a.o_proj, "inputs")
         if fam.qk_norm or fam.sinks:
             _attention_options(t, a, settings, fam, take)
-    if is_moe(m):
-        t["moe"] = take.moe(m)
-    else:
+    if not is_moe(m):
         t["gate_up"] = take.linears("gate_up", [m.gate_proj, m.up_proj], ("columns", "columns"))
         t["down"] = take.linear("down", m.down_proj, "inputs")
+    if a is None or is_moe(m) or settings.gated or settings.reduce is not None:
+        _feature_blocks(t, l, settings, take)
     return dataclasses.replace(settings, **t)
+
+
+def _feature_blocks(t, l, settings, take):
+    """`layer_params`' blocks where a feature puts its own, in `t`: a Gated DeltaNet layer in place of attention
+    (`recurrent_block`, its state the decoder's: layers/static_recurrent.py), a MoE block in place of the MLP
+    (`static_moe.block`), a gated query's attention (`gated_attention_block`), and under tensor parallelism each
+    block followed by the group's sum of its partial output (`tensor_parallel.summed`)."""
+    if not _attends(l):
+        t["recurrent"], t["mix"] = take.recurrent(l.linear_attn), recurrent_block
+    if is_moe(l.mlp):
+        t["moe"], t["mlp"] = take.moe(l.mlp), static_moe.block
+    if settings.gated:
+        t["mix"] = gated_attention_block
+    if settings.reduce is not None:
+        t["mix"], t["mlp"] = tensor_parallel.summed(t["mix"]), tensor_parallel.summed(t["mlp"])
 
 
 def _attention_options(t, a, settings, fam, take):
@@ -425,24 +436,25 @@ def _attention_options(t, a, settings, fam, take):
         t["sinks"] = take.tensor("sinks", a.sinks, "heads")
 
 
+@dataclasses.dataclass
 class Live:
     """`layer_params`' tensors for the training forward: the model's own parameters as they are at the call
     (gathered, under FSDP), differentiable; each projection with its LoRA adapter's low-rank term apart
-    (`_linear_params`), and each norm's weight as the family applies it."""
-
-    def __init__(self, fam):
-        self.fam = fam
+    (`linear`), and each norm's weight as the family applies it."""
+    fam: Family
 
     def norm(self, name, module, eps):
         return _norm_weight(module.weight, self.fam), eps
 
     def linears(self, name, modules, cuts, split_gate=None):
-        if split_gate:  # q_proj's rows interleave each head's query and gate; `_qkv` reads them fused
-            raise ValueError("the training forward does not run a gated query (transformer.decide refuses it)")
-        return [_linear_params(lin) for lin in modules]
+        # q_proj's rows interleave each head's query and gate, which only the decoder's fused copy splits
+        assert split_gate is None, "the training forward does not run a gated query (transformer.decide refuses it)"
+        return [self.linear(name, lin, None) for lin in modules]
 
     def linear(self, name, module, cut):
-        return _linear_params(module)
+        """(weight, bias); for a projection with a LoRA adapter (layers/lora.py) switched on, (A, B, scaling) after
+        them (`LoRALinear.linear_params`), its low-rank term added apart from the weight (`_linear`)."""
+        return module.linear_params() if type(module) is lora.LoRALinear else (module.weight, module.bias)
 
     def tensor(self, name, t, cut):
         return t
@@ -472,6 +484,7 @@ class Paths:
     sampler: object
     training: object
     dropout: bool
+    family: Family = None  # the model's row in FAMILIES (`_layer_family`), None where it has none
 
     def samples_written_out(self):
         return self.sampler is None
@@ -499,17 +512,16 @@ def decide(model, tp_size=1):
     hooks registered on the layers, projections or norms do not run on the written-out paths.
     """
     common = _refusal(model)
+    layers = getattr(getattr(model, "model", None), "layers", None)
     return Paths(tp_size, common or _sampler_refusal(model, tp_size), common or _training_refusal(model),
-                 bool(getattr(model.config, "attention_dropout", 0.0)))
+                 bool(getattr(model.config, "attention_dropout", 0.0)), _layer_family(layers[0]) if layers else None)
 
 
 def paths_of(model, tp_size=None):
     """The run's decision for `model` where setup attached one (`attach`; for `tp_size` ranks, None: any), else
     decided now (a model used outside a run, as tests and benches do)."""
     paths = model.__dict__.get("_paths")
-    if paths is not None and tp_size in (None, paths.tp_size):
-        return paths
-    return decide(model, tp_size or 1)
+    return paths if paths is not None and tp_size in (None, paths.tp_size) else decide(model, tp_size or 1)
 
 
 def attach(model, paths):
@@ -565,9 +577,15 @@ def _fixed_rotary(rotary_emb):
 
 def _rms_norm(x, weight, eps, upcast=False):
     """RMSNorm over x's last dim, in float32, scaled by weight. As Llama's norm, the scaling happens in x's
-    dtype; upcast: in float32, rounded once after it (OLMo 2's, Gemma's)."""
-    if x.dtype == torch.float32:  # the same arithmetic either way, in one call
-        return F.rms_norm(x, weight.shape, weight, eps)
+    dtype; upcast: in float32, rounded once after it (OLMo 2's, Gemma's): `_rounded_rms_norm`."""
+    if x.dtype != torch.float32:
+        return _rounded_rms_norm(x, weight, eps, upcast)
+    return F.rms_norm(x, weight.shape, weight, eps)  # the same arithmetic either way, in one call
+
+
+def _rounded_rms_norm(x, weight, eps, upcast):
+    """`_rms_norm` of x in a dtype narrower than float32: normalised in float32, then scaled in x's dtype (Llama)
+    or in float32 and rounded once after it (upcast)."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if upcast:
@@ -596,34 +614,29 @@ def _norm(x, norm, upcast):
     return x if norm is None else _rms_norm(x, norm[0], norm[1], upcast)
 
 
-def _rotate(x, cos, signed_sin):
-    """Rotary embedding: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
-
-    `signed_sin` carries rotate_half's minus sign (its first half negated), so
-    the halves only need swapping: a roll by half the head dimension. Tables in float32 for x in
-    bf16 (OLMo's rotary keeps them so) rotate in float32: the caller rounds the result once, as OLMo does.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
-
-
 def _rotary_heads(x, cos, sin):
-    """`_rotate` over the first dims of each head of x (..., heads, head_dim), as many as the tables are wide (all
-    of them but with partial rotary), the rest passed through; rounded once to x's dtype."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        out = _rotate(x, cos, sin)
-    else:
-        out = torch.cat([_rotate(x[..., :rd], cos, sin).to(x.dtype), x[..., rd:]], -1)
+    """Rotary embedding over each head of x (..., heads, head_dim): x * cos + rotate_half(x) * sin,
+    rotate_half(x) = (-x2, x1), rounded once to x's dtype; tables narrower than a head: `_partial_rotary`.
+
+    `sin` carries rotate_half's minus sign (its first half negated, `_signed_sin`), so the halves only need
+    swapping: a roll by half the head dimension. Tables in float32 for x in bf16 (OLMo's rotary keeps them so)
+    rotate in float32, and the result is rounded once, as OLMo does.
+    """
+    if cos.shape[-1] != x.shape[-1]:
+        return _partial_rotary(x, cos, sin)
+    out = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def _repeat_kv(t, rep):
-    """(B, kv_heads, S, hd) -> (B, kv_heads * rep, S, hd): each K/V head repeated for the query heads it serves."""
-    return t[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
+def _partial_rotary(x, cos, sin):
+    """`_rotary_heads` over the first dims of each head of x, as many as the tables are wide (Qwen3.5's partial
+    rotary), the rest passed through."""
+    rd = cos.shape[-1]
+    return torch.cat([_rotary_heads(x[..., :rd], cos, sin), x[..., rd:]], -1)
 
 
 def _signed_sin(sin):
-    """The rotary sin table with its first half negated, as `_rotate` takes it."""
+    """The rotary sin table with its first half negated, as `_rotary_heads` takes it."""
     half = sin.shape[-1] // 2
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
@@ -644,39 +657,28 @@ def _linears(x, parts):
     return torch.cat([_linear(x, part) for part in parts], -1)
 
 
-def _qkv(h, p):
-    """The attention's inputs from the normed h (*lead, H): q and k together (*lead, heads + kv_heads, head_dim),
-    normed as the family does, v (*lead, kv_heads, head_dim), and the query's gate (*lead, heads * head_dim) or None."""
-    qkv = _linears(h, p.qkv)
-    if p.gated or p.qk_norm == "projection":
-        return _qkv_parts(qkv, p)
-    return (*_qk_v(qkv, p), None)
-
-
 def _qk_v(qkv, p):
-    """q and k together, each head of them normed where the family does ("head"), and v, of q, k and v concatenated."""
-    nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
-    heads = qkv.unflatten(-1, (-1, hd))
-    qk, v = heads[..., :nh + nkv, :], heads[..., nh + nkv:nh + 2 * nkv, :]
+    """q and k together (*lead, heads + kv_heads, head_dim), normed as the family does, and v (*lead, kv_heads,
+    head_dim), of the q, k and v projections' outputs concatenated (*lead, (heads + 2 kv_heads) * head_dim); any
+    columns after v's (a gated query's gates) are not read."""
+    if p.qk_norm == "projection":
+        return _projection_normed(qkv, p)
+    nq = p.heads + p.kv_heads
+    heads = qkv.unflatten(-1, (-1, p.head_dim))
+    qk, v = heads[..., :nq, :], heads[..., nq:nq + p.kv_heads, :]
     if p.qk_norm == "head":  # each head of q and k, in one pass
         qk = _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast)
     return qk, v
 
 
-def _qkv_parts(qkv, p):
-    """`_qkv` for a gated query (its gates after q, k and v: see _query_parts) or norms over all of q and all of k,
-    before the split into heads (qk_norm "projection")."""
+def _projection_normed(qkv, p):
+    """`_qk_v` with norms over all of q and all of k, before the split into heads (OLMo 2's qk_norm "projection")."""
     nh, nkv, hd = p.heads, p.kv_heads, p.head_dim
-    gate = None
-    if p.gated:
-        qkv, gate = qkv[..., :(nh + 2 * nkv) * hd], qkv[..., (nh + 2 * nkv) * hd:]
-    if p.qk_norm != "projection":
-        return (*_qk_v(qkv, p), gate)
     eps = p.eps["qk"]
     q = _rms_norm(qkv[..., :nh * hd], p.q_norm, eps, p.upcast)
     k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p.k_norm, eps, p.upcast)
     return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
-        qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd)), gate
+        qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd))
 
 
 def is_moe(mlp):
@@ -687,17 +689,19 @@ def is_moe(mlp):
 def grouped_attention(q, k, v, key_mask=None, scale=None):
     """Attention without options, as two batched matmuls (the sampler's decode on a CPU, and the reference the
     Triton decode kernel is tested against): q (B, nkv, rep, hd), the rep query heads sharing each K/V head; k, v
-    (B, nkv, L, hd); key_mask (B, L) bool, True = attend. Softmax in float32; a row with no key to attend gives
-    zeros (0/0 in the softmax, its weights zeroed after). Returns (B, nkv, rep, hd) in q's dtype."""
+    (B, nkv, L, hd); key_mask (B, L) bool, True = attend (`_masked_softmax`). Softmax in float32. Returns
+    (B, nkv, rep, hd) in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # (B, nkv, rep, L)
-    if key_mask is not None:
-        dropped = ~key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
-        s.masked_fill_(dropped, float("-inf"))
-    p = s.softmax(-1)
-    if key_mask is not None:
-        p.masked_fill_(dropped, 0.0)
+    p = s.softmax(-1) if key_mask is None else _masked_softmax(s, key_mask)
     return torch.matmul(p, v.float()).to(q.dtype)
+
+
+def _masked_softmax(s, key_mask):
+    """The softmax of scores s (B, nkv, rep, L) over the keys key_mask (B, L) keeps; a row with no key to attend
+    gives zeros (0/0 in the softmax, its weights zeroed after)."""
+    dropped = ~key_mask[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and queries
+    return s.masked_fill_(dropped, float("-inf")).softmax(-1).masked_fill_(dropped, 0.0)
 
 
 def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):
@@ -706,15 +710,15 @@ def attention(q, k, v, mask, p, causal=False, gqa=False, kernel=None):
     q (B, heads, Q, hd); k, v (B, kv heads, L, hd), kv heads dividing heads (grouped-query attention: each K/V
     head serves heads / kv heads query heads; decode passes them grouped, the queries sharing a K/V head as its
     Q axis). mask broadcasting to (B, heads, Q, L), True: attend; None: every key, or with `causal` the keys
-    up to the query's own column. gqa: SDPA may serve grouped heads itself, with no copy of K/V (else they are
-    repeated). kernel(q, k, v, mask, scale): the attention without options, instead of SDPA (decode on a CPU,
-    or the Triton kernel).
+    up to the query's own column. gqa: SDPA may serve grouped heads itself, with no copy of K/V (else each K/V
+    head is repeated for the query heads it serves). kernel(q, k, v, mask, scale): the attention without
+    options, instead of SDPA (decode on a CPU, or the Triton kernel).
     """
     if p.softcap is not None or p.sinks is not None:
         return _scored_attention(q, k, v, mask, p, causal)
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and not gqa:
-        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if kernel is not None:
         return kernel(q, k, v, mask, p.scaling)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scaling,
@@ -728,7 +732,7 @@ def _scored_attention(q, k, v, mask, p, causal):
     scale, cap, sinks = p.scaling, p.softcap, p.sinks
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
-        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
@@ -746,55 +750,65 @@ def _scored_attention(q, k, v, mask, p, causal):
 
 
 def layer(x, p, rope, attend, recurrent=None, record=None):
-    """One decoder layer, x (*lead, H) -> (*lead, H): the only place its arithmetic is written.
+    """One decoder layer, x (*lead, H) -> (*lead, H): the only place its arithmetic is written, its norms and
+    residual adds around its two blocks, which `p` carries: the attention (`attention_block`) and the MLP
+    (`dense_mlp`), or the blocks a feature puts in their place (`_feature_blocks`).
 
     The training forward (`_layer`), prefill and decode (`StaticDecoder._layers`) call it and differ only in
     what they pass. lead is (B, S) in training and prefill, (B,) in decode (one token per row and no sequence
     axis: fewer views per token, which shows on small CPU batches).
-    p: the layer's LayerParams (`layer_params`): settings and tensors; under tensor parallelism its `reduce` sums
-      the attention's and the MLP's partial outputs over the group.
+    p: the layer's LayerParams (`layer_params`): settings, tensors and blocks.
     rope: (cos, sin) of the layer's rotary table, broadcasting over q's and k's heads; None: no rotary.
     attend(p, q (*lead, heads, hd), k, v (*lead, kv heads, hd)) -> (*lead, heads, hd): `attention` over the
       caller's keys: this call's own (training), or a KV cache (p.cache_row) the new k and v are written to first.
-    recurrent(state, h): a recurrent layer's output for its normed input; record(p, experts): routing replay's
-      record of a MoE block's choice (decoder only). The callers pass the same functions to every layer: nothing
-      is built per layer per step.
+    recurrent, record: the decoder's, for the blocks features put in (`recurrent_block`, `static_moe.block`). The
+      callers pass the same functions to every layer: nothing is built per layer per step.
     """
     upcast = p.upcast
-    h = _norm(x, p.attn_in, upcast)
-    if p.recurrent is not None:
-        a = recurrent(p.recurrent, h)  # output projection included
-    else:
-        qk, v, gate = _qkv(h, p)
-        if rope is not None:
-            qk = _rotary_heads(qk, *rope)  # queries and keys in one pass
-        nh = p.heads
-        o = attend(p, qk[..., :nh, :], qk[..., nh:, :], v).flatten(-2)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        a = _linear(o, p.o)
-    reduce = p.reduce  # tensor parallelism: this rank's heads gave a partial sum (layers/tensor_parallel.py)
-    if reduce is not None:
-        a = reduce(a)
+    a = p.mix(_norm(x, p.attn_in, upcast), p, rope, attend, recurrent)
     x = x + _norm(a, p.attn_out, upcast)
-    h = _norm(x, p.mlp_in, upcast)
-    if p.moe is not None:
-        m = _moe(h, p, record)
-    else:
-        parts = p.gate_up
-        gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
-        m = _linear(p.act(gate) * up, p.down)
-    if reduce is not None:
-        m = reduce(m)
+    m = p.mlp(_norm(x, p.mlp_in, upcast), p, record)
     return x + _norm(m, p.mlp_out, upcast)
 
 
-def _moe(h, p, record):
-    """A MoE block's output for the normed h (layers/static_moe.py), and routing replay's `record` of its choice."""
-    m, experts = p.moe(h.reshape(-1, h.shape[-1]))  # tokens (T, H)
-    if record is not None:
-        record(p, experts)
-    return m.view(h.shape)
+def attention_block(h, p, rope, attend, recurrent=None):
+    """The attention's output for the normed h (*lead, H), o_proj included: q, k and v projected and normed as the
+    family does (`_qk_v`), then the heads' attention (`_attend`)."""
+    qk, v = _qk_v(_linears(h, p.qkv), p)
+    return _linear(_attend(qk, v, p, rope, attend), p.o)
+
+
+def _attend(qk, v, p, rope, attend):
+    """The heads' attention output (*lead, heads * hd) of q and k together (*lead, heads + kv heads, hd) and v:
+    rotary over the queries and keys in one pass, then `attend`."""
+    if rope is not None:
+        qk = _rotary_heads(qk, *rope)
+    return attend(p, qk[..., :p.heads, :], qk[..., p.heads:, :], v).flatten(-2)
+
+
+def dense_mlp(h, p, record=None):
+    """The MLP's output for the normed h (*lead, H): down(act(gate) * up), gate and up one fused matmul (the
+    decoder's copy) or one each (the training forward, on the model's own)."""
+    parts = p.gate_up
+    gate, up = _linear(h, parts[0]).chunk(2, dim=-1) if len(parts) == 1 else [_linear(h, q) for q in parts]
+    return _linear(p.act(gate) * up, p.down)
+
+
+def gated_attention_block(h, p, rope, attend, recurrent=None):
+    """`attention_block` with a gated query (Qwen3.5): q_proj gives each head's query and then a gate, which the
+    decoder's fused projection holds after q, k and v (`_query_parts`); the attention's output is multiplied by
+    sigmoid(gate) before o_proj."""
+    qkv = _linears(h, p.qkv)
+    gates = (p.heads + 2 * p.kv_heads) * p.head_dim  # where the gates begin
+    qk, v = _qk_v(qkv, p)
+    return _linear(_attend(qk, v, p, rope, attend) * torch.sigmoid(qkv[..., gates:]), p.o)
+
+
+def recurrent_block(h, p, rope, attend, recurrent):
+    """A Gated DeltaNet layer's output in place of attention, its output projection included: the caller's
+    recurrent(state, h) (the decoder's prefill or decode) on the layer's state `p.recurrent`
+    (layers/static_recurrent.py)."""
+    return recurrent(p.recurrent, h)
 
 
 def _padded_causal_mask(attn):
@@ -831,7 +845,7 @@ def _one_fsdp_group(layer):
 
 
 def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False, tree=None):
-    """The final-norm hidden states (N, S, H) of a model `_reproduced` admits, on its own parameters, differentiable.
+    """The final-norm hidden states (N, S, H) of a model `decide` lets train here, on its own parameters, with grad.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the values and gradients), in fewer
     elementwise passes and without the per-call mask and cache bookkeeping: on a small model the Hugging Face forward
@@ -894,8 +908,6 @@ def _checkpointed(layer, call):
 def _layer_on(layer, math, x, cos, sin, mask, settings, live):
     """`math` (`_layer` or its compiled form) on this layer's parameters, as they are at the call: gathered,
     under FSDP, by the hooks around `_fsdp_layer_method`."""
-    if math is not _layer:  # compiled: rows and positions dynamic (after FSDP's casts, which copy)
-        _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
     return math(x, cos, sin, mask, layer_params(layer, settings, live.fam, live))
 
 
@@ -912,13 +924,6 @@ def _fsdp_layer_method(layer):
 
 def _default_checkpoint(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-def _linear_params(lin):
-    """(weight, bias) of a linear layer; for one with a LoRA adapter switched on, (A, B, scaling) after them."""
-    if type(lin) is lora.LoRALinear and lin.enabled:
-        return lin.weight, lin.bias, lin.lora_A, lin.lora_B, lin.scaling
-    return lin.weight, lin.bias
 
 
 def _layer(x, cos, sin, mask, p):
@@ -1072,7 +1077,12 @@ def compiled_layer():
 
 
 def compile_layer(backend="inductor"):
-    return torch.compile(_layer, backend=backend, fullgraph=True)
+    graph = torch.compile(_layer, backend=backend, fullgraph=True)
+
+    def compiled(x, cos, sin, mask, p):  # rows and positions dynamic (marked after FSDP's casts, which copy)
+        _dynamic_shape(x, 0, 1), _dynamic_shape(cos, 0, 1), _dynamic_shape(sin, 0, 1), _dynamic_shape(mask, 0, 2, 3)
+        return graph(x, cos, sin, mask, p)
+    return compiled
 
 
 def _dynamic_shape(t, *dims):
