@@ -290,8 +290,9 @@ def mini_batches(run, batch, mask, loss_mask):
     """The step's mini-batches, each a list of micro-batches, and each mini-batch's counted tokens over all ranks.
     Mini-batch j: the step's rows i with i % steps_per_generation == j, whatever the world size (n /
     steps_per_generation of them on each rank). Its loss is normalised by its own counts over all ranks, so an
-    optimizer step's gradient is that of its mini-batch alone, and any world size gives the same one. In each, the micro-batches of `run.micro_batches` (`micro_batches` below unless a feature groups rows
-    otherwise); with a token budget, as many on every rank (each forward makes FSDP collectives)."""
+    optimizer step's gradient is that of its mini-batch alone, and any world size gives the same one. In each, the
+    micro-batches of `run.micro_batches` (`micro_batches` below unless a feature groups rows otherwise); with a
+    token budget, as many on every rank (each forward makes FSDP collectives)."""
     cfg, d = run.cfg, run.d
     rows = logprobs.mini_batch_rows(mask.shape[0], batch.mine.start, cfg.steps_per_generation, d.device)
     num_tokens = [torch.tensor(c, device=d.device).clamp(min=1)

@@ -158,7 +158,7 @@ class StaticDecoder:
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
         # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
-        # with its first half negated (see _rotate)
+        # with its first half negated (see transformer._rotary_heads)
         self.rotary = model.model.rotary_emb
         probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
         tables = [transformer._rotary(self.rotary, self.fam, *probe, key)[0] for key in self.rotary_keys]
@@ -355,7 +355,7 @@ class StaticDecoder:
         rope = {}
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
-            cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see _rotate
+            cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see transformer._rotary_heads
             rope[key] = (cos_t[:n, :p, None], sin_t[:n, :p, None])
         if self.pos is not None:
             self.pos[:n] = all_pos
@@ -631,7 +631,8 @@ class _Copies:
 
     def linears(self, name, modules, cuts, split_gate=None):
         """One fused (weight, bias) of the projections; split_gate: q_proj's rows hold each head's query and then
-        its gate, split_gate rows each: the queries first, the gates after the others (see transformer._qkv)."""
+        its gate, split_gate rows each: the queries first, the gates after the others (see
+        transformer.gated_attention_block)."""
         weights = [self.tp.weight(m, cut, self.dec.config_kv) for m, cut in zip(modules, cuts)]
         if split_gate:  # no bias: transformer.decide refuses a gated query with one
             # cut by heads, a share of q_proj is whole heads, each its query then its gate: split as the whole is
