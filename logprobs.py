@@ -165,7 +165,8 @@ def _logit_grad(z, targets, g, temperature):
 class _FusedTokenLogprobs(_ChunkedTokenLogprobs):
     """_ChunkedTokenLogprobs with each chunk's math compiled (`_chunk_stats`, and `_chunk_grad` in its backward;
     `fused_head_available`): for bf16 weights, no float32 copy of a chunk's logits. It knows no head transform; with
-    `entropy_grad`, backward's chunks take the eager path (`_recomputed_grad`)."""
+    `entropy_grad`, backward's chunks take the eager path (`_recomputed_grad`). Its backward is the parent's, whose
+    last gradient (None, for the parent's `head`) autograd drops: this forward takes one input fewer."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, entropy_grad=False):

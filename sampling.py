@@ -792,8 +792,9 @@ def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, **fe
     `features` record_routing and on_end, or the settings below), features/sampler_options.py's `sample_rows`
     samples them instead."""
     tp = getattr(d, "tp", None)
-    if agent is not None or features or rows.images is not None or (tp is not None and tp.size > 1) or \
-            cfg.generation_batch_size or cfg.rollouts_in_flight or cfg.shared_prompts or cfg.decode_attention_kernel:
+    asked = agent is not None or rows.images is not None or any(v not in (None, False) for v in features.values())
+    if asked or (tp is not None and tp.size > 1) or cfg.generation_batch_size or cfg.rollouts_in_flight or \
+            cfg.shared_prompts or cfg.decode_attention_kernel:
         return _options().sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent, **features)
     was_training = policy.training
     policy.eval()

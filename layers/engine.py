@@ -60,7 +60,7 @@ WHOLE = Whole()
 
 
 class StaticDecoder:
-    """The decoder of a model `_reproduced` admits, over a preallocated KV cache, on its own copy of the weights.
+    """The decoder of a model `transformer.decide` admits, over a preallocated KV cache, on its own copy of the weights.
 
     The same arithmetic as the Hugging Face layers (RMSNorm in float32, rotary
     tables from the model's own rotary module, SDPA attention), without the
@@ -456,7 +456,7 @@ class StaticDecoder:
             first = self.unmarked[1] if self.unmarked is not None else slot
             self.unmarked = (b, first, slot)
             return None
-        self._mark()
+        self._mark()  # never under CUDA graphs: `unpadded` (which leaves slots unmarked) is eager decode's alone
         self.key_mask[at, slot] = self.trues[:b]
         return self.key_mask[:b, None, None, lo:kv_len]
 

@@ -22,7 +22,8 @@ def prefill(dec, ids, attn, positions):
     ids, attn = distinct[:, :p], distinct[:, p:]
     logits = dec.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))  # as logprobs.position_ids_from_mask
     for buf in (dec.k_cache, dec.v_cache):
-        buf[:, :n, :, :p] = buf[:, inverse, :, :p]
+        for i in range(buf.shape[0]):  # a layer at a time: the gather's copy is one layer's prompt cache
+            buf[i, :n, :, :p] = buf[i, inverse, :, :p]
     for buf in (dec.key_mask, *dec.cos, *dec.sin, *([] if dec.pos is None else [dec.pos])):
         buf[:n] = buf[inverse]
     if dec.routes is not None:

@@ -75,7 +75,6 @@ def _l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-
 def delta_net_spans(tp, nk, nv, dk, dv):
     """The rows of a Gated DeltaNet layer (nk key heads of dk, nv value heads of dv) that rank tp.rank of a
     tensor-parallel group of tp.size holds, in the model's coordinates, as lists of (start, stop): "qkv" its rows of

@@ -420,7 +420,7 @@ def _feature_blocks(t, l, settings, take):
         t["recurrent"], t["mix"] = take.recurrent(l.linear_attn), recurrent_block
     if is_moe(l.mlp):
         t["moe"], t["mlp"] = take.moe(l.mlp), static_moe.block
-    if settings.gated:
+    if settings.gated and _attends(l):
         t["mix"] = gated_attention_block
     if settings.reduce is not None:
         t["mix"], t["mlp"] = tensor_parallel.summed(t["mix"]), tensor_parallel.summed(t["mlp"])
@@ -447,8 +447,8 @@ class Live:
         return _norm_weight(module.weight, self.fam), eps
 
     def linears(self, name, modules, cuts, split_gate=None):
-        # q_proj's rows interleave each head's query and gate, which only the decoder's fused copy splits
-        assert split_gate is None, "the training forward does not run a gated query (transformer.decide refuses it)"
+        if split_gate:  # q_proj's rows interleave each head's query and gate, which only the decoder's copy splits
+            raise ValueError("the training forward does not run a gated query (transformer.decide refuses it)")
         return [self.linear(name, lin, None) for lin in modules]
 
     def linear(self, name, module, cut):

@@ -129,7 +129,8 @@ def test_layers_and_sandbox_import_nothing_of_the_project_outside_their_folder()
 
 def test_tensor_parallelism_is_applied_from_three_places_at_most():
     """Tensor parallelism is applied from outside the layers it cuts: its groups made at setup (runs/setup.py),
-    its refusals asked when the paths are decided (layers/transformer.py), the plan's decoder on the meta device
+    its refusals asked when the paths are decided and its sums put after a sliced layer's blocks
+    (layers/transformer.py), the plan's decoder on the meta device
     (runs/plan.py). A weight-copy site that imports it to cut a weight makes a fourth, and this fails: the decoder
     reads every weight through the reader it was given (layers/engine.py's Whole, or a Slice)."""
     users = sorted(f for f, targets in graph().items() if "layers/tensor_parallel.py" in targets)
