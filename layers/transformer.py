@@ -348,9 +348,10 @@ class Spec:
 
 
 def _spec(model, fam=None):
-    """`model`'s Spec; fam: the family to read it as (by default its own row, as the run's decision found it)."""
-    inner, cfg = model.model, model.config
-    fam = fam or paths_of(model).family
+    """`model`'s Spec; fam: the family to read it as (by default its own row: as the run's decision found it, or
+    looked up for a model used outside a run, without deciding all of its paths again)."""
+    inner, cfg, paths = model.model, model.config, model.__dict__.get("_paths")
+    fam = fam or (paths.family if paths is not None else _layer_family(inner.layers[0]))
     softcap = (getattr(cfg, fam.softcap, None) or None) if fam.softcap else None
     kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(inner.layers)
     settings = []
