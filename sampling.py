@@ -1,9 +1,9 @@
 """The sampler: completions for left-padded prompts on the (sharded) policy, one or several turns each.
 
-One concern in one file (past 650 lines on purpose): the decode loop and what drives it (rows paused and
-resumed, answers appended, compaction, admission, the draws) share one state; a step's rollout, a `Stream` of rows
-across steps and held-out evaluation beside it are the loop's only callers. What a rollout holds (`Rollout`) is in
-rollouts.py.
+One concern in one file (past 650 lines on purpose): the decode loop and what drives it (the rows, compaction, the
+draws; features/sampler_rows.py's rows add pausing, answers and admission to them) share one state; a step's
+rollout, a `Stream` of rows across steps and held-out evaluation beside it are the loop's only callers. What a
+rollout holds (`Rollout`) is in rollouts.py.
 
 `sample` is one decode loop over a KV cache. In the core each step decodes one token per row, and a row ends at
 EOS or at the length limit. A `Sampler` says what the loop runs on and with which rows: the core's, or the optional

@@ -8,7 +8,8 @@ decoder's state: the cache, its masks and the copies are read and written by eve
 them would pass that state between files.
 
 Of the project it imports layers/transformer.py, layers/static_moe.py and layers/static_recurrent.py; layers/kernels.py
-(the optional Triton decode attention) only where it is asked for. Tensor parallelism hands it a reader of its own
+(the optional Triton decode attention) and layers/shared_prefill.py (rows of one prompt prefilled once) only where
+they are asked for. Tensor parallelism hands it a reader of its own
 (layers/tensor_parallel.py's Slice, in place of `Whole`), and a LoRA layer says what weight it applies.
 """
 
