@@ -293,28 +293,41 @@ def off_policy_mask(adv, logp, sampler_logp, mask, threshold):
 # ----------------------------------------------------------------------------- aggregation
 
 
+# Each aggregation: the micro-batch's share of the batch loss, of the per-token terms and the counted tokens (mask).
+# The normalisers describe the whole batch (all micro-batches, accumulation steps and ranks), so summing over
+# micro-batches gives the full-batch loss and gradient. Each is called as f(per_token, mask, num_sequences,
+# num_tokens, max_completion_length) and reads the normalisers it needs.
+
+
+def sequence_mean(per_token, mask, num_sequences, num_tokens, max_completion_length):
+    """grpo, sapo: the mean over sequences of the per-sequence token mean (DeepSeekMath)."""
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+
+
+def token_mean(per_token, mask, num_sequences, num_tokens, max_completion_length):
+    """dapo, bnpo, cispo, vespo: the sum over tokens / the tokens in the batch (DAPO's token-level loss)."""
+    return (per_token * mask).sum() / num_tokens
+
+
+def constant(per_token, mask, num_sequences, num_tokens, max_completion_length):
+    """dr_grpo: the sum over tokens / (sequences * max_completion_length) (Dr. GRPO)."""
+    return (per_token * mask).sum() / (num_sequences * max_completion_length)
+
+
+def sequence_sum(per_token, mask, num_sequences, num_tokens, max_completion_length):
+    """luspo: the mean over sequences of the per-sequence token sum (LUSPO)."""
+    return (per_token * mask).sum() / num_sequences
+
+
+AGGREGATIONS = {"sequence_mean": sequence_mean, "token_mean": token_mean, "constant": constant,
+                "sequence_sum": sequence_sum}
+
+
 def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_length):
-    """The micro-batch's share of the batch loss. The normalisers describe the whole batch (all micro-batches,
-    accumulation steps and ranks), so summing over micro-batches gives the full-batch loss and gradient:
-      sequence_mean (grpo, sapo): mean over sequences of the per-sequence token mean (DeepSeekMath)
-      token_mean (dapo, bnpo, cispo, vespo): sum over tokens / tokens in the batch (DAPO's token-level loss)
-      constant (dr_grpo): sum over tokens / (sequences * max_completion_length) (Dr. GRPO)
-      sequence_sum (luspo): mean over sequences of the per-sequence token sum (LUSPO)"""
-    if how == "sequence_mean":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    return summed_over_tokens(per_token, mask, how, num_sequences, num_tokens, max_completion_length)
-
-
-def summed_over_tokens(per_token, mask, how, num_sequences, num_tokens, max_completion_length):
-    """The aggregations that sum the batch's counted tokens' terms, then divide: token_mean, constant, sequence_sum
-    (`aggregate`)."""
-    if how == "token_mean":
-        return (per_token * mask).sum() / num_tokens
-    if how == "constant":
-        return (per_token * mask).sum() / (num_sequences * max_completion_length)
-    if how == "sequence_sum":
-        return (per_token * mask).sum() / num_sequences
-    raise ValueError(f"aggregation: unknown value {how!r}")
+    """The aggregation named `how` (AGGREGATIONS) of the per-token terms; ValueError for a name it does not know."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation: unknown value {how!r}")
+    return AGGREGATIONS[how](per_token, mask, num_sequences, num_tokens, max_completion_length)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -360,7 +373,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
     logp (n, T) requires grad; old_logp is the detached log-prob of the policy that sampled (logp.detach() when each
     batch is used once, so the ratio is 1); ref_logp is None when beta == 0; advantages (n,); mask (n, T).
     objective: an `Objective`. Its loss_type is a policy term (POLICY_TERM, TERMS) and an aggregation
-    (AGGREGATION; see `aggregate`); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
+    (AGGREGATION, AGGREGATIONS); its importance_sampling_level the ratio per token or per sequence (`log_ratio`).
     num_sequences, num_tokens: the whole batch's (all micro-batches, accumulation steps and ranks).
     is_weight, keep: None, or what multiplies the policy term (`reweighted`). entropy (n, T): with entropy_coef,
     it must carry its gradient (completion_logprobs(entropy_grad=True)).
@@ -381,7 +394,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, objective, *, num_sequ
         kl = k3_kl(ref_logp, logp)
         per_token = per_token + o.beta * (kl * ratio if o.use_bias_correction_kl else kl)
     per_token = per_token.expand_as(logp)  # (n, 1) when sequence-level without KL
-    loss = aggregate(per_token, mask, AGGREGATION[o.loss_type], num_sequences, num_tokens, o.max_completion_length)
+    loss = AGGREGATIONS[AGGREGATION[o.loss_type]](per_token, mask, num_sequences, num_tokens, o.max_completion_length)
     if o.entropy_coef != 0:  # the same meaning for every loss_type: a mean over tokens, as in TRL
         loss = loss - o.entropy_coef * (entropy * mask).sum() / num_tokens
     with torch.no_grad():

@@ -578,7 +578,7 @@ class MicroBatch:
 
 
 def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0, prompt_ids=None):
-    """Split a batch into micro-batches that spend little compute on padding.
+    """Split a batch into micro-batches of `size` rows that spend little compute on padding.
 
     attention_mask (N, P + T) over left-padded prompts then completions; token_mask (N, T) marks the completion tokens
     that count (loss, metrics). Rows are ordered by the columns they need (real prompt tokens, then the completion up to
@@ -587,10 +587,9 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     completion positions after every row's last counted token. Neither changes a counted token's log-prob: padding is
     never attended, and in a causal model later positions do not affect earlier ones. `completion_logprobs` then moves
     each row's padding to its end, so the forward runs `width` positions: the longest real prompt + counted completion
-    of the rows (less its last token, which predicts nothing), not the longest prompt plus the longest completion. A
-    micro-batch takes `size` rows, or with `max_tokens` > 0 as many rows as keep rows x width within it (a row longer
-    than that alone): the forward's activations then stay about the same size whether completions are short or long.
-    `prompt_ids` (N, P), the left-padded prompts: --shared_prompts (`shared_micro_batches`)."""
+    of the rows (less its last token, which predicts nothing), not the longest prompt plus the longest completion.
+    `max_tokens` > 0: a token budget in place of `size` (`within_tokens`); `prompt_ids` (N, P), the left-padded
+    prompts: --shared_prompts (`shared_micro_batches`)."""
     if prompt_ids is not None:
         return shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids)
     p = attention_mask.shape[1] - num_completion_tokens
@@ -601,22 +600,31 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     need = (prompt_len + completion_len).tolist()
     prompt_len, completion_len = prompt_len.tolist(), completion_len.tolist()
 
-    def width(rows):  # rows[0] is the longest; its last token predicts nothing
-        return max(1, need[rows[0]] - 1)
-
-    def micro_batch(rows):
+    def micro_batch(rows):  # rows[0] is the longest: its last token predicts nothing
         t = max(1, max(completion_len[i] for i in rows))
         # keep at least the last prompt column: it predicts the first completion token
         start = max(0, min(p - 1, p - max(prompt_len[i] for i in rows)))
-        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t, width(rows))
+        return MicroBatch(torch.tensor(rows, device=attention_mask.device), slice(start, p + t), t,
+                          max(1, need[rows[0]] - 1))
 
+    order = sorted(range(len(need)), key=lambda i: -need[i])  # stable: equal lengths keep batch order
+    parts = within_tokens(order, need, max_tokens) if max_tokens > 0 else \
+        [order[i:i + size] for i in range(0, len(order), size)]
+    return [micro_batch(rows) for rows in parts]
+
+
+def within_tokens(order, need, max_tokens):
+    """`micro_batches` with a token budget (--micro_batch_tokens): the rows in `order` (longest first; `need`, the
+    columns each needs) cut into micro-batches of as many rows as keep rows x width within `max_tokens` (a row longer
+    than that alone), so that the forward's activations stay about the same size whether completions are short or
+    long."""
     out = [[]]  # each micro-batch's rows, longest first: its first row sets its width
-    for i in sorted(range(len(need)), key=lambda i: -need[i]):  # stable: equal lengths keep batch order
+    for i in order:
         rows = out[-1]
-        if rows and (len(rows) >= size if max_tokens <= 0 else (len(rows) + 1) * width(rows) > max_tokens):
+        if rows and (len(rows) + 1) * max(1, need[rows[0]] - 1) > max_tokens:
             out.append([])
         out[-1].append(i)
-    return [micro_batch(rows) for rows in out if rows]
+    return [rows for rows in out if rows]
 
 
 def shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids):

@@ -157,13 +157,13 @@ class Attention:
 
     def attend(self, window):
         if window not in self.masks:
-            masks = transformer._masks({window}, self.keys, self.positions, None, self.positions.device)
+            masks = transformer._masks({window}, self.keys, self.positions, self.positions.device)
             self.masks[window] = _Exchange(self, masks[window])
         return self.masks[window]
 
 
 class _Exchange:
-    """One layer kind's attention under the exchange: a callable (q, k, v, p), as `transformer._self_attention`
+    """One layer kind's attention under the exchange: a callable (q, k, v, p), as `transformer._laid_out_layer`
     takes a mask that attends itself."""
 
     def __init__(self, layout, mask):

@@ -845,17 +845,15 @@ def _one_fsdp_group(layer):
                                                      if m is not layer)
 
 
-def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False, tree=None):
+def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False):
     """The final-norm hidden states (N, S, H) of a model `decide` lets train here, on its own parameters, with grad.
 
     What `model.base_model(...).last_hidden_state` computes (tests compare the values and gradients), in fewer
     elementwise passes and without the per-call mask and cache bookkeeping: on a small model the Hugging Face forward
-    spends much of its time there. attention_mask None means no padding (plain causal attention); sliding windows,
-    rows packed as trees and a feature's own layout (any `attend(window)` whose masks attend themselves,
-    `mask(q, k, v, p)`): `_masks`. With activation checkpointing on, `_checkpointed`. compiled: each layer's
-    arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared by the layers of one kind.
+    spends much of its time there. attention_mask None means no padding (plain causal attention); padding, sliding
+    windows and rows a feature lays out: `_masks`. With activation checkpointing on, `_checkpointed`. compiled: each
+    layer's arithmetic runs through `torch.compile` (`compiled_layer`), one graph shared by the layers of one kind.
     """
-    tree = attention_mask if hasattr(attention_mask, "attend") else tree  # a Tree, or a feature's own layout
     inner = model.model
     spec = _spec(model)
     embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in the HF forward
@@ -865,11 +863,9 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
         cos, sin = _rotary(inner.rotary_emb, spec.fam, x, position_ids, key)  # (N, S, head_dim)
         tables[key] = cos[:, :, None], _signed_sin(sin)[:, :, None]  # broadcast over heads
     windows = {st.window for st in spec.layers}
-    if tree is not None or windows != {None}:
-        masks, compiled = _masks(windows, attention_mask, position_ids, tree, x.device), compiled and tree is None
-    else:
-        masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
-    math = compiled_layer() if compiled else _layer
+    masks = {None: None} if attention_mask is None and windows == {None} else \
+        _masks(windows, attention_mask, position_ids, x.device)
+    math = _laid_out_layer if hasattr(attention_mask, "attend") else compiled_layer() if compiled else _layer
     live = Live(spec.fam)  # the layers' own parameters, as each call finds them
     for layer, settings in zip(inner.layers, spec.layers):
         call = _fsdp_layer_method(layer) if _gathers_itself(layer) else functools.partial(_layer_on, layer)
@@ -879,14 +875,16 @@ def hidden_states(model, input_ids, attention_mask, position_ids, compiled=False
     return _rms_norm(x, _norm_weight(inner.norm.weight, spec.fam), _eps(inner.norm), spec.fam.upcast)
 
 
-def _masks(windows, attention_mask, position_ids, tree, device):
+def _masks(windows, attention_mask, position_ids, device):
     """The training forward's attention masks, by sliding window (None: full attention). Sliding windows count
     position_ids, which agree with the Hugging Face forward's columns wherever a row's real tokens are contiguous
     (left and right padding).
-    tree: rows that share a prompt packed as one sequence each (`Tree`, --shared_prompts); attention_mask is then
-    None, position_ids continue from each prompt's end in every branch, and the layers run eagerly (not compiled)."""
-    if tree is not None:  # each window's masks over the tree's prompts and branches
-        return {w: tree.attend(w) for w in windows}
+    attention_mask: (N, S) the rows' real tokens, None for no padding; or rows a feature lays out, whose
+    `attend(window)` gives each window's attention of its own, mask(q, k, v, p) (`_laid_out_layer`): rows that share
+    a prompt packed as one sequence each (`Tree`, --shared_prompts; position_ids then continue from each prompt's end
+    in every branch), or a rank's positions under sequence parallelism. Those layers run eagerly (not compiled)."""
+    if hasattr(attention_mask, "attend"):  # each window's attention over the laid-out rows
+        return {w: attention_mask.attend(w) for w in windows}
     masks = {None: None if attention_mask is None else _padded_causal_mask(attention_mask)}
     s = position_ids.shape[1]
     for w in windows - {None}:
@@ -933,13 +931,16 @@ def _layer(x, cos, sin, mask, p):
     return layer(x, p, None if cos is None else (cos, sin), lambda p, q, k, v: _self_attention(q, k, v, mask, p))
 
 
+def _laid_out_layer(x, cos, sin, mask, p):
+    """`_layer` over rows a feature lays out (`_masks`): `mask` is an attention of its own, mask(q, k, v, p) with
+    q (B, S, heads, hd), k, v (B, S, kv heads, hd): a TreeMask (`_tree_attention`), or a feature's."""
+    return layer(x, p, None if cos is None else (cos, sin), lambda p, q, k, v: mask(q, k, v, p))
+
+
 def _self_attention(q, k, v, mask, p):
     """`attention` of a training layer's q (B, S, heads, hd), k, v (B, S, kv heads, hd) over the same positions,
-    mask None: causal (no padding); a TreeMask: rows packed as trees (`_tree_attention`). Grouped-query attention
-    by SDPA's enable_gqa, which needs no copies of K/V, but on CUDA the kernel that takes a mask (memory-efficient)
-    lacks it, so masked CUDA calls copy."""
-    if callable(mask):  # an attention of its own: a TreeMask, or a feature's (`hidden_states`' `tree`)
-        return mask(q, k, v, p)
+    mask None: causal (no padding). Grouped-query attention by SDPA's enable_gqa, which needs no copies of K/V, but
+    on CUDA the kernel that takes a mask (memory-efficient) lacks it, so masked CUDA calls copy."""
     o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p, causal=mask is None,
                   gqa=mask is None or not q.is_cuda)
     return o.transpose(1, 2)
@@ -1023,7 +1024,7 @@ def _tree_attention(q, k, v, mask, p):
 
 def tree_refusal(model):
     """Why the model's own forward cannot take rows packed as trees (--shared_prompts), None where it can. (The
-    written-out training forward always can: `hidden_states(tree=...)`.) It can where the family table describes the
+    written-out training forward always can: `hidden_states` takes the Tree as its attention_mask.) It can where the family table describes the
     model, so that its masks are known (every layer softmax attention, its sliding windows one per layer type), and
     its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE, Qwen2-MoE, gpt-oss), which
     train on their own forward, a dense family on it (in training mode with attention dropout), and Qwen3.5, whose
