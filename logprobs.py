@@ -224,11 +224,9 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens of each row, in float32.
 
     input_ids (N, S) are left-padded prompts then completions; attention_mask (N, S) marks the real tokens.
-    `forward` gives the final hidden states that predict the completion tokens: the plain `Forward` (the
-    written-out layers where `fast_forward`, by default where the run decided so, compiled when `compile_layers`;
-    `default_forward`), or a feature's variant around it (`Around`; a run builds it once: `run.forward`), which
-    reads the rows' `extras` (routing records, images): this function carries them without reading. `width`: the
-    forward's columns (`MicroBatch.width`).
+    `forward` (the run's, `run.forward`; given none, `default_forward` of `fast_forward` and `compile_layers`) lays the
+    rows out over `width` columns (`MicroBatch.width`) and gives the final hidden states that predict the completion
+    tokens; `extras`, what a feature's forward reads of the rows (`Around`), passes through unread.
     The vocabulary projection then runs over chunks of `chunk_tokens` positions and is recomputed chunk by chunk
     in backward, so no (N, T, V) float32 tensor ever exists. Temperature is applied exactly as in `sample`.
     Returns (logp, entropy), each (N, T); entropy has no gradient unless `entropy_grad` (for an entropy bonus).
@@ -568,9 +566,9 @@ class MicroBatch:
     rows: torch.Tensor  # (m,) indices into the batch
     cols: slice         # columns of the (N, P + T) prompt + completion tensors these rows use
     t: int              # completion positions kept: per-token (N, T) tensors are read as x[rows, :t]
-    width: int          # positions the forward runs once each row's padding is moved to its end: the longest
-                        # real prompt + counted completion of these rows, less its last token (which predicts
-                        # nothing); completion_logprobs(width=...). With shared prompts a SharedPrompts
+    width: int          # positions the forward runs once `completion_logprobs` (width=...) has moved each row's
+                        # padding to its end: the longest real prompt + counted completion of these rows, less its
+                        # last token (which predicts nothing); with shared prompts, a SharedPrompts
 
     def take(self, *sequences):
         """Each (N, P + T) tensor cut down to this micro-batch's rows and columns."""
@@ -585,9 +583,8 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     its last counted token; none when no token counts, as for masked truncated completions), longest first, so rows of
     similar length share a micro-batch; each then drops the columns none of its rows needs: leading prompt padding, and
     completion positions after every row's last counted token. Neither changes a counted token's log-prob: padding is
-    never attended, and in a causal model later positions do not affect earlier ones. `completion_logprobs` then moves
-    each row's padding to its end, so the forward runs `width` positions: the longest real prompt + counted completion
-    of the rows (less its last token, which predicts nothing), not the longest prompt plus the longest completion.
+    never attended, and in a causal model later positions do not affect earlier ones. The forward then runs each
+    micro-batch's `width` positions (`MicroBatch.width`), not the longest prompt plus the longest completion.
     `max_tokens` > 0: a token budget in place of `size` (`within_tokens`); `prompt_ids` (N, P), the left-padded
     prompts: --shared_prompts (`shared_micro_batches`)."""
     if prompt_ids is not None:

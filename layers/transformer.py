@@ -389,11 +389,10 @@ def layer_params(l, settings, fam, take):
     layer feeds which part of `layer`; `take` says only in what form.
 
     take.norm(name, module, eps) -> a norm; take.linears(name, modules, cuts, split_gate) -> the list `qkv`/`gate_up`
-    hold (split_gate: q_proj's rows are each head's query then its gate, split_gate rows each);
-    take.linear(name, module, cut) -> one linear; take.tensor(name, t, cut) -> a tensor; take.table(name,
-    [(norm, heads)]) -> head norms over their heads; take.moe(block), take.recurrent(module). `cut` names how
-    tensor parallelism cuts a weight (layers/tensor_parallel.py's `cut`), which a whole decoder and training ignore.
-    """
+    hold (split_gate: q_proj's rows are each head's query then its gate, split_gate rows each); take.linear(name,
+    module, cut) -> one linear; what families and features take besides: `_attention_options`, `_feature_blocks`.
+    `cut` names how tensor parallelism cuts a weight (layers/tensor_parallel.py's), which a whole decoder and
+    training ignore."""
     a, m = getattr(l, "self_attn", None), l.mlp
     t = {slot: None if name is None else take.norm(slot, getattr(l, name), settings.eps[slot])
          for slot, name in zip(SLOTS, fam.norms)}
@@ -416,7 +415,8 @@ def _feature_blocks(t, l, settings, take):
     """`layer_params`' blocks where a feature puts its own, in `t`: a Gated DeltaNet layer in place of attention
     (`recurrent_block`, its state the decoder's: layers/static_recurrent.py), a MoE block in place of the MLP
     (`static_moe.block`), a gated query's attention (`gated_attention_block`), and under tensor parallelism each
-    block followed by the group's sum of its partial output (`tensor_parallel.summed`)."""
+    block followed by the group's sum of its partial output (`tensor_parallel.summed`). take.moe(block) and
+    take.recurrent(module) give what those blocks read."""
     if not _attends(l):
         t["recurrent"], t["mix"] = take.recurrent(l.linear_attn), recurrent_block
     if is_moe(l.mlp):
@@ -428,7 +428,8 @@ def _feature_blocks(t, l, settings, take):
 
 
 def _attention_options(t, a, settings, fam, take):
-    """`layer_params`' tensors of the attention module `a` for the family's q/k norms and sinks, put in `t`."""
+    """`layer_params`' tensors of the attention module `a` for the family's q/k norms and sinks, put in `t`:
+    take.table(name, [(norm, heads)]) -> head norms over their heads; take.tensor(name, t, cut) -> a tensor."""
     if fam.qk_norm == "head":
         t["qk_table"] = take.table("qk_table", [(a.q_norm, settings.heads), (a.k_norm, settings.kv_heads)])
     elif fam.qk_norm == "projection":  # sliced decoding refuses these (transformer.decide): they stay whole
@@ -453,8 +454,7 @@ class Live:
         return [self.linear(name, lin, None) for lin in modules]
 
     def linear(self, name, module, cut):
-        """(weight, bias); for a projection with a LoRA adapter (layers/lora.py) switched on, (A, B, scaling) after
-        them (`LoRALinear.linear_params`), its low-rank term added apart from the weight (`_linear`)."""
+        """(weight, bias), and (A, B, scaling) after them from a switched-on LoRA adapter (`linear_params`)."""
         return module.linear_params() if type(module) is lora.LoRALinear else (module.weight, module.bias)
 
     def tensor(self, name, t, cut):
@@ -643,9 +643,8 @@ def _signed_sin(sin):
 
 
 def _linear(x, p):
-    """x through a linear layer's params: (weight, bias), and for one with a LoRA adapter switched on (A, B,
-    scaling) after them, its low-rank term added apart from the weight as LoRALinear adds it (the frozen weight
-    then needs no gradient of its own)."""
+    """x through a linear layer's params (weight, bias); where a LoRA adapter's (A, B, scaling) follow them, its
+    low-rank term added apart from the weight (`LoRALinear.linear_params` says why)."""
     y = F.linear(x, p[0], p[1])
     return y if len(p) == 2 else y + F.linear(F.linear(x, p[2]), p[3]) * p[4]
 
@@ -1024,13 +1023,13 @@ def _tree_attention(q, k, v, mask, p):
 
 def tree_refusal(model):
     """Why the model's own forward cannot take rows packed as trees (--shared_prompts), None where it can. (The
-    written-out training forward always can: `hidden_states` takes the Tree as its attention_mask.) It can where the family table describes the
-    model, so that its masks are known (every layer softmax attention, its sliding windows one per layer type), and
-    its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE, Qwen2-MoE, gpt-oss), which
-    train on their own forward, a dense family on it (in training mode with attention dropout), and Qwen3.5, whose
-    Gated DeltaNet layers (`_refusal` checks that layers/static_recurrent.py reads them) take the tree's layout and
-    fork their states at each prompt's end (`static_recurrent.fork`). Not: a model the table does not describe, whose
-    forward may build its own masks."""
+    written-out training forward always can: `hidden_states` takes the Tree as its attention_mask.) It can where the
+    family table describes the model, so that its masks are known (every layer softmax attention, its sliding windows
+    one per layer type), and its attention takes a 4-D mask as given (sdpa, eager): the MoE families (Qwen3-MoE,
+    Qwen2-MoE, gpt-oss), which train on their own forward, a dense family on it (in training mode with attention
+    dropout), and Qwen3.5, whose Gated DeltaNet layers (`_refusal` checks that layers/static_recurrent.py reads them)
+    take the tree's layout and fork their states at each prompt's end (`static_recurrent.fork`). Not: a model the
+    table does not describe, whose forward may build its own masks."""
     common = _refusal(model)
     if common is not None:
         return common
