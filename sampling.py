@@ -262,13 +262,14 @@ class _StaticSteps:
     prompts_alone = False  # the same for every long block, a new row's prompt or an answer
     replay = None  # routing is recorded inside the decoder (StaticDecoder.record), not by the routers
     compacts = True
+    share = False  # rows of one prompt run it once (features/sampler_options.py's variant)
 
-    def __init__(self, dec, ids, attn, positions, share=False):
+    def __init__(self, dec, ids, attn, positions):
         """dec: the StaticDecoder, of at least the rows `ids` and P + max_new + 1 slots (slot P + max_new: where
         finished rows write what they still decode; never attended)."""
-        self.dec, self.p, self.share = dec, ids.shape[1], share  # share: rows of one prompt run it once
+        self.dec, self.p = dec, ids.shape[1]
         # (N, V); with no rows, every place is empty until rows are admitted
-        self.first_logits = self.dec.prefill(ids, attn, positions, share) if len(ids) else None
+        self.first_logits = self.dec.prefill(ids, attn, positions) if len(ids) else None
 
     def decode(self, tok, cols, cols_h):
         """cols: every row's position (an int), or a tensor of each row's, the largest of them max(cols_h)."""

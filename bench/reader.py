@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the files and folders of optional features: a default step should enter none of them
 FEATURES = ("layers/tensor_parallel.py", "layers/lora.py", "layers/kernels.py", "layers/vision.py",
             "layers/routing.py", "layers/static_moe.py", "layers/static_recurrent.py", "layers/hf_decoder.py",
-            "layers/shared_prefill.py", "sandbox/", "environments/", "features/")
+            "layers/shared_prefill.py", "layers/cuda_graphs.py", "sandbox/", "environments/", "features/")
 
 
 def _is_feature(rel):

@@ -131,14 +131,15 @@ def attention_alone(s, model, device):
 def prefill(model, prompt_ids, s, device):
     """The sampler's prefill of the group's rows (`StaticDecoder.prefill`), each row's prompt run vs each distinct
     prompt run once and its cache copied to its rows (share); the first logits' largest difference."""
+    from layers import shared_prefill
     from layers.engine import StaticDecoder
     model = model.eval()
     n, p = prompt_ids.shape
     dec = StaticDecoder.for_model(model, n, p + s["sh_completion_len"] + 1, cuda_graph=False)
     attn = torch.ones_like(prompt_ids)
     positions = logprobs.position_ids_from_mask(attn)
-    runs = {k: (lambda share=share: dec.prefill(prompt_ids, attn, positions, share=share))
-            for k, share in (("rows", False), ("shared", True))}
+    runs = {"rows": lambda: dec.prefill(prompt_ids, attn, positions),
+            "shared": lambda: shared_prefill.prefill(dec, prompt_ids, attn, positions)}
     diff = (runs["rows"]() - runs["shared"]()).abs().max().item()
     med = medians(runs, s, device)
     model.__dict__.pop("_static_decoder", None)

@@ -150,7 +150,19 @@ def static_steps(model, ids, attn, positions, max_new, batch, record, tp, share,
                                   **sliced)
     dec.use_kernel(attention_kernel)
     dec.record(record)  # routing replay: each token's experts, kept by the decoder per cache slot
-    return _StaticSteps(dec, ids, attn, positions, share)
+    return (_SharedSteps if share else _StaticSteps)(dec, ids, attn, positions)
+
+
+class _SharedSteps(_StaticSteps):
+    """_StaticSteps whose rows with the same prompt run it once (--shared_prompts: layers/shared_prefill.py), and
+    whose rows admitted with the same prompt share one's run (the features' rows, `share`)."""
+
+    share = True
+
+    def __init__(self, dec, ids, attn, positions):
+        from layers import shared_prefill
+        self.dec, self.p = dec, ids.shape[1]
+        self.first_logits = shared_prefill.prefill(dec, ids, attn, positions) if len(ids) else None
 
 
 def iterations(n, places, max_new, max_turns, check_every):

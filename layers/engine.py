@@ -1,16 +1,17 @@
 """The fast decoder: `StaticDecoder`, the written-out layers (layers/transformer.py) over a KV cache allocated once.
 
 It holds the weight copies the sampler decodes on (fused q/k/v and gate/up, a rank's slices under tensor
-parallelism), the cache and its masks, prefill, one-token decode, the append of an environment's answer, the
-compaction of finished rows, routing records and the CUDA graphs of decode steps. What each layer computes is
-layers/transformer.py's `layer`; this file decides what it attends to and where it writes. One concern, the
-decoder's state: the cache, its masks and the copies are read and written by every method here, and splitting
-them would pass that state between files.
+parallelism), the cache and its masks, prefill, one-token decode, the append of an environment's answer and the
+compaction of finished rows. What each layer computes is layers/transformer.py's `layer`; this file decides what it
+attends to and where it writes. One concern, the decoder's state: the cache, its masks and the copies are read and
+written by every method here, and splitting them would pass that state between files.
 
-Of the project it imports layers/transformer.py, layers/static_moe.py and layers/static_recurrent.py; layers/kernels.py
-(the optional Triton decode attention) and layers/shared_prefill.py (rows of one prompt prefilled once) only where
-they are asked for. Tensor parallelism hands it a reader of its own
-(layers/tensor_parallel.py's Slice, in place of `Whole`), and a LoRA layer says what weight it applies.
+Of the project it imports layers/transformer.py, layers/static_moe.py and layers/static_recurrent.py, and the
+features it holds when they are on: layers/cuda_graphs.py (`graphs`, the CUDA graphs of decode steps) and
+layers/routing.py (`recorder`, routing replay's records); layers/kernels.py (the optional Triton decode attention)
+only where it is asked for. Shared prefill (layers/shared_prefill.py) runs the decoder's prefill from outside.
+Tensor parallelism hands it a reader of its own (layers/tensor_parallel.py's Slice, in place of `Whole`), and a
+LoRA layer says what weight it applies.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from layers import static_moe, static_recurrent, transformer
+from layers import cuda_graphs, routing, static_moe, static_recurrent, transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,15 @@ class StaticDecoder:
     filled at prefill: a slot's position never changes, however the row's turns go.
     """
 
+    # what the optional features set on a decoder, none of it made by its constructor:
+    graphs = None  # the CUDA graphs of its decode steps (layers/cuda_graphs.py), set by for_model where they are on
+    recorder = None  # routing replay's records per row and slot (layers/routing.py's Records), while on (`record`)
+    # no row holds anything in the slots before this one (a Stream's rows, whose prompts are left-padded to the
+    # longest a run may have): eager steps read the cache from here on, graphs from slot 0
+    first_slot = 0
+    admissions = 0  # rows admitted into the places of rows that ended (`admit`)
+    compactions = 0  # how often finished rows were dropped (tests check that it happens)
+
     @classmethod
     def for_model(cls, model, batch, length, cuda_graph=True, tp=WHOLE, dtype=None, device=None):
         """The model's decoder for `batch` rows of `length` slots, kept on the model between calls. tp: this rank's
@@ -95,25 +105,28 @@ class StaticDecoder:
             # slots in multiples of 64: fewer regrowths, aligned
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
-        dec.use_graph = cuda_graph and device.type == "cuda"
+        dec.graphs = (dec.graphs or cuda_graphs.Graphs(dec.max_len)) if cuda_graph and device.type == "cuda" else None
         dec.load(model)
         return dec
 
     def use_kernel(self, asked):
         """On CUDA, where `asked` and the shapes allow it, decode attention by the split-KV Triton kernel of
         layers/kernels.py (a feature: imported only when asked for), else by SDPA."""
-        kernel = False
-        if asked and self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return
+        kernel = None
+        if asked:
             from layers import kernels
-            kernel = kernels.triton_supports(self.head_dim, self.n_heads // self.n_kv)
-        if kernel != self.attention_kernel:  # graphs captured with the other attention must not replay
-            self.graphs.clear()
-            self.attention_kernel = kernel
+            kernel = _decode_kernel if kernels.triton_supports(self.head_dim, self.n_heads // self.n_kv) else None
+        if kernel is not self.decode_kernel:  # graphs captured with the other attention must not replay
+            if self.graphs is not None:
+                self.graphs.clear()
+            self.decode_kernel = kernel
 
     def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None, device=None):
         cfg, layers = model.config, model.model.layers
         a0 = next(l.self_attn for l in layers if transformer._attends(l))
-        self.spec = spec = transformer._spec(model)  # what every layer computes besides its weights (read by `load`)
+        spec = transformer._spec(model)  # what every layer computes besides its weights
         self.fam = spec.fam
         self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
@@ -132,15 +145,10 @@ class StaticDecoder:
         self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer._attends(l))}
         # MoE layers: their place among the MoE layers (routing replay records per MoE layer)
         self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer.is_moe(l.mlp))}
-        # each layer's settings as this decoder runs it: its cache row, its MoE record row, and under tensor
-        # parallelism this rank's heads and the group's sum of the partial outputs
-        sliced = {} if tp.size == 1 else dict(reduce=tp.reduce)
-        self.settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i),
-                                             **sliced, **(dict(heads=self.n_heads, kv_heads=self.n_kv)
-                                                          if sliced and s.heads else {}))
-                         for i, s in enumerate(spec.layers)]
-        self.routes = None  # (rows, slots, MoE layers, k) int16 experts per token, while recording (`record`)
-        self.record_at = None  # where the step being run records its experts: (LayerParams, experts (T, k)) -> None
+        # each layer's settings as this decoder runs it: its cache row, its MoE record row (a rank's: `_sliced`)
+        settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i))
+                    for i, s in enumerate(spec.layers)]
+        self.settings = settings if tp.size == 1 else self._sliced(settings, tp)
         self.embed_scale = None if spec.embed_scale is None else spec.embed_scale.to(self.device, self.dtype)
         self.final_eps = transformer._eps(model.model.norm)
         # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
@@ -152,8 +160,15 @@ class StaticDecoder:
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         self._allocate(model, max_batch, max_len)
 
+    def _sliced(self, settings, tp):
+        """The layers' settings under tensor parallelism: this rank's heads, and the group's sum of the partial
+        outputs after each block (`reduce`)."""
+        return [dataclasses.replace(s, reduce=tp.reduce, **(dict(heads=self.n_heads, kv_heads=self.n_kv) if s.heads
+                                                             else {}))
+                for s in settings]
+
     def _allocate(self, model, max_batch, max_len):
-        """The cache, its masks, the rotary tables per row and slot, and the graphs' inputs."""
+        """The cache, its masks, the rotary tables per row and slot, and the inputs of a CUDA graph's step."""
         kw = dict(device=self.device, dtype=self.dtype)
         shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
@@ -168,27 +183,18 @@ class StaticDecoder:
         self.sin = [torch.zeros_like(c) for c in self.cos]
         # each slot's token position, for sliding windows
         self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=self.device) if self.windows else None
-        self.w = None  # weight copies, allocated by the first load: (per layer {name: tensor}, the root's)
+        self.w = ([{} for _ in model.model.layers], {})  # weight copies, by `load`: (per layer {name: tensor}, root's)
         self.p = None  # per layer, what `layer` reads (transformer.LayerParams): settings and copies, from `load`
-        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs
+        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs (cuda_graphs.py)
         self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
         self.row_index = torch.arange(max_batch, device=self.device)
         self.trues = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # what graphs write into key_mask
-        self.graphs = {}  # (batch bucket, cache span) -> (graph, logits output)
-        # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
-        # tokens do not read the whole cache, at the price of one graph per span
-        self.span_step = 64 * -(-max_len // (64 * 8))
-        self.use_graph = False
-        self.sdpa_decode = self.device.type == "cuda"  # decode attention: SDPA, or two batched matmuls (CPU)
-        self.attention_kernel = False  # decode attention by kernels.decode_attention (CUDA, Triton) instead
+        # decode attention's kernel (transformer.attention's): None, SDPA, on CUDA (or the Triton one: `use_kernel`);
+        # on a CPU the plain grouped attention, two batched matmuls, which beat SDPA's setup cost at small CPU shapes
+        self.decode_kernel = None if self.device.type == "cuda" else _decode_plain
         self.unpadded = False
         self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
-        # no row holds anything in the slots before this one (a Stream's rows, whose prompts are left-padded to the
-        # longest a run may have): eager steps read the cache from here on, graphs from slot 0
-        self.first_slot = 0
-        self.compactions = 0  # how often finished rows were dropped (tests check that it happens)
-        self.admissions = 0  # rows admitted into the places of rows that ended (`admit`)
 
     @torch.no_grad()
     def load(self, model):
@@ -197,8 +203,6 @@ class StaticDecoder:
         cuts each rank's slices from the layer's shards (layers/tensor_parallel.py's `Slice.take`), so that no rank
         holds a whole layer. The first load allocates the copies, later ones copy into the same tensors, which
         captured graphs hold."""
-        if self.w is None:
-            self.w = ([{} for _ in model.model.layers], {})
         p = []
         for i, (l, settings) in enumerate(zip(model.model.layers, self.settings)):
             # transformer.decide let it through: it gathers itself
@@ -240,16 +244,11 @@ class StaticDecoder:
                     total += v.numel() * v.element_size()
         return total
 
-    def batch_for(self, n):
-        """The decode batch that serves n live rows: n itself, or on graphs the next power of two."""
-        if not self.use_graph:
-            return n
-        return min(self.max_batch, 1 << max(0, n - 1).bit_length())
-
     def worth_compacting(self, live, current):
-        """Compaction copies the cache: on graphs do it when the bucket shrinks, eagerly when a quarter of the rows left."""
-        if self.use_graph:
-            return self.batch_for(live) < self.batch_for(current)
+        """Compaction copies the cache: eagerly when a quarter of the rows left (on CUDA graphs, when the bucket
+        shrinks: layers/cuda_graphs.py)."""
+        if self.graphs is not None:
+            return self.graphs.worth_compacting(self, live, current)
         return live <= 0.75 * current
 
     @torch.no_grad()
@@ -264,24 +263,26 @@ class StaticDecoder:
         for buf in (self.k_cache, self.v_cache):
             buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
         for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos]),
-                    *([] if self.routes is None else [self.routes])):
+                    *([] if self.recorder is None else [self.recorder.routes])):
             buf[:k] = buf[keep]
         for layer in self.recurrent.values():
             layer.compact(keep)
 
     def _embed(self, ids):
-        if self.tp.size == 1:
-            return transformer._embed(ids, self.w[1]["embed"], self.embed_scale)
-        x = self.tp.embed(ids, self.w[1]["embed"], self.vocab_span[0])  # this rank's vocabulary rows, summed
+        if self.tp.size > 1:
+            return self._sliced_embed(ids)
+        return transformer._embed(ids, self.w[1]["embed"], self.embed_scale)
+
+    def _sliced_embed(self, ids):
+        """`_embed` under tensor parallelism: this rank's vocabulary rows, summed over the group."""
+        x = self.tp.embed(ids, self.w[1]["embed"], self.vocab_span[0])
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
-    def _layers(self, x, rope, attend, recurrent):
+    def _layers(self, x, rope, attend, recurrent, record):
         """x through every layer (`layer`). rope: rotary key -> (cos, sin) of these tokens; attend(p, q, k, v):
         a layer's attention, its new K/V written to its cache row first (`_block_attention`, `_decode_attention`);
-        recurrent(state, h): a recurrent layer's output. The same functions serve every layer."""
-        # taken off the decoder as it is read: a recorder holds the decoder, and that cycle would keep its copies and
-        # cache alive past the rollout until Python's next full collection
-        record, self.record_at = self.record_at, None
+        recurrent(state, h): a recurrent layer's output; record(p, experts): where a MoE layer's experts are
+        recorded (the recorder's, None without one). The same functions serve every layer."""
         for p in self.p:
             x = transformer.layer(x, p, None if p.rope is None else rope[p.rope], attend, recurrent, record)
         return x
@@ -301,10 +302,7 @@ class StaticDecoder:
         heads that share a KV head are grouped as the query axis, so grouped-query attention needs no copy of K/V
         per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`); keys
         begin at slot `lo`."""
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        # SDPA on CUDA, or the split-KV Triton kernel where asked (--decode_attention_kernel); on a CPU the plain
-        # grouped attention, two batched matmuls, which beat SDPA's setup cost at small CPU shapes
-        kernel = _decode_kernel if self.attention_kernel else None if self.sdpa_decode else _decode_plain
+        nh, nkv, hd, kernel = self.n_heads, self.n_kv, self.head_dim, self.decode_kernel
 
         def attend(p, q, k, v):
             write(p.cache_row, k, v)  # (B, nkv, hd) each
@@ -342,17 +340,12 @@ class StaticDecoder:
         return masks
 
     @torch.no_grad()
-    def prefill(self, ids, attn, positions, share=False):
-        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V). share: rows with
-        the same prompt run it once (layers/shared_prefill.py)."""
-        if share:
-            from layers import shared_prefill
-            return shared_prefill.prefill(self, ids, attn, positions)
+    def prefill(self, ids, attn, positions):
+        """Run the prompts (N, P), fill cache slots [0, P); return the last position's logits (N, V)."""
         n, p = ids.shape
         x = self._embed(ids)
         # rotary tables for every position a row will use: prompt positions, then the completion's
-        last = positions[:, -1:]
-        all_pos = torch.cat([positions, last + 1 + torch.arange(self.max_len - p, device=ids.device)], dim=1)
+        all_pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(self.max_len - p, device=ids.device)], 1)
         rope = {}
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
@@ -363,7 +356,7 @@ class StaticDecoder:
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
-        self.unpadded = not self.use_graph and bool(attn.bool().all())
+        self.unpadded = self.graphs is None and bool(attn.bool().all())
         self.unmarked = None
         self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
         causal = transformer._padded_causal_mask(attn)
@@ -376,10 +369,9 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :n, :, :p], self.v_cache[i, :n, :, :p]
 
-        self.record_at = None if self.routes is None else \
-            (lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(experts.view(n, p, -1)))
-        real = attn.bool()
-        x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real))
+        real, record = attn.bool(), None if self.recorder is None else self.recorder.prefill(n, p)
+        x = self._layers(x, rope, self._block_attention(write, keys, masks), lambda layer, h: layer.prefill(h, real),
+                         record)
         return self._logits(x[:, -1])
 
     @torch.no_grad()
@@ -403,8 +395,8 @@ class StaticDecoder:
         if self.pos is not None:
             self.pos[rows, lo:] = all_pos
         self.key_mask[rows] = False
-        if self.routes is not None:  # the new rows' records start empty, their prompts' padding included
-            self.routes[rows] = -1
+        if self.recorder is not None:  # the new rows' records start empty, their prompts' padding included
+            self.recorder.routes[rows] = -1
         for layer in self.recurrent.values():
             layer.reset(rows)
 
@@ -415,23 +407,20 @@ class StaticDecoder:
         self.k_cache[:, dst, :, lo:hi] = self.k_cache[:, src, :, lo:hi]
         self.v_cache[:, dst, :, lo:hi] = self.v_cache[:, src, :, lo:hi]
         self.key_mask[dst, lo:hi] = self.key_mask[src, lo:hi]
-        if self.routes is not None:
-            self.routes[dst, lo:hi] = self.routes[src, lo:hi]
+        if self.recorder is not None:
+            self.recorder.routes[dst, lo:hi] = self.recorder.routes[src, lo:hi]
         for layer in self.recurrent.values():
             layer.copy_rows(src, dst)
 
-    def _decode_body(self, b, slot, kv_len, tok=None):
-        """One token for the first b rows, whose tokens are `tok` (eager) or in tok_in (graphs); each row's K/V go
-        to its cache slot: `slot` is an int shared by all rows, or a tensor (b,) of one slot per row (the form
-        graphs capture, read on the device at replay; rows that took turns of different lengths)."""
-        x = self._embed(self.tok_in[:b] if tok is None else tok)  # (b, H)
-        lo = 0 if tok is None else self.first_slot  # a graph's span starts at slot 0
+    def _decode_body(self, tok, slot, kv_len, lo):
+        """One token for the first b rows, whose tokens are `tok` (b,); each row's K/V go to its cache slot: `slot`
+        is an int shared by all rows, or a tensor (b,) of one slot per row (the form CUDA graphs capture, read on
+        the device at replay; rows that took turns of different lengths). Keys in slots [lo, kv_len)."""
+        b, x = tok.shape[0], self._embed(tok)  # (b, H)
         at = self.row_index[:b] if torch.is_tensor(slot) else slice(0, b)  # per-row slots: no host value is read
         cos, sin = [c[at, slot][:, None] for c in self.cos], [s[at, slot][:, None] for s in self.sin]  # (b, 1, hd)
-        attn_mask = self._decode_mask(b, at, slot, lo, kv_len)
-        query_pos = None if self.pos is None else self.pos[at, slot][:, None]
-        starts = self._narrowed(slot, kv_len) if self.windows and not torch.is_tensor(slot) else {}
-        masks = self._windowed(attn_mask, query_pos, kv_len, skip=starts, lo=lo) if self.windows else {None: attn_mask}
+        mask = self._decode_mask(b, at, slot, lo, kv_len)
+        starts, masks = self._decode_windows(mask, at, slot, lo, kv_len) if self.windows else ({}, {None: mask})
 
         def write(i, k, v):  # (b, nkv, hd) each
             self.k_cache[i, at, :, slot] = k
@@ -440,13 +429,10 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
 
-        def record(p, experts):  # (b, k): each row's experts at its slot
-            self.routes[at, slot, p.moe_row] = experts.to(self.routes.dtype)
-
-        self.record_at = None if self.routes is None else record
+        record = None if self.recorder is None else self.recorder.decode(at, slot)
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
         return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts, lo),
-                                         lambda layer, h: layer.decode(h)))
+                                         lambda layer, h: layer.decode(h), record))
 
     def _decode_mask(self, b, at, slot, lo, kv_len):
         """The key mask (b, 1, 1, L) of a decode step (broadcast over heads and queries), each row's slot marked in
@@ -460,6 +446,12 @@ class StaticDecoder:
         self._mark()  # never under CUDA graphs: `unpadded` (which leaves slots unmarked) is eager decode's alone
         self.key_mask[at, slot] = self.trues[:b]
         return self.key_mask[:b, None, None, lo:kv_len]
+
+    def _decode_windows(self, mask, at, slot, lo, kv_len):
+        """A decode step's sliding windows: window -> the first slot its layers read, unmasked (`_narrowed`; slots
+        given per row, a tensor, narrow none), and window -> its attention mask (`_windowed`)."""
+        starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
+        return starts, self._windowed(mask, self.pos[at, slot][:, None], kv_len, skip=starts, lo=lo)
 
     def _narrowed(self, slot, kv_len):
         """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
@@ -486,23 +478,9 @@ class StaticDecoder:
         host int). Positions need no input: prefill filled each row's rotary table by slot.
         """
         top = slot if top is None else top
-        if not self.use_graph:
-            return self._decode_body(tok.shape[0], slot, top + 1, tok)  # eager: attend over the filled slots only
-        return self._replay(tok, slot, top)
-
-    def _replay(self, tok, slot, top):
-        """`decode` on CUDA graphs: the step of the batch bucket and cache span that hold these rows, replayed."""
-        n = tok.shape[0]
-        b = self.batch_for(n)
-        self.tok_in[:n] = tok
-        self.slot_in[:n] = slot
-        self.slot_in[n:b] = 0  # bucket rows past the live ones: stale rows, any slot will do
-        span = min(self.max_len, -(-(top + 1) // self.span_step) * self.span_step)  # slots [0, span) hold top
-        if (b, span) not in self.graphs:
-            self.graphs[b, span] = self._capture(b, span)
-        graph, out = self.graphs[b, span]
-        graph.replay()
-        return out[:n]
+        if self.graphs is not None:  # on CUDA graphs: the step's graph replayed (layers/cuda_graphs.py)
+            return self.graphs.decode(self, tok, slot, top)
+        return self._decode_body(tok, slot, top + 1, self.first_slot)  # eager: attend over the filled slots only
 
     @torch.no_grad()
     def extend(self, ids, valid, start, top, batch_rows=None):
@@ -541,30 +519,30 @@ class StaticDecoder:
         def keys(i):
             return self.k_cache[i, at, :, lo:kv_len], self.v_cache[i, at, :, lo:kv_len]
 
-        self.record_at = None if self.routes is None else \
-            (lambda p, experts: self.routes.__setitem__(
-                (cache_rows, real_slots, p.moe_row), experts.view(b, k, -1)[real_rows, real_cols].to(self.routes.dtype)))
+        record = None if self.recorder is None else \
+            self.recorder.extend(cache_rows, real_slots, real_rows, real_cols, (b, k))
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
         x = self._layers(self._embed(ids), rope, self._block_attention(write, keys, masks),
-                         lambda layer, h: layer.extend(h, valid, at))  # (b, K, H)
+                         lambda layer, h: layer.extend(h, valid, at), record)  # (b, K, H)
         last = valid.long().sum(1) - 1
         return self._logits(x[self.row_index[:b], last])
 
     def record(self, on):
         """Routing replay: from the next prefill on, keep the experts every MoE layer chose for each token, by
-        row and cache slot (a slot written again, after a row forgot it, keeps the last token's); off: keep none."""
+        row and cache slot (a slot written again, after a row forgot it, keeps the last token's: layers/routing.py's
+        Records, `recorder`); off: keep none."""
         on = on and bool(self.moe_index)
-        if on == (self.routes is not None):
+        if on == (self.recorder is not None):
             if on:
-                self.routes.fill_(-1)
+                self.recorder.routes.fill_(-1)
             return
-        self.graphs.clear()  # captured graphs record, or not, as they were captured
+        if self.graphs is not None:
+            self.graphs.clear()  # captured graphs record, or not, as they were captured
         if not on:
-            self.routes = None
+            self.recorder = None
             return
         k = next(p.moe.k for p in self.p if p.moe is not None)
-        self.routes = torch.full((self.max_batch, self.max_len, len(self.moe_index), k), -1, dtype=torch.int16,
-                                 device=self.device)
+        self.recorder = routing.Records(self.max_batch, self.max_len, len(self.moe_index), k, self.device)
 
     def routed(self, prompt_width, length, rows):
         """The experts recorded for the prompt slots (m, P, MoE layers, k) and for completion positions
@@ -573,9 +551,7 @@ class StaticDecoder:
         router's live choice there. The caller takes a row's before its place takes another row or is compacted
         away."""
         self._mark()
-        comp = self.routes[rows, prompt_width:prompt_width + length]
-        fed = self.key_mask[rows, prompt_width:prompt_width + length]
-        return self.routes[rows, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)
+        return self.recorder.routed(self.key_mask[rows, prompt_width:prompt_width + length], rows, prompt_width, length)
 
     @torch.no_grad()
     def truncate(self, rows, ends):
@@ -586,28 +562,6 @@ class StaticDecoder:
         keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
         self.key_mask[rows] &= keep
 
-    def _graph_body(self, b, span):
-        """The decode step a graph of batch bucket b and cache span `span` captures: its tokens in tok_in[:b],
-        each row's slot in slot_in[:b], read on the device at replay."""
-        return self._decode_body(b, self.slot_in[:b], span)
-
-    def _capture(self, b, span):
-        # warm-up on a side stream, then capture; running the body computes this very step's values, so the
-        # cache slots it writes get the same contents the replay writes. Recurrent states are not slots: each
-        # run would feed them the token again, so they are put back as they were before the replay runs
-        saved = [layer.snapshot() for layer in self.recurrent.values()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._graph_body(b, span)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._graph_body(b, span)
-        for layer, states in zip(self.recurrent.values(), saved):
-            layer.restore(states)
-        return graph, out
 
 
 def _put(store, name, parts):
@@ -635,10 +589,7 @@ class _Copies:
         its gate, split_gate rows each: the queries first, the gates after the others (see
         transformer.gated_attention_block)."""
         weights = [self.tp.weight(m, cut, self.dec.config_kv) for m, cut in zip(modules, cuts)]
-        if split_gate:  # no bias: transformer.decide refuses a gated query with one
-            # cut by heads, a share of q_proj is whole heads, each its query then its gate: split as the whole is
-            weights = transformer._query_parts(weights[0], split_gate, weights[1:])
-        w = _put(self.store, name, weights)
+        w = _put(self.store, name, _gated_query(weights, split_gate) if split_gate else weights)
         return [(w, None if all(m.bias is None for m in modules) else self._biases(name, modules, cuts))]
 
     def _biases(self, name, modules, cuts):
@@ -674,6 +625,12 @@ class _Copies:
         mine = self.dec.recurrent[self.i]  # its states are allocated with the decoder
         mine.load(module)
         return mine
+
+
+def _gated_query(weights, split_gate):
+    """`_Copies.linears`' weights with a gated query (no bias: transformer.decide refuses a gated query with one):
+    cut by heads, a share of q_proj is whole heads, each its query then its gate: split as the whole is."""
+    return transformer._query_parts(weights[0], split_gate, weights[1:])
 
 
 def _decode_plain(q, k, v, mask, scale):

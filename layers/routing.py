@@ -18,6 +18,9 @@ TorchFunctionMode sees that call: when recording it keeps the indices; when
 replaying it returns the recorded indices and the router's own scores
 gathered at them, in place of the live top-k. Whatever the router does with
 them next (renormalise, softmax over the chosen) is its own code.
+
+The fast decoder (layers/engine.py) runs its MoE layers itself, so it records without the routers: its MoE blocks
+hand their experts to the step's `record`, and `Records` keeps them per batch row and cache slot.
 Of the project it imports nothing.
 """
 
@@ -151,3 +154,38 @@ def of(model):
 def attached(model):
     """The model's Replay if routing replay was set up on it, else None."""
     return model.__dict__.get("_routing_replay")
+
+
+class Records:
+    """Routing replay on the fast decoder (layers/engine.py's StaticDecoder.record): the experts every MoE layer chose
+    for each token, by row and cache slot (a slot written again, after a row forgot it, keeps the last token's), -1
+    where none was recorded. `routes` (rows, slots, MoE layers, k) int16. A MoE block hands its experts to the
+    `record(p, experts)` of the step it runs in (layers/static_moe.py's `block`), which writes them at the slots that
+    step fills, in the layer's row `p.moe_row`. It holds no decoder: the decoder holds it (`dec.recorder`)."""
+
+    def __init__(self, rows, slots, layers, k, device):
+        self.routes = torch.full((rows, slots, layers, k), -1, dtype=torch.int16, device=device)
+
+    def prefill(self, n, p):
+        """The record of a prefill of rows [0, n) into slots [0, p): experts (n * p, k)."""
+        return lambda lp, experts: self.routes[:n, :p, lp.moe_row].copy_(experts.view(n, p, -1))
+
+    def decode(self, at, slot):
+        """The record of a decode step of the rows `at` (a slice, or a tensor), each at its slot (an int, or a tensor
+        of one per row): experts (b, k), each row's at its slot."""
+        def record(p, experts):
+            self.routes[at, slot, p.moe_row] = experts.to(self.routes.dtype)
+        return record
+
+    def extend(self, cache_rows, real_slots, real_rows, real_cols, shape):
+        """The record of an extend's blocks of `shape` (b, K), of which only the real tokens (real_rows, real_cols)
+        are kept, at their cache rows and slots."""
+        return lambda p, experts: self.routes.__setitem__(
+            (cache_rows, real_slots, p.moe_row), experts.view(*shape, -1)[real_rows, real_cols].to(self.routes.dtype))
+
+    def routed(self, fed, rows, prompt_width, length):
+        """The experts recorded for the prompt slots (m, P, MoE layers, k) and for the completion's slots P .. P +
+        length - 1 of the batch rows `rows`; -1 where `fed` (m, length), which says which of those slots hold a
+        token of the row, is False."""
+        comp = self.routes[rows, prompt_width:prompt_width + length]
+        return self.routes[rows, :prompt_width], comp.masked_fill(~fed[:, :, None, None], -1)

@@ -2,7 +2,8 @@
 once, and its K/V, recurrent states and routing records are copied to each of them.
 
 The prefill's compute falls by the group size; the cache holds the G copies as before (a row's slots stay its own
-to decode into). The decoder (layers/engine.py) prefills the distinct prompts into its first rows, as it prefills
+to decode into). The features' steps (features/sampler_options.py's _SharedSteps) call `prefill` in place of the
+decoder's. The decoder (layers/engine.py) prefills the distinct prompts into its first rows, as it prefills
 any batch, and each row of the batch then takes its prompt's row: cache slots, key mask, rotary tables and window
 positions, routing records, recurrent states.
 """
@@ -26,8 +27,8 @@ def prefill(dec, ids, attn, positions):
             buf[i, :n, :, :p] = buf[i, inverse, :, :p]
     for buf in (dec.key_mask, *dec.cos, *dec.sin, *([] if dec.pos is None else [dec.pos])):
         buf[:n] = buf[inverse]
-    if dec.routes is not None:
-        dec.routes[:n, :p] = dec.routes[inverse, :p]
+    if dec.recorder is not None:
+        dec.recorder.routes[:n, :p] = dec.recorder.routes[inverse, :p]
     for layer in dec.recurrent.values():
         layer.compact(inverse)  # rows [0, N) take their prompt's states
     return logits[inverse]

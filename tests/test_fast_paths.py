@@ -183,17 +183,18 @@ def test_graph_safe_decode_form_matches_eager_on_cpu(arch, sdpa):
     dec = engine.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     logits, caches = {}, {}
     for form in ("eager", "graph"):
-        dec.sdpa_decode = sdpa and form == "graph"  # the eager reference: the CPU matmul attention
+        # SDPA as on CUDA (None), or the eager reference: the CPU matmul attention
+        dec.decode_kernel = None if sdpa and form == "graph" else engine._decode_plain
         with torch.no_grad():
             dec.prefill(enc.input_ids, enc.attention_mask, pos)
             out = []
             for t in range(3):
-                dec.tok_in[:n] = torch.arange(n) * 3 + t + 5
+                tok_t = torch.arange(n) * 3 + t + 5
                 slot = p + t
                 if form == "eager":
-                    out.append(dec._decode_body(n, slot, slot + 1))
+                    out.append(dec._decode_body(tok_t, slot, slot + 1, 0))
                 else:
-                    out.append(dec._decode_body(n, torch.tensor([slot]), dec.max_len))  # every slot, masked
+                    out.append(dec._decode_body(tok_t, torch.tensor([slot]), dec.max_len, 0))  # every slot, masked
         logits[form] = torch.stack(out)
         caches[form] = (dec.k_cache[:, :n, :, :p + 3].clone(), dec.v_cache[:, :n, :, :p + 3].clone())
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
@@ -364,7 +365,7 @@ def test_cuda_graph_spans_and_buckets_match_eager():
     kw = dict(seeds=torch.arange(6, device="cuda") * 5 + 1, max_new_tokens=300, eos_ids=[97, 98, 99])
     eager = run(model, tok, enc, cuda_graph=False, **kw)
     graph = run(model, tok, enc, cuda_graph=True, **kw)
-    assert len({span for _, span in model._static_decoder.graphs}) >= 3
+    assert len({span for _, span in model._static_decoder.graphs.captured}) >= 3
     assert_same_rollout(graph, eager, logp_atol=1e-5)
 
 
@@ -384,7 +385,7 @@ def test_cuda_decode_attention_kernel_samples_like_sdpa(arch):
     for graph in (False, True):
         sdpa = run(model, tok, enc, cuda_graph=graph, **kw)
         kernel = run(model, tok, enc, cuda_graph=graph, attention_kernel=True, **kw)
-        assert model._static_decoder.attention_kernel
+        assert model._static_decoder.decode_kernel is engine._decode_kernel
         assert_same_rollout(kernel, sdpa, logp_atol=1e-4)
 
 

@@ -25,7 +25,7 @@ import model_loading  # noqa: E402
 from layers import lora  # noqa: E402
 import sampling  # noqa: E402
 from features import sampler_options  # noqa: E402
-from layers import engine, transformer  # noqa: E402
+from layers import cuda_graphs, engine, transformer  # noqa: E402
 from layers import static_moe  # noqa: E402
 from test_fast_paths import prompts, with_completions  # noqa: E402
 from test_multiturn import multi_turn  # noqa: E402
@@ -124,17 +124,17 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
     dec = engine.StaticDecoder.for_model(model, n + 3, p + 8, cuda_graph=False)
     logits = {}
     for form in ("eager", "graph"):
-        dec.sdpa_decode = sdpa and form == "graph"
+        dec.decode_kernel = None if sdpa and form == "graph" else engine._decode_plain  # None: SDPA, as on CUDA
         with torch.no_grad():
             dec.prefill(enc.input_ids, enc.attention_mask, pos)
             out = []
             for t in range(3):
                 tok_t = torch.arange(n) * 3 + t + 5
                 if form == "eager":
-                    out.append(dec._decode_body(n, p + t, p + t + 1, tok_t))
+                    out.append(dec._decode_body(tok_t, p + t, p + t + 1, dec.first_slot))
                 else:
                     dec.tok_in[:n], dec.slot_in[:n] = tok_t, p + t
-                    out.append(dec._graph_body(n, dec.max_len))  # what a graph of bucket n captures
+                    out.append(cuda_graphs.Graphs.body(dec, n, dec.max_len))  # what a graph of bucket n captures
         logits[form] = torch.stack(out)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
 
@@ -417,21 +417,21 @@ def test_recurrent_states_put_back_around_a_repeated_step():
     n, p = enc.input_ids.shape
     dec = engine.StaticDecoder.for_model(model, n, p + 8, cuda_graph=False)
     dec.prefill(enc.input_ids, enc.attention_mask, logprobs.position_ids_from_mask(enc.attention_mask))
-    dec.tok_in[:n] = torch.arange(n) + 5
+    tok = torch.arange(n) + 5
     slot = torch.full((n,), p)
     layers = list(dec.recurrent.values())
     before = [layer.snapshot() for layer in layers]
     with torch.no_grad():
-        once = dec._decode_body(n, slot, dec.max_len).clone()
+        once = dec._decode_body(tok, slot, dec.max_len, 0).clone()
         after_once = [layer.snapshot() for layer in layers]
         for layer, states in zip(layers, before):
             layer.restore(states)
-        dec._decode_body(n, slot, dec.max_len)
-        twice = dec._decode_body(n, slot, dec.max_len)
+        dec._decode_body(tok, slot, dec.max_len, 0)
+        twice = dec._decode_body(tok, slot, dec.max_len, 0)
         assert (twice - once).abs().max() > 1e-3  # the state took the token twice
         for layer, states in zip(layers, before):
             layer.restore(states)
-        again = dec._decode_body(n, slot, dec.max_len)
+        again = dec._decode_body(tok, slot, dec.max_len, 0)
     torch.testing.assert_close(again, once, atol=0, rtol=0)
     for layer, (conv, rec) in zip(layers, after_once):
         assert torch.equal(layer.conv, conv) and torch.equal(layer.rec, rec)
