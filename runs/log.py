@@ -405,8 +405,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "truncated_frac": truncated.mean().item(),
         "batch_tokens": sums["seen"], **sampler_metrics(sums, lp_diff_max),
         **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
-        **({"kept_frac": sums["kept"] / tok}
-           if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
+        **{k: v for more in run.update_metrics for k, v in more(sums).items()},  # a feature's, of the sums it added
     }
 
 
@@ -434,16 +433,12 @@ def weight_extremes(sums, d):
 
 def sampler_metrics(sums, lp_diff_max):
     """The sampler against the trainer, from the step's sums over every rank: the mean |trainer - sampler| log-prob
-    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`; the same over
-    the tokens of rows carried through a weight change (max_staleness), left out of the first; and the mismatch
-    figures (grpo.mismatch_metrics) of either kind of token."""
+    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`, and the
+    mismatch figures (grpo.mismatch_metrics)."""
     out = {"sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
            "sampler_logprob_diff_max": lp_diff_max}
-    if "carried_diff_tokens" in sums:
-        out["sampler_logprob_diff_carried_mean"] = sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)
-    for which, name in (("fresh", "mismatch"), ("carried", "mismatch_carried")):
-        part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith(f"mismatch_sum/{which}/")}
-        out.update({f"{name}/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
+    part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("mismatch_sum/fresh/")}
+    out.update({f"mismatch/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
     return out
 
 
