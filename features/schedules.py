@@ -21,7 +21,7 @@ def apply(run, core):
         run.optimizer_step = lambda run, opt_step, step_loss: scaled_optimizer_step(inner, run, opt_step, step_loss)
         run.step_metrics.append(lambda run, batch, step, so_far: run.loss_scale.step_metrics())
     if cfg.use_adaptive_entropy:
-        run.objective, run.entropy_grad = entropy_bonus, True  # the bonus may be on at any optimizer step
+        run.objective, run.entropy_grad = adaptive_objective, True  # the bonus may be on at any optimizer step
         run.after_optimizer_step.append(control_entropy)
         run.step_metrics.append(lambda run, batch, step, so_far: {"entropy_coef": run.entropy_coef})
     if cfg.sync_ref_model:  # the reference's syncs so far in the run
@@ -48,7 +48,7 @@ def scaled_optimizer_step(inner, run, opt_step, step_loss):
     return grad_norm, lr, done
 
 
-def entropy_bonus(run):
+def adaptive_objective(run):
     """The loss's settings for the next optimizer step with use_adaptive_entropy (`run.objective`): the entropy
     bonus's coefficient is the controlled one where the last step's mean entropy was at or below entropy_target,
     else 0."""
@@ -61,7 +61,7 @@ def control_entropy(run, opt_step, entropy, tokens):
     """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy), after each optimizer step, from its
     mean entropy over every rank's counted tokens (`entropy`: this rank's sum; `tokens`: every rank's count): the
     coefficient goes up by entropy_coef_delta while the mean entropy is at or below entropy_target, else down,
-    within [entropy_coef_min, entropy_coef_max]; the entropy is kept for `entropy_bonus`."""
+    within [entropy_coef_min, entropy_coef_max]; the entropy is kept for `adaptive_objective`."""
     cfg = run.cfg
     entropy = sharding.all_reduce_sum([float(entropy)], run.d)[0] / tokens.item()
     step = cfg.entropy_coef_delta if entropy <= cfg.entropy_target else -cfg.entropy_coef_delta

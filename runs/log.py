@@ -372,7 +372,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
     sums = dict(sums)
-    extremes = weight_extremes(sums, d)
+    extremes = weight_extremes(sums, d) if "is_weight_max" in sums else {}  # with importance sampling
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
@@ -423,9 +423,7 @@ def tool_metrics(run, batch, step, so_far):
 
 def weight_extremes(sums, d):
     """The importance weights' smallest and largest over every rank (a collective), taken out of this rank's `sums`
-    (extremes, not sums); {} without importance sampling."""
-    if "is_weight_max" not in sums:
-        return {}
+    (extremes, not sums), with importance sampling."""
     low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
                                                       device=d.device), d).amax(0).tolist()
     return {"is_weight_min": -low, "is_weight_max": high}
