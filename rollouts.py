@@ -37,7 +37,7 @@ class Rollout:
     # policy token; a row that decoded through a training step has tokens of two versions or more
     versions: torch.Tensor = None
     # (N,) long, from a Stream only: the version that ran the row's prompt into its cache, the oldest weights whose
-    # K/V every token of the row attends to (`carried`)
+    # K/V every token of the row attends to (features/streaming.py's `carried`)
     context_version: torch.Tensor = None
     # (N,) long: the decode iterations the row held a place in the batch (before it ended, and after until its place
     # was given to another row or compacted away); the policy's tokens over their sum is the share of the batch's
@@ -47,16 +47,6 @@ class Rollout:
     def to(self, device):
         return Rollout(**{f.name: _map(getattr(self, f.name), lambda x: x.to(device))
                           for f in dataclasses.fields(self)})
-
-
-def carried(rollout, version):
-    """(N, T) bool: the policy tokens whose draw attended K/V computed by weights older than `version` (a row
-    that decoded through a weight change keeps its cache, so every token of it after the prompt's prefill, the
-    ones drawn after the change included). The trainer cannot recompute their behaviour log-prob; the sampler's is
-    it. None where no row was carried: a rollout sampled at once (no `context_version`), every row on `version`."""
-    if rollout.context_version is None:
-        return None
-    return (rollout.context_version < version).to(rollout.policy_mask.device)[:, None] & rollout.policy_mask.bool()
 
 
 def _map(x, fn):

@@ -12,7 +12,6 @@ runs: the step's rollout, scoring, advantages and update, then the loop around i
 Every setting (config.py: the Config dataclass) can be given as --key=value or --key value.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -128,6 +127,10 @@ def setup(cfg, d):
     run = make_run(cfg, d)
     run.rollout, run.draw, run.rewards, run.micro_batches = rollout, draw, rewards_of, micro_batches
     run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
+    run.old_logprobs, run.select_tokens, run.optimizer_step = OldLogprobs, every_token, optimizer_step
+    run.backward = torch.Tensor.backward  # float16 scales the loss first
+    run.objective = lambda run: grpo.Objective.of(cfg)  # the loss's settings: the config's, at every optimizer step
+    run.entropy_grad = cfg.entropy_coef != 0  # an entropy bonus in the loss: its gradient through the forward
     features.apply(run, sys.modules[__name__])
     return run
 
@@ -256,31 +259,26 @@ def update(run, batch, advantages, step):
     minis, num_tokens = mini_batches(run, batch, mask, loss_mask)
     extras = forward_extras(run, batch)
     ref_logp = [reference_logprobs(run, ids, mask, m, extras) for m in minis] if cfg.beta > 0 else None
-    # (n, T) tokens whose context older weights computed (rows carried through a weight change): their old log-prob
-    # is the sampler's; None when every row ran on the step's weights
-    old = OldLogprobs(cfg, minis, loss_mask, batch.rollout.logprobs, d.device,
-                      rollouts.carried(batch.rollout, step - 1))
-    threshold = [None] * len(minis)  # each mini-batch's entropy quantile (top_entropy_quantile)
-    if len(minis) > 1 or cfg.top_entropy_quantile < 1:
-        threshold = before_first_step(run, ids, mask, minis, loss_mask, old, extras)
+    old = run.old_logprobs(cfg, minis, loss_mask, batch.rollout, step, d.device)
     inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, extras=extras, advantages=advantages,
-                  num_sequences=batch.prompt_ids.shape[0] * d.world_size // len(minis),
-                  sampler=batch.rollout.logprobs)
+                  num_sequences=batch.prompt_ids.shape[0] * d.world_size // len(minis))
+    entropies = before_first_step(run, ids, mask, minis, old, extras) if len(minis) > 1 else None
+    keep = run.select_tokens(run, batch, inputs, minis, entropies)  # (j, i, mb, logp, entropy) -> tokens counted
     skipped = 0
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
         # summed over its optimizer steps, is divided by their number below (an optimizer step's mean loss)
         sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
-                "is_weight": 0.0, "kept": 0.0}
+                "is_weight": 0.0}
         for j, micro in enumerate(minis):
-            step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j],
-                                                          threshold[j], sums)
+            step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j], keep,
+                                                          sums)
             # the run's optimizer steps before this one
             opt_step = ((step - 1) * cfg.num_iterations + iteration) * len(minis) + j
-            grad_norm, lr, done = optimizer_step(run, opt_step, step_loss)
+            grad_norm, lr, done = run.optimizer_step(run, opt_step, step_loss)
             skipped += not done
-            if cfg.use_adaptive_entropy:  # this optimizer step's mean entropy over every rank's counted tokens
-                control_entropy(run, sharding.all_reduce_sum([float(step_entropy)], d)[0] / num_tokens[j].item())
+            for after in run.after_optimizer_step:  # what moves on a schedule of its own (features/schedules.py)
+                after(run, opt_step, step_entropy, num_tokens[j])
     sums["loss"] = sums["loss"] / len(minis)
     sums.update(old.sums())
     return sums, old.diff_max, grad_norm, lr, skipped
@@ -305,58 +303,43 @@ def mini_batches(run, batch, mask, loss_mask):
     return minis, num_tokens
 
 
-def before_first_step(run, ids, mask, minis, loss_mask, old, extras):
-    """What must be read at the weights that sampled before the first optimizer step moves them: with several
-    mini-batches, every row's old log-probs (one forward without gradient each, kept in `old`: mini-batch 2's first
-    forward with gradient comes after an optimizer step, and TRL too reads them first); with
-    top_entropy_quantile, each mini-batch's entropy threshold (`entropy_threshold`). The thresholds, or Nones."""
-    cfg = run.cfg
-    threshold = [None] * len(minis)  # each mini-batch's entropy quantile
-    if len(minis) > 1:  # every mini-batch's old log-probs before the first optimizer step (and its entropies)
-        for j, micro in enumerate(minis):
-            out = sampling_logprobs(run, ids, mask, micro, extras)
-            for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
-                old.keep(j, i, mb, logp)
-            if cfg.top_entropy_quantile < 1:
-                threshold[j] = entropy_threshold(run, ids, mask, micro, loss_mask, extras, [e for _, e in out])
-    elif cfg.top_entropy_quantile < 1:
-        threshold[0] = entropy_threshold(run, ids, mask, minis[0], loss_mask, extras)
-    return threshold
+def before_first_step(run, ids, mask, minis, old, extras):
+    """With several mini-batches, every row's old log-probs before the first optimizer step moves the weights that
+    sampled them: one forward without gradient each, kept in `old` (mini-batch 2's first forward with gradient
+    comes after an optimizer step, and TRL too reads them first). Returns each micro-batch's entropies at those
+    weights, per mini-batch, for `run.select_tokens`."""
+    entropies = []
+    for j, micro in enumerate(minis):
+        out = sampling_logprobs(run, ids, mask, micro, extras)
+        for i, (mb, (logp, _)) in enumerate(zip(micro, out)):
+            old.keep(j, i, mb, logp)
+        entropies.append([e for _, e in out])
+    return entropies
 
 
 class OldLogprobs:
     """Each micro-batch's log-probs at the weights that sampled (pi_old), with the importance weights against the
     sampler's log-probs where asked, and the running |trainer - sampler| log-prob over the counted tokens (summed,
-    and the largest).
+    and the largest). `run.old_logprobs` makes one per update: this class, or a feature's variant (rows carried
+    through a weight change: features/streaming.py)."""
 
-    `stale` (n, T), with max_staleness: the tokens of rows carried through a weight change (rollouts.carried):
-    drawn by older weights, or by newer ones attending to the K/V older ones computed. The trainer cannot compute
-    their pi_old (those weights, or that mix of weights and cache, are gone); the sampler's log-prob is it,
-    exactly (the behaviour policy, as in PipelineRL and TRL's ZeroSync). The first pass's ratio for them is then
-    exp(train - sampler). They are left out of the trainer-sampler comparison, which measures the arithmetic's
-    agreement at equal weights; their own |train - sampler| (`carried_sum`, `carried_tokens`) is how far the
-    weights moved under them."""
-
-    def __init__(self, cfg, minis, loss_mask, sampler, device, stale=None):
-        self.cfg, self.loss_mask, self.sampler, self.stale = cfg, loss_mask, sampler, stale
+    def __init__(self, cfg, minis, loss_mask, rollout, step, device):
+        self.cfg, self.loss_mask, self.sampler = cfg, loss_mask, rollout.logprobs
         self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
         self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
-        self.carried_sum = self.carried_tokens = torch.zeros((), device=device)
         # the importance weights' extremes over the counted tokens (with --importance_sampling)
         self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
-        self.mismatch = {}  # "fresh" / "carried" -> summed grpo.mismatch_sums of the trainer against the sampler
+        self.mismatch = {}  # "fresh" (or a variant's own kind of token) -> summed grpo.mismatch_sums
 
     def sums(self):
         """The comparison's part of the step's sums (summed over ranks with the loss's; run_log.sampler_metrics):
-        |trainer - sampler| of the compared tokens and of the carried ones, each kind's mismatch sums, and the
-        importance weights' extremes (reduced as extremes: run_log.weight_extremes)."""
+        |trainer - sampler| of the compared tokens, each kind's mismatch sums, and the importance weights'
+        extremes (reduced as extremes: run_log.weight_extremes)."""
         out = {"lp_diff_sum": self.diff_sum, "lp_diff_tokens": self.diff_tokens}
         for which, part in self.mismatch.items():
             out.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
         if self.cfg.importance_sampling != "none":
             out["is_weight_min"], out["is_weight_max"] = self.is_min, self.is_max
-        if self.stale is not None:  # the carried tokens' |train - sampler|: the weights' move under them
-            out["carried_diff_sum"], out["carried_diff_tokens"] = self.carried_sum, self.carried_tokens
         return out
 
     def _add_mismatch(self, which, logp, sampler, mask):
@@ -365,28 +348,20 @@ class OldLogprobs:
         self.mismatch[which] = part if have is None else {k: have[k] + v for k, v in part.items()}
 
     def keep(self, j, i, mb, logp):
-        """Micro-batch (j, i)'s log-probs at the weights that sampled (its carried tokens': the sampler's), compared
-        with the sampler's, and its importance weights where asked."""
+        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's (`compare`), and
+        its importance weights where asked."""
         mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
-        compared = mb_mask
-        if self.stale is not None:
-            logp, compared = self._carried(mb, logp, sampler, mb_mask)
-        self._add_mismatch("fresh", logp, sampler, compared)
+        self.compare(logp, sampler, mb_mask)
         self.logp[j][i] = logp
-        diff = (logp - sampler).abs() * compared
-        self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
-        self.diff_max = torch.maximum(self.diff_max, F.pad(diff.flatten(), (0, 1)).max())  # (no rows: 0)
         if self.cfg.importance_sampling != "none":
             self._weights(j, i, logp, sampler, mb_mask)
 
-    def _carried(self, mb, logp, sampler, mb_mask):
-        """The carried tokens of the micro-batch: their |train - sampler| counted apart, the sampler's log-prob
-        taken as theirs; (log-probs, the tokens compared)."""
-        stale = self.stale[mb.rows, :mb.t] * mb_mask
-        self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
-        self.carried_tokens = self.carried_tokens + stale.sum()
-        self._add_mismatch("carried", logp, sampler, stale)
-        return torch.where(stale.bool(), sampler, logp), mb_mask * ~stale.bool()
+    def compare(self, logp, sampler, compared):
+        """|trainer - sampler| over the tokens `compared` (summed, and the largest), and their mismatch sums."""
+        self._add_mismatch("fresh", logp, sampler, compared)
+        diff = (logp - sampler).abs() * compared
+        self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
+        self.diff_max = torch.maximum(self.diff_max, F.pad(diff.flatten(), (0, 1)).max())  # (no rows: 0)
 
     def _weights(self, j, i, logp, sampler, mb_mask):
         """The importance weights of the sampler's tokens (grpo.importance_weights), and their extremes."""
@@ -400,32 +375,28 @@ class OldLogprobs:
                                                        value=-math.inf).max())
 
 
-def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, threshold, sums):
+def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep, sums):
     """Mini-batch j's loss and backward, one micro-batch at a time; adds its micro-batches' metrics to `sums` and
     returns this optimizer step's loss and entropy sums on this rank (on the device: nothing waits here)."""
     cfg, d, policy = run.cfg, run.d, run.policy
     ids, mask, loss_mask, advantages = inputs["ids"], inputs["mask"], inputs["loss_mask"], inputs["advantages"]
-    objective = dataclasses.replace(grpo.Objective.of(cfg), entropy_coef=entropy_bonus(run))
+    objective = run.objective(run)
     step_loss = step_entropy = 0.0
     for i, mb in enumerate(micro):
         logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
-                               width=mb.width, entropy_grad=cfg.entropy_coef != 0 or cfg.use_adaptive_entropy,
-                               forward=run.forward, extras=inputs["extras"](mb))
+                               width=mb.width, entropy_grad=run.entropy_grad, forward=run.forward,
+                               extras=inputs["extras"](mb))
         mb_mask = loss_mask[mb.rows, :mb.t]
         if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
             old.keep(j, i, mb, logp.detach())
-        keep = None  # every token counts, unless an entropy or off-policy mask says otherwise (`select_tokens`)
-        if cfg.top_entropy_quantile < 1 or cfg.off_policy_mask_threshold is not None:
-            keep = select_tokens(cfg, entropy, logp, inputs["sampler"][mb.rows, :mb.t], advantages[mb.rows],
-                                 mb_mask, threshold)
         is_weight = old.is_weight[j][i]
         loss, m = grpo.grpo_loss(logp, old.logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
                                  advantages[mb.rows], mb_mask, objective, num_sequences=inputs["num_sequences"],
-                                 num_tokens=num_tokens, is_weight=is_weight, keep=keep, entropy=entropy)
-        # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks (float16: the
-        # loss scaled up, the gradients divided back in optimizer_step)
+                                 num_tokens=num_tokens, is_weight=is_weight, keep=keep(j, i, mb, logp, entropy),
+                                 entropy=entropy)
+        # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
         sharding.all_reduce_after(policy, d, last=i == len(micro) - 1)
-        (loss * (d.world_size if run.loss_scale is None else d.world_size * run.loss_scale.scale)).backward()
+        run.backward(loss * d.world_size)
         step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
         sums["loss"] += loss.detach()
         for k in ("kl", "clip_low", "clip_high"):
@@ -435,93 +406,30 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, thresh
         sums["tokens"] += m["tokens"]
         if is_weight is not None:
             sums["is_weight"] += (is_weight * mb_mask).sum()
-        if keep is not None:
-            sums["kept"] += (keep * mb_mask).sum()
     return step_loss, step_entropy
+
+
+def every_token(run, batch, inputs, minis, entropies):
+    """Which tokens' policy terms count in each micro-batch: every one (grpo_loss's keep=None). `run.select_tokens`
+    may keep fewer (features/token_selection.py: TRL's entropy and off-policy masks)."""
+    return lambda j, i, mb, logp, entropy: None
 
 
 def optimizer_step(run, opt_step, step_loss):
     """The run's optimizer step number `opt_step` (0-based) after a mini-batch's backward: the gradient clipped, the
     learning rate set, the step taken unless the loss or the gradient is not finite (then skipped and counted, on
-    every rank alike: the loss summed over ranks), the gradients zeroed, and with sync_ref_model the reference mixed
-    toward the policy. Returns (gradient norm, learning rate, whether the step was taken). Under float16 the
-    gradients are unscaled first, and a finite loss with a gradient that is not is an overflow: the step is skipped
-    and the loss scale halved (sharding.LossScale), which is not a bad step; at a scale of 1 or less the scale
-    cannot be to blame, and it is one."""
+    every rank alike: the loss summed over ranks), and the gradients zeroed. Returns (gradient norm, learning rate,
+    whether the step was taken). Float16's loss scale wraps it (features/schedules.py)."""
     cfg, d, policy = run.cfg, run.d, run.policy
-    if run.loss_scale is not None:
-        run.loss_scale.unscale(policy.parameters())
     grad_norm = sharding.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
     loss_sum = sharding.all_reduce_sum([torch.as_tensor(step_loss, dtype=torch.float32).item()], d)[0]
     lr = set_hyperparameters(run.optimizer, cfg, opt_step)
     done = math.isfinite(grad_norm.item()) and math.isfinite(loss_sum)
-    # float16: a finite loss whose gradient is not, while the scale is above 1 (so the scale can be to blame)
-    overflow = not done and run.loss_scale is not None and math.isfinite(loss_sum) and run.loss_scale.scale > 1
     if done:
         run.optimizer.step()
-        run.bad_steps = 0
-    elif not overflow:
-        run.bad_steps += 1
-    if run.loss_scale is not None and (done or overflow):
-        run.loss_scale.update(done)
+    run.bad_steps = 0 if done else run.bad_steps + 1
     run.optimizer.zero_grad(set_to_none=True)
-    # TR-DPO: counted as TRL counts its global_step (a skipped step too), a function of the step alone, so a resumed
-    # run syncs where an uninterrupted one does; the step's reference log-probs were taken before (as TRL takes them
-    # when it generates)
-    if cfg.sync_ref_model and (opt_step + 1) % cfg.ref_model_sync_steps == 0:
-        sharding.mix_weights(run.ref, policy, cfg.ref_model_mixup_alpha)
     return grad_norm, lr, done
-
-
-def entropy_bonus(run):
-    """The entropy bonus's coefficient for the next optimizer step: entropy_coef, or with use_adaptive_entropy the
-    controlled coefficient where the last step's mean entropy was at or below entropy_target, else 0."""
-    cfg = run.cfg
-    if not cfg.use_adaptive_entropy:
-        return cfg.entropy_coef
-    return run.entropy_coef if run.last_entropy is not None and run.last_entropy <= cfg.entropy_target else 0.0
-
-
-def control_entropy(run, entropy):
-    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy), after each optimizer step: the
-    coefficient goes up by entropy_coef_delta while the mean entropy is at or below entropy_target, else down,
-    within [entropy_coef_min, entropy_coef_max]; the entropy is kept for `entropy_bonus`."""
-    cfg = run.cfg
-    step = cfg.entropy_coef_delta if entropy <= cfg.entropy_target else -cfg.entropy_coef_delta
-    run.entropy_coef = min(max(run.entropy_coef + step, cfg.entropy_coef_min), cfg.entropy_coef_max)
-    run.last_entropy = entropy
-
-
-def entropy_threshold(run, ids, mask, micro, loss_mask, extras, entropy=None):
-    """The (1 - top_entropy_quantile) quantile of the entropies of every counted token of `micro` (a mini-batch),
-    on every rank, at the weights that sampled: their `entropy` (one per micro-batch), or else one forward without
-    gradient per micro-batch, so that the tokens kept do not depend on how the mini-batch is split (TRL takes
-    the quantile over each micro-batch). None without tokens."""
-    cfg, d = run.cfg, run.d
-    if entropy is None:
-        entropy = [e for _, e in sampling_logprobs(run, ids, mask, micro, extras)]
-    local = torch.cat([e[loss_mask[mb.rows, :mb.t] > 0] for e, mb in zip(entropy, micro)]).float()
-    if d.world_size > 1:  # every rank's tokens, each rank's padded with NaN to the most any rank has
-        most = int(sharding.all_gather_rows(torch.tensor([local.numel()], device=d.device), d).max().item())
-        padded = torch.full((most,), float("nan"), device=local.device)
-        padded[:local.numel()] = local
-        local = sharding.all_gather_rows(padded, d)
-        local = local[~torch.isnan(local)]
-    return torch.quantile(local, 1 - cfg.top_entropy_quantile) if local.numel() else None
-
-
-def select_tokens(cfg, entropy, logp, sampler_logp, advantages, mask, threshold=None):
-    """None, or (m, T) / (m, 1) in {0, 1}: the tokens whose policy term counts in this micro-batch (TRL's entropy
-    and off-policy masks; neither changes a normaliser). threshold: the step's entropy quantile
-    (`entropy_threshold`); None (no counted token) keeps none (docs/objective.md: "Which tokens count")."""
-    keep = None
-    if cfg.top_entropy_quantile < 1:
-        keep = (grpo.high_entropy_mask(entropy.detach(), mask, threshold=threshold) if threshold is not None
-                else torch.zeros_like(mask))
-    if cfg.off_policy_mask_threshold is not None:
-        off = grpo.off_policy_mask(advantages[:, None], logp, sampler_logp, mask, cfg.off_policy_mask_threshold)
-        keep = off if keep is None else keep * off
-    return keep
 
 
 def peak_memory(d):

@@ -15,6 +15,7 @@ Each file here is one feature, read on its own: what it replaces or wraps, and i
                           an all-to-all around each attention (Ulysses)
     lora_reference.py     --lora_rank with --beta: the reference is the policy with its adapters off
     code_execution.py     programs run in the sandbox during a step: their metrics
+    token_selection.py    --top_entropy_quantile, --off_policy_mask_threshold: which tokens' policy terms count
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
     sampler_options.py    the sampler's options: tensor-parallel groups, batches of rows, rows streaming through
                           places, kept decoders, CUDA graphs off, the Triton kernel, shared prefill, routing
@@ -30,6 +31,7 @@ routing) and sandbox/executor.py; only train.py imports it, and no core file imp
 from runs import log as run_log
 from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, schedules,
                       sequence_parallel, shared_prompts, streaming)
+from features import token_selection
 
 
 def apply(run, core):
@@ -54,4 +56,6 @@ def apply(run, core):
         run.step_metrics.append(run_log.tool_metrics)
     if code_execution.may_run_programs(run):  # after the draw's features: it wraps the whole draw
         code_execution.apply(run)
+    if cfg.top_entropy_quantile < 1 or cfg.off_policy_mask_threshold is not None:
+        token_selection.apply(run, core)
     schedules.apply(run, core)

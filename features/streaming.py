@@ -4,14 +4,15 @@
 Applied by features/__init__.py (`apply` below), never read by the core step: it replaces the run's rollout source
 (`run.rollout`: train.rollout samples each step's rows at once, on the current weights), takes a batch's rewards
 where its groups were scored as they landed (`run.rewards`) and adds its own metrics (`run.step_metrics`). What it
-changes in training is per-row data the core carries without reading a setting: the rollout's weight versions, from
-which the core's `OldLogprobs` takes the tokens whose old log-prob only the sampler knows (rollouts.carried).
+changes in training is the old log-probs of rows carried through a weight change, whose tokens' old log-prob only
+the sampler knows: `run.old_logprobs` wraps the core's OldLogprobs (`CarriedOldLogprobs`, at the end of this file).
 """
 
 import time
 
 import torch
 
+import grpo
 import rewards
 import rollouts
 import sampling
@@ -29,6 +30,9 @@ def apply(run, core):
     inner = run.rewards
     run.rewards = lambda run, batch, step, seconds: landed_rewards(inner, run, batch, step, seconds)
     run.step_metrics.append(metrics)
+    if run.cfg.max_staleness:  # rows carried through a weight change: the sampler's log-prob is their old one
+        run.old_logprobs = lambda *args: carried_old_logprobs(core.OldLogprobs, *args)
+        run.update_metrics.append(carried_metrics)
 
 
 def landed_rewards(inner, run, batch, step, seconds):
@@ -70,7 +74,7 @@ class RolloutStream:
     fast rows decoded, so a run at any world size trains what one process does. A row of step s starts at step
     s - K at the earliest, so its tokens are at most K versions older than the weights that train them; each
     token's version is recorded, and the loss takes the sampler's log-prob as the old log-prob of an older one
-    (`OldLogprobs`). No row is dropped or cut short for its age: dropping would favour short completions, cutting
+    (`CarriedOldLogprobs`). No row is dropped or cut short for its age: dropping would favour short completions, cutting
     would score unfinished ones. The stream is drained (nothing queued past it) at each checkpoint step and at
     the last, and closed there: a resumed run starts where an uninterrupted one also starts afresh."""
 
@@ -266,3 +270,74 @@ def staleness_metrics(run, rollout, step):
     oldest = sharding.all_gather_rows(torch.tensor([[float(age.max()) if age.numel() else 0.0]], device=run.d.device),
                                       run.d).max().item()
     return {"staleness_mean": total / max(tokens, 1.0), "staleness_max": oldest, "rows_carried": carried}
+
+
+# ----------------------------------------------------------------------------- the old log-probs of carried rows
+
+
+def carried(rollout, version):
+    """(N, T) bool: the policy tokens whose draw attended K/V computed by weights older than `version` (a row
+    that decoded through a weight change keeps its cache, so every token of it after the prompt's prefill, the
+    ones drawn after the change included). The trainer cannot recompute their behaviour log-prob; the sampler's is
+    it. None where no row was carried: a rollout sampled at once (no `context_version`), every row on `version`."""
+    if rollout.context_version is None:
+        return None
+    return (rollout.context_version < version).to(rollout.policy_mask.device)[:, None] & rollout.policy_mask.bool()
+
+
+def carried_old_logprobs(OldLogprobs, cfg, minis, loss_mask, rollout, step, device):
+    """`run.old_logprobs` with --max_staleness: the update's OldLogprobs (train.py), within a `CarriedOldLogprobs`
+    where rows were carried through a weight change (tokens older than the step's weights, step - 1)."""
+    old = OldLogprobs(cfg, minis, loss_mask, rollout, step, device)
+    stale = carried(rollout, step - 1)
+    return old if stale is None else CarriedOldLogprobs(old, stale)
+
+
+class CarriedOldLogprobs:
+    """The old log-probs of a batch with rows carried through a weight change, around the core's (`old`,
+    train.OldLogprobs, whose tables `logp` and `is_weight` the update reads).
+
+    `stale` (n, T): the tokens of rows carried through a weight change (`carried`): drawn by older weights, or by
+    newer ones attending to the K/V older ones computed. The trainer cannot compute their pi_old (those weights, or
+    that mix of weights and cache, are gone); the sampler's log-prob is it, exactly (the behaviour policy, as in
+    PipelineRL and TRL's ZeroSync). The first pass's ratio for them is then exp(train - sampler). They are left out
+    of the trainer-sampler comparison, which measures the arithmetic's agreement at equal weights; their own
+    |train - sampler| (`carried_sum`, `carried_tokens`) is how far the weights moved under them."""
+
+    def __init__(self, old, stale):
+        self.old, self.stale, self.logp, self.is_weight = old, stale, old.logp, old.is_weight
+        self.carried_sum = self.carried_tokens = torch.zeros((), device=old.diff_sum.device)
+
+    @property
+    def diff_max(self):
+        return self.old.diff_max
+
+    def keep(self, j, i, mb, logp):
+        """Micro-batch (j, i)'s log-probs at the weights that sampled: its carried tokens' |train - sampler| counted
+        apart and the sampler's log-prob taken as theirs; the other tokens compared with the sampler's as a
+        synchronous step's, and the importance weights of all, where asked."""
+        old = self.old
+        mb_mask, sampler = old.loss_mask[mb.rows, :mb.t], old.sampler[mb.rows, :mb.t]
+        stale = self.stale[mb.rows, :mb.t] * mb_mask
+        self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
+        self.carried_tokens = self.carried_tokens + stale.sum()
+        old._add_mismatch("carried", logp, sampler, stale)
+        logp = torch.where(stale.bool(), sampler, logp)
+        old.compare(logp, sampler, mb_mask * ~stale.bool())
+        old.logp[j][i] = logp
+        if old.cfg.importance_sampling != "none":
+            old._weights(j, i, logp, sampler, mb_mask)
+
+    def sums(self):
+        """The core's sums, and the carried tokens' |train - sampler| (the weights' move under them)."""
+        return {**self.old.sums(), "carried_diff_sum": self.carried_sum, "carried_diff_tokens": self.carried_tokens}
+
+
+def carried_metrics(sums):
+    """The carried tokens' figures from the update's sums over every rank (`run.update_metrics`), apart from the
+    fresh tokens' (runs/log.py's sampler_metrics): their mean |trainer - sampler| log-prob and their mismatch
+    figures (grpo.mismatch_metrics)."""
+    out = {"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
+    part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("mismatch_sum/carried/")}
+    out.update({f"mismatch_carried/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
+    return out

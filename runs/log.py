@@ -372,7 +372,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
     sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
     sums = dict(sums)
-    extremes = weight_extremes(sums, d)
+    extremes = weight_extremes(sums, d) if "is_weight_max" in sums else {}  # with importance sampling
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
     lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
@@ -405,8 +405,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         "truncated_frac": truncated.mean().item(),
         "batch_tokens": sums["seen"], **sampler_metrics(sums, lp_diff_max),
         **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
-        **({"kept_frac": sums["kept"] / tok}
-           if run.cfg.top_entropy_quantile < 1 or run.cfg.off_policy_mask_threshold is not None else {}),
+        **{k: v for more in run.update_metrics for k, v in more(sums).items()},  # a feature's, of the sums it added
     }
 
 
@@ -424,9 +423,7 @@ def tool_metrics(run, batch, step, so_far):
 
 def weight_extremes(sums, d):
     """The importance weights' smallest and largest over every rank (a collective), taken out of this rank's `sums`
-    (extremes, not sums); {} without importance sampling."""
-    if "is_weight_max" not in sums:
-        return {}
+    (extremes, not sums), with importance sampling."""
     low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
                                                       device=d.device), d).amax(0).tolist()
     return {"is_weight_min": -low, "is_weight_max": high}
@@ -434,16 +431,12 @@ def weight_extremes(sums, d):
 
 def sampler_metrics(sums, lp_diff_max):
     """The sampler against the trainer, from the step's sums over every rank: the mean |trainer - sampler| log-prob
-    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`; the same over
-    the tokens of rows carried through a weight change (max_staleness), left out of the first; and the mismatch
-    figures (grpo.mismatch_metrics) of either kind of token."""
+    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`, and the
+    mismatch figures (grpo.mismatch_metrics)."""
     out = {"sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
            "sampler_logprob_diff_max": lp_diff_max}
-    if "carried_diff_tokens" in sums:
-        out["sampler_logprob_diff_carried_mean"] = sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)
-    for which, name in (("fresh", "mismatch"), ("carried", "mismatch_carried")):
-        part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith(f"mismatch_sum/{which}/")}
-        out.update({f"{name}/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
+    part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("mismatch_sum/fresh/")}
+    out.update({f"mismatch/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
     return out
 
 

@@ -70,6 +70,15 @@ class Run:
     sample_options: dict = field(default_factory=dict)  # keywords of sampling.sample_rows a feature adds
     forward_extras: list = field(default_factory=list)  # (run, batch) -> (micro-batch -> forward keywords)
     step_metrics: list = field(default_factory=list)    # (run, batch, step, metrics so far) -> a feature's metrics
+    # the update's (train.update): what a mini-batch's loss is, which tokens count, and what each optimizer step does
+    objective: typing.Callable = None   # (run) -> the loss's settings (grpo.Objective) for the next optimizer step
+    entropy_grad: bool = False          # whether the training forward carries the entropy's gradient (a bonus)
+    old_logprobs: typing.Callable = None  # (cfg, minis, loss_mask, rollout, step, device) -> train.OldLogprobs
+    select_tokens: typing.Callable = None  # (run, batch, inputs, minis, entropies) -> (j, i, mb, logp, entropy) -> keep
+    backward: typing.Callable = None    # (loss) -> its backward (torch.Tensor.backward; float16 scales the loss)
+    optimizer_step: typing.Callable = None  # (run, opt_step, step loss) -> (grad norm, lr, taken); float16 wraps it
+    after_optimizer_step: list = field(default_factory=list)  # (run, opt_step, entropy sum, tokens) after each one
+    update_metrics: list = field(default_factory=list)  # (the update's sums over every rank) -> a feature's metrics
     stream: object = None               # features/streaming.py's RolloutStream, with --max_staleness
     ref_routing: list = field(default_factory=lambda: [0.0, 0.0])  # routing replay: the reference's (differ, decisions)
 

@@ -42,27 +42,34 @@ def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_a_run_of_finite_
 def _run(tmp_path, name, flags, overflow_at=(), nan_loss_at=(), scale_at=None):
     """metrics.jsonl rows and stdout of an in-process fp16 run; the optimizer steps in `overflow_at` (0-based, the
     run's count) get an infinite gradient entry, as a float16 overflow leaves it, those in `nan_loss_at` a NaN loss;
-    `scale_at` sets the loss scale before every optimizer step."""
-    real = train.optimizer_step
+    `scale_at` sets the loss scale before every optimizer step. Each is done to what `run.optimizer_step` gets (the
+    core's optimizer step within the loss scale's wrapper, features/schedules.py), as a backward would leave it."""
+    real_setup = train.setup
 
-    def overflowing(run, opt_step, step_loss):
-        if opt_step in overflow_at:
-            p = next(p for p in run.policy.parameters() if p.grad is not None)
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            local.view(-1)[0] = float("inf")
-        if opt_step in nan_loss_at:
-            step_loss = torch.tensor(float("nan"))
-        if scale_at is not None:
-            run.loss_scale.scale = scale_at
-        return real(run, opt_step, step_loss)
-    train.optimizer_step = overflowing
+    def setup(cfg, d):
+        run = real_setup(cfg, d)
+        real = run.optimizer_step
+
+        def overflowing(run, opt_step, step_loss):
+            if opt_step in overflow_at:
+                p = next(p for p in run.policy.parameters() if p.grad is not None)
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                local.view(-1)[0] = float("inf")
+            if opt_step in nan_loss_at:
+                step_loss = torch.tensor(float("nan"))
+            if scale_at is not None:
+                run.loss_scale.scale = scale_at
+            return real(run, opt_step, step_loss)
+        run.optimizer_step = overflowing
+        return run
+    train.setup = setup
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             train.main([f"--out_dir={tmp_path / name}", "--mixed_precision=fp16", "--print_completions_every=0",
                         *flags])
     finally:
-        train.optimizer_step = real
+        train.setup = real_setup
     return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")], out.getvalue()
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo  # noqa: E402
 import train  # noqa: E402
+from features import streaming  # noqa: E402
 
 
 def reference(logp, sampler, mask):
@@ -63,20 +64,20 @@ def test_the_metrics_equal_their_definitions_over_micro_batches():
     assert grpo.mismatch_metrics({k: 0.0 for k in still | {"tokens": 0, "sequences": 0}}) == {}
 
 
-def _run(tmp_path, name, flags, spy):
-    """metrics.jsonl rows and stdout of a short in-process run, with `spy` seeing each OldLogprobs.keep."""
-    keep = train.OldLogprobs.keep
+def _run(tmp_path, name, flags, spy, old_logprobs=train.OldLogprobs):
+    """metrics.jsonl rows and stdout of a short in-process run, with `spy` seeing each `old_logprobs.keep`."""
+    keep = old_logprobs.keep
 
     def spying(self, j, i, mb, logp):
         spy(self, mb, logp)
         return keep(self, j, i, mb, logp)
-    train.OldLogprobs.keep = spying
+    old_logprobs.keep = spying
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             train.main([f"--out_dir={tmp_path / name}", "--save_every=0", "--print_completions_every=0", *flags])
     finally:
-        train.OldLogprobs.keep = keep
+        old_logprobs.keep = keep
     return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")], out.getvalue()
 
 
@@ -86,11 +87,11 @@ def test_a_run_reports_the_reference_figures_fresh_and_carried(tmp_path):
     carried ones equal the reference from the log-probs the trainer compared, and the warning flags the step."""
     seen = {}
 
-    def spy(old, mb, logp):
-        mask = old.loss_mask[mb.rows, :mb.t]
-        stale = old.stale[mb.rows, :mb.t].bool() & (mask > 0)
+    def spy(carried, mb, logp):  # a features.streaming.CarriedOldLogprobs, around the core's OldLogprobs
+        mask = carried.old.loss_mask[mb.rows, :mb.t]
+        stale = carried.stale[mb.rows, :mb.t].bool() & (mask > 0)
         step = seen.setdefault(len(seen_steps), {"fresh": [], "carried": []})
-        sampler = old.sampler[mb.rows, :mb.t]
+        sampler = carried.old.sampler[mb.rows, :mb.t]
         step["fresh"].append((logp.double(), sampler.double(), (mask > 0) & ~stale))
         step["carried"].append((logp.double(), sampler.double(), stale))
     seen_steps = []
@@ -104,7 +105,8 @@ def test_a_run_reports_the_reference_figures_fresh_and_carried(tmp_path):
         # every row of a step after the first starts during the step before: step 1's tokens are fresh, the
         # others' carried
         rows, out = _run(tmp_path, "m", ["--max_steps=4", "--max_staleness=1", "--lr=3e-3", "--top_k=5",
-                                         "--max_completion_length=12", '--mismatch_warn={"ess": 0.9999}'], spy)
+                                         "--max_completion_length=12", '--mismatch_warn={"ess": 0.9999}'], spy,
+                        streaming.CarriedOldLogprobs)
     finally:
         train.update = real_update
     counted = {"fresh": 0, "carried": 0}

@@ -170,10 +170,10 @@ def test_the_step_metrics_each_functions_spread_ended_lengths_and_clip_region():
     rollout = rollouts.Rollout(completion_ids=mask * 7, completion_mask=mask, policy_mask=mask, truncated=truncated,
                                logprobs=torch.zeros(6, 8), turns=torch.ones(6, dtype=torch.long))
     batch = types.SimpleNamespace(prompt_mask=torch.ones(6, 2), rollout=rollout, episodes=None)
-    run = types.SimpleNamespace(d=ONE, cfg=config.Config(num_generations=3))
+    run = types.SimpleNamespace(d=ONE, cfg=config.Config(num_generations=3), update_metrics=[])
     first, second = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0.2, float("nan"), 0.4, 1.0, 0.0, 0.0])
     sums = {"loss": 1.0, "kl": 0.0, "clip_low": 3.0, "clip_high": 5.0, "entropy": 0.0, "tokens": 34.0,
-            "is_weight": 0.0, "kept": 0.0, "lp_diff_sum": 0.0, "lp_diff_tokens": 1.0}
+            "is_weight": 0.0, "lp_diff_sum": 0.0, "lp_diff_tokens": 1.0}
     total = first + 0.1 * second.nan_to_num()
     m = run_log.step_metrics(run, batch, sums, 0.0, total, {"first": first, "second": second}, total - 0.5,
                              torch.tensor([0.3, 0.1]))

@@ -307,9 +307,8 @@ def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_lo
     length = int(row.completion_mask.sum())
     assert length == 20
     assert row.versions[0, :length].tolist() == [0] * paused_at + [1] * (length - paused_at)
-    import rollouts
     assert row.context_version.tolist() == [0]  # its prompt's K/V are the first weights': every token is carried
-    assert torch.equal(rollouts.carried(row, 1), row.policy_mask.bool())
+    assert torch.equal(features.streaming.carried(row, 1), row.policy_mask.bool())
     prompt = enc.input_ids[2][enc.attention_mask[2].bool()][None]
     ids = row.completion_ids[:, :length]
     # the token drawn at the stop was fed after it, on the second weights: the prefix cache is the prompt and the
@@ -440,7 +439,6 @@ def test_the_loss_takes_the_behaviour_logprob_of_every_token_of_a_carried_row(tm
     computed, whose behaviour log-prob differs from the trainer's fresh forward. Any other token's is the
     trainer's own forward (ratio 1), as at staleness 0. The trainer-sampler comparison, left without the carried
     tokens, stays at float32 noise on every step; the carried tokens' own is reported apart."""
-    import rollouts
     import grpo
     import train
     calls, loss = [], grpo.grpo_loss
@@ -468,7 +466,7 @@ def test_the_loss_takes_the_behaviour_logprob_of_every_token_of_a_carried_row(tm
             k += 1
             rows_done += len(mb.rows)
             mask = rollout.policy_mask[mb.rows, :mb.t].bool()
-            stale = rollouts.carried(rollout, step - 1)[mb.rows, :mb.t] & mask
+            stale = features.streaming.carried(rollout, step - 1)[mb.rows, :mb.t] & mask
             # drawn by this step's weights, on a cache older weights began
             late = stale & (rollout.versions[mb.rows, :mb.t] == step - 1)
             sampler = rollout.logprobs[mb.rows, :mb.t]

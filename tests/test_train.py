@@ -486,8 +486,8 @@ def test_update_with_other_objectives_matches_one_full_batch_loss(tmp_path, sett
     scale = torch.cat([p.grad.flatten() for p in init.parameters()])
     for p, g in zip(init.parameters(), grads[0]):
         assert_grad_close(g, p.grad, scale)
-    if keep is not None:
-        assert sums["kept"] == (keep * loss_mask).sum()
+    if keep is not None:  # the kept tokens the selection counted (features/token_selection.py: kept_frac)
+        assert sum(run.select_tokens.__self__.kept.values()) == (keep * loss_mask).sum()
 
 
 def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monkeypatch):
@@ -507,10 +507,9 @@ def test_entropy_threshold_is_the_quantile_over_every_ranks_counted_tokens(monke
     monkeypatch.setattr(sharding, "all_gather_rows", fake_gather)
     micro = [logprobs.MicroBatch(torch.tensor([2, 0]), slice(0, 3), 3, 3), logprobs.MicroBatch(torch.tensor([1, 3]),
                                                                                         slice(0, 3), 3, 3)]
-    policy = lambda fn, ids, mask, t, *a, **k: (None, entropy[ids[:, 0]])  # noqa: E731 (rows named by ids)
-    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3), policy=policy, forward=None,
+    run = types.SimpleNamespace(cfg=train.Config(top_entropy_quantile=0.3),
                                 d=types.SimpleNamespace(world_size=2, device=torch.device("cpu")))
-    ids = torch.arange(4)[:, None].expand(4, 3)
-    threshold = train.entropy_threshold(run, ids, torch.ones(4, 3), micro, loss_mask, lambda mb: {})
+    from features import token_selection
+    threshold = token_selection.entropy_threshold(run, [entropy[mb.rows] for mb in micro], micro, loss_mask)
     counted = torch.cat([entropy[loss_mask > 0], others])
     torch.testing.assert_close(threshold, torch.quantile(counted, 0.7))
