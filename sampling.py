@@ -36,8 +36,9 @@ from layers.engine import StaticDecoder
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
 # The sampler's optional features (features/sampler_options.py, which puts itself here when imported: the run's
-# feature list imports it). The core imports no feature file; a call that asks for a feature reaches it through
-# `_options()`, and the default path never does.
+# feature list imports it). The core imports no feature file and a step's rollout calls none (a run that asks for
+# them samples with their variants, chosen once: features/__init__.py); `Stream`, `evaluate` and `check_exact`
+# reach them through `_options()`.
 OPTIONS = None
 
 
@@ -195,14 +196,13 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
            check_every=8):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
-    model: the model, or a `Sampler` of it, which says how its rows are decoded (the default: `Sampler(model)`; the
-    optional features' is features/sampler_options.py's, whose `sample` takes them as keywords). draw: how each
-    token is drawn (`Draw`; by default at temperature 1 over the whole vocabulary). A row ends at its first EOS, or
-    at the length limit of `max_new_tokens` tokens (truncated). Rows are looked at on the host every `check_every`
-    tokens (and when one reaches the length limit); a row keeps sampling until then, and what it sampled past its
-    end is dropped from the completion. `seeds` (N,) int64 fixes each row's random stream: the token at completion
-    position j draws row_keys(seed, j), so rows with equal seeds and prompts sample equal completions, whatever their
-    batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it must agree across
+    model: the model, or a `Sampler` of it, which says how its rows are decoded (the default: `Sampler(model)`).
+    draw: how each token is drawn (`Draw`; by default at temperature 1 over the whole vocabulary). A row ends at its
+    first EOS, or at the length limit of `max_new_tokens` tokens (truncated). Rows are looked at on the host every
+    `check_every` tokens (and when one reaches the length limit); a row keeps sampling until then, and what it
+    sampled past its end is dropped from the completion. `seeds` (N,) int64 fixes each row's random stream: the
+    token at completion position j draws row_keys(seed, j), so rows with equal seeds and prompts sample equal
+    completions, whatever their batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it must agree across
     ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever on a collective.
     The loop's steps and checks happen at the same iterations on every rank whatever its rows do.
     """
@@ -226,15 +226,14 @@ class Sampler:
     """How `sample` decodes a model's rows: the steps they run on (the runner) and the loop with the rows that drive
     it (the scheduler). This one is the core's: every row in the batch from the prefill, on `_StaticSteps` where the
     run's decision (transformer.paths_of) says so and else on the model's own forward (`_HFSteps`), one turn each,
-    finished rows compacted away, the decoder's memory given back after the call. The optional features' Sampler
-    (features/sampler_options.py) overrides the methods whose answers they change."""
+    finished rows compacted away, the decoder's memory given back after the call. A subclass overrides the methods
+    whose answers it changes (features/sampler_options.py's `Options`)."""
 
     def __init__(self, model):
         self.model = model
 
     def steps(self, ids, attn, max_new):
-        """The steps the rows (left-padded `ids`, mask `attn`) are decoded on (a vision-language model's paths refuse
-        the decoder: its language model is not where a decoder's layers are)."""
+        """The steps the rows (left-padded `ids`, mask `attn`) are decoded on."""
         model, positions = self.model, logprobs.position_ids_from_mask(attn)
         if transformer.paths_of(model).samples_written_out():
             return _StaticSteps(StaticDecoder.for_model(model, ids.shape[0], ids.shape[1] + max_new + 1), ids, attn,
@@ -243,8 +242,8 @@ class Sampler:
 
     def loop(self, steps, keys, max_new, eos_ids, pad_id, draw, check_every):
         """The loop over `steps` and its rows: the draw over the whole vocabulary, finished rows compacted away
-        where the steps do that (on the model's own forward, only rows streaming), and a rank-independent bound on
-        its iterations: a row is active for at most max_new of them."""
+        where the steps do that, and a rank-independent bound on its iterations: a row is active for at most max_new
+        of them."""
         rows = _Rows(steps, max_new, eos_ids, pad_id, keys)
         return _Loop(steps, rows, draw.whole, check_every, steps.compacts, max_new)
 
@@ -410,10 +409,10 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 class _Loop:
     """The loop behind `sample` and `Stream`. Each iteration draws a token for every row of the batch; at a check
-    the rows find their ends (`_Rows.check`: with turns, pauses and the environment's answers) and then the batch
-    they run in next (`_Rows.schedule`: finished rows compacted away or, with rows waiting, their places given to
-    those); then it feeds the batch: one decode step, or an extend step where some rows take an answer or a new
-    row's prompt. `_Rows` holds the rows' state.
+    the rows find their ends (`_Rows.check`) and then the batch they run in next (`_Rows.schedule`: finished rows
+    compacted away); then it feeds the batch: one decode step, or the blocks the rows give to feed (`feeds`: with
+    features/sampler_rows.py's rows, an environment's answer or a new row's prompt, in an extend step). `_Rows`
+    holds the rows' state.
 
     `run(until)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the batch's
     active rows end, truncated). A run that stopped on `until` can be run again: it goes on from that check with
@@ -764,38 +763,33 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
-def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
-    """This rank's rows.Rows of `prompt_rows` (dataset rows, every rank's), G of each in order: row i is prompt
-    i // G. Where the rows do not split evenly over the processes, the last rank's share is padded with copies
-    of the last row, seed included (they sample alike; the caller drops them), so every rank samples as many
-    rows and makes the same collectives. Seeds are seed_of(global row indices): any world size samples the
-    same completions. All rows are tokenized together, so every rank pads alike; with an agent's episodes or a
-    vision.ImageEncoder `images`, features/sampler_options.py's `rows_of` makes the rows."""
+def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of):
+    """This rank's rollouts.Rows of `prompt_rows` (dataset rows, every rank's), G of each (`spread`). All rows are
+    tokenized together, so every rank pads alike."""
+    every, mine, fields, seeds = spread(prompt_rows, G, d, seed_of)
+    prompts = [r["prompt"] for r in every]
+    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
+    return Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None, None)
+
+
+def spread(prompt_rows, G, d, seed_of):
+    """Every rank's rows of `prompt_rows`, G of each in order (row i is prompt i // G), this rank's slice of them, its
+    rows' fields (but the prompt) and seeds. Where the rows do not split evenly over the processes, the last rank's
+    share is padded with copies of the last row, seed included (they sample alike; the caller drops them), so every
+    rank samples as many rows and makes the same collectives. Seeds are seed_of(global row indices): any world size
+    samples the same completions."""
     count = len(prompt_rows) * G
     per_rank = -(-count // d.world_size)
     index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
     mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
     every = [prompt_rows[i // G] for i in index]
     fields = {k: [r[k] for r in every][mine] for k in prompt_rows[0] if k != "prompt"}
-    seeds = seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
-    if agent is not None or images is not None:
-        return _options().rows_of(every, mine, fields, seeds, tokenizer, cfg, d.device, agent, images)
-    prompts = [r["prompt"] for r in every]
-    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
-    return Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None, None)
+    return every, mine, fields, seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
 
 
-def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, **features):
+def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids):
     """The rollouts.Batch of `rows` (rollouts.Rows): one completion per row on the gathered weights, in eval mode,
-    each token drawn as `draw` (a Draw) says, every row at once on each rank alone. Where the run asks for one of
-    the sampler's optional features (an `agent` (environments.Agent) answering the rows' turns, their images, the
-    `features` record_routing and on_end, or the settings below), features/sampler_options.py's `sample_rows`
-    samples them instead."""
-    tp = getattr(d, "tp", None)
-    asked = agent is not None or rows.images is not None or any(v not in (None, False) for v in features.values())
-    if asked or (tp is not None and tp.size > 1) or cfg.generation_batch_size or cfg.rollouts_in_flight or \
-            cfg.shared_prompts or cfg.decode_attention_kernel:
-        return _options().sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent, **features)
+    each token drawn as `draw` (a Draw) says, every row at once on each rank alone."""
     was_training = policy.training
     policy.eval()
     with sharding.gathered(policy):  # full weights once for the whole decode loop
@@ -836,8 +830,11 @@ def group_share(rollout, tp, n, pad=0):
 
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each. The
-    rows are made, sampled and scored as a step's are (`rows_of`, `sample_rows`, rollouts.score_batch), with seeds
-    of their own, and the scores gathered from every rank (`rows_of`'s padding rows dropped)."""
+    rows are made, sampled and scored as a step's are (the run's `rows_of` and `sample_rows`, as
+    features/sampler_options.py's `chosen` picks them for its settings, its `agent` and `images`;
+    rollouts.score_batch), with seeds of their own, and the scores gathered from every rank (the padding rows of
+    `spread` dropped)."""
+    make_rows, sample_batch = _options().chosen(cfg, d, agent, images)
     rows = task.eval_rows
     if not rows:
         return {}
@@ -850,8 +847,8 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             count = len(chunk) * G
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             base = start * G + (cfg.seed + 7) * 1_000_003
-            batch = sample_rows(policy, tokenizer, rows_of(chunk, G, d, tokenizer, cfg, lambda i: i + base, agent,
-                                                           images), draw, cfg, d, eos_ids, agent)
+            batch = sample_batch(policy, tokenizer, make_rows(chunk, G, d, tokenizer, cfg, lambda i: i + base), draw,
+                                 cfg, d, eos_ids)
             total, parts = score_batch(batch, task.reward_funcs, weights, tokenizer, reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():

@@ -28,8 +28,8 @@ routing) and sandbox/executor.py; only train.py imports it, and no core file imp
 """
 
 from runs import log as run_log
-from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, schedules,
-                      sequence_parallel, shared_prompts, streaming)
+from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, sampler_options,
+                      schedules, sequence_parallel, shared_prompts, streaming)
 
 
 def apply(run, core):
@@ -46,6 +46,8 @@ def apply(run, core):
         routing_replay.apply(run)
     if cfg.shared_prompts:
         shared_prompts.apply(run)
+    if sampler_options.asked(cfg, run.d, run.agent, run.images) or cfg.routing_replay:  # before streaming's rollout
+        sampler_options.apply(run, core)
     if cfg.rollouts_in_flight or cfg.max_staleness:
         streaming.apply(run, core)
     if cfg.dynamic_sampling:

@@ -16,6 +16,7 @@ import rewards
 import rollouts
 import sampling
 import sharding
+from features import sampler_options
 
 
 def apply(run, core):
@@ -44,8 +45,7 @@ def landed_rewards(inner, run, batch, step, seconds):
 def landing_rollout(run, step, rows):
     """train.rollout's batch of `rows`, each group scored by a `Landing` as its last row ends."""
     landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start)
-    batch = sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(run.cfg), run.cfg, run.d,
-                                 run.eos_ids, run.agent, on_end=landing, **run.sample_options)
+    batch = sampler_options.sampled(run, rows, on_end=landing)
     batch.landing = landing
     return batch
 
