@@ -2,8 +2,8 @@
 
 One concern in one file (past 650 lines on purpose): the decode loop and what drives it (the rows, compaction, the
 draws; features/sampler_rows.py's rows add pausing, answers and admission to them) share one state; a step's
-rollout, a `Stream` of rows across steps and held-out evaluation beside it are the loop's only callers. What a
-rollout holds (`Rollout`) is in rollouts.py.
+rollout, a `Stream` of rows across steps (features/stream_sampler.py) and held-out evaluation beside it are the
+loop's only callers. What a rollout holds (`Rollout`) is in rollouts.py.
 
 `sample` is one decode loop over a KV cache. In the core each step decodes one token per row, and a row ends at
 EOS or at the length limit. A `Sampler` says what the loop runs on and with which rows: the core's, or the optional
@@ -16,16 +16,15 @@ The loop runs on either of two ways to run a step: `_StaticSteps`
 out, a preallocated cache, CUDA graphs) or `_HFSteps` (hf_decoder.HFDecoder:
 the model's own forward with masks of our own, for every other model). `sample_rows` runs it on the gathered
 weights of the policy for a step's rollout, `evaluate` on held-out prompts. `_Loop.run` stops at a check when
-asked and goes on from it later: `Stream` keeps rows decoding across training steps (--max_staleness).
+asked and goes on from it later: features/stream_sampler.py's `Stream` keeps rows decoding across training steps
+(--max_staleness).
 """
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import logprobs
 import sharding
@@ -36,8 +35,9 @@ from layers.engine import StaticDecoder
 ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy's are the other real ones)
 
 # The sampler's optional features (features/sampler_options.py, which puts itself here when imported: the run's
-# feature list imports it). The core imports no feature file; a call that asks for a feature reaches it through
-# `_options()`, and the default path never does.
+# feature list imports it). The core imports no feature file and a step's rollout calls none (a run that asks for
+# them samples with their variants, chosen once: features/__init__.py); `evaluate` and `check_exact` reach them
+# through `_options()`.
 OPTIONS = None
 
 
@@ -195,17 +195,15 @@ def sample(model, prompt_ids, prompt_mask, *, max_new_tokens, eos_ids, pad_id, d
            check_every=8):
     """Sample a completion for each left-padded prompt: a prefill, then one decode loop over a KV cache.
 
-    model: the model, or a `Sampler` of it, which says how its rows are decoded (the default: `Sampler(model)`; the
-    optional features' is features/sampler_options.py's, whose `sample` takes them as keywords). draw: how each
-    token is drawn (`Draw`; by default at temperature 1 over the whole vocabulary). A row ends at its first EOS, or
-    at the length limit of `max_new_tokens` tokens (truncated). Rows are looked at on the host every `check_every`
-    tokens (and when one reaches the length limit); a row keeps sampling until then, and what it sampled past its
-    end is dropped from the completion. `seeds` (N,) int64 fixes each row's random stream: the token at completion
-    position j draws row_keys(seed, j), so rows with equal seeds and prompts sample equal completions, whatever their
-    batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it must agree across
-    ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever on a collective.
-    The loop's steps and checks happen at the same iterations on every rank whatever its rows do.
-    """
+    model: the model, or a `Sampler` of it, which says how its rows are decoded (the default: `Sampler(model)`). draw:
+    how each token is drawn (`Draw`; by default at temperature 1 over the whole vocabulary). A row ends at its first
+    EOS, or at the length limit of `max_new_tokens` tokens (truncated). Rows are looked at on the host every
+    `check_every` tokens (and when one reaches the length limit); a row keeps sampling until then, and what it sampled
+    past its end is dropped from the completion. `seeds` (N,) int64 fixes each row's random stream: the token at
+    completion position j draws row_keys(seed, j), so rows with equal seeds and prompts sample equal completions,
+    whatever their batch. `all_done(done) -> bool` decides at each check when to stop; under several processes it must
+    agree across ranks (an all-reduce), so that every rank runs the same number of steps and none waits forever on a
+    collective. The loop's steps and checks happen at the same iterations on every rank whatever its rows do."""
     sampler = model if isinstance(model, Sampler) else Sampler(model)
     all_done = all_done or (lambda done: bool(done.all()))
     n, device = prompt_ids.shape[0], prompt_ids.device
@@ -226,15 +224,14 @@ class Sampler:
     """How `sample` decodes a model's rows: the steps they run on (the runner) and the loop with the rows that drive
     it (the scheduler). This one is the core's: every row in the batch from the prefill, on `_StaticSteps` where the
     run's decision (transformer.paths_of) says so and else on the model's own forward (`_HFSteps`), one turn each,
-    finished rows compacted away, the decoder's memory given back after the call. The optional features' Sampler
-    (features/sampler_options.py) overrides the methods whose answers they change."""
+    finished rows compacted away, the decoder's memory given back after the call. A subclass overrides the methods
+    whose answers it changes (features/sampler_options.py's `Options`)."""
 
     def __init__(self, model):
         self.model = model
 
     def steps(self, ids, attn, max_new):
-        """The steps the rows (left-padded `ids`, mask `attn`) are decoded on (a vision-language model's paths refuse
-        the decoder: its language model is not where a decoder's layers are)."""
+        """The steps the rows (left-padded `ids`, mask `attn`) are decoded on."""
         model, positions = self.model, logprobs.position_ids_from_mask(attn)
         if transformer.paths_of(model).samples_written_out():
             return _StaticSteps(StaticDecoder.for_model(model, ids.shape[0], ids.shape[1] + max_new + 1), ids, attn,
@@ -243,8 +240,8 @@ class Sampler:
 
     def loop(self, steps, keys, max_new, eos_ids, pad_id, draw, check_every):
         """The loop over `steps` and its rows: the draw over the whole vocabulary, finished rows compacted away
-        where the steps do that (on the model's own forward, only rows streaming), and a rank-independent bound on
-        its iterations: a row is active for at most max_new of them."""
+        where the steps do that, and a rank-independent bound on its iterations: a row is active for at most max_new
+        of them."""
         rows = _Rows(steps, max_new, eos_ids, pad_id, keys)
         return _Loop(steps, rows, draw.whole, check_every, steps.compacts, max_new)
 
@@ -410,16 +407,16 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 
 
 class _Loop:
-    """The loop behind `sample` and `Stream`. Each iteration draws a token for every row of the batch; at a check
-    the rows find their ends (`_Rows.check`: with turns, pauses and the environment's answers) and then the batch
-    they run in next (`_Rows.schedule`: finished rows compacted away or, with rows waiting, their places given to
-    those); then it feeds the batch: one decode step, or an extend step where some rows take an answer or a new
-    row's prompt. `_Rows` holds the rows' state.
+    """The loop behind `sample` and features/stream_sampler.py's `Stream`. Each iteration draws a token for every row of
+    the batch; at a check the rows find their ends (`_Rows.check`) and then the batch they run in next
+    (`_Rows.schedule`: finished rows compacted away); then it feeds the batch: one decode step, or the blocks the rows
+    give to feed (`feeds`: with features/sampler_rows.py's rows, an environment's answer or a new row's prompt, in an
+    extend step). `_Rows` holds the rows' state.
 
-    `run(until)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the batch's
-    active rows end, truncated). A run that stopped on `until` can be run again: it goes on from that check with
-    the logits it had (the next token of each row is drawn from them, by the weights that computed them), and feeds
-    the token drawn at the check on the steps' weights of then."""
+    `run(until)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the batch's active
+    rows end, truncated). A run that stopped on `until` can be run again: it goes on from that check with the logits it
+    had (the next token of each row is drawn from them, by the weights that computed them), and feeds the token drawn at
+    the check on the steps' weights of then."""
 
     def __init__(self, steps, rows, draw, check_every, compact, limit):
         self.steps, self.rows, self.draw, self.check_every, self.compact = steps, rows, draw, check_every, compact
@@ -583,179 +580,6 @@ class _Rows:
                        held_steps=torch.tensor(self.held, device=device))
 
 
-class Stream:
-    """Rows that decode across training steps: the sampler of a run with --max_staleness. Rows are added (`add`, a
-    step's prompts, each row with its seed and a tag naming it) to a queue that `places` decode places take in
-    order; `run` decodes until the rows asked for have all ended and stops at that check, the other rows in the
-    middle of theirs; `take` hands rows out and frees them. Between runs the trainer changes the weights: the next
-    run copies them into the decoder (`StaticDecoder.load`, in place; the model's own forward reads them live) and
-    the rows in flight go on with the cache they have. Each token is drawn from the logits of the weights of the
-    run that drew it, and its version (`run`'s) is recorded with it (Rollout.versions); so is the version that ran
-    the row's prompt into the cache (Rollout.context_version). A token drawn after a change still attends to the
-    K/V older weights computed, so its behaviour policy is neither version's: the loss takes the sampler's
-    log-prob as the behaviour policy's for every token of a row whose context is older than the training weights.
-
-    On the written-out decoder a row's cache slots start at `prompt_width` (every prompt is left-padded to it): the
-    widest prompt the run can have (max_prompt_length). Rows sample what `sample` samples for them; respond,
-    max_turns, stop_sequences, on_end, share_prompts and record_routing are `sample`'s, with the rows' tags where
-    `sample` gives row numbers (a Turn's `row` is its row's tag); a taken row's prompt_routing is `prompt_width`
-    wide. static_cache=False: on the model's own forward, as `sample`'s (a model the written-out decoder does not
-    sample takes it anyway, and so do prompts with images). tp: as `sample`'s, a tensor-parallel group's share:
-    every rank of the group adds, runs and takes the same rows."""
-
-    def __init__(self, places, capacity, prompt_width, max_new_tokens, eos_ids, pad_id, draw, device, check_every=8,
-                 on_end=None, cuda_graph=True, attention_kernel=False, dtype=None, tp=None, respond=None,
-                 max_turns=1, stop_sequences=(), share_prompts=False, static_cache=True, record_routing=False):
-        self.places, self.capacity, self.width, self.max_new = places, capacity, prompt_width, max_new_tokens
-        self.static_cache = static_cache  # False: the model's own forward, as `sample`'s
-        self.max_turns, self.share = max_turns, share_prompts
-        # a stop is looked for every check_every tokens, and at most every completion's length: rows a run waits
-        # for are then found ended as soon as they can all have
-        self.draw, self.check_every, self.device, self.dtype = draw, min(check_every, max_new_tokens), device, dtype
-        self.tp = tp if tp is not None and tp.size > 1 else None  # a tensor-parallel group's share: its ranks all
-        # hold the same rows and decode them together on slices of the layers (as `sample`'s tp)
-        self.first_slot = prompt_width  # no row's prompt starts before this cache slot (the decoder reads from it)
-        self.cuda_graph, self.attention_kernel = cuda_graph, attention_kernel
-        prompts = torch.full((capacity, prompt_width), pad_id, dtype=torch.long, device=device)
-        self.waiting = _options().Waiting(prompts, torch.zeros_like(prompts), torch.zeros_like(prompts), places)
-        self.waiting.rows = []
-        keys = torch.zeros(capacity, max_new_tokens + 1, dtype=torch.long, device=device)
-        self.tag_of = [None] * capacity  # each row index's tag
-        by_tag = respond and (lambda turns: respond([t._replace(row=self.tag_of[t.row]) for t in turns]))
-        rows = self.rows = _options().Rows(None, capacity, max_new_tokens, eos_ids, pad_id, device, self.waiting, keys,
-                                stop_sequences, by_tag, max_turns,
-                                on_end and (lambda r, ids: on_end([self.tag_of[i] for i in r], ids)), first=0)
-        rows.active[:] = False  # no row yet: `add` starts each
-        rows.route_width = prompt_width if record_routing else None
-        self.free = np.ones(capacity, dtype=bool)  # row indices no row holds
-        self.slot = {}  # tag -> row index
-        self.version = 0  # the weights' version the last run decoded with
-        self.versions = [[] for _ in range(capacity)]  # per row, (position, version): from there on, drawn by it
-        self.loop = None
-
-    def in_flight(self):
-        """The tags of the rows added and not taken."""
-        return list(self.slot)
-
-    def add(self, prompt_ids, prompt_mask, seeds, tags, images=None):
-        """Queue rows: left-padded prompts (k, S), S <= prompt_width, their seeds (k,), tags (k hashables) and
-        images (vision.PromptImages of the k rows, on the model's own forward; or None)."""
-        k, s = prompt_ids.shape
-        if s > self.width:
-            raise ValueError(f"prompts of {s} tokens in a stream of {self.width}-token prompts")
-        rows = self.rows
-        slots = np.flatnonzero(self.free & ~np.isin(np.arange(self.capacity), rows.rows_h))[:k]
-        if len(slots) < k:
-            raise RuntimeError(f"the stream holds {self.capacity} rows; {k} more do not fit")
-        if images is not None or self.waiting.images is not None:
-            self._add_images(slots, images)
-        at = torch.as_tensor(slots, device=self.device)
-        attn = F.pad(prompt_mask.long(), (self.width - s, 0))
-        self.waiting.ids[at] = F.pad(prompt_ids, (self.width - s, 0), value=rows.pad_id)
-        self.waiting.attn[at], self.waiting.positions[at] = attn, logprobs.position_ids_from_mask(attn)
-        rows.keys[at] = row_keys(seeds.to(self.device, torch.long)[:, None],
-                                 torch.arange(self.max_new + 1, device=self.device)[None, :])
-        rows.tokens[at], rows.logps[at], rows.kind[at] = rows.pad_id, 0.0, 0
-        for a in (rows.ptr, rows.turn_start, rows.checked, rows.held):
-            a[slots] = 0
-        for records in rows.routes or ():  # what the row index's last row recorded
-            records[at] = -1
-        rows.kept[slots] = False
-        rows.active[slots], rows.truncated[slots], rows.turns[slots] = True, False, 1
-        self.free[slots] = False
-        for r, tag in zip(slots, tags):
-            self.slot[tag], self.tag_of[r] = int(r), tag
-            self.versions[r] = [(0, self.version)]
-        self.waiting.rows += [int(r) for r in slots]
-        self.first_slot = min(self.first_slot, self.width - int(prompt_mask.sum(1).max()))
-
-    def _add_images(self, slots, images):
-        """The rows `slots` take `images` (None: none), which their places' prefills take in."""
-        if images is not None and (self.tp is not None or isinstance(getattr(self.loop, "steps", None), _StaticSteps)):
-            raise ValueError("prompts with images stream on the model's own forward alone")
-        if self.waiting.images is None:
-            self.waiting.images = vision.PromptImages([torch.zeros(0, 0)] * self.capacity,
-                                                      [torch.zeros(0, 3, dtype=torch.long)] * self.capacity)
-        for j, r in enumerate(slots):
-            w = self.waiting.images
-            w.pixel_values[r] = images.pixel_values[j] if images is not None else torch.zeros(0, 0)
-            w.grid[r] = images.grid[j] if images is not None else torch.zeros(0, 3, dtype=torch.long)
-
-    @torch.no_grad()
-    def run(self, model, tags, version=0, all_done=None):
-        """Decode on `model`'s weights (`version`: how many training steps made them) until the rows `tags` have all
-        ended, on every rank with `all_done` (sharding.all_done_fn: every rank runs the same iterations)."""
-        rows = self.rows
-        if version != self.version:  # what is drawn from here on is this version's
-            waiting = set(self.waiting.rows)  # rows not admitted yet: nothing of theirs is in the cache
-            for r in np.flatnonzero(~self.free & rows.active):
-                if r in waiting:
-                    self.versions[r] = [(0, version)]
-                else:  # its cache holds what older weights computed: the prompt's K/V and its tokens' so far
-                    self.versions[r].append((int(rows.ptr[r]), version))
-            self.version = version
-        if self.loop is None:  # the first run: the places, empty, take the first rows as any row is admitted
-            w = self.waiting
-            # the routers' recorder, as `sample`'s: a model without experts is refused here in one line
-            replay = routing.of(model) if rows.route_width is not None else None
-            if self.tp is not None or (self.static_cache and decodes_written_out(model) and w.images is None):
-                steps = _options().static_steps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new,
-                                                self.places, replay is not None, self.tp, self.share,
-                                                cuda_graph=self.cuda_graph, attention_kernel=self.attention_kernel,
-                                                dtype=self.dtype)
-                model.__dict__.pop("_static_decoder", None)  # the stream's own: another `sample` builds its own
-            else:  # the model's own forward, on its live weights: nothing to copy at later runs
-                steps = _HFSteps(model, w.ids[:0], w.attn[:0], w.positions[:0], self.max_new, replay)
-            if not steps.dec.forgets_exactly and rows.respond is not None and self.max_turns > 1:
-                self.check_every = 1  # recurrent states cannot forget a token sampled past a stop (as `sample`'s)
-            rows.steps = steps
-            pick = self.draw.whole if self.tp is None else \
-                functools.partial(self.draw.sliced, tp=self.tp, vocab=steps.dec.vocab)
-            # every row the stream can hold, through the places in turn: a bound no rank's rows reach (as `sample`'s)
-            limit = _options().iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns,
-                                          self.check_every)
-            self.loop = _Loop(steps, rows, pick, self.check_every, True, limit)
-            self.loop.logits = torch.zeros(0, device=self.device)
-            self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
-        elif isinstance(self.loop.steps, _StaticSteps):
-            self.loop.steps.dec.load(model)  # this version's weights, into the copies the cache was made with
-        if isinstance(self.loop.steps, _StaticSteps):
-            self.loop.steps.dec.first_slot = self.first_slot
-        needed = np.array([self.slot[t] for t in tags], dtype=np.int64)
-        all_done = all_done or (lambda done: bool(done.all()))
-        # on the model's own forward its routers record while the stream runs (the training forward replays between)
-        replay = self.loop.steps.replay
-        if replay is not None:
-            replay.record()
-        try:
-            self.loop.resume()
-            if self.loop.run(lambda: all_done(torch.as_tensor(~rows.active[needed], device=self.device))):
-                raise RuntimeError(f"the stream's rows did not end within {self.loop.limit} iterations")
-        finally:
-            if replay is not None:
-                replay.stop()
-
-    def take(self, tags):
-        """The Rollout of the ended rows `tags`, in that order, with each token's version; the rows are freed."""
-        slots = np.array([self.slot.pop(t) for t in tags], dtype=np.int64)
-        if self.rows.active[slots].any():
-            raise RuntimeError("a row taken from the stream has not ended")
-        rollout = self.rows.rollout(slots)
-        versions = np.zeros((len(slots), rollout.completion_ids.shape[1]), dtype=np.int64)
-        for row, r in zip(versions, slots):
-            for position, version in self.versions[r]:
-                row[position:] = version
-        rollout.versions = torch.as_tensor(versions, device=self.device) * rollout.policy_mask
-        # the version that ran the row's prompt into its cache: the oldest K/V each of its tokens attends to
-        rollout.context_version = torch.tensor([self.versions[r][0][1] for r in slots], device=self.device)
-        self.free[slots] = True
-        return rollout
-
-    def close(self):
-        """Free the decoder's copies and cache."""
-        self.loop = self.rows.steps = None
-
-
 # ----------------------------------------------------------------------------- rollouts and evaluation
 
 
@@ -765,38 +589,33 @@ def encode_prompts(tokenizer, prompts, cfg, device):
                      add_special_tokens=False).to(device)
 
 
-def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
-    """This rank's rows.Rows of `prompt_rows` (dataset rows, every rank's), G of each in order: row i is prompt
-    i // G. Where the rows do not split evenly over the processes, the last rank's share is padded with copies
-    of the last row, seed included (they sample alike; the caller drops them), so every rank samples as many
-    rows and makes the same collectives. Seeds are seed_of(global row indices): any world size samples the
-    same completions. All rows are tokenized together, so every rank pads alike; with an agent's episodes or a
-    vision.ImageEncoder `images`, features/sampler_options.py's `rows_of` makes the rows."""
+def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of):
+    """This rank's rollouts.Rows of `prompt_rows` (dataset rows, every rank's), G of each (`spread`). All rows are
+    tokenized together, so every rank pads alike."""
+    every, mine, fields, seeds = spread(prompt_rows, G, d, seed_of)
+    prompts = [r["prompt"] for r in every]
+    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
+    return Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None, None)
+
+
+def spread(prompt_rows, G, d, seed_of):
+    """Every rank's rows of `prompt_rows`, G of each in order (row i is prompt i // G), this rank's slice of them, its
+    rows' fields (but the prompt) and seeds. Where the rows do not split evenly over the processes, the last rank's
+    share is padded with copies of the last row, seed included (they sample alike; the caller drops them), so every
+    rank samples as many rows and makes the same collectives. Seeds are seed_of(global row indices): any world size
+    samples the same completions."""
     count = len(prompt_rows) * G
     per_rank = -(-count // d.world_size)
     index = list(range(count)) + [count - 1] * (per_rank * d.world_size - count)
     mine = slice(d.rank * per_rank, (d.rank + 1) * per_rank)
     every = [prompt_rows[i // G] for i in index]
     fields = {k: [r[k] for r in every][mine] for k in prompt_rows[0] if k != "prompt"}
-    seeds = seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
-    if agent is not None or images is not None:
-        return _options().rows_of(every, mine, fields, seeds, tokenizer, cfg, d.device, agent, images)
-    prompts = [r["prompt"] for r in every]
-    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
-    return Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None, None)
+    return every, mine, fields, seed_of(torch.tensor(index[mine], dtype=torch.long, device=d.device))
 
 
-def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, **features):
+def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids):
     """The rollouts.Batch of `rows` (rollouts.Rows): one completion per row on the gathered weights, in eval mode,
-    each token drawn as `draw` (a Draw) says, every row at once on each rank alone. Where the run asks for one of
-    the sampler's optional features (an `agent` (environments.Agent) answering the rows' turns, their images, the
-    `features` record_routing and on_end, or the settings below), features/sampler_options.py's `sample_rows`
-    samples them instead."""
-    tp = getattr(d, "tp", None)
-    asked = agent is not None or rows.images is not None or any(v not in (None, False) for v in features.values())
-    if asked or (tp is not None and tp.size > 1) or cfg.generation_batch_size or cfg.rollouts_in_flight or \
-            cfg.shared_prompts or cfg.decode_attention_kernel:
-        return _options().sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent, **features)
+    each token drawn as `draw` (a Draw) says, every row at once on each rank alone."""
     was_training = policy.training
     policy.eval()
     with sharding.gathered(policy):  # full weights once for the whole decode loop
@@ -837,8 +656,11 @@ def group_share(rollout, tp, n, pad=0):
 
 def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step=None, images=None):
     """Held-out prompts: greedy accuracy and reward (one completion each), then the mean over G samples each. The
-    rows are made, sampled and scored as a step's are (`rows_of`, `sample_rows`, rollouts.score_batch), with seeds
-    of their own, and the scores gathered from every rank (`rows_of`'s padding rows dropped)."""
+    rows are made, sampled and scored as a step's are (the run's `rows_of` and `sample_rows`, as
+    features/sampler_options.py's `chosen` picks them for its settings, its `agent` and `images`;
+    rollouts.score_batch), with seeds of their own, and the scores gathered from every rank (the padding rows of
+    `spread` dropped)."""
+    make_rows, sample_batch = _options().chosen(cfg, d, agent, images)
     rows = task.eval_rows
     if not rows:
         return {}
@@ -851,8 +673,8 @@ def evaluate(policy, tokenizer, task, weights, cfg, d, eos_ids, agent=None, step
             count = len(chunk) * G
             # the same seeds at every evaluation: successive evaluations differ by the policy, not by luck
             base = start * G + (cfg.seed + 7) * 1_000_003
-            batch = sample_rows(policy, tokenizer, rows_of(chunk, G, d, tokenizer, cfg, lambda i: i + base, agent,
-                                                           images), draw, cfg, d, eos_ids, agent)
+            batch = sample_batch(policy, tokenizer, make_rows(chunk, G, d, tokenizer, cfg, lambda i: i + base), draw,
+                                 cfg, d, eos_ids)
             total, parts = score_batch(batch, task.reward_funcs, weights, tokenizer, reward_context(cfg, step))
             totals.append(sharding.all_gather_rows(total, d)[:count])
             for k, v in parts.items():

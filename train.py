@@ -76,7 +76,6 @@ try:
     from runs import log as run_log
     from runs.setup import setup as make_run  # the models, task, tools and optimizer of a run
     import features  # the optional features, applied to the run's seams in one place
-    import features.sampler_options  # noqa: F401 (the sampler's features, which sampling.py calls when asked)
     import rollouts
     import sampling
     import sharding
@@ -142,17 +141,17 @@ def rollout(run, step, round=0):
     """The step's prompts, G completions sampled for each on the current weights; this rank's rows (rollouts.Batch).
     `round` > 0: a further draw of the step (other prompts, other random numbers)."""
     rows = step_rows(run, step, round)
-    return sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(run.cfg), run.cfg, run.d,
-                                run.eos_ids, run.agent, **run.sample_options)
+    return sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(run.cfg), run.cfg, run.d, run.eos_ids)
 
 
 def step_rows(run, step, round=0):
-    """This rank's rows (rollouts.Rows) of the step's prompts, G of each."""
+    """This rank's rows (rollouts.Rows) of the step's prompts, G of each: sampling.rows_of's, or the run's
+    (`run.rows_of`, which features/sampler_options.py sets where the prompts hold images or start an agent's turns)."""
     cfg, G = run.cfg, run.cfg.num_generations
     # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
     base = (cfg.seed * 1_000_003 + step) * len(rows) * G + round * 0x9E3779B9
-    return sampling.rows_of(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base, run.agent, run.images)
+    return getattr(run, "rows_of", sampling.rows_of)(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base)
 
 
 def draw(run, step, round=0):

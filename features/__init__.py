@@ -7,6 +7,7 @@ these files.
 Each file here is one feature, read on its own: what it replaces or wraps, and its metrics.
     streaming.py          --rollouts_in_flight, --max_staleness: rows through a few decode places, scored as
                           their groups land; the sampler working ahead across steps
+    stream_sampler.py     --max_staleness's sampler: rows that decode on across training steps (`Stream`)
     dynamic_sampling.py   --dynamic_sampling: draws until enough groups have a signal (DAPO)
     routing_replay.py     --routing_replay: the sampler's experts, replayed by the training forward's variant
     images.py             a vision-language policy's prompt images, through the training forward's variant
@@ -19,7 +20,8 @@ Each file here is one feature, read on its own: what it replaces or wraps, and i
     schedules.py          the small ones: the loss scale (float16), adaptive entropy, the reference's syncs
     sampler_options.py    the sampler's options: tensor-parallel groups, batches of rows, rows streaming through
                           places, kept decoders, CUDA graphs off, the Triton kernel, shared prefill, routing
-                          records, images; the features' `sample`, `generate` and the start-up check's path
+                          records, images; the features' `sample`, `generate` and the start-up check's path;
+                          a run's rollout and rows where it asks for any of them (`run.rollout`, `run.rows_of`)
     sampler_rows.py       rows with turns (stops, an environment's answers), admission and routing records
 The layers' own features (tensor-parallel slices, MoE and recurrent layers, the Triton kernels, the model's own
 forward) are in layers/, chosen where the decoder is built.
@@ -29,9 +31,8 @@ routing) and sandbox/executor.py; only train.py imports it, and no core file imp
 """
 
 from runs import log as run_log
-from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, schedules,
-                      sequence_parallel, shared_prompts, streaming)
-from features import token_selection
+from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, sampler_options,
+                      schedules, sequence_parallel, shared_prompts, streaming, token_selection)
 
 
 def apply(run, core):
@@ -48,6 +49,8 @@ def apply(run, core):
         routing_replay.apply(run)
     if cfg.shared_prompts:
         shared_prompts.apply(run)
+    if sampler_options.asked(cfg, run.d, run.agent, run.images) or cfg.routing_replay:  # before streaming's rollout
+        sampler_options.apply(run, core)
     if cfg.rollouts_in_flight or cfg.max_staleness:
         streaming.apply(run, core)
     if cfg.dynamic_sampling:

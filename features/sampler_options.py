@@ -3,6 +3,11 @@
 keyword) and `generate`, a step's rollout with the run's features on (batches of generation_batch_size, a
 tensor-parallel group, an agent's turns, rows streaming through places, shared prompts, the Triton decode
 attention, routing records, image prompts, rows handed on as they end).
+
+A run that asks for any of them (`asked`) samples its steps with them from the start: features/__init__.py applies
+`apply` below, which sets the run's rollout (`sampled`: `sample_rows` here) and the rows it samples (`run.rows_of`:
+`rows_of` here where the prompts start an agent's turns or hold images); its evaluation picks the same (`chosen`).
+The core's sampling.rows_of and sampling.sample_rows know none of them.
 """
 
 import functools
@@ -95,8 +100,9 @@ class Options(Sampler):
     def steps(self, ids, attn, max_new):
         """The steps the first `in_flight` rows (every row without it) start on: StaticDecoder where the run's
         decision (transformer.paths_of) says so and static_cache allows, always for a tensor-parallel share; else the
-        model's own forward (a vision-language model's language model under our masks, never written-out layers).
-        The others wait (`Waiting`) for the places of rows that end."""
+        model's own forward (a vision-language model's language model under our masks, never written-out layers: the
+        run's paths refuse the decoder for it, as its language model is not where a decoder's layers are). The others
+        wait (`Waiting`) for the places of rows that end."""
         n = ids.shape[0]
         places = self.in_flight if 0 < self.in_flight < n else n
         self.streams = places < n
@@ -178,8 +184,9 @@ def iterations(n, places, max_new, max_turns, check_every):
 
 
 def sample_rows(policy, tokenizer, rows, draw, cfg, d, eos_ids, agent=None, record_routing=False, on_end=None):
-    """sampling.sample_rows with the run's features on: the rollouts.Batch of `rows` (rollouts.Rows), sampled by
-    `generate` in eval mode."""
+    """sampling.sample_rows with the run's features on: the rollouts.Batch of `rows` (rollouts.Rows; their images,
+    where `rows_of` below made them), sampled by `generate` in eval mode, an `agent` (environments.Agent) answering
+    the rows' turns, each token's experts recorded where `record_routing` says so, on_end as `sample`'s."""
     was_training = policy.training
     policy.eval()
     rollout, completions = generate(policy, tokenizer, rows.prompt_ids, rows.prompt_mask, rows.seeds, draw, cfg, d,
@@ -266,23 +273,60 @@ def _group_sample(policy, tokenizer, prompt_ids, prompt_mask, seeds, draw, cfg, 
     return group_share(rollout, tp, n, pad)
 
 
-def rows_of(rows, mine, fields, seeds, tokenizer, cfg, device, agent=None, images=None):
-    """sampling.rows_of's rollouts.Rows of `rows` (every rank's dataset rows, `mine` this rank's slice, with their
-    `fields` and `seeds`) with an agent (each rollout's environment made and reset on the rank that samples it:
-    every rank's prompts are tokenized apart) or a vision.ImageEncoder `images` (each prompt's images processed
-    once, its placeholders widened to their tokens; the rows' vision.PromptImages with them)."""
+def rows_of(prompt_rows, G, d, tokenizer, cfg, seed_of, agent=None, images=None):
+    """sampling.rows_of with an agent (each rollout's environment made and reset on the rank that samples it: every
+    rank's prompts are tokenized apart) or a vision.ImageEncoder `images` (each prompt's images processed once, its
+    placeholders widened to their tokens; the rows' vision.PromptImages with them): this rank's rollouts.Rows of
+    `prompt_rows`, G of each (sampling.spread)."""
+    rows, mine, fields, seeds = sampling.spread(prompt_rows, G, d, seed_of)
     if agent is None:
         prompts = [r["prompt"] for r in rows]
         texts, pictures = images(rows, prompts)
-        pictures = pictures.rows(range(len(rows))[mine]).to(device)
-        enc = encode_prompts(tokenizer, texts, cfg, device)
+        pictures = pictures.rows(range(len(rows))[mine]).to(d.device)
+        enc = encode_prompts(tokenizer, texts, cfg, d.device)
         return rollouts.Rows(prompts[mine], fields, mine, enc.input_ids[mine], enc.attention_mask[mine], seeds, None,
                              pictures)
     if images is not None and any(vision.row_images(r) for r in rows[mine]):
         raise ValueError("prompts with images and tools or an environment together are not supported")
     prompts, episodes = agent.start(rows[mine])
-    enc = encode_prompts(tokenizer, prompts, cfg, device)
+    enc = encode_prompts(tokenizer, prompts, cfg, d.device)
     return rollouts.Rows(prompts, fields, mine, enc.input_ids, enc.attention_mask, seeds, episodes, None)
 
 
-sampling.OPTIONS = sys.modules[__name__]  # what the core sampler calls for a feature asked of it (sampling._options)
+# ----------------------------------------------------------------------------- the run's choice
+
+
+def asked(cfg, d, agent=None, images=None):
+    """Whether a run with these settings (or its evaluation) samples with the features here: an agent's turns,
+    prompts with images, a tensor-parallel group, batches of generation_batch_size, rows streaming through places,
+    shared prompts or the Triton decode attention."""
+    tp = getattr(d, "tp", None)
+    return agent is not None or images is not None or (tp is not None and tp.size > 1) or \
+        bool(cfg.generation_batch_size or cfg.rollouts_in_flight or cfg.shared_prompts or cfg.decode_attention_kernel)
+
+
+def chosen(cfg, d, agent=None, images=None):
+    """The functions that make the rows of a run with these settings and sample them, as sampling.rows_of and
+    sampling.sample_rows are called: the core's where it asks for no feature here (`asked`), else `rows_of` (where
+    its prompts start an agent's turns or hold images) and `sample_rows` above with the run's agent."""
+    make = sampling.rows_of if agent is None and images is None else \
+        functools.partial(rows_of, agent=agent, images=images)
+    return make, functools.partial(sample_rows, agent=agent) if asked(cfg, d, agent, images) else sampling.sample_rows
+
+
+def apply(run, core):
+    """A run's rollout with the features here (features/__init__.py applies it where `asked`, or where the rollout
+    records routing, --routing_replay): its rows made as `chosen` says (`run.rows_of`, which train.step_rows calls),
+    sampled by `sampled`. core: the module of the core step (train.py)."""
+    run.rows_of = chosen(run.cfg, run.d, run.agent, run.images)[0]
+    run.rollout = lambda run, step, round=0: sampled(run, core.step_rows(run, step, round))
+
+
+def sampled(run, rows, on_end=None):
+    """train.rollout's batch of `rows` with the run's features: `sample_rows` with its agent, its `sample_options`
+    (routing records) and on_end (`sample`'s)."""
+    return sample_rows(run.policy, run.tokenizer, rows, Draw.of(run.cfg), run.cfg, run.d, run.eos_ids, run.agent,
+                       on_end=on_end, **run.sample_options)
+
+
+sampling.OPTIONS = sys.modules[__name__]  # what sampling.py's off-path callers reach through sampling._options

@@ -2,8 +2,8 @@
 at EOS or at the length limit, all in the batch from the prefill): turns answered by an environment and stop
 sequences (`_answer`, `feed`'s blocks, rows at positions of their own in `draw`), an environment's tokens and each
 row's turns in the rollout, rows streaming through fewer places (`Waiting`, `admit`, `_feed_heads`, the rows of a
-sampling.Stream), rows handed on as they end (`on_end`) and the routing recorded for each row (`keep_routes`).
-features/sampler_options.py's Sampler and sampling.Stream make them.
+`Stream`), rows handed on as they end (`on_end`) and the routing recorded for each row (`keep_routes`).
+features/sampler_options.py's Sampler and features/stream_sampler.py's Stream make them.
 """
 
 import numpy as np

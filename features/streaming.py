@@ -17,6 +17,8 @@ import rewards
 import rollouts
 import sampling
 import sharding
+from features import sampler_options
+from features.stream_sampler import Stream
 
 
 def apply(run, core):
@@ -48,8 +50,7 @@ def landed_rewards(inner, run, batch, step, seconds):
 def landing_rollout(run, step, rows):
     """train.rollout's batch of `rows`, each group scored by a `Landing` as its last row ends."""
     landing = Landing(run, step, rows.prompts, rows.fields, rows.mine.start)
-    batch = sampling.sample_rows(run.policy, run.tokenizer, rows, sampling.Draw.of(run.cfg), run.cfg, run.d,
-                                 run.eos_ids, run.agent, on_end=landing, **run.sample_options)
+    batch = sampler_options.sampled(run, rows, on_end=landing)
     batch.landing = landing
     return batch
 
@@ -66,9 +67,9 @@ class RolloutStream:
     """--max_staleness=K: the sampler works ahead. While a step's last rows run on, the decode places free of them
     take the rows of the next K steps' prompts; when the step's rows have all ended (on every rank), decoding stops
     there, the step trains, and the next step's decoding goes on from where it stopped, on the new weights, the
-    rows in flight keeping their cache (sampling.Stream). No place waits for the longest row while rows are
-    queued, and rewards are computed as groups land (`Landing`), so a step waits only for what its own last rows
-    have left to decode.
+    rows in flight keeping their cache (features/stream_sampler.py's `Stream`). No place waits for the longest row
+    while rows are queued, and rewards are computed as groups land (`Landing`), so a step waits only for what its
+    own last rows have left to decode.
 
     A step trains its own prompts, those a synchronous step would: which groups a step gets does not depend on how
     fast rows decoded, so a run at any world size trains what one process does. A row of step s starts at step
@@ -107,12 +108,11 @@ class RolloutStream:
             dtype = sharding.mixed_precision_dtypes(cfg.mixed_precision, d.device)[0] if self.tp else None
             turns = {} if run.agent is None else dict(respond=self.answer, max_turns=run.agent.max_turns,
                                                       stop_sequences=run.agent.stop_sequences)
-            self.stream = sampling.Stream(self.places, self.n * self.group * (cfg.max_staleness + 1) + self.places,
-                                          cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
-                                          run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device,
-                                          on_end=self.landed, attention_kernel=cfg.decode_attention_kernel,
-                                          dtype=dtype, tp=self.tp, share_prompts=cfg.shared_prompts,
-                                          record_routing=cfg.routing_replay, **turns)
+            self.stream = Stream(self.places, self.n * self.group * (cfg.max_staleness + 1) + self.places,
+                                 cfg.max_prompt_length, cfg.max_completion_length, run.eos_ids,
+                                 run.tokenizer.pad_token_id, sampling.Draw.of(cfg), d.device, on_end=self.landed,
+                                 attention_kernel=cfg.decode_attention_kernel, dtype=dtype, tp=self.tp,
+                                 share_prompts=cfg.shared_prompts, record_routing=cfg.routing_replay, **turns)
         if run.agent is not None:  # each rank answers its own rows' turns; a group shares the answers
             respond = run.agent.responder(rows.episodes)
             self.respond[key] = self.tp.group_respond(respond, self.n) if self.tp else respond

@@ -15,6 +15,7 @@ from layers import routing  # noqa: E402
 import rollouts  # noqa: E402
 import sampling  # noqa: E402
 from features import sampler_options  # noqa: E402
+from features.stream_sampler import Stream  # noqa: E402
 from features import routing_replay  # noqa: E402
 
 REPLAYING = routing_replay.Forward(logprobs.Forward())  # the training forward with routing replay's variant
@@ -279,7 +280,7 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records(stat
     assert torch.equal(streamed.completion_ids, whole.completion_ids)
     _same_records(streamed, whole, enc.attention_mask)
 
-    stream = sampling.Stream(5, n, enc.input_ids.shape[1] + 3, 40, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
+    stream = Stream(5, n, enc.input_ids.shape[1] + 3, 40, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
                              check_every=4, respond=answering(lambda r, k: (r % 3) + 2 * k), max_turns=3,
                              record_routing=True, static_cache=static_cache)
     stream.add(enc.input_ids[:6], enc.attention_mask[:6], seeds[:6], list(range(6)))
@@ -292,7 +293,7 @@ def test_rows_streaming_through_places_record_the_experts_one_batch_records(stat
     _same_records(got, whole, enc.attention_mask)
 
     # a take of every row the stream holds hands out the records, not a view that the next `add` resets
-    small = sampling.Stream(2, 4, enc.input_ids.shape[1], 10, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
+    small = Stream(2, 4, enc.input_ids.shape[1], 10, STOP_IDS, pad, sampling.Draw(), torch.device("cpu"),
                             record_routing=True, static_cache=static_cache)
     small.add(enc.input_ids[:4], enc.attention_mask[:4], seeds[:4], list(range(4)))
     small.run(model, list(range(4)))

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import architectures  # noqa: E402
 import features.streaming  # noqa: E402
+from features.stream_sampler import Stream  # noqa: E402
 from test_multiturn import STOP_IDS, answering, multi_turn  # noqa: E402
 
 
@@ -242,7 +243,7 @@ def stream_against_one_batch(family, device, turns=1, static_cache=True):
                             pad_id=pad, seeds=seeds, respond=respond("whole"), max_turns=turns,
                             static_cache=static_cache)
     ended = []
-    stream = sampling.Stream(5, 24, enc.input_ids.shape[1] + 7, longest, STOP_IDS, pad, sampling.Draw(), device,
+    stream = Stream(5, 24, enc.input_ids.shape[1] + 7, longest, STOP_IDS, pad, sampling.Draw(), device,
                              on_end=lambda tags, ids: ended.extend(zip(tags, ids)), respond=respond("stream"),
                              max_turns=turns, static_cache=static_cache)
     half = n // 2
@@ -290,7 +291,7 @@ def test_a_row_decoding_through_a_weight_change_records_each_tokens_behaviour_lo
     seeds, limit = torch.tensor([11, 12, 13]), 24
     ends = sampling.row_keys(seeds, torch.tensor([5, 6, 20]) - 1)  # rows 0 and 1 end early, row 2 runs on
     stop = tok.eos_token_id
-    stream = sampling.Stream(3, 3, enc.input_ids.shape[1], limit, [stop], tok.pad_token_id, EndAt(ends=ends, stop=stop),
+    stream = Stream(3, 3, enc.input_ids.shape[1], limit, [stop], tok.pad_token_id, EndAt(ends=ends, stop=stop),
                              torch.device("cpu"), static_cache=static_cache)
     stream.add(enc.input_ids, enc.attention_mask, seeds, [0, 1, 2])
     stream.run(model, [0, 1], 0)
@@ -540,7 +541,7 @@ def test_a_groups_prompt_admitted_once_samples_what_each_rows_own_prefill_does(f
     copy_rows = engine.StaticDecoder.copy_rows
     monkeypatch.setattr(engine.StaticDecoder, "copy_rows", lambda self, src, dst, lo, hi: (
         copied.append(dst.numel()), copy_rows(self, src, dst, lo, hi))[1])
-    stream = sampling.Stream(6, n, enc.input_ids.shape[1] + 3, 16, STOP_IDS, tok.pad_token_id, sampling.Draw(),
+    stream = Stream(6, n, enc.input_ids.shape[1] + 3, 16, STOP_IDS, tok.pad_token_id, sampling.Draw(),
                              torch.device("cpu"), share_prompts=True)
     stream.add(enc.input_ids, enc.attention_mask, seeds, list(range(n)))
     stream.run(model, list(range(n)))

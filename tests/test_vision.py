@@ -17,6 +17,7 @@ import model_loading
 from layers import lora
 import sampling
 from features import sampler_options
+from features.stream_sampler import Stream
 from features import images as images_feature
 from layers import vision
 
@@ -160,7 +161,7 @@ def test_image_prompts_stream_through_places(monkeypatch):
     streamed = sampler_options.sample(model, ids, mask, max_new_tokens=12, eos_ids=stops, pad_id=pad, seeds=seeds,
                                images=images, in_flight=3)
     assert sum(admitted) >= 2  # image prompts took a place after the first prefill
-    stream = sampling.Stream(3, 8, ids.shape[1] + 3, 12, stops, pad, sampling.Draw(), torch.device("cpu"))
+    stream = Stream(3, 8, ids.shape[1] + 3, 12, stops, pad, sampling.Draw(), torch.device("cpu"))
     stream.add(ids[:5], mask[:5], seeds[:5], list(range(5)), images=images.rows(range(5)))
     stream.run(model, [0, 1, 2], 0)
     got = [stream.take([0, 1, 2])]
