@@ -36,7 +36,7 @@ ENVIRONMENT = 2  # `kind` of a completion token an environment wrote (the policy
 
 # The sampler's optional features (features/sampler_options.py, which puts itself here when imported: the run's
 # feature list imports it). The core imports no feature file and a step's rollout calls none (a run that asks for
-# them samples with their variants, chosen once: features/__init__.py); `evaluate` and `check_exact` reach them
+# them samples with their variants, chosen once: features/apply.py); `evaluate` and `check_exact` reach them
 # through `_options()`.
 OPTIONS = None
 

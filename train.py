@@ -75,7 +75,7 @@ try:
     from runs import export as run_export
     from runs import log as run_log
     from runs.setup import setup as make_run  # the models, task, tools and optimizer of a run
-    import features  # the optional features, applied to the run's seams in one place
+    from features.apply import apply as apply_features  # the optional features, on the run's seams, in order
     import rollouts
     import sampling
     import sharding
@@ -122,15 +122,16 @@ def set_hyperparameters(optimizer, cfg, opt_step):
 
 def setup(cfg, d):
     """The run (runs/setup.py: models, task, tools, optimizer), its seams set to the core step's own functions
-    below, then the run's optional features applied to them in order (features/__init__.py)."""
+    below, then the run's optional features applied to them in order (features/apply.py)."""
     run = make_run(cfg, d)
     run.rollout, run.draw, run.rewards, run.micro_batches = rollout, draw, rewards_of, micro_batches
+    run.rows_of = sampling.rows_of  # a step's rows from its prompts (images and agents make their own)
     run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
     run.old_logprobs, run.select_tokens, run.optimizer_step = OldLogprobs, every_token, optimizer_step
     run.backward = torch.Tensor.backward  # float16 scales the loss first
     run.objective = lambda run: grpo.Objective.of(cfg)  # the loss's settings: the config's, at every optimizer step
     run.entropy_grad = cfg.entropy_coef != 0  # an entropy bonus in the loss: its gradient through the forward
-    features.apply(run, sys.modules[__name__])
+    apply_features(run, sys.modules[__name__])
     return run
 
 
@@ -145,13 +146,12 @@ def rollout(run, step, round=0):
 
 
 def step_rows(run, step, round=0):
-    """This rank's rows (rollouts.Rows) of the step's prompts, G of each: sampling.rows_of's, or the run's
-    (`run.rows_of`, which features/sampler_options.py sets where the prompts hold images or start an agent's turns)."""
+    """This rank's rows (rollouts.Rows) of the step's prompts, G of each (`run.rows_of`)."""
     cfg, G = run.cfg, run.cfg.num_generations
     # prompts are a pure function of (seed, step, round), so a resumed run sees the same ones
     rows = run.task.prompts_for_step(cfg.seed, step, cfg.prompts_per_step, round)
     base = (cfg.seed * 1_000_003 + step) * len(rows) * G + round * 0x9E3779B9
-    return getattr(run, "rows_of", sampling.rows_of)(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base)
+    return run.rows_of(rows, G, run.d, run.tokenizer, cfg, lambda i: i + base)
 
 
 def draw(run, step, round=0):
@@ -444,7 +444,7 @@ def train_step(run, step):
     """One GRPO step. Returns its metrics, reduced over all ranks, and what tables and prints show of the batch:
     (this rank's batch, its total rewards, every rank's reward parts, this rank's advantages).
 
-    The features a run applies (features/__init__.py) plug in at the run's seams, never here: `run.draw` and
+    The features a run applies (features/apply.py) plug in at the run's seams, never here: `run.draw` and
     `run.rollout` (the batch), `run.reference`, `run.forward`, `run.forward_extras` and `run.micro_batches` (the
     update's forwards), `run.step_metrics` (each feature's own metrics)."""
     d = run.d
@@ -479,7 +479,7 @@ def train_step(run, step):
         metrics["slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()
     metrics.update(step_time=step_time, generation_time=t_gen, update_time=t_update, **reward_time,
                    tokens_per_s=metrics["batch_tokens"] / step_time)
-    for contribute in run.step_metrics:  # each feature's own (features/__init__.py)
+    for contribute in run.step_metrics:  # each feature's own (features/apply.py)
         metrics.update(contribute(run, batch, step, metrics))
     return metrics, (batch, total, parts, all_adv[batch.mine])  # this rank's rows, for Logger.show_completions
 

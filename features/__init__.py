@@ -1,8 +1,10 @@
-"""The optional features a run applies, in one place and in order (`apply`), as torchtitan's `parallelize` applies
-parallelism to a model: each plugs into the seams of the run (runs/setup.py's Run: `rollout`, `draw`, `rewards`,
-`micro_batches`, `reference`, `forward`, `sample_options`, `forward_extras`, `step_metrics`) and the core step
-(train.py) holds no branch on its setting. A default run applies none of them, and a default step enters none of
-these files.
+"""The optional features a run applies, in one place and in order (features/apply.py's `apply`), as
+torchtitan's `parallelize` applies parallelism to a model: each plugs into the seams of the run (runs/setup.py's
+Run: the batch's `rollout`, `rows_of`, `draw`, `rewards` and `sample_options`; the update's `micro_batches`,
+`reference`, `forward`, `forward_extras`, `objective`, `entropy_grad`, `old_logprobs`, `select_tokens`,
+`backward`, `optimizer_step` and `after_optimizer_step`; the metrics' `step_metrics` and `update_metrics`) and the
+core step (train.py) holds no branch on its setting. A default run applies none of them, and a default step
+enters none of these files.
 
 Each file here is one feature, read on its own: what it replaces or wraps, and its metrics.
     streaming.py          --rollouts_in_flight, --max_staleness: rows through a few decode places, scored as
@@ -27,38 +29,6 @@ The layers' own features (tensor-parallel slices, MoE and recurrent layers, the 
 forward) are in layers/, chosen where the decoder is built.
 
 Imports: the top-level modules (sampling, rollouts, rewards, logprobs, sharding), runs/log.py, layers/ (lora,
-routing) and sandbox/executor.py; only train.py imports it, and no core file imports a file of it.
+routing) and sandbox/executor.py, and one another (this file imports none of them); only train.py imports
+features/apply.py, and no core file imports a file of it.
 """
-
-from runs import log as run_log
-from features import (code_execution, dynamic_sampling, images, lora_reference, routing_replay, sampler_options,
-                      schedules, sequence_parallel, shared_prompts, streaming, token_selection)
-
-
-def apply(run, core):
-    """Apply the run's features to its seams, in order; `core` is the module of the core step (train.py), whose
-    functions a feature wraps or calls (passed, not imported: `python train.py` runs it as __main__)."""
-    cfg = run.cfg
-    if cfg.lora_rank and cfg.beta > 0:
-        lora_reference.apply(run)
-    if cfg.cp_size > 1:  # the training forward's variants, innermost first (run.forward)
-        sequence_parallel.apply(run)
-    if run.images is not None:
-        images.apply(run)
-    if cfg.routing_replay:
-        routing_replay.apply(run)
-    if cfg.shared_prompts:
-        shared_prompts.apply(run)
-    if sampler_options.asked(cfg, run.d, run.agent, run.images) or cfg.routing_replay:  # before streaming's rollout
-        sampler_options.apply(run, core)
-    if cfg.rollouts_in_flight or cfg.max_staleness:
-        streaming.apply(run, core)
-    if cfg.dynamic_sampling:
-        dynamic_sampling.apply(run, core)
-    if run.agent is not None:  # tools or an environment: their calls and turns (the sampler answers the turns)
-        run.step_metrics.append(run_log.tool_metrics)
-    if code_execution.may_run_programs(run):  # after the draw's features: it wraps the whole draw
-        code_execution.apply(run)
-    if cfg.top_entropy_quantile < 1 or cfg.off_policy_mask_threshold is not None:
-        token_selection.apply(run, core)
-    schedules.apply(run, core)

@@ -1,7 +1,7 @@
 """Programs run in the sandbox during a step (the code task's reward, the python tool, a reward function of one's
 own that runs code): their metrics.
 
-Applied by features/__init__.py to a run that may run programs: it wraps the run's draw (the rollout and its
+Applied by features/apply.py to a run that may run programs: it wraps the run's draw (the rollout and its
 scoring, where programs run) to take the sandbox's counts of that draw alone (an evaluation's are not the step's),
 and reports them with the step's metrics.
 """

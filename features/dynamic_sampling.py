@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO, Yu et al. 2025): a step keeps drawing groups until enough have a signal.
 
-Applied by features/__init__.py: it replaces the run's `draw` (train.draw: one rollout, scored) with rounds of
+Applied by features/apply.py: it replaces the run's `draw` (train.draw: one rollout, scored) with rounds of
 them, and shares the kept rows out over the ranks; its metrics (`dynamic/*`) come back with the draw.
 """
 

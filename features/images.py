@@ -1,6 +1,6 @@
 """A vision-language policy's prompt images in the training forward.
 
-Applied by features/__init__.py for a policy that sees images (runs/setup.py's `load_images` made its encoder):
+Applied by features/apply.py for a policy that sees images (runs/setup.py's `load_images` made its encoder):
 each micro-batch's forward gets its rows' images (vision.PromptImages of the batch) through `run.forward_extras`.
 The sampler gets them with the rows (sampling.rows_of).
 """

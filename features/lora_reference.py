@@ -1,6 +1,6 @@
 """LoRA's reference: the policy with its adapters off, with no second copy of the weights.
 
-Applied by features/__init__.py when LoRA trains adapters and beta > 0 (runs/setup.py then builds no reference
+Applied by features/apply.py when LoRA trains adapters and beta > 0 (runs/setup.py then builds no reference
 model): `run.reference`, which the core's train.reference_logprobs calls as it would call the reference model,
 runs the policy's forward with every adapter disabled (layers/lora.py's `adapters_disabled`).
 """

@@ -1,7 +1,7 @@
 """Routing replay in training (--routing_replay; R3, Ma et al. 2025): each token of a mixture-of-experts policy goes,
 in every training forward, to the experts the sampler chose for it (layers/routing.py replays them in the routers).
 
-Applied by features/__init__.py: the sampler records the experts (`run.sample_options`), every forward of the update
+Applied by features/apply.py: the sampler records the experts (`run.sample_options`), every forward of the update
 takes its micro-batch's records (`run.forward_extras`), the reference's forwards count their disagreement as their
 own (`run.reference` wrapped), and the step reports how often the live routers would have chosen otherwise.
 """

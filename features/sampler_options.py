@@ -4,7 +4,7 @@ keyword) and `generate`, a step's rollout with the run's features on (batches of
 tensor-parallel group, an agent's turns, rows streaming through places, shared prompts, the Triton decode
 attention, routing records, image prompts, rows handed on as they end).
 
-A run that asks for any of them (`asked`) samples its steps with them from the start: features/__init__.py applies
+A run that asks for any of them (`asked`) samples its steps with them from the start: features/apply.py applies
 `apply` below, which sets the run's rollout (`sampled`: `sample_rows` here) and the rows it samples (`run.rows_of`:
 `rows_of` here where the prompts start an agent's turns or hold images); its evaluation picks the same (`chosen`).
 The core's sampling.rows_of and sampling.sample_rows know none of them.
@@ -315,7 +315,7 @@ def chosen(cfg, d, agent=None, images=None):
 
 
 def apply(run, core):
-    """A run's rollout with the features here (features/__init__.py applies it where `asked`, or where the rollout
+    """A run's rollout with the features here (features/apply.py applies it where `asked`, or where the rollout
     records routing, --routing_replay): its rows made as `chosen` says (`run.rows_of`, which train.step_rows calls),
     sampled by `sampled`. core: the module of the core step (train.py)."""
     run.rows_of = chosen(run.cfg, run.d, run.agent, run.images)[0]

@@ -1,7 +1,7 @@
 """--shared_prompts in training: the rows of a group, which share their prompt, in one micro-batch, where the
 forward runs the prompt once and each completion as a branch of a tree over it (logprobs.py's SharedPrompts).
 
-Applied by features/__init__.py: it replaces `run.micro_batches` (train.micro_batches: rows of similar length
+Applied by features/apply.py: it replaces `run.micro_batches` (train.micro_batches: rows of similar length
 together). The sampler's side (each prompt prefilled once) is StaticDecoder's share (sampling.py).
 """
 

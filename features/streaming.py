@@ -1,7 +1,7 @@
 """Streaming rollouts: rows decoding through a few places, rewards computed as groups land, and with
 --max_staleness the sampler working ahead across steps.
 
-Applied by features/__init__.py (`apply` below), never read by the core step: it replaces the run's rollout source
+Applied by features/apply.py (`apply` below), never read by the core step: it replaces the run's rollout source
 (`run.rollout`: train.rollout samples each step's rows at once, on the current weights), takes a batch's rewards
 where its groups were scored as they landed (`run.rewards`) and adds its own metrics (`run.step_metrics`). What it
 changes in training is the old log-probs of rows carried through a weight change, whose tokens' old log-prob only

@@ -2,7 +2,7 @@
 highest entropy, --off_policy_mask_threshold drops the sequences of negative advantage whose policy drifted too far
 from the sampler's. Neither changes a normaliser (docs/objective.md: "Which tokens count").
 
-Applied by features/__init__.py: it replaces `run.select_tokens` (train.every_token: every token counts), whose
+Applied by features/apply.py: it replaces `run.select_tokens` (train.every_token: every token counts), whose
 per-micro-batch `keep` the core hands to grpo.grpo_loss, and adds `kept_frac` to the step's metrics.
 """
 

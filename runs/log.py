@@ -411,7 +411,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
 
 def tool_metrics(run, batch, step, so_far):
     """Tool calls and failed calls per completion, and the turns a completion took (mean and most), over every
-    rank: what a run with tools or an environment adds to the step's metrics (features/__init__.py)."""
+    rank: what a run with tools or an environment adds to the step's metrics (features/apply.py)."""
     d = run.d
     turns = sharding.all_gather_rows(batch.rollout.turns.float(), d)
     counts = torch.tensor([[e.tool_calls, e.tool_errors] for e in batch.episodes], dtype=torch.float32,

@@ -60,8 +60,9 @@ class Run:
     paths: str = ""                     # which way the sampler and the training forward run the policy (the banner's)
     loss_scale: typing.Optional[sharding.LossScale] = None  # float16 compute's dynamic loss scale (else None)
     # The seams where optional features plug into the step (train.setup sets the core's own functions, then
-    # features/__init__.py applies the run's features to them, in order):
+    # features/apply.py applies the run's features to them, in order):
     rollout: typing.Callable = None     # (run, step, round) -> this rank's rows sampled (rollouts.Batch)
+    rows_of: typing.Callable = None     # sampling.rows_of's signature -> this rank's rows of a step's prompts
     draw: typing.Callable = None        # (run, step) -> the step's scored batch (train.draw)
     rewards: typing.Callable = None     # (run, batch, step, seconds) -> the batch's rewards (train.rewards_of)
     micro_batches: typing.Callable = None  # (run, batch, rows, mask, loss_mask, T) -> a mini-batch's micro-batches
