@@ -34,6 +34,7 @@ import sharding  # noqa: E402
 from layers import engine, routing, transformer  # noqa: E402
 import train  # noqa: E402
 import features.streaming  # noqa: E402
+from features.stream_sampler import Stream  # noqa: E402
 from launches import export_differs  # noqa: E402
 from runs import setup as run_setup  # noqa: E402
 
@@ -116,15 +117,15 @@ def pause_often():
 def stop_often():
     """A stream's rows also end at any of the letters a-e: rows of a random tiny model then end at lengths from 1
     to the limit, differently on each rank. Returns what undoes it."""
-    original = sampling.Stream.__init__
+    original = Stream.__init__
 
     def init(self, places, capacity, prompt_width, max_new_tokens, eos_ids, *args, **kwargs):
         original(self, places, capacity, prompt_width, max_new_tokens, list(eos_ids) + list(range(97, 102)), *args,
                  **kwargs)
-    sampling.Stream.__init__ = init
+    Stream.__init__ = init
 
     def undo():
-        sampling.Stream.__init__ = original
+        Stream.__init__ = original
     return undo
 
 
