@@ -200,9 +200,8 @@ def clipped_term(ratio, adv, o, **_):
     unclipped rho is also capped at delta (two-sided clipping, INTELLECT-2; TRL's `delta`), so a negative advantage
     cannot push a token whose ratio has run far above 1 without bound."""
     clipped = ratio.clamp(1 - o.epsilon, 1 + o.clip_high)
-    if o.delta is not None:
-        ratio = ratio.clamp(max=o.delta)
-    return -torch.min(ratio * adv, clipped * adv)
+    unclipped = ratio if o.delta is None else ratio.clamp(max=o.delta)
+    return -torch.min(unclipped * adv, clipped * adv)
 
 
 def clipped_tokens(ratio, adv, o):

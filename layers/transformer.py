@@ -304,7 +304,9 @@ class LayerParams:
     heads: int = 0            # query heads (a rank's, sliced); 0: a layer without attention
     kv_heads: int = 0
     head_dim: int = 0
-    qk_norm: object = None    # Family.qk_norm
+    qk_v: object = None       # (qkv, p) -> (q and k, v), normed as Family.qk_norm says: `_qk_v`, `_head_normed`,
+                              # `_projection_normed`
+    rotary: object = None     # (x, cos, sin) -> x rotated: `_rotary_heads`, or `_partial_rotary` (Qwen3.5)
     gated: bool = False       # Family.gated_query: q_proj gives each head's query, then a gate
     scaling: float = None     # the attention scores' scale
     softcap: float = None     # c in c tanh(s / c) over each score; None: none
@@ -364,7 +366,8 @@ def _spec(model, fam=None):
             a = layer.self_attn
             # the layer's rotary table: its layer type's where the family has one per type; None: no rotary
             s.update(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=a.head_dim,
-                     qk_norm=fam.qk_norm, gated=fam.gated_query, scaling=a.scaling, softcap=softcap,
+                     qk_v=_QK_V[fam.qk_norm], gated=fam.gated_query, scaling=a.scaling, softcap=softcap,
+                     rotary=_partial_rotary if fam.partial_rotary else _rotary_heads,
                      rope=None if fam.rotary_on and not fam.rotary_on(a) else kind if fam.rotary_per_type else "all")
             s["eps"]["qk"] = _eps(a.q_norm) if fam.qk_norm else None
         settings.append(LayerParams(**s))
@@ -617,21 +620,19 @@ def _norm(x, norm, upcast):
 
 def _rotary_heads(x, cos, sin):
     """Rotary embedding over each head of x (..., heads, head_dim): x * cos + rotate_half(x) * sin,
-    rotate_half(x) = (-x2, x1), rounded once to x's dtype; tables narrower than a head: `_partial_rotary`.
+    rotate_half(x) = (-x2, x1), rounded once to x's dtype.
 
     `sin` carries rotate_half's minus sign (its first half negated, `_signed_sin`), so the halves only need
     swapping: a roll by half the head dimension. Tables in float32 for x in bf16 (OLMo's rotary keeps them so)
     rotate in float32, and the result is rounded once, as OLMo does.
     """
-    if cos.shape[-1] != x.shape[-1]:
-        return _partial_rotary(x, cos, sin)
     out = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _partial_rotary(x, cos, sin):
     """`_rotary_heads` over the first dims of each head of x, as many as the tables are wide (Qwen3.5's partial
-    rotary), the rest passed through."""
+    rotary), the rest passed through: a layer's `rotary` where its family's `partial_rotary` says so."""
     rd = cos.shape[-1]
     return torch.cat([_rotary_heads(x[..., :rd], cos, sin), x[..., rd:]], -1)
 
@@ -658,17 +659,18 @@ def _linears(x, parts):
 
 
 def _qk_v(qkv, p):
-    """q and k together (*lead, heads + kv_heads, head_dim), normed as the family does, and v (*lead, kv_heads,
-    head_dim), of the q, k and v projections' outputs concatenated (*lead, (heads + 2 kv_heads) * head_dim); any
-    columns after v's (a gated query's gates) are not read."""
-    if p.qk_norm == "projection":
-        return _projection_normed(qkv, p)
+    """q and k together (*lead, heads + kv_heads, head_dim) and v (*lead, kv_heads, head_dim), of the q, k and v
+    projections' outputs concatenated (*lead, (heads + 2 kv_heads) * head_dim); any columns after v's (a gated
+    query's gates) are not read. A family with q/k norms has them applied by its layers' `qk_v` (`_QK_V`)."""
     nq = p.heads + p.kv_heads
     heads = qkv.unflatten(-1, (-1, p.head_dim))
-    qk, v = heads[..., :nq, :], heads[..., nq:nq + p.kv_heads, :]
-    if p.qk_norm == "head":  # each head of q and k, in one pass
-        qk = _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast)
-    return qk, v
+    return heads[..., :nq, :], heads[..., nq:nq + p.kv_heads, :]
+
+
+def _head_normed(qkv, p):
+    """`_qk_v` with an RMSNorm over each head of q and k, in one pass (qk_norm "head": Qwen3, Gemma 3)."""
+    qk, v = _qk_v(qkv, p)
+    return _head_norm(qk, p.qk_table, p.eps["qk"], p.upcast), v
 
 
 def _projection_normed(qkv, p):
@@ -679,6 +681,10 @@ def _projection_normed(qkv, p):
     k = _rms_norm(qkv[..., nh * hd:(nh + nkv) * hd], p.k_norm, eps, p.upcast)
     return torch.cat([q, k], -1).unflatten(-1, (nh + nkv, hd)), \
         qkv[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd))
+
+
+# Family.qk_norm -> what a layer's `qk_v` is (`_spec` reads it)
+_QK_V = {None: _qk_v, "head": _head_normed, "projection": _projection_normed}
 
 
 def is_moe(mlp):
@@ -773,8 +779,8 @@ def layer(x, p, rope, attend, recurrent=None, record=None):
 
 def attention_block(h, p, rope, attend, recurrent=None):
     """The attention's output for the normed h (*lead, H), o_proj included: q, k and v projected and normed as the
-    family does (`_qk_v`), then the heads' attention (`_attend`)."""
-    qk, v = _qk_v(_linears(h, p.qkv), p)
+    family does (`p.qk_v`), then the heads' attention (`_attend`)."""
+    qk, v = p.qk_v(_linears(h, p.qkv), p)
     return _linear(_attend(qk, v, p, rope, attend), p.o)
 
 
@@ -782,7 +788,7 @@ def _attend(qk, v, p, rope, attend):
     """The heads' attention output (*lead, heads * hd) of q and k together (*lead, heads + kv heads, hd) and v:
     rotary over the queries and keys in one pass, then `attend`."""
     if rope is not None:
-        qk = _rotary_heads(qk, *rope)
+        qk = p.rotary(qk, *rope)
     return attend(p, qk[..., :p.heads, :], qk[..., p.heads:, :], v).flatten(-2)
 
 
@@ -800,7 +806,7 @@ def gated_attention_block(h, p, rope, attend, recurrent=None):
     sigmoid(gate) before o_proj."""
     qkv = _linears(h, p.qkv)
     gates = (p.heads + 2 * p.kv_heads) * p.head_dim  # where the gates begin
-    qk, v = _qk_v(qkv, p)
+    qk, v = p.qk_v(qkv, p)
     return _linear(_attend(qk, v, p, rope, attend) * torch.sigmoid(qkv[..., gates:]), p.o)
 
 
