@@ -127,11 +127,14 @@ def setup(cfg, d):
     run.rollout, run.draw, run.rewards, run.micro_batches = rollout, draw, rewards_of, micro_batches
     run.rows_of = sampling.rows_of  # a step's rows from its prompts (images and agents make their own)
     run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
-    run.old_logprobs, run.select_tokens, run.optimizer_step = OldLogprobs, every_token, optimizer_step
+    run.old_logprobs = OldLogprobs if cfg.importance_sampling == "none" else WeightedOldLogprobs
+    run.select_tokens, run.optimizer_step = every_token, optimizer_step
     run.backward = torch.Tensor.backward  # float16 scales the loss first
     run.objective = lambda run: grpo.Objective.of(cfg)  # the loss's settings: the config's, at every optimizer step
     run.entropy_grad = cfg.entropy_coef != 0  # an entropy bonus in the loss: its gradient through the forward
     apply_features(run, sys.modules[__name__])
+    if d.device.type == "cuda":  # the phases' peak memory, around every feature's draw
+        PeakMemory(run)
     return run
 
 
@@ -180,8 +183,6 @@ def score(run, batch, step):
     problem = sharding.first_problem(problem, run.d)
     if problem:
         raise SystemExit(problem)
-    if run.reward_model is not None:
-        sharding.free_gathered(run.reward_model[0])  # forward only: nothing else frees its gathered root weights
     if run.d.world_size > 1:  # a step waits for its slowest rank
         times = sharding.all_gather_rows(torch.tensor([times], dtype=torch.float64), run.d).max(0).values.tolist()
     names = ["reward_time"] + ([f"reward_time/{name}" for name in seconds] if len(seconds) > 1 else [])
@@ -192,6 +193,16 @@ def rewards_of(run, batch, step, seconds):
     """The batch's rewards, (total (n,), {function: (n,)}); each function's seconds go into `seconds`."""
     return rollouts.score_batch(batch, run.task.reward_funcs, run.weights, run.tokenizer,
                                 rollouts.reward_context(run.cfg, step), seconds)
+
+
+def freeing_reward_model(inner):
+    """`run.rewards` of a run with a reward model (features/apply.py): `inner`'s, then the reward model's gathered
+    root weights freed (it runs forward only: nothing else frees them)."""
+    def rewards_then_free(run, batch, step, seconds):
+        out = inner(run, batch, step, seconds)
+        sharding.free_gathered(run.reward_model[0])
+        return out
+    return rewards_then_free
 
 
 def advantages(run, all_total, all_parts):
@@ -206,7 +217,7 @@ def advantages(run, all_total, all_parts):
 def forward_extras(run, batch):
     """What each micro-batch's forward takes from the features besides its tokens (routing records, images: the
     functions in `run.forward_extras`), as a function of the micro-batch: the `extras` that `run.forward`'s
-    variants read (logprobs.completion_logprobs carries them without reading); by default none."""
+    variants read (logprobs.completion_logprobs carries them without reading). Made where a feature added one."""
     makers = [extra(run, batch) for extra in run.forward_extras]
     return lambda mb: {k: v for make in makers for k, v in make(mb).items()}
 
@@ -256,7 +267,7 @@ def update(run, batch, advantages, step):
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~batch.rollout.truncated).float()[:, None]
     minis, num_tokens = mini_batches(run, batch, mask, loss_mask)
-    extras = forward_extras(run, batch)
+    extras = forward_extras(run, batch) if run.forward_extras else lambda mb: {}  # by default no forward extras
     ref_logp = [reference_logprobs(run, ids, mask, m, extras) for m in minis] if cfg.beta > 0 else None
     old = run.old_logprobs(cfg, minis, loss_mask, batch.rollout, step, d.device)
     inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, extras=extras, advantages=advantages,
@@ -267,8 +278,7 @@ def update(run, batch, advantages, step):
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
         # summed over its optimizer steps, is divided by their number below (an optimizer step's mean loss)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0,
-                "is_weight": 0.0}
+        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
         for j, micro in enumerate(minis):
             step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j], keep,
                                                           sums)
@@ -317,28 +327,23 @@ def before_first_step(run, ids, mask, minis, old, extras):
 
 
 class OldLogprobs:
-    """Each micro-batch's log-probs at the weights that sampled (pi_old), with the importance weights against the
-    sampler's log-probs where asked, and the running |trainer - sampler| log-prob over the counted tokens (summed,
-    and the largest). `run.old_logprobs` makes one per update: this class, or a feature's variant (rows carried
-    through a weight change: features/streaming.py)."""
+    """Each micro-batch's log-probs at the weights that sampled (pi_old), and the running |trainer - sampler| log-prob
+    over the counted tokens (summed, and the largest). `run.old_logprobs` makes one per update: this class, or a
+    variant (importance weights: `WeightedOldLogprobs`; rows carried through a weight change:
+    features/streaming.py)."""
 
     def __init__(self, cfg, minis, loss_mask, rollout, step, device):
         self.cfg, self.loss_mask, self.sampler = cfg, loss_mask, rollout.logprobs
         self.logp, self.is_weight = [[None] * len(m) for m in minis], [[None] * len(m) for m in minis]
         self.diff_sum = self.diff_max = self.diff_tokens = torch.zeros((), device=device)
-        # the importance weights' extremes over the counted tokens (with --importance_sampling)
-        self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
         self.mismatch = {}  # "fresh" (or a variant's own kind of token) -> summed grpo.mismatch_sums
 
     def sums(self):
         """The comparison's part of the step's sums (summed over ranks with the loss's; run_log.sampler_metrics):
-        |trainer - sampler| of the compared tokens, each kind's mismatch sums, and the importance weights'
-        extremes (reduced as extremes: run_log.weight_extremes)."""
+        |trainer - sampler| of the compared tokens and each kind's mismatch sums."""
         out = {"lp_diff_sum": self.diff_sum, "lp_diff_tokens": self.diff_tokens}
         for which, part in self.mismatch.items():
             out.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
-        if self.cfg.importance_sampling != "none":
-            out["is_weight_min"], out["is_weight_max"] = self.is_min, self.is_max
         return out
 
     def _add_mismatch(self, which, logp, sampler, mask):
@@ -347,13 +352,9 @@ class OldLogprobs:
         self.mismatch[which] = part if have is None else {k: have[k] + v for k, v in part.items()}
 
     def keep(self, j, i, mb, logp):
-        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's (`compare`), and
-        its importance weights where asked."""
-        mb_mask, sampler = self.loss_mask[mb.rows, :mb.t], self.sampler[mb.rows, :mb.t]
-        self.compare(logp, sampler, mb_mask)
+        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's (`compare`)."""
+        self.compare(logp, self.sampler[mb.rows, :mb.t], self.loss_mask[mb.rows, :mb.t])
         self.logp[j][i] = logp
-        if self.cfg.importance_sampling != "none":
-            self._weights(j, i, logp, sampler, mb_mask)
 
     def compare(self, logp, sampler, compared):
         """|trainer - sampler| over the tokens `compared` (summed, and the largest), and their mismatch sums."""
@@ -362,11 +363,35 @@ class OldLogprobs:
         self.diff_sum, self.diff_tokens = self.diff_sum + diff.sum(), self.diff_tokens + compared.sum()
         self.diff_max = torch.maximum(self.diff_max, F.pad(diff.flatten(), (0, 1)).max())  # (no rows: 0)
 
+
+class WeightedOldLogprobs(OldLogprobs):
+    """`run.old_logprobs` with --importance_sampling: the old log-probs, and each micro-batch's importance weights
+    against the sampler's log-probs (grpo.importance_weights, which the loss takes), with their sum and extremes
+    over the counted tokens."""
+
+    def __init__(self, cfg, minis, loss_mask, rollout, step, device):
+        super().__init__(cfg, minis, loss_mask, rollout, step, device)
+        self.is_sum = 0.0
+        self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
+
+    def sums(self):
+        """The comparison's sums, the importance weights' sum over the counted tokens, and their extremes (reduced
+        as extremes: run_log.weight_extremes)."""
+        return {**super().sums(), "is_weight": self.is_sum, "is_weight_min": self.is_min, "is_weight_max": self.is_max}
+
+    def keep(self, j, i, mb, logp):
+        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's, and its
+        importance weights."""
+        super().keep(j, i, mb, logp)
+        self._weights(j, i, logp, self.sampler[mb.rows, :mb.t], self.loss_mask[mb.rows, :mb.t])
+
     def _weights(self, j, i, logp, sampler, mb_mask):
-        """The importance weights of the sampler's tokens (grpo.importance_weights), and their extremes."""
+        """The importance weights of the sampler's tokens (grpo.importance_weights), their sum over the counted
+        tokens, and their extremes."""
         cfg = self.cfg
         self.is_weight[j][i] = grpo.importance_weights(logp, sampler, mb_mask, cfg.importance_sampling,
                                                        cfg.importance_sampling_min, cfg.importance_sampling_max)
+        self.is_sum += (self.is_weight[j][i] * mb_mask).sum()
         w, counted = self.is_weight[j][i].expand_as(mb_mask), mb_mask > 0  # a sequence's weight on its tokens
         self.is_min = torch.minimum(self.is_min, F.pad(torch.where(counted, w, math.inf).flatten(), (0, 1),
                                                        value=math.inf).min())
@@ -388,11 +413,10 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep, 
         mb_mask = loss_mask[mb.rows, :mb.t]
         if old.logp[j][i] is None:  # one mini-batch, first pass: this forward is at the weights that sampled
             old.keep(j, i, mb, logp.detach())
-        is_weight = old.is_weight[j][i]
         loss, m = grpo.grpo_loss(logp, old.logp[j][i], ref_logp[j][i] if ref_logp is not None else None,
                                  advantages[mb.rows], mb_mask, objective, num_sequences=inputs["num_sequences"],
-                                 num_tokens=num_tokens, is_weight=is_weight, keep=keep(j, i, mb, logp, entropy),
-                                 entropy=entropy)
+                                 num_tokens=num_tokens, is_weight=old.is_weight[j][i],
+                                 keep=keep(j, i, mb, logp, entropy), entropy=entropy)
         # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
         sharding.all_reduce_after(policy, d, last=i == len(micro) - 1)
         run.backward(loss * d.world_size)
@@ -403,8 +427,6 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep, 
         step_entropy += (entropy.detach() * mb_mask).sum()
         sums["entropy"] += (entropy.detach() * mb_mask).sum()
         sums["tokens"] += m["tokens"]
-        if is_weight is not None:
-            sums["is_weight"] += (is_weight * mb_mask).sum()
     return step_loss, step_entropy
 
 
@@ -431,13 +453,30 @@ def optimizer_step(run, opt_step, step_loss):
     return grad_norm, lr, done
 
 
-def peak_memory(d):
-    """The GPU memory allocated at most since the last call, in GiB (None on a CPU); starts the next count."""
-    if d.device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
-    torch.cuda.reset_peak_memory_stats(d.device)
-    return peak
+class PeakMemory:
+    """On a GPU, the most memory this rank's allocator held while sampling (the whole draw: `run.draw` wrapped) and
+    while training (from the draw's end to the step's metrics: the update), in GiB: what `--plan` predicts for the
+    phases, per GPU (this rank's). train.setup applies it after the features, around their draw."""
+
+    def __init__(self, run):
+        self.draw, self.device, self.generation = run.draw, run.d.device, None
+        run.draw = self.measured_draw
+        run.step_metrics.insert(0, self.metrics)  # read first, right after the update
+
+    def peak(self):
+        """The GPU memory allocated at most since the last call, in GiB; starts the next count."""
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def measured_draw(self, run, step):
+        self.peak()
+        out = self.draw(run, step)
+        self.generation = self.peak()
+        return out
+
+    def metrics(self, run, batch, step, so_far):
+        return {"memory/generation_gib": self.generation, "memory/training_gib": self.peak()}
 
 
 def train_step(run, step):
@@ -449,10 +488,8 @@ def train_step(run, step):
     update's forwards), `run.step_metrics` (each feature's own metrics)."""
     d = run.d
     t0 = time.time()
-    peak_memory(d)
     # 1. sample G completions per prompt and 2. score them: (n,)
     batch, total, parts, reward_time, drawn = run.draw(run, step)
-    memory = {"memory/generation_gib": peak_memory(d)}
     t_gen = time.time() - t0 - reward_time["reward_time"]
     all_total = sharding.all_gather_rows(total, d)                   # (N,): every group whole on every rank
     all_parts = {k: sharding.all_gather_rows(v, d) for k, v in parts.items()}
@@ -462,7 +499,6 @@ def train_step(run, step):
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
     sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
-    memory["memory/training_gib"] = peak_memory(d)
     if skipped:
         say_skipped(run, step, skipped, grad_norm)
     # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
@@ -472,8 +508,6 @@ def train_step(run, step):
                                                     all_total, parts, all_adv, group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **drawn}
     step_time = time.time() - t0
-    if d.device.type == "cuda":  # what `--plan` predicts for the phases, per GPU (this rank's)
-        metrics.update(memory)
     rollout = batch.rollout
     if rollout.held_steps is not None and int(rollout.held_steps.sum()):  # this rank's decode places at work
         metrics["slots_busy"] = (rollout.policy_mask.sum() / rollout.held_steps.sum()).item()

@@ -25,6 +25,8 @@ def apply(run, core):
         sampler_options.apply(run, core)
     if cfg.rollouts_in_flight or cfg.max_staleness:
         streaming.apply(run, core)
+    if run.reward_model is not None:  # around every way of scoring (streaming's too)
+        run.rewards = core.freeing_reward_model(run.rewards)
     if cfg.dynamic_sampling:
         dynamic_sampling.apply(run, core)
     if run.agent is not None:  # tools or an environment: their calls and turns (the sampler answers the turns)

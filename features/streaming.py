@@ -33,7 +33,8 @@ def apply(run, core):
     run.rewards = lambda run, batch, step, seconds: landed_rewards(inner, run, batch, step, seconds)
     run.step_metrics.append(metrics)
     if run.cfg.max_staleness:  # rows carried through a weight change: the sampler's log-prob is their old one
-        run.old_logprobs = lambda *args: carried_old_logprobs(core.OldLogprobs, *args)
+        old_logprobs = run.old_logprobs
+        run.old_logprobs = lambda *args: carried_old_logprobs(old_logprobs, *args)
         run.update_metrics.append(carried_metrics)
 
 
@@ -285,10 +286,11 @@ def carried(rollout, version):
     return (rollout.context_version < version).to(rollout.policy_mask.device)[:, None] & rollout.policy_mask.bool()
 
 
-def carried_old_logprobs(OldLogprobs, cfg, minis, loss_mask, rollout, step, device):
-    """`run.old_logprobs` with --max_staleness: the update's OldLogprobs (train.py), within a `CarriedOldLogprobs`
-    where rows were carried through a weight change (tokens older than the step's weights, step - 1)."""
-    old = OldLogprobs(cfg, minis, loss_mask, rollout, step, device)
+def carried_old_logprobs(inner, cfg, minis, loss_mask, rollout, step, device):
+    """`run.old_logprobs` with --max_staleness: the update's old log-probs (`inner`: train.OldLogprobs, or its
+    importance-weighted variant), within a `CarriedOldLogprobs` where rows were carried through a weight change
+    (tokens older than the step's weights, step - 1)."""
+    old = inner(cfg, minis, loss_mask, rollout, step, device)
     stale = carried(rollout, step - 1)
     return old if stale is None else CarriedOldLogprobs(old, stale)
 
