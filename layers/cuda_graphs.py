@@ -7,8 +7,8 @@ optimizer steps and never see an FSDP hook. The step a graph captures is StaticD
 slot as a tensor (read on the device at replay) over cache slots [0, span), the key mask saying which are real.
 
 `Graphs` holds the captured graphs, not the decoder: the decoder holds it (`dec.graphs`, None when graphs are off)
-and hands itself to each call, so no cycle keeps the decoder's copies and cache alive past the rollout. Its step's
-inputs, each row's token and slot (`tok_in`, `slot_in`), are the decoder's. Of the project it imports nothing.
+and hands itself to each call, so no cycle keeps the decoder's copies and cache alive past the rollout. It holds its
+steps' inputs, each row's token and slot (`tok_in`, `slot_in`). Of the project it imports nothing.
 """
 
 import torch
@@ -17,11 +17,14 @@ import torch
 class Graphs:
     """A decoder's CUDA graphs, (batch bucket, cache span) -> (graph, logits output), captured at first use."""
 
-    def __init__(self, max_len):
+    def __init__(self, dec):
+        """The graphs of the decoder dec's steps (none captured yet); it keeps none of dec."""
         self.captured = {}
         # a graph attends over a fixed span of cache slots: spans grow in steps (at most 8 of them), so early
         # tokens do not read the whole cache, at the price of one graph per span
-        self.span_step = 64 * -(-max_len // (64 * 8))
+        self.span_step = 64 * -(-dec.max_len // (64 * 8))
+        self.tok_in = torch.zeros(dec.max_batch, dtype=torch.long, device=dec.device)  # each row's token
+        self.slot_in = torch.zeros(dec.max_batch, dtype=torch.long, device=dec.device)  # each row's cache slot
 
     def clear(self):
         """Forget the captured graphs: what they captured (the attention, routing records) has changed."""
@@ -40,9 +43,9 @@ class Graphs:
         """`dec.decode` on CUDA graphs: the step of the batch bucket and cache span that hold these rows, replayed."""
         n = tok.shape[0]
         b = self.batch_for(dec, n)
-        dec.tok_in[:n] = tok
-        dec.slot_in[:n] = slot
-        dec.slot_in[n:b] = 0  # bucket rows past the live ones: stale rows, any slot will do
+        self.tok_in[:n] = tok
+        self.slot_in[:n] = slot
+        self.slot_in[n:b] = 0  # bucket rows past the live ones: stale rows, any slot will do
         span = min(dec.max_len, -(-(top + 1) // self.span_step) * self.span_step)  # slots [0, span) hold top
         if (b, span) not in self.captured:
             self.captured[b, span] = self._capture(dec, b, span)
@@ -50,11 +53,10 @@ class Graphs:
         graph.replay()
         return out[:n]
 
-    @staticmethod
-    def body(dec, b, span):
+    def body(self, dec, b, span):
         """The decode step a graph of batch bucket b and cache span `span` captures: its tokens in tok_in[:b],
         each row's slot in slot_in[:b], read on the device at replay; a graph's span starts at slot 0."""
-        return dec._decode_body(dec.tok_in[:b], dec.slot_in[:b], span, 0)
+        return dec._decode_body(self.tok_in[:b], self.slot_in[:b], span, 0)
 
     def _capture(self, dec, b, span):
         # warm-up on a side stream, then capture; running the body computes this very step's values, so the

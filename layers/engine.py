@@ -105,7 +105,7 @@ class StaticDecoder:
             # slots in multiples of 64: fewer regrowths, aligned
             dec = cls(model, batch, -(-length // 64) * 64, tp=tp, dtype=dtype, device=device)
             model.__dict__["_static_decoder"] = dec  # not a submodule: no state_dict entry, no .to() surprises
-        dec.graphs = (dec.graphs or cuda_graphs.Graphs(dec.max_len)) if cuda_graph and device.type == "cuda" else None
+        dec.graphs = (dec.graphs or cuda_graphs.Graphs(dec)) if cuda_graph and device.type == "cuda" else None
         dec.load(model)
         return dec
 
@@ -153,7 +153,8 @@ class StaticDecoder:
         self.final_eps = transformer._eps(model.model.norm)
         # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
         self.rotary_keys = sorted({s.rope for s in spec.layers} - {None})
-        self.windows = sorted({s.window for s in spec.layers} - {None})
+        windows = sorted({s.window for s in spec.layers} - {None})
+        self.windows = _Windows(windows, max_batch, max_len, self.device) if windows else None
         self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
                                                        tp=self.tp)
                           for i, l in enumerate(layers) if not transformer._attends(l)}
@@ -175,25 +176,19 @@ class StaticDecoder:
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
         # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
         # with its first half negated (see transformer._rotary_heads)
-        self.rotary = model.model.rotary_emb
         probe = torch.zeros(1, **kw), torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        tables = [transformer._rotary(self.rotary, self.fam, *probe, key)[0] for key in self.rotary_keys]
+        tables = [transformer._rotary(model.model.rotary_emb, self.fam, *probe, key)[0] for key in self.rotary_keys]
         rot_dim = tables[0].shape[-1] if tables else self.head_dim  # < head_dim: partial rotary
         self.cos = [torch.zeros(max_batch, max_len, rot_dim, device=self.device, dtype=t.dtype) for t in tables]
         self.sin = [torch.zeros_like(c) for c in self.cos]
-        # each slot's token position, for sliding windows
-        self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=self.device) if self.windows else None
         self.w = ([{} for _ in model.model.layers], {})  # weight copies, by `load`: (per layer {name: tensor}, root's)
         self.p = None  # per layer, what `layer` reads (transformer.LayerParams): settings and copies, from `load`
-        self.tok_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # graph inputs (cuda_graphs.py)
-        self.slot_in = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's cache slot
         self.row_index = torch.arange(max_batch, device=self.device)
         self.trues = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # what graphs write into key_mask
         # decode attention's kernel (transformer.attention's): None, SDPA, on CUDA (or the Triton one: `use_kernel`);
         # on a CPU the plain grouped attention, two batched matmuls, which beat SDPA's setup cost at small CPU shapes
         self.decode_kernel = None if self.device.type == "cuda" else _decode_plain
         self.unpadded = False
-        self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
         self.unmarked = None  # (rows, first slot, last slot) decoded unpadded without marking key_mask (below)
 
     @torch.no_grad()
@@ -262,7 +257,7 @@ class StaticDecoder:
         self.compactions += 1
         for buf in (self.k_cache, self.v_cache):
             buf[:, :k, :, :filled] = buf[:, keep, :, :filled]
-        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.pos is None else [self.pos]),
+        for buf in (self.key_mask, *self.cos, *self.sin, *([] if self.windows is None else [self.windows.pos]),
                     *([] if self.recorder is None else [self.recorder.routes])):
             buf[:k] = buf[keep]
         for layer in self.recurrent.values():
@@ -297,20 +292,17 @@ class StaticDecoder:
             return transformer.attention(q.transpose(1, 2), kk, vv, masks[p.window], p).transpose(1, 2)
         return attend
 
-    def _decode_attention(self, write, keys, masks, starts, lo=0):
-        """Decode: each layer's attention for one token per row, q (B, heads, hd), k, v (B, kv heads, hd). The query
-        heads that share a KV head are grouped as the query axis, so grouped-query attention needs no copy of K/V
-        per query head. starts: window -> the first cache slot its layers read, with no mask (see `_narrowed`); keys
-        begin at slot `lo`."""
+    def _decode_attention(self, b, at, slot, kv_len, reads):
+        """Decode: each layer's attention for one token per row of the first b, q (b, heads, hd), k, v (b, kv heads,
+        hd), its new K/V written at the rows `at`, each at its `slot` first; reads: window (None: full attention) ->
+        (the first cache slot its layers read, their key mask). The query heads that share a KV head are grouped as
+        the query axis, so grouped-query attention needs no copy of K/V per query head."""
         nh, nkv, hd, kernel = self.n_heads, self.n_kv, self.head_dim, self.decode_kernel
 
         def attend(p, q, k, v):
-            write(p.cache_row, k, v)  # (B, nkv, hd) each
-            kk, vv = keys(p.cache_row)  # (B, nkv, L, hd)
-            mask = masks[p.window]
-            if p.window in starts:  # its keys narrowed by slots, unmasked (`_narrowed`)
-                kk, vv, mask = kk[:, :, starts[p.window] - lo:], vv[:, :, starts[p.window] - lo:], None
-            b = q.shape[0]
+            i, (first, mask) = p.cache_row, reads[p.window]
+            self.k_cache[i, at, :, slot], self.v_cache[i, at, :, slot] = k, v  # (b, nkv, hd) each
+            kk, vv = self.k_cache[i, :b, :, first:kv_len], self.v_cache[i, :b, :, first:kv_len]  # (b, nkv, L, hd)
             out = transformer.attention(q.view(b, nkv, nh // nkv, hd), kk, vv, mask, p, kernel=kernel)
             return out.reshape(b, nh, hd)
         return attend
@@ -320,24 +312,6 @@ class StaticDecoder:
         head = self.w[1]
         z = F.linear(transformer._rms_norm(x, head["norm"], self.final_eps, self.fam.upcast), head["lm_head"])
         return z if self.head is None else self.head.apply(z)
-
-    def _windowed(self, mask, query_pos, kv_len, skip=(), lo=0, key_pos=None):
-        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [lo, kv_len) within the
-        window of query positions query_pos (b, Q), the keys' positions those of `pos` (or `key_pos` (b, L)); mask and
-        the result broadcast as (b, 1, Q, kv_len - lo). The windows in `skip` get none (their layers narrow by slots
-        instead)."""
-        masks = {None: mask}
-        for w in self.windows:
-            if w in skip:
-                masks[w] = None
-                continue
-            if kv_len <= w:  # no two tokens of these slots are a window apart
-                masks[w] = mask
-                continue
-            keys = self.pos[:query_pos.shape[0], lo:kv_len] if key_pos is None else key_pos[:, lo:kv_len]
-            near = transformer._in_window(query_pos, keys, w)[:, None]
-            masks[w] = near if mask is None else mask & near
-        return masks
 
     @torch.no_grad()
     def prefill(self, ids, attn, positions):
@@ -351,16 +325,13 @@ class StaticDecoder:
             cos, sin = transformer._rotary(self.rotary, self.fam, x, all_pos, key)
             cos_t[:n], sin_t[:n] = cos, transformer._signed_sin(sin)  # see transformer._rotary_heads
             rope[key] = (cos_t[:n, :p, None], sin_t[:n, :p, None])
-        if self.pos is not None:
-            self.pos[:n] = all_pos
         self.key_mask[:n] = False
         self.key_mask[:n, :p] = attn.bool()
         # without left padding, eager decode over the filled slots needs no mask at all
         self.unpadded = self.graphs is None and bool(attn.bool().all())
         self.unmarked = None
-        self.narrow_from = p  # from here each slot is every row's next token (see _narrowed)
         causal = transformer._padded_causal_mask(attn)
-        masks = self._windowed(causal, positions, p) if self.windows else {None: causal}
+        masks = self.windows.prefill(n, p, all_pos, causal, positions) if self.windows else {None: causal}
 
         def write(i, k, v):
             self.k_cache[i, :n, :, :p] = k
@@ -384,7 +355,8 @@ class StaticDecoder:
         self._mark()
         self.admissions += rows.numel()
         self.unpadded = False  # the places' first slots are padding now: decode reads the mask
-        self.narrow_from = None  # rows at other positions: slots no longer align across rows
+        if self.windows is not None:
+            self.windows.narrow_from = None  # rows at other positions: slots no longer align across rows
         p, lo = positions.shape[1], self.first_slot  # no row holds a token before `first_slot`: no table there
         all_pos = torch.cat([positions[:, lo:],
                              positions[:, -1:] + 1 + torch.arange(self.max_len - p, device=self.device)], 1)
@@ -392,8 +364,8 @@ class StaticDecoder:
         for key, cos_t, sin_t in zip(self.rotary_keys, self.cos, self.sin):
             cos, sin = transformer._rotary(self.rotary, self.fam, probe, all_pos, key)
             cos_t[rows, lo:], sin_t[rows, lo:] = cos, transformer._signed_sin(sin)
-        if self.pos is not None:
-            self.pos[rows, lo:] = all_pos
+        if self.windows is not None:
+            self.windows.pos[rows, lo:] = all_pos
         self.key_mask[rows] = False
         if self.recorder is not None:  # the new rows' records start empty, their prompts' padding included
             self.recorder.routes[rows] = -1
@@ -420,18 +392,10 @@ class StaticDecoder:
         at = self.row_index[:b] if torch.is_tensor(slot) else slice(0, b)  # per-row slots: no host value is read
         cos, sin = [c[at, slot][:, None] for c in self.cos], [s[at, slot][:, None] for s in self.sin]  # (b, 1, hd)
         mask = self._decode_mask(b, at, slot, lo, kv_len)
-        starts, masks = self._decode_windows(mask, at, slot, lo, kv_len) if self.windows else ({}, {None: mask})
-
-        def write(i, k, v):  # (b, nkv, hd) each
-            self.k_cache[i, at, :, slot] = k
-            self.v_cache[i, at, :, slot] = v
-
-        def keys(i):
-            return self.k_cache[i, :b, :, lo:kv_len], self.v_cache[i, :b, :, lo:kv_len]
-
+        reads = self.windows.decode(mask, at, slot, lo, kv_len) if self.windows else {None: (lo, mask)}
         record = None if self.recorder is None else self.recorder.decode(at, slot)
         rope = dict(zip(self.rotary_keys, zip(cos, sin)))
-        return self._logits(self._layers(x, rope, self._decode_attention(write, keys, masks, starts, lo),
+        return self._logits(self._layers(x, rope, self._decode_attention(b, at, slot, kv_len, reads),
                                          lambda layer, h: layer.decode(h), record))
 
     def _decode_mask(self, b, at, slot, lo, kv_len):
@@ -446,22 +410,6 @@ class StaticDecoder:
         self._mark()  # never under CUDA graphs: `unpadded` (which leaves slots unmarked) is eager decode's alone
         self.key_mask[at, slot] = self.trues[:b]
         return self.key_mask[:b, None, None, lo:kv_len]
-
-    def _decode_windows(self, mask, at, slot, lo, kv_len):
-        """A decode step's sliding windows: window -> the first slot its layers read, unmasked (`_narrowed`; slots
-        given per row, a tensor, narrow none), and window -> its attention mask (`_windowed`)."""
-        starts = {} if torch.is_tensor(slot) else self._narrowed(slot, kv_len)
-        return starts, self._windowed(mask, self.pos[at, slot][:, None], kv_len, skip=starts, lo=lo)
-
-    def _narrowed(self, slot, kv_len):
-        """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
-        `slot` for every row: all rows at `slot` (kv_len = slot + 1), and since `narrow_from` every slot a real
-        token of every row, at consecutive positions (prefill fixes each slot's position), so a window over
-        positions is a window over slots. Those layers read just those slots, unmasked: on a CPU, where no graph
-        fixes the span, a short window then costs what it reads."""
-        if self.narrow_from is None or kv_len != slot + 1:
-            return {}
-        return {w: slot - w + 1 for w in self.windows if slot - w + 1 >= self.narrow_from}
 
     def _mark(self):
         """Mark in key_mask the slots that unpadded decode steps filled without marking them."""
@@ -493,7 +441,8 @@ class StaticDecoder:
         batch_rows (b,): the batch rows the blocks are for (a tensor; default the first b), the others untouched.
         """
         self._mark()
-        self.narrow_from = None  # rows' blocks of different lengths: slots no longer align across rows
+        if self.windows is not None:
+            self.windows.narrow_from = None  # rows' blocks of different lengths: slots no longer align across rows
         b, k = ids.shape
         at = slice(0, b) if batch_rows is None else batch_rows  # the cache rows read and written
         rows = (self.row_index[:b] if batch_rows is None else batch_rows)[:, None].expand(b, k)
@@ -507,8 +456,7 @@ class StaticDecoder:
         key_slot = torch.arange(lo, kv_len, device=ids.device)
         # (b, 1, K, L): a real key at or before the query's own slot; padding queries see their row's keys
         mask = self.key_mask[at, None, None, lo:kv_len] & (key_slot <= slots[:, None, :, None])
-        masks = self._windowed(mask, self.pos[rows, slots], kv_len, lo=lo, key_pos=None if batch_rows is None else
-                               self.pos[batch_rows]) if self.windows else {None: mask}
+        masks = self.windows.extend(mask, rows, slots, kv_len, lo, batch_rows) if self.windows else {None: mask}
         cos = [c[rows, slots][:, :, None] for c in self.cos]  # (b, K, 1, hd)
         sin = [s[rows, slots][:, :, None] for s in self.sin]
 
@@ -558,10 +506,69 @@ class StaticDecoder:
         """Forget rows' cache slots from ends[i] on (rows, ends (m,) tensors): what a row sampled past a stop
         is no longer attended, and is overwritten as the row goes on."""
         self._mark()
-        self.narrow_from = None  # forgotten slots are holes until written again
+        if self.windows is not None:
+            self.windows.narrow_from = None  # forgotten slots are holes until written again
         keep = torch.arange(self.max_len, device=self.device) < ends[:, None]  # (m, L)
         self.key_mask[rows] &= keep
 
+
+class _Windows:
+    """A decoder's sliding windows (`sizes`, those of its layers that have one): each slot's token position `pos`
+    (b, L), filled at prefill as the rotary tables are (a slot's position never changes, however the row's turns go),
+    and the masks of the windowed layers, which eager decode may narrow by slots instead (`narrowed`)."""
+
+    def __init__(self, sizes, max_batch, max_len, device):
+        self.sizes = sizes
+        self.pos = torch.zeros(max_batch, max_len, dtype=torch.long, device=device)
+        self.narrow_from = None  # the first slot from which windows may narrow by slots; None: they may not
+
+    def prefill(self, n, p, all_pos, causal, positions):
+        """The masks of a prefill of rows [0, n) into slots [0, p) (`masked`), their slots' positions all_pos."""
+        self.pos[:n] = all_pos
+        self.narrow_from = p  # from here each slot is every row's next token (see `narrowed`)
+        return self.masked(causal, positions, p)
+
+    def extend(self, mask, rows, slots, kv_len, lo, batch_rows):
+        """The masks of StaticDecoder.extend's blocks: queries at the cache rows and slots (b, K) given, keys the
+        rows' slots [lo, kv_len) (batch_rows, a tensor: the rows of the blocks; None: the first b)."""
+        key_pos = None if batch_rows is None else self.pos[batch_rows]
+        return self.masked(mask, self.pos[rows, slots], kv_len, lo=lo, key_pos=key_pos)
+
+    def decode(self, mask, at, slot, lo, kv_len):
+        """A decode step's reads (StaticDecoder._decode_attention): window -> (the first slot its layers read, their
+        mask); a window narrowed by slots (`narrowed`; slots given per row, a tensor, narrow none) is read from its
+        first slot, unmasked."""
+        starts = {} if torch.is_tensor(slot) else self.narrowed(slot, kv_len)
+        masks = self.masked(mask, self.pos[at, slot][:, None], kv_len, skip=starts, lo=lo)
+        return {w: (starts.get(w, lo), m) for w, m in masks.items()}
+
+    def narrowed(self, slot, kv_len):
+        """window -> first slot, for the windows whose keys at this eager step are exactly the `window` slots up to
+        `slot` for every row: all rows at `slot` (kv_len = slot + 1), and since `narrow_from` every slot a real
+        token of every row, at consecutive positions (prefill fixes each slot's position), so a window over
+        positions is a window over slots. Those layers read just those slots, unmasked: on a CPU, where no graph
+        fixes the span, a short window then costs what it reads."""
+        if self.narrow_from is None or kv_len != slot + 1:
+            return {}
+        return {w: slot - w + 1 for w in self.sizes if slot - w + 1 >= self.narrow_from}
+
+    def masked(self, mask, query_pos, kv_len, skip=(), lo=0, key_pos=None):
+        """masks: window -> `mask` (None: full attention) narrowed to the keys in slots [lo, kv_len) within the
+        window of query positions query_pos (b, Q), the keys' positions those of `pos` (or `key_pos` (b, L)); mask and
+        the result broadcast as (b, 1, Q, kv_len - lo). The windows in `skip` get none (their layers narrow by slots
+        instead)."""
+        masks = {None: mask}
+        for w in self.sizes:
+            if w in skip:
+                masks[w] = None
+                continue
+            if kv_len <= w:  # no two tokens of these slots are a window apart
+                masks[w] = mask
+                continue
+            keys = self.pos[:query_pos.shape[0], lo:kv_len] if key_pos is None else key_pos[:, lo:kv_len]
+            near = transformer._in_window(query_pos, keys, w)[:, None]
+            masks[w] = near if mask is None else mask & near
+        return masks
 
 
 def _put(store, name, parts):

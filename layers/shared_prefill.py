@@ -25,7 +25,7 @@ def prefill(dec, ids, attn, positions):
     for buf in (dec.k_cache, dec.v_cache):
         for i in range(buf.shape[0]):  # a layer at a time: the gather's copy is one layer's prompt cache
             buf[i, :n, :, :p] = buf[i, inverse, :, :p]
-    for buf in (dec.key_mask, *dec.cos, *dec.sin, *([] if dec.pos is None else [dec.pos])):
+    for buf in (dec.key_mask, *dec.cos, *dec.sin, *([] if dec.windows is None else [dec.windows.pos])):
         buf[:n] = buf[inverse]
     if dec.recorder is not None:
         dec.recorder.routes[:n, :p] = dec.recorder.routes[inverse, :p]

@@ -267,9 +267,11 @@ def decoder_bytes(dec):
     copies (the fused per-layer copies, embedding, final norm and head, tied ones once; a recurrent layer's own
     copies; under tensor parallelism this rank's slices, MoE experts included), KV cache, recurrent states and
     per-row tables. Without tensor parallelism MoE experts are read in place: no copy."""
+    from layers import cuda_graphs
     rec = list(dec.recurrent.values())
-    tables = [dec.key_mask, *dec.cos, *dec.sin, dec.tok_in, dec.slot_in, dec.row_index, dec.trues]
-    tables += [] if dec.pos is None else [dec.pos]
+    graphs = dec.graphs or cuda_graphs.Graphs(dec)  # its CUDA graphs' inputs, which a decoder on CUDA holds
+    tables = [dec.key_mask, *dec.cos, *dec.sin, graphs.tok_in, graphs.slot_in, dec.row_index, dec.trues]
+    tables += [] if dec.windows is None else [dec.windows.pos]
     return {"weight copies": dec.weight_bytes(), "KV cache": tensor_bytes([dec.k_cache, dec.v_cache]),
             "recurrent states": tensor_bytes([t for r in rec for t in (r.conv, r.rec)]),
             "per-row tables": tensor_bytes(tables)}

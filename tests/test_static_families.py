@@ -122,7 +122,7 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
     n, p = enc.input_ids.shape
     pos = logprobs.position_ids_from_mask(enc.attention_mask)
     dec = engine.StaticDecoder.for_model(model, n + 3, p + 8, cuda_graph=False)
-    logits = {}
+    graphs, logits = cuda_graphs.Graphs(dec), {}
     for form in ("eager", "graph"):
         dec.decode_kernel = None if sdpa and form == "graph" else engine._decode_plain  # None: SDPA, as on CUDA
         with torch.no_grad():
@@ -133,8 +133,8 @@ def test_graph_safe_decode_form_matches_eager(case, sdpa):
                 if form == "eager":
                     out.append(dec._decode_body(tok_t, p + t, p + t + 1, dec.first_slot))
                 else:
-                    dec.tok_in[:n], dec.slot_in[:n] = tok_t, p + t
-                    out.append(cuda_graphs.Graphs.body(dec, n, dec.max_len))  # what a graph of bucket n captures
+                    graphs.tok_in[:n], graphs.slot_in[:n] = tok_t, p + t
+                    out.append(graphs.body(dec, n, dec.max_len))  # what a graph of bucket n captures
         logits[form] = torch.stack(out)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
 
