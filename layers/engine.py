@@ -130,25 +130,21 @@ class StaticDecoder:
         self.fam = spec.fam
         self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
-        # tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only) and vocabulary rows;
-        # transformer.decide has said that the model can be cut so. Slices cut from FSDP2's shards come in the
-        # copies' dtype and device (`to`, which two Slices do not compare)
-        self.tp = dataclasses.replace(tp, to=(self.device, self.dtype))
-        # with fewer K/V heads than ranks, each rank holds the one K/V head its query heads read (`kv_share`)
-        self.config_kv = kv = cfg.num_key_value_heads
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // tp.size, max(1, kv // tp.size), a0.head_dim
+        self.config_kv = cfg.num_key_value_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, self.config_kv, a0.head_dim
         self.vocab = model.lm_head.weight.shape[0]
-        self.vocab_span = tp.span(self.vocab, even=False)  # this rank's rows of the embedding and the head
         self.head = spec.head  # the final logits' transform (layers/head.py), as the training head applies it
         # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
         # their states per row instead (layers/static_recurrent.py)
         self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer._attends(l))}
         # MoE layers: their place among the MoE layers (routing replay records per MoE layer)
         self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer.is_moe(l.mlp))}
-        # each layer's settings as this decoder runs it: its cache row, its MoE record row (a rank's: `_sliced`)
-        settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i))
-                    for i, s in enumerate(spec.layers)]
-        self.settings = settings if tp.size == 1 else self._sliced(settings, tp)
+        # each layer's settings as this decoder runs it: its cache row, its MoE record row (a rank's: `_slice`)
+        self.settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i))
+                         for i, s in enumerate(spec.layers)]
+        self.tp = tp
+        if tp.size > 1:
+            self._slice(tp)
         self.embed_scale = None if spec.embed_scale is None else spec.embed_scale.to(self.device, self.dtype)
         self.final_eps = transformer._eps(model.model.norm)
         # the rotary tables (each layer's "rope" names one; None: no rotary) and the sliding windows of the layers
@@ -161,12 +157,18 @@ class StaticDecoder:
         self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
         self._allocate(model, max_batch, max_len)
 
-    def _sliced(self, settings, tp):
-        """The layers' settings under tensor parallelism: this rank's heads, and the group's sum of the partial
-        outputs after each block (`reduce`)."""
-        return [dataclasses.replace(s, reduce=tp.reduce, **(dict(heads=self.n_heads, kv_heads=self.n_kv) if s.heads
-                                                             else {}))
-                for s in settings]
+    def _slice(self, tp):
+        """Tensor parallelism: this rank's heads (the K/V cache holds its K/V heads only; with fewer K/V heads than
+        ranks, each rank holds the one K/V head its query heads read: `kv_share`), its vocabulary rows, and the
+        group's sum of the partial outputs after each block (`reduce`); transformer.decide has said that the model
+        can be cut so. Slices cut from FSDP2's shards come in the copies' dtype and device (`to`, which two Slices
+        do not compare)."""
+        self.tp = dataclasses.replace(tp, to=(self.device, self.dtype))
+        self.n_heads, self.n_kv = self.n_heads // tp.size, max(1, self.config_kv // tp.size)
+        self.vocab_span = tp.span(self.vocab, even=False)  # this rank's rows of the embedding and the head
+        self.settings = [dataclasses.replace(s, reduce=tp.reduce, **(dict(heads=self.n_heads, kv_heads=self.n_kv)
+                                                                      if s.heads else {}))
+                         for s in self.settings]
 
     def _allocate(self, model, max_batch, max_len):
         """The cache, its masks, the rotary tables per row and slot, and the inputs of a CUDA graph's step."""
