@@ -272,8 +272,9 @@ def update(run, batch, advantages, step):
     old = run.old_logprobs(cfg, minis, loss_mask, batch.rollout, step, d.device)
     inputs = dict(ids=ids, mask=mask, loss_mask=loss_mask, extras=extras, advantages=advantages,
                   num_sequences=batch.prompt_ids.shape[0] * d.world_size // len(minis))
-    entropies = before_first_step(run, ids, mask, minis, old, extras) if len(minis) > 1 else None
-    keep = run.select_tokens(run, batch, inputs, minis, entropies)  # (j, i, mb, logp, entropy) -> tokens counted
+    # (j, i, mb, logp, entropy) -> the tokens counted; with several mini-batches, given the entropies read first
+    keep = run.select_tokens(run, batch, inputs, minis,
+                             before_first_step(run, ids, mask, minis, old, extras) if len(minis) > 1 else None)
     skipped = 0
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",

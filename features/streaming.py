@@ -338,7 +338,9 @@ class CarriedOldLogprobs:
 def carried_metrics(sums):
     """The carried tokens' figures from the update's sums over every rank (`run.update_metrics`), apart from the
     fresh tokens' (runs/log.py's sampler_metrics): their mean |trainer - sampler| log-prob and their mismatch
-    figures (grpo.mismatch_metrics)."""
+    figures (grpo.mismatch_metrics); none where no row was carried."""
+    if "carried_diff_tokens" not in sums:
+        return {}
     out = {"sampler_logprob_diff_carried_mean": sums["carried_diff_sum"] / max(sums["carried_diff_tokens"], 1.0)}
     part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("mismatch_sum/carried/")}
     out.update({f"mismatch_carried/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})

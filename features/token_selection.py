@@ -66,6 +66,7 @@ class TokenSelection:
             kept, tokens = kept + self.kept[k], tokens + self.tokens[k]
         kept, tokens = sharding.all_reduce_sum([torch.as_tensor(x, dtype=torch.float64).item()
                                                 for x in (kept, tokens)], run.d)
+        self.inputs = self.sampler = None  # the step's tensors: not held through the next step's draw
         return {"kept_frac": kept / max(tokens, 1.0)}
 
 
