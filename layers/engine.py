@@ -15,6 +15,7 @@ LoRA layer says what weight it applies.
 """
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,7 @@ class StaticDecoder:
     first_slot = 0
     admissions = 0  # rows admitted into the places of rows that ended (`admit`)
     compactions = 0  # how often finished rows were dropped (tests check that it happens)
+    forgets_exactly = True  # a row's cache can drop exactly the slots past its stop; False with a recurrent layer
 
     @classmethod
     def for_model(cls, model, batch, length, cuda_graph=True, tp=WHOLE, dtype=None, device=None):
@@ -124,24 +126,21 @@ class StaticDecoder:
             self.decode_kernel = kernel
 
     def __init__(self, model, max_batch, max_len, tp=WHOLE, dtype=None, device=None):
-        cfg, layers = model.config, model.model.layers
-        a0 = next(l.self_attn for l in layers if transformer._attends(l))
-        spec = transformer._spec(model)  # what every layer computes besides its weights
+        cfg, spec = model.config, transformer._spec(model)  # spec: what every layer computes besides its weights
         self.fam = spec.fam
         self.device, self.dtype = device or model.lm_head.weight.device, dtype or model.lm_head.weight.dtype
         self.max_batch, self.max_len = max_batch, max_len
         self.config_kv = cfg.num_key_value_heads
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, self.config_kv, a0.head_dim
+        self.n_heads, self.n_kv = cfg.num_attention_heads, self.config_kv
+        self.head_dim = next(s.head_dim for s in spec.layers if s.heads)
         self.vocab = model.lm_head.weight.shape[0]
         self.head = spec.head  # the final logits' transform (layers/head.py), as the training head applies it
-        # the KV cache of the attention layers (kv_index: layer -> its row of the cache); recurrent layers keep
-        # their states per row instead (layers/static_recurrent.py)
-        self.kv_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer._attends(l))}
-        # MoE layers: their place among the MoE layers (routing replay records per MoE layer)
-        self.moe_index = {i: n for n, i in enumerate(i for i, l in enumerate(layers) if transformer.is_moe(l.mlp))}
-        # each layer's settings as this decoder runs it: its cache row, its MoE record row (a rank's: `_slice`)
-        self.settings = [dataclasses.replace(s, cache_row=self.kv_index.get(i), moe_row=self.moe_index.get(i))
-                         for i, s in enumerate(spec.layers)]
+        # each layer's settings as this decoder runs it (a rank's: `_slice`), with its row of the KV cache (an
+        # attention layer's; recurrent layers keep states per row instead) and of routing replay's records (MoE's)
+        kv, moe = itertools.count(), itertools.count()
+        self.settings = [dataclasses.replace(s, cache_row=next(kv) if s.heads else None,
+                                             moe_row=None if s.act else next(moe)) for s in spec.layers]
+        self.n_cached, self.n_moe = next(kv), next(moe)  # attention layers, MoE layers
         self.tp = tp
         if tp.size > 1:
             self._slice(tp)
@@ -151,10 +150,7 @@ class StaticDecoder:
         self.rotary_keys = sorted({s.rope for s in spec.layers} - {None})
         windows = sorted({s.window for s in spec.layers} - {None})
         self.windows = _Windows(windows, max_batch, max_len, self.device) if windows else None
-        self.recurrent = {i: static_recurrent.DeltaNet(l.linear_attn, max_batch, self.device, self.dtype,
-                                                       tp=self.tp)
-                          for i, l in enumerate(layers) if not transformer._attends(l)}
-        self.forgets_exactly = not self.recurrent  # a recurrent state cannot forget (see layers/static_recurrent.py)
+        self.recurrent = {}  # recurrent layers' states per row (layers/static_recurrent.py), made by their first copy
         self._allocate(model, max_batch, max_len)
 
     def _slice(self, tp):
@@ -173,7 +169,7 @@ class StaticDecoder:
     def _allocate(self, model, max_batch, max_len):
         """The cache, its masks, the rotary tables per row and slot, and the inputs of a CUDA graph's step."""
         kw = dict(device=self.device, dtype=self.dtype)
-        shape = (len(self.kv_index), max_batch, self.n_kv, max_len, self.head_dim)
+        shape = (self.n_cached, max_batch, self.n_kv, max_len, self.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
         self.key_mask = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
         # rotary tables per row and slot, one per rotary key, in the dtype the model's rotary gives them; sin
@@ -406,8 +402,7 @@ class StaticDecoder:
         left padding, every row at the same slot, attends to every filled slot: no mask (None); the slots it fills
         are marked in key_mask later (`_mark`), only if a step that reads the mask comes, as this one does."""
         if self.unpadded and not torch.is_tensor(slot):
-            first = self.unmarked[1] if self.unmarked is not None else slot
-            self.unmarked = (b, first, slot)
+            self.unmarked = (b, slot if self.unmarked is None else self.unmarked[1], slot)
             return None
         self._mark()  # never under CUDA graphs: `unpadded` (which leaves slots unmarked) is eager decode's alone
         self.key_mask[at, slot] = self.trues[:b]
@@ -481,7 +476,7 @@ class StaticDecoder:
         """Routing replay: from the next prefill on, keep the experts every MoE layer chose for each token, by
         row and cache slot (a slot written again, after a row forgot it, keeps the last token's: layers/routing.py's
         Records, `recorder`); off: keep none."""
-        on = on and bool(self.moe_index)
+        on = on and self.n_moe > 0
         if on == (self.recorder is not None):
             if on:
                 self.recorder.routes.fill_(-1)
@@ -492,7 +487,7 @@ class StaticDecoder:
             self.recorder = None
             return
         k = next(p.moe.k for p in self.p if p.moe is not None)
-        self.recorder = routing.Records(self.max_batch, self.max_len, len(self.moe_index), k, self.device)
+        self.recorder = routing.Records(self.max_batch, self.max_len, self.n_moe, k, self.device)
 
     def routed(self, prompt_width, length, rows):
         """The experts recorded for the prompt slots (m, P, MoE layers, k) and for completion positions
@@ -631,7 +626,10 @@ class _Copies:
         return mine
 
     def recurrent(self, module):
-        mine = self.dec.recurrent[self.i]  # its states are allocated with the decoder
+        d, mine = self.dec, self.dec.recurrent.get(self.i)
+        if mine is None:  # the first load: the layer's states are allocated (at the decoder's size) with its copy
+            mine = d.recurrent[self.i] = static_recurrent.DeltaNet(module, d.max_batch, d.device, d.dtype, tp=d.tp)
+            d.forgets_exactly = False  # a recurrent state cannot forget (see layers/static_recurrent.py)
         mine.load(module)
         return mine
 
