@@ -279,16 +279,16 @@ def update(run, batch, advantages, step):
     for iteration in range(cfg.num_iterations):
         # the metrics are the last pass's: sums over its every micro-batch, so each counted token once; "loss",
         # summed over its optimizer steps, is divided by their number below (an optimizer step's mean loss)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
+        sums = {}
         for j, micro in enumerate(minis):
-            step_loss, step_entropy = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j], keep,
-                                                          sums)
+            mini = backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens[j], keep)
+            sums = {k: sums.get(k, 0.0) + v for k, v in mini.items()}
             # the run's optimizer steps before this one
             opt_step = ((step - 1) * cfg.num_iterations + iteration) * len(minis) + j
-            grad_norm, lr, done = run.optimizer_step(run, opt_step, step_loss)
+            grad_norm, lr, done = run.optimizer_step(run, opt_step, mini["loss"])
             skipped += not done
             for after in run.after_optimizer_step:  # what moves on a schedule of its own (features/schedules.py)
-                after(run, opt_step, step_entropy, num_tokens[j])
+                after(run, opt_step, mini["entropy"], num_tokens[j])
     sums["loss"] = sums["loss"] / len(minis)
     sums.update(old.sums())
     return sums, old.diff_max, grad_norm, lr, skipped
@@ -400,13 +400,13 @@ class WeightedOldLogprobs(OldLogprobs):
                                                        value=-math.inf).max())
 
 
-def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep, sums):
-    """Mini-batch j's loss and backward, one micro-batch at a time; adds its micro-batches' metrics to `sums` and
-    returns this optimizer step's loss and entropy sums on this rank (on the device: nothing waits here)."""
+def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep):
+    """Mini-batch j's loss and backward, one micro-batch at a time. Returns the sums behind this optimizer step's
+    metrics on this rank, over its micro-batches (on the device: nothing waits here)."""
     cfg, d, policy = run.cfg, run.d, run.policy
     ids, mask, loss_mask, advantages = inputs["ids"], inputs["mask"], inputs["loss_mask"], inputs["advantages"]
     objective = run.objective(run)
-    step_loss = step_entropy = 0.0
+    sums = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0, "tokens": 0.0}
     for i, mb in enumerate(micro):
         logp, entropy = policy(logprobs.completion_logprobs, *mb.take(ids, mask), mb.t, cfg.temperature,
                                width=mb.width, entropy_grad=run.entropy_grad, forward=run.forward,
@@ -421,14 +421,12 @@ def backward_mini_batch(run, j, micro, inputs, old, ref_logp, num_tokens, keep, 
         # this rank's loss is its share of a sum over all ranks; FSDP averages gradients over ranks
         sharding.all_reduce_after(policy, d, last=i == len(micro) - 1)
         run.backward(loss * d.world_size)
-        step_loss += loss.detach()  # summed on the device: no wait until the step's metrics are read
-        sums["loss"] += loss.detach()
+        sums["loss"] += loss.detach()  # summed on the device: no wait until the step's metrics are read
         for k in ("kl", "clip_low", "clip_high"):
             sums[k] += m[k] * m["tokens"]
-        step_entropy += (entropy.detach() * mb_mask).sum()
         sums["entropy"] += (entropy.detach() * mb_mask).sum()
         sums["tokens"] += m["tokens"]
-    return step_loss, step_entropy
+    return sums
 
 
 def every_token(run, batch, inputs, minis, entropies):
