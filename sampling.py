@@ -409,8 +409,8 @@ def _first_stop(seq, lo, begin, end, turn_start, eos, stops):
 class _Loop:
     """The loop behind `sample` and features/stream_sampler.py's `Stream`. Each iteration draws a token for every row of
     the batch; at a check the rows find their ends (`_Rows.check`) and then the batch they run in next
-    (`_Rows.schedule`: finished rows compacted away); then it feeds the batch: one decode step, or the blocks the rows
-    give to feed (`feeds`: with features/sampler_rows.py's rows, an environment's answer or a new row's prompt, in an
+    (`_Rows.schedule`: finished rows compacted away); then it feeds the batch (`_Rows.feed`: one decode step, or with
+    features/sampler_rows.py's rows the blocks they hold to feed, an environment's answer or a new row's prompt, in an
     extend step). `_Rows` holds the rows' state.
 
     `run(until)` decodes until `until()` holds at a scheduled check, or for `limit` iterations (then the batch's active
@@ -421,7 +421,7 @@ class _Loop:
     def __init__(self, steps, rows, draw, check_every, compact, limit):
         self.steps, self.rows, self.draw, self.check_every, self.compact = steps, rows, draw, check_every, compact
         self.limit = limit  # a run's iterations at most, the same on every rank whatever its rows do
-        self.logits, self.held = steps.first_logits, None  # held: (tok, col, feeds) of the check a run stopped at
+        self.logits, self.held = steps.first_logits, None  # held: (tok, col) of the check a run stopped at
 
     def run(self, until):
         """True if the run ended at the limit, False if `until` stopped it (`resume` goes on from there)."""
@@ -430,22 +430,21 @@ class _Loop:
             tok, col = rows.draw(self.logits, self.draw)
             it += 1
             final, scheduled = it >= self.limit, it % self.check_every == 0
-            feeds = []
             if scheduled or final or (rows.ptr[rows.live] >= rows.max_new).any():
-                feeds = rows.check(tok, final)
+                rows.check(tok, final)
                 if final or (scheduled and until()):
-                    self.held = tok, col, feeds
+                    self.held = tok, col
                     return final
-                tok, col, feeds = rows.schedule(tok, col, feeds, self.compact)
-            self.logits = rows.feed(self.logits, tok, col, feeds)
+                tok, col = rows.schedule(tok, col, self.compact)
+            self.logits = rows.feed(self.logits, tok, col)
 
     def resume(self):
         """Before another `run`: go on from the check the last run stopped at, the token drawn there fed."""
         if self.held is None:
             return
-        tok, col, feeds = self.held
+        tok, col = self.held
         self.held = None
-        self.logits = self.rows.feed(self.logits, *self.rows.schedule(tok, col, feeds, self.compact))
+        self.logits = self.rows.feed(self.logits, *self.rows.schedule(tok, col, self.compact))
 
 
 class _Rows:
@@ -497,15 +496,12 @@ class _Rows:
 
     def check(self, tok, final=False):
         """Ends (and, with turns, pauses and answers) and the length limit for the batch's active rows, and at the
-        loop's `final` iteration the end of every one, truncated; the blocks to feed, as [(batch row, first
-        position, token ids)]."""
-        found = self._stops()
-        feeds = self._answer(found, tok) if found else []
+        loop's `final` iteration the end of every one, truncated."""
+        self._answer(self._stops(), tok)
         rows_h = self.rows_h
         over = rows_h[self.active[rows_h] & (final | (self.ptr[rows_h] >= self.max_new))]
         if len(over):  # the length limit (or the loop's), with no stop in its last tokens
             self.finish(over, True)
-        return feeds
 
     def _stops(self):
         """{global row: the position its turn ended at} over the positions since each row's last check: its first
@@ -529,33 +525,29 @@ class _Rows:
         return torch.isin(window, self.triggers) & fresh
 
     def _answer(self, found, tok):
-        """End the rows `found` ends: what a row sampled past its end is padding in the rollout. No block to feed."""
-        ended = np.array(sorted(found))
+        """End the rows `found` ends, if any: what a row sampled past its end is padding in the rollout."""
+        ended = np.array(sorted(found), dtype=np.int64)
         ends = np.array([found[r] + 1 for r in ended])
         self.ptr[ended], self.checked[ended] = ends, ends
         self.finish(ended, False)
-        return []
 
-    def schedule(self, tok, col, feeds, compact):
-        """After a check, the batch the rows run in next: where `compact`, the finished rows dropped; (tok, col,
-        feeds) of the batch as it is then. (features/sampler_rows.py's rows give ended rows' places to rows waiting.)"""
+    def schedule(self, tok, col, compact):
+        """After a check, the batch the rows run in next: where `compact`, the finished rows dropped; (tok, col) of
+        the batch as it is then. (features/sampler_rows.py's rows give ended rows' places to rows waiting.)"""
         if compact and len(self.rows_h):
-            feeds, tok, col = self.compact(feeds, tok, col)
+            tok, col = self.compact(tok, col)
         self.realign()
-        return tok, col, feeds
+        return tok, col
 
-    def compact(self, feeds, tok, col):
-        """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the feeds,
-        tokens and columns of the rows kept."""
+    def compact(self, tok, col):
+        """Drop the finished rows from the batch where the steps find it worth a copy of the cache; the tokens and
+        columns of the rows kept."""
         keep = np.flatnonzero(self.active[self.rows_h])
         keep_t = torch.as_tensor(keep, device=self.device)
         if not self.steps.compact(keep_t, len(self.rows_h), int(self.feed_h[keep].max()) if len(keep) else 0):
-            return feeds, tok, col
-        new_index = np.full(len(self.rows_h), -1)
-        new_index[keep] = np.arange(len(keep))
-        feeds = [(int(new_index[i]), first, block) for i, first, block in feeds]
+            return tok, col
         self.rows_h, self.rows, self.feed_h = self.rows_h[keep], self.rows[keep_t], self.feed_h[keep]
-        return feeds, tok[keep_t], col if isinstance(col, int) else col[keep_t]
+        return tok[keep_t], col if isinstance(col, int) else col[keep_t]
 
     def realign(self):
         """After a check: the batch's live rows, and whether every batch row writes the same position next."""
@@ -564,7 +556,7 @@ class _Rows:
         following = np.where(self.active[rows_h], self.ptr[rows_h], np.minimum(self.feed_h + 1, self.spare))
         self.uni = int(following[0]) if len(following) and following.min() == following.max() else None
 
-    def feed(self, logits, tok, col, feeds):
+    def feed(self, logits, tok, col):
         """The batch's next logits: its tokens fed (a decode step); none where the batch holds no row."""
         return self.steps.decode(tok, col, self.feed_h) if len(self.rows_h) else logits[:0]
 

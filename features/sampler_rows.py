@@ -52,6 +52,9 @@ class Rows(_Rows):
         self.respond, self.max_turns = respond, max_turns
         self.turn_start = np.zeros(n, dtype=np.int64)
         self.on_end, self.ended = on_end, []  # rows ended since the last check, for on_end
+        # the blocks to feed with the batch's next tokens, [(row, first position, token ids)]: environments' answers
+        # (`_answer`) and admitted rows' prompts (`admit`), fed by `feed`
+        self.feeds = []
         self.stops = [tuple(int(t) for t in s) for s in stop_sequences if len(s)]
         self.longest_stop = max((len(s) for s in self.stops), default=1)
         self.triggers = torch.tensor(sorted(self.eos | {s[-1] for s in self.stops}), dtype=torch.long, device=device)
@@ -94,9 +97,8 @@ class Rows(_Rows):
 
     def check(self, tok, final=False):
         """`_Rows.check`, the rows ended there then handed on (`landed`): their completions are final."""
-        feeds = super().check(tok, final)
+        super().check(tok, final)
         self.landed()
-        return feeds
 
     def landed(self):
         """Hand the rows ended since the last check, with their completions, to on_end."""
@@ -129,8 +131,10 @@ class Rows(_Rows):
         return found
 
     def _answer(self, found, tok):
-        """End the turns `found` ends: a row with turns left asks `respond`, and takes its answer (the feeds it
-        returns), or ends; the others end."""
+        """End the turns `found` ends: a row with turns left asks `respond`, and takes its answer (a block to feed),
+        or ends; the others end."""
+        if not found:
+            return
         ptr, device = self.ptr, self.device
         ended = np.array(sorted(found))
         ends = np.array([found[r] + 1 for r in ended])
@@ -147,12 +151,11 @@ class Rows(_Rows):
                                 torch.as_tensor(ptr[asking], device=device))
         self.finish(ended[~np.isin(ended, asking)], False)
         if not len(asking):
-            return []
+            return
         so_far = self.tokens[torch.as_tensor(asking, device=device), :int(ptr[asking].max())].tolist()
         answers = self.respond([Turn(int(r), ids[:ptr[r]], int(self.turn_start[r])) for r, ids in zip(asking, so_far)])
         if len(answers) != len(asking):
             raise ValueError(f"respond returned {len(answers)} answers for {len(asking)} turns")
-        feeds = []
         for r, answer in zip(asking, answers):
             answer = [int(t) for t in answer] if answer is not None else []
             if not answer:
@@ -167,19 +170,18 @@ class Rows(_Rows):
             # the token that ended the turn is fed with the answer unless an earlier step fed it
             unfed = found[r] == old_ptr[np.searchsorted(ended, r)] - 1
             block = ([int(tok[batch_of[r]])] if unfed else []) + answer
-            feeds.append((int(batch_of[r]), at - 1 if unfed else at, block))
+            self.feeds.append((int(r), at - 1 if unfed else at, block))
             ptr[r] = self.checked[r] = self.turn_start[r] = at + len(answer)
             self.turns[r] += 1
-        return feeds
 
-    def schedule(self, tok, col, feeds, compact):
+    def schedule(self, tok, col, compact):
         """After a check, the places of ended rows to the rows waiting (`admit`), or with none waiting `_Rows`'s
         compaction."""
         if not self.waiting.rows:
-            return super().schedule(tok, col, feeds, compact)
-        more, tok = self.admit(tok)
+            return super().schedule(tok, col, compact)
+        tok = self.admit(tok)
         self.realign()
-        return tok, col, feeds + more
+        return tok, col
 
     def realign(self):
         super().realign()
@@ -189,7 +191,7 @@ class Rows(_Rows):
     def admit(self, tok):
         """Give the batch places whose rows ended, then places never used yet (up to `waiting.places`), to the rows
         waiting, in order: each place forgets its row (steps.admit) and its new row's prompt is fed as an
-        environment's answer is. (The feeds of those prompts, the batch's tokens with a pad for each new place.)"""
+        environment's answer is (`feeds`). Returns the batch's tokens, with a pad for each new place."""
         free = np.flatnonzero(~self.active[self.rows_h])[:len(self.waiting.rows)]
         grow = min(self.waiting.places - len(self.rows_h), len(self.waiting.rows) - len(free))
         if grow > 0:  # a Stream's batch before its places have all been taken
@@ -199,7 +201,7 @@ class Rows(_Rows):
             self.feed_h = np.concatenate([self.feed_h, np.full(grow, -1)])
             tok = torch.cat([tok, tok.new_full((grow,), self.pad_id)])
         if not len(free):
-            return [], tok
+            return tok
         self.keep_routes(free[self.rows_h[free] >= 0])
         new = np.array([self.waiting.rows.pop(0) for _ in free])
         free_t, new_t = torch.as_tensor(free, device=self.device), torch.as_tensor(new, device=self.device)
@@ -209,7 +211,8 @@ class Rows(_Rows):
         else:  # the model's own forward: the new rows' images enter their prompts' prefill
             self.steps.admit(free_t, self.waiting.positions[new_t], self.waiting.images.rows(new))
         self.device_state.clear()
-        return [(int(b), -len(prompt), prompt) for b, prompt in zip(free, self.waiting.prompts(new))], tok
+        self.feeds += [(int(r), -len(prompt), prompt) for r, prompt in zip(new, self.waiting.prompts(new))]
+        return tok
 
     def keep_routes(self, places):
         """Routing replay: keep the experts recorded for the rows in batch places `places` (an array) by row, as
@@ -227,15 +230,18 @@ class Rows(_Rows):
         self.routes[0][rows], self.routes[1][rows] = prompt, comp
         self.kept[self.rows_h[places]] = ~self.active[self.rows_h[places]]
 
-    def compact(self, feeds, tok, col):
+    def compact(self, tok, col):
         self.keep_routes(np.flatnonzero(~self.active[self.rows_h]))  # before their places may be dropped
         self.device_state.clear()
-        return super().compact(feeds, tok, col)
+        return super().compact(tok, col)
 
-    def feed(self, logits, tok, col, feeds):
-        """The batch's next logits: its tokens fed (a decode step), with the answers in `feeds` (an extend step)."""
+    def feed(self, logits, tok, col):
+        """The batch's next logits: its tokens fed (a decode step), with the blocks in `feeds` (an extend step)."""
+        feeds, self.feeds = self.feeds, []
         if len(self.rows_h) == 0 or not feeds:
-            return super().feed(logits, tok, col, feeds)
+            return super().feed(logits, tok, col)
+        place = {int(r): i for i, r in enumerate(self.rows_h)}  # each row's place in the batch
+        feeds = [(place[r], first, block) for r, first, block in feeds]
         long = [(i, first, block) for i, first, block in feeds if len(block) > 1]
         if self.steps.prompts_alone:  # new rows' prompts alone (first < 0), answers with the batch
             long = [(i, first, block) for i, first, block in long if first < 0]

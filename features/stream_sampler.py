@@ -147,7 +147,7 @@ class Stream:
             limit = iterations(self.capacity + self.places, self.places, self.max_new, self.max_turns, self.check_every)
             self.loop = _Loop(steps, rows, pick, self.check_every, True, limit)
             self.loop.logits = torch.zeros(0, device=self.device)
-            self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0, []  # as at a check
+            self.loop.held = torch.zeros(0, dtype=torch.long, device=self.device), 0  # as at a check
         elif isinstance(self.loop.steps, _StaticSteps):
             self.loop.steps.dec.load(model)  # this version's weights, into the copies the cache was made with
         if isinstance(self.loop.steps, _StaticSteps):
