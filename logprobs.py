@@ -411,7 +411,7 @@ class Around:
 
 class TreeForward(Around):
     """The training forward around `inner` for --shared_prompts, where a micro-batch's `width` is a SharedPrompts
-    (`micro_batches(prompt_ids=...)` makes them): the rows that share a prompt run as one sequence, the prompt once
+    (`shared_micro_batches` makes them): the rows that share a prompt run as one sequence, the prompt once
     and each completion a branch (`pack`), where `shares_prompts` says the forward takes it and the rows are
     left-padded only, without images; elsewhere the padded forward runs with the SharedPrompts' `width`. The
     log-probs are the same either way, in the same (N, T) layout. The variants inside it run over the packed rows
@@ -575,7 +575,7 @@ class MicroBatch:
         return tuple(x[self.rows, self.cols] for x in sequences)
 
 
-def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0, prompt_ids=None):
+def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0):
     """Split a batch into micro-batches of `size` rows that spend little compute on padding.
 
     attention_mask (N, P + T) over left-padded prompts then completions; token_mask (N, T) marks the completion tokens
@@ -585,10 +585,7 @@ def micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_t
     completion positions after every row's last counted token. Neither changes a counted token's log-prob: padding is
     never attended, and in a causal model later positions do not affect earlier ones. The forward then runs each
     micro-batch's `width` positions (`MicroBatch.width`), not the longest prompt plus the longest completion.
-    `max_tokens` > 0: a token budget in place of `size` (`within_tokens`); `prompt_ids` (N, P), the left-padded
-    prompts: --shared_prompts (`shared_micro_batches`)."""
-    if prompt_ids is not None:
-        return shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids)
+    `max_tokens` > 0: a token budget in place of `size` (`within_tokens`)."""
     p = attention_mask.shape[1] - num_completion_tokens
     position = torch.arange(1, num_completion_tokens + 1, device=token_mask.device)
     completion_len = ((token_mask > 0) * position).amax(1)  # 1 + the last counted position; 0 if none counts
@@ -624,9 +621,10 @@ def within_tokens(order, need, max_tokens):
     return [rows for rows in out if rows]
 
 
-def shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens, prompt_ids):
-    """`micro_batches` for rows that share prompts: each micro-batch's width is a SharedPrompts, and a group's rows
-    (the rows with the same real prompt tokens) stay together where they can.
+def shared_micro_batches(attention_mask, token_mask, num_completion_tokens, size, max_tokens=0, *, prompt_ids):
+    """`micro_batches` for rows that share prompts (--shared_prompts; `prompt_ids` (N, P), the left-padded prompts):
+    each micro-batch's width is a SharedPrompts, and a group's rows (the rows with the same real prompt tokens) stay
+    together where they can.
 
     Groups go longest first (the positions their tree computes: the prompt once plus each row's completion up to its
     last counted token, less that token), and each group's rows longest first. `size` cuts that order every `size`

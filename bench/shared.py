@@ -176,7 +176,7 @@ def packing(model, s, vocab, device):
         ids, mask, loss_mask, prompt_ids = varied_batch(s, vocab, device, 4, share)
         size = 2 * s["sh_generations"]
         padded = logprobs.micro_batches(mask, loss_mask, t, size)
-        trees = logprobs.micro_batches(mask, loss_mask, t, size, prompt_ids=prompt_ids)
+        trees = logprobs.shared_micro_batches(mask, loss_mask, t, size, prompt_ids=prompt_ids)
 
         def tree_run(flat):
             def run():
@@ -222,8 +222,9 @@ def families(s, device):
         model.to(device=device, dtype=getattr(torch, s["dtype"])).train()
         written_out = transformer.decide(model).trains_written_out(model)
         ids, mask, loss_mask, prompt_ids = groups_batch(s, len(tok), device)
-        micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"]),
-                 "shared": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
+        size = s["sh_micro_batch"]
+        micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, size),
+                 "shared": logprobs.shared_micro_batches(mask, loss_mask, t, size, prompt_ids=prompt_ids)}
         runs = {k: (lambda m=m: training_phase(model, ids, mask, loss_mask, m, t, written_out))
                 for k, m in micro.items()}
         diff = (runs["padded"]() - runs["shared"]()).abs().max().item()
@@ -239,7 +240,7 @@ def bench_shared(path, s, device):
     ids, mask, loss_mask, prompt_ids = groups_batch(s, len(tokenizer), device)
     t = s["sh_completion_len"]
     micro = {"padded": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"]),
-             "shared": logprobs.micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
+             "shared": logprobs.shared_micro_batches(mask, loss_mask, t, s["sh_micro_batch"], prompt_ids=prompt_ids)}
     out = {"shared_positions_padded": positions(ids, mask, micro["padded"]),
            "shared_positions_shared": positions(ids, mask, micro["shared"])}
     out["shared_positions_ratio"] = out["shared_positions_padded"] / out["shared_positions_shared"]

@@ -17,5 +17,5 @@ def micro_batches(run, batch, rows, mask, loss_mask, T):
     """train.micro_batches with the rows' prompts given: each group's rows together, as a tree."""
     cfg = run.cfg
     return [logprobs.MicroBatch(rows[mb.rows], mb.cols, mb.t, mb.width)
-            for mb in logprobs.micro_batches(mask[rows], loss_mask[rows], T, cfg.micro_batch_size,
-                                             cfg.micro_batch_tokens, prompt_ids=batch.prompt_ids[rows])]
+            for mb in logprobs.shared_micro_batches(mask[rows], loss_mask[rows], T, cfg.micro_batch_size,
+                                                    cfg.micro_batch_tokens, prompt_ids=batch.prompt_ids[rows])]

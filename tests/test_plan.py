@@ -150,7 +150,8 @@ def test_training_total_is_within_15_percent_of_the_tensors_alive(checkpointing,
     ids[1::2, :64] = ids[::2, :64]  # 4 groups of 2 rows, each group's rows one prompt
     mask = torch.ones_like(ids)
     params = {q.untyped_storage().data_ptr() for q in model.parameters()}
-    (mb,) = logprobs.micro_batches(mask, torch.ones(8, 192), 192, 8, prompt_ids=ids[:, :64] if shared else None)
+    (mb,) = (logprobs.shared_micro_batches(mask, torch.ones(8, 192), 192, 8, prompt_ids=ids[:, :64]) if shared
+             else logprobs.micro_batches(mask, torch.ones(8, 192), 192, 8))
 
     def forward():
         return logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, width=mb.width)[0]

@@ -2,7 +2,7 @@
 
 Every comparison runs a batch of groups (G completions of one prompt, prompts of different lengths, left-padded)
 through `logprobs.micro_batches` and `completion_logprobs` twice, as train.update and backward_mini_batch do: once
-padded (each row its own prompt), once with prompts shared (`micro_batches(prompt_ids=...)`: a tree per prompt).
+padded (each row its own prompt), once with prompts shared (`shared_micro_batches`: a tree per prompt).
 The log-probs, entropies, loss and every gradient must agree within float32 rounding, for each family path (the
 written-out layers' two-part tree attention, the model's own forward with a tree mask, Qwen3.5's Gated DeltaNet
 layers forking their states at each prompt's end), every loss type, GSPO, an entropy bonus, the k3 KL to a reference, LoRA, and completions with an
@@ -53,6 +53,13 @@ def batch(seed=0, distinct=False):
     return ids, mask, (counted & ~environment).float(), ids[:, :p]
 
 
+def micro_batches(mask, loss_mask, T, size, max_tokens=0, prompt_ids=None):
+    """logprobs' micro-batches: a tree per prompt where `prompt_ids` are given (--shared_prompts), else padded rows."""
+    if prompt_ids is None:
+        return logprobs.micro_batches(mask, loss_mask, T, size, max_tokens)
+    return logprobs.shared_micro_batches(mask, loss_mask, T, size, max_tokens, prompt_ids=prompt_ids)
+
+
 def run(model, shared, objective=None, size=16, max_tokens=0, entropy_grad=False, ref=None, old=None, seed=0,
         grad=True, distinct=False):
     """The step's micro-batched forward and backward as train.backward_mini_batch runs it: per-token log-probs and
@@ -61,7 +68,7 @@ def run(model, shared, objective=None, size=16, max_tokens=0, entropy_grad=False
     ids, mask, loss_mask, prompt_ids = batch(seed, distinct)
     n = ids.shape[0]
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
-    micro = logprobs.micro_batches(mask, loss_mask, T, size, max_tokens, prompt_ids=prompt_ids if shared else None)
+    micro = micro_batches(mask, loss_mask, T, size, max_tokens, prompt_ids=prompt_ids if shared else None)
     model.zero_grad(set_to_none=True)
     logp_all, ent_all, total = torch.zeros(n, T), torch.zeros(n, T), 0.0
     for mb in micro:
@@ -193,7 +200,7 @@ def test_the_own_forward_takes_the_tree_on_dense_families_too(family, packs):
     ids, mask, loss_mask, prompt_ids = batch()
     out = []
     for shared in (False, True):
-        (mb,) = logprobs.micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
+        (mb,) = micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
         with torch.no_grad():
             logp = logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, fast_forward=False,
                                                 width=mb.width)[0]
@@ -311,7 +318,7 @@ def test_any_split_into_micro_batches_gives_the_same_gradient(split):
 def test_split_micro_batches_keep_each_rows_share():
     """split_micro_batches (ranks' forwards made equal in number) halves a micro-batch's SharedPrompts with its rows."""
     ids, mask, loss_mask, prompt_ids = batch()
-    micro = logprobs.micro_batches(mask, loss_mask, T, 16, 0, prompt_ids=prompt_ids)
+    micro = micro_batches(mask, loss_mask, T, 16, 0, prompt_ids=prompt_ids)
     halves = logprobs.split_micro_batches(micro, 3)
     assert len(halves) == 3
     assert sum((mb.width.completion for mb in halves), ()) == micro[0].width.completion
@@ -438,7 +445,7 @@ def test_routing_replay_through_the_tree(prompts_routed, packs):
     replay = routing.of(model)
     out = []
     for shared in (False, True):
-        (mb,) = logprobs.micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
+        (mb,) = micro_batches(mask, loss_mask, T, 16, prompt_ids=prompt_ids if shared else None)
         with torch.no_grad():
             forward = routing_replay.Forward(logprobs.Forward())  # --shared_prompts: as a tree around it
             logp = logprobs.completion_logprobs(model, *mb.take(ids, mask), mb.t, width=mb.width,
