@@ -122,8 +122,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad and head is None:
                 kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
-        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, False, entropy_grad
-        ctx.head = head
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad, ctx.head = temperature, chunk, False, entropy_grad, head
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy

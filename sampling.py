@@ -69,9 +69,8 @@ def _mix32(x):
 def row_keys(seeds, step):
     """A 32-bit key per row, a pure function of (row seed, step): the row's random numbers for that token.
 
-    A counter-based hash instead of a stateful generator: a row draws the same
-    numbers whatever else is in its batch (padding, other rows, other ranks), and
-    drawing them needs no host synchronisation.
+    A counter-based hash instead of a stateful generator: a row draws the same numbers whatever else is in its batch
+    (padding, other rows, other ranks), and drawing them needs no host synchronisation.
     """
     return _mix32((seeds * 0x9E3779B1 + (step + 1) * 0x85EBCA77) & _MASK32)
 

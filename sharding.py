@@ -355,10 +355,9 @@ def _malloc_trim():
 def free_gathered(root):
     """Release the root group's gathered parameters (FSDP keeps the root's after a forward for backward).
 
-    Also forgets FSDP's record of the forwards run since the last backward,
-    which only a backward clears: for a model that never runs one (the
-    reference, a reward model) it would grow by a few entries per forward for
-    the whole run. Call it where no backward is pending.
+    Also forgets FSDP's record of the forwards run since the last backward, which only a backward clears: for a
+    model that never runs one (the reference, a reward model) it would grow by a few entries per forward for the
+    whole run. Call it where no backward is pending.
     """
     for m in fsdp_modules(root):
         m.reshard()
@@ -392,9 +391,8 @@ def barrier(d):
 def all_done_fn(d):
     """A stop rule for sampling.sample that agrees across ranks: stop only when every rank's rows are done.
 
-    Every rank then runs the same number of forwards, so one whose completions
-    ended early keeps serving the collectives of the others instead of leaving
-    them waiting forever.
+    Every rank then runs the same number of forwards, so one whose completions ended early keeps serving the
+    collectives of the others instead of leaving them waiting forever.
     """
     return None if d.world_size == 1 else functools.partial(_all_ranks_done, d)  # one process: the sampler's own rule
 
