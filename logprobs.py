@@ -122,7 +122,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if n <= chunk and any(ctx.needs_input_grad[:2]) and not entropy_grad and head is None:
                 kept = prob
         ctx.save_for_backward(hidden, weight, targets, lse, kept, entropy if entropy_grad else None)
-        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad, ctx.head = temperature, chunk, False, entropy_grad, head
+        ctx.temperature, ctx.chunk, ctx.fused, ctx.entropy_grad = temperature, chunk, False, entropy_grad
+        ctx.head = head
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -138,7 +139,6 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n, chunk = hidden.shape[0], ctx.chunk
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            h = hidden[s:e]
             if kept is not None:  # the only chunk's softmax, kept from the forward
                 g = grad_logp[s:e, None].float()
                 # -g * softmax (a new tensor: a retained graph may run backward again)
@@ -149,9 +149,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_h[s:e] = z @ weight
             if want_w:
                 if z.dtype == torch.float32:
-                    grad_w.addmm_(z.t(), h)
+                    grad_w.addmm_(z.t(), hidden[s:e])
                 else:
-                    grad_w += z.t() @ h
+                    grad_w += z.t() @ hidden[s:e]
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
