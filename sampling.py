@@ -326,8 +326,9 @@ class _HFSteps:
 
     def extend(self, ids, valid, start, top, batch_rows=None):
         """The blocks, each after its row's tokens: the logits after each. With batch_rows, the blocks are the
-        prompts (but their last tokens) of rows just admitted there (`_Rows._feed_heads`), run as a prefill of those
-        rows with their images, and give no logits (each prompt's last token is fed next, with the batch)."""
+        prompts (but their last tokens) of rows just admitted there (features/sampler_rows.py's `Rows._feed_heads`),
+        run as a prefill of those rows with their images, and give no logits (each prompt's last token is fed next,
+        with the batch)."""
         if batch_rows is not None:
             if not bool((start < 0).all()):
                 raise ValueError("on the model's own forward only a new row's prompt is fed to its row alone")

@@ -139,7 +139,7 @@ class StaticDecoder:
         # attention layer's; recurrent layers keep states per row instead) and of routing replay's records (MoE's)
         kv, moe = itertools.count(), itertools.count()
         self.settings = [dataclasses.replace(s, cache_row=next(kv) if s.heads else None,
-                                             moe_row=None if s.act else next(moe)) for s in spec.layers]
+                                             moe_row=None if s.act is not None else next(moe)) for s in spec.layers]
         self.n_cached, self.n_moe = next(kv), next(moe)  # attention layers, MoE layers
         self.tp = tp
         if tp.size > 1:

@@ -116,9 +116,9 @@ def test_slices_cut_from_fsdp_shards_are_those_of_the_whole_layers(sharded):
 def test_no_rank_materializes_a_whole_layer_or_the_whole_embedding(sharded):
     """While a decoder loads its slices from the shards, no tensor any rank allocates is as large as a whole layer
     (what FSDP2's `unshard` gathers) or, for the root, as the whole embedding (what `full_tensor` gathers); and none but
-    the copies it keeps is as large as its layer's largest weight: what a rank sends and receives is its piece of one
-    tensor, about 1/T of it (the vocabulary's shares are ceil(V / T) rows; a rank of each of the W / T groups takes
-    each share, so a rank may send W / T rows more)."""
+    the copies it keeps (and a recurrent layer's states) is as large as its layer's largest weight: what a rank sends
+    and receives is its piece of one tensor, about 1/T of it (the vocabulary's shares are ceil(V / T) rows; a rank of
+    each of the W / T groups takes each share, so a rank may send W / T rows more)."""
     for r in sharded:
         where = (r["family"], r["dtype"], r["size"], r["rank"])
         row, ranks = r["embed_bytes"] // r["vocab"], 4

@@ -208,6 +208,8 @@ def sharded_copies(rank, world, groups):
                 differ = sorted(k for k in a.keys() | b.keys() if (a.get(k) is None) != (b.get(k) is None) or
                                 a.get(k) is not None and (a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])))
                 kept = {v.untyped_storage().data_ptr() for v in b.values() if v is not None}
+                # a recurrent layer's states per row, which its first load allocates with its copies
+                kept |= {t.untyped_storage().data_ptr() for r in got.recurrent.values() for t in (r.conv, r.rec)}
                 lines.append(dict(family=family, dtype=str(dtype), size=t, rank=rank, differ=differ,
                                   made=[(w, n, ptr in kept) for w, ptr, n in seen.made],
                                   layer_bytes=layer_bytes, largest=largest, vocab=model.config.vocab_size,
