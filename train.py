@@ -128,6 +128,7 @@ def setup(cfg, d):
     run.rows_of = sampling.rows_of  # a step's rows from its prompts (images and agents make their own)
     run.forward = logprobs.Forward(compile_layers=cfg.compile_layers)  # the training forward (features wrap it)
     run.old_logprobs = OldLogprobs if cfg.importance_sampling == "none" else WeightedOldLogprobs
+    run.update_metrics += [] if cfg.importance_sampling == "none" else [WeightedOldLogprobs.metrics]
     run.select_tokens, run.optimizer_step = every_token, optimizer_step
     run.backward = torch.Tensor.backward  # float16 scales the loss first
     run.objective = lambda run: grpo.Objective.of(cfg)  # the loss's settings: the config's, at every optimizer step
@@ -257,8 +258,8 @@ def update(run, batch, advantages, step):
     (`backward_mini_batch`), then the optimizer step (`optimizer_step`). The old log-probs are those of the weights
     that sampled (`OldLogprobs`): with one mini-batch, the first pass's forward is at those weights, and its
     log-probs, kept, are the later passes' old log-probs; with several, they are read first (`before_first_step`).
-    Returns the sums and maxima behind the step's metrics (on this rank), the gradient norm and learning
-    rate of the last optimizer step, and how many optimizer steps were skipped.
+    Returns the sums and maxima behind the step's metrics (on this rank; run_log.step_metrics), the gradient norm
+    and learning rate of the last optimizer step, and how many optimizer steps were skipped.
     """
     cfg, d = run.cfg, run.d
     ids = torch.cat([batch.prompt_ids, batch.rollout.completion_ids], dim=1)                  # (n, S + T)
@@ -291,7 +292,7 @@ def update(run, batch, advantages, step):
                 after(run, opt_step, mini["entropy"], num_tokens[j])
     sums["loss"] = sums["loss"] / len(minis)
     sums.update(old.sums())
-    return sums, old.diff_max, grad_norm, lr, skipped
+    return sums, grad_norm, lr, skipped
 
 
 def mini_batches(run, batch, mask, loss_mask):
@@ -341,8 +342,8 @@ class OldLogprobs:
 
     def sums(self):
         """The comparison's part of the step's sums (summed over ranks with the loss's; run_log.sampler_metrics):
-        |trainer - sampler| of the compared tokens and each kind's mismatch sums."""
-        out = {"lp_diff_sum": self.diff_sum, "lp_diff_tokens": self.diff_tokens}
+        |trainer - sampler| of the compared tokens, its largest, and each kind's mismatch sums."""
+        out = {"lp_diff_sum": self.diff_sum, "lp_diff_tokens": self.diff_tokens, "max/lp_diff": self.diff_max}
         for which, part in self.mismatch.items():
             out.update({f"mismatch_sum/{which}/{k}": v for k, v in part.items()})
         return out
@@ -376,9 +377,17 @@ class WeightedOldLogprobs(OldLogprobs):
         self.is_min, self.is_max = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
 
     def sums(self):
-        """The comparison's sums, the importance weights' sum over the counted tokens, and their extremes (reduced
-        as extremes: run_log.weight_extremes)."""
-        return {**super().sums(), "is_weight": self.is_sum, "is_weight_min": self.is_min, "is_weight_max": self.is_max}
+        """The comparison's sums, the importance weights' sum over the counted tokens, and their extremes (as
+        maxima: the smallest negated)."""
+        return {**super().sums(), "is_weight": self.is_sum, "max/-is_weight": -self.is_min,
+                "max/is_weight": self.is_max}
+
+    @staticmethod
+    def metrics(sums):
+        """The importance weights' mean over the counted tokens, smallest and largest, from the step's sums over
+        every rank (`run.update_metrics`)."""
+        return {"is_weight": sums["is_weight"] / max(sums["tokens"], 1.0), "is_weight_min": -sums["max/-is_weight"],
+                "is_weight_max": sums["max/is_weight"]}
 
     def keep(self, j, i, mb, logp):
         """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's, and its
@@ -497,14 +506,14 @@ def train_step(run, step):
     except ValueError as e:  # rewards too large to normalise (the same on every rank)
         raise SystemExit(f"step {step}: {e}") from e
     t1 = time.time()
-    sums, lp_diff_max, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
+    sums, grad_norm, lr, skipped = update(run, batch, all_adv[batch.mine].to(d.device), step)  # 4.
     if skipped:
         say_skipped(run, step, skipped, grad_norm)
     # float64: the mismatch's sums are float64 (a float32 value is carried exactly)
     local = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device) for v in sums.values()]).tolist()
     t_update = time.time() - t1  # .tolist() waited for the device
-    metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), lp_diff_max.item(),
-                                                    all_total, parts, all_adv, group_std),
+    metrics = {"step": step, **run_log.step_metrics(run, batch, dict(zip(sums, local)), all_total, parts, all_adv,
+                                                    group_std),
                "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": skipped, **drawn}
     step_time = time.time() - t0
     rollout = batch.rollout

@@ -310,10 +310,6 @@ class CarriedOldLogprobs:
         self.old, self.stale, self.logp, self.is_weight = old, stale, old.logp, old.is_weight
         self.carried_sum = self.carried_tokens = torch.zeros((), device=old.diff_sum.device)
 
-    @property
-    def diff_max(self):
-        return self.old.diff_max
-
     def keep(self, j, i, mb, logp):
         """Micro-batch (j, i)'s log-probs at the weights that sampled: its carried tokens' |train - sampler| counted
         apart and the sampler's log-prob taken as theirs; the other tokens compared with the sampler's as a

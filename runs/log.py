@@ -367,15 +367,15 @@ def busy_cpu(threads):
     return None
 
 
-def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group_std):
-    """The step's metrics over all ranks (docs/metrics.md), from this rank's sums, largest
-    sampler/trainer log-prob difference and reward parts, and every rank's rewards and advantages."""
+def step_metrics(run, batch, sums, all_total, parts, all_adv, group_std):
+    """The step's metrics over all ranks (docs/metrics.md), from this rank's sums (those named "max/...": its largest
+    values, which reduce to the largest over the ranks) and reward parts, and every rank's rewards and advantages."""
     d, G = run.d, run.cfg.num_generations
-    sums = dict(sums)
-    extremes = weight_extremes(sums, d) if "is_weight_max" in sums else {}  # with importance sampling
+    maxima = [k for k in sums if k.startswith("max/")]
+    high = sharding.all_gather_rows(torch.tensor([[sums[k] for k in maxima]], dtype=torch.float64, device=d.device), d)
     seen = batch.prompt_mask.sum().item() + batch.rollout.completion_ids.numel()
     sums = dict(zip(list(sums) + ["seen"], sharding.all_reduce_sum(list(sums.values()) + [seen], d)))
-    lp_diff_max = sharding.all_gather_rows(torch.tensor([lp_diff_max], device=d.device), d).max().item()
+    sums.update(zip(maxima, high.amax(0).tolist()))
     lengths = sharding.all_gather_rows(batch.rollout.completion_mask.sum(1).float(), d)  # policy + environment
     policy_lengths = sharding.all_gather_rows(batch.rollout.policy_mask.sum(1).float(), d)
     truncated = sharding.all_gather_rows(batch.rollout.truncated.float(), d)
@@ -403,8 +403,7 @@ def step_metrics(run, batch, sums, lp_diff_max, all_total, parts, all_adv, group
         **({"completion_length_ended": ended.mean().item(), "completion_length_ended_min": ended.min().item(),
             "completion_length_ended_max": ended.max().item()} if ended.numel() else {}),
         "truncated_frac": truncated.mean().item(),
-        "batch_tokens": sums["seen"], **sampler_metrics(sums, lp_diff_max),
-        **({"is_weight": sums["is_weight"] / tok, **extremes} if run.cfg.importance_sampling != "none" else {}),
+        "batch_tokens": sums["seen"], **sampler_metrics(sums),
         **{k: v for more in run.update_metrics for k, v in more(sums).items()},  # a feature's, of the sums it added
     }
 
@@ -421,20 +420,12 @@ def tool_metrics(run, batch, step, so_far):
             "turns": turns.mean().item(), "turns_max": turns.max().item()}
 
 
-def weight_extremes(sums, d):
-    """The importance weights' smallest and largest over every rank (a collective), taken out of this rank's `sums`
-    (extremes, not sums), with importance sampling."""
-    low, high = sharding.all_gather_rows(torch.tensor([[-sums.pop("is_weight_min"), sums.pop("is_weight_max")]],
-                                                      device=d.device), d).amax(0).tolist()
-    return {"is_weight_min": -low, "is_weight_max": high}
-
-
-def sampler_metrics(sums, lp_diff_max):
+def sampler_metrics(sums):
     """The sampler against the trainer, from the step's sums over every rank: the mean |trainer - sampler| log-prob
-    of the sampled tokens before any update (numerics, not learning) and its largest, `lp_diff_max`, and the
-    mismatch figures (grpo.mismatch_metrics)."""
+    of the sampled tokens before any update (numerics, not learning) and its largest, and the mismatch figures
+    (grpo.mismatch_metrics)."""
     out = {"sampler_logprob_diff_mean": sums["lp_diff_sum"] / max(sums["lp_diff_tokens"], 1.0),
-           "sampler_logprob_diff_max": lp_diff_max}
+           "sampler_logprob_diff_max": sums["max/lp_diff"]}
     part = {k.rsplit("/", 1)[1]: v for k, v in sums.items() if k.startswith("mismatch_sum/fresh/")}
     out.update({f"mismatch/{k}": v for k, v in grpo.mismatch_metrics(part).items()} if part else {})
     return out

@@ -53,6 +53,7 @@ def checks(t):
         "budget": ["--max_steps=2", "--save_every=0", f"--dataset={t / 'uneven.jsonl'}", "--micro_batch_tokens=200",
                    "--gradient_checkpointing=true"],
         "objectives": ["--max_steps=2", "--save_every=0", "--loss_type=luspo", "--importance_sampling_level=sequence",
+                       "--importance_sampling=token_truncate",
                        "--top_entropy_quantile=0.3", "--entropy_coef=0.01", "--use_adaptive_entropy=true",
                        "--entropy_target=10", "--multi_objective_aggregation=normalize_then_sum",
                        "--num_iterations=2",
@@ -340,8 +341,8 @@ def test_token_budget_micro_batches_agree_across_ranks(runs):
 
 def test_other_objectives_agree_across_ranks(runs):
     """GSPO's sequence ratio with luspo's aggregation, the step's entropy quantile (gathered over ranks), the
-    entropy bonus under adaptive control and GDPO's per-function normalisation, over two passes: 2 processes
-    train as 1 does."""
+    entropy bonus under adaptive control, GDPO's per-function normalisation and the sampler's tokens reweighted
+    (their weights' extremes the largest over ranks), over two passes: 2 processes train as 1 does."""
     p, _ = runs
     one, two = metrics(p["objectives1"]), metrics(p["objectives2"])
     assert [m["step"] for m in two] == [1, 2]
@@ -351,6 +352,9 @@ def test_other_objectives_agree_across_ranks(runs):
         assert a["entropy_coef"] == b["entropy_coef"]  # the controller reads every rank's tokens
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-8)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["is_weight_min"] <= a["is_weight"] <= a["is_weight_max"]
+        for k in ("is_weight", "is_weight_min", "is_weight_max"):  # weights near 1: a sum over ranks would be 2
+            assert a[k] == pytest.approx(b[k], rel=1e-5), k
 
 
 def test_mini_batches_and_a_synced_reference_agree_across_ranks(runs):

@@ -74,7 +74,8 @@ def test_mini_batches_match_sequential_optimizer_steps_on_their_rows_alone(tmp_p
         after.append([p.detach().clone() for p in lm.parameters()])
         return out
     run.optimizer.step = recording_step
-    sums, lp_diff_max, _, lr, skipped = train.update(run, batch, adv, 1)
+    sums, _, lr, skipped = train.update(run, batch, adv, 1)
+    lp_diff_max = sums["max/lp_diff"]
     assert len(after) == 4 and skipped == 0 and lr == pytest.approx(1e-2 * 0.25)  # the last of 4 steps, linear to 0
 
     ids = torch.cat([batch.prompt_ids, r.completion_ids], 1)

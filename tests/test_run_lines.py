@@ -173,18 +173,26 @@ def test_the_step_metrics_each_functions_spread_ended_lengths_and_clip_region():
     run = types.SimpleNamespace(d=ONE, cfg=config.Config(num_generations=3), update_metrics=[])
     first, second = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 0.0]), torch.tensor([0.2, float("nan"), 0.4, 1.0, 0.0, 0.0])
     sums = {"loss": 1.0, "kl": 0.0, "clip_low": 3.0, "clip_high": 5.0, "entropy": 0.0, "tokens": 34.0,
-            "is_weight": 0.0, "lp_diff_sum": 0.0, "lp_diff_tokens": 1.0}
+            "is_weight": 0.0, "lp_diff_sum": 0.0, "lp_diff_tokens": 1.0, "max/lp_diff": 0.0}
     total = first + 0.1 * second.nan_to_num()
-    m = run_log.step_metrics(run, batch, sums, 0.0, total, {"first": first, "second": second}, total - 0.5,
+    m = run_log.step_metrics(run, batch, sums, total, {"first": first, "second": second}, total - 0.5,
                              torch.tensor([0.3, 0.1]))
     assert m["reward_std/first"] == pytest.approx(float(torch.tensor(first.tolist()).std()))
     assert m["reward_std/second"] == pytest.approx(float(torch.tensor([0.2, 0.4, 1.0, 0.0, 0.0]).std()))
     assert (m["completion_length_ended"], m["completion_length_ended_min"], m["completion_length_ended_max"]) == (
         pytest.approx(10 / 3), 2, 5)
     assert m["clip_region"] == pytest.approx(8 / 34)
-    m = run_log.step_metrics(run, dataclass_replace(batch, truncated=torch.ones(6, dtype=torch.bool)), sums, 0.0,
-                             total, {"first": first}, total - 0.5, torch.tensor([0.3, 0.1]))
+    m = run_log.step_metrics(run, dataclass_replace(batch, truncated=torch.ones(6, dtype=torch.bool)), sums, total,
+                             {"first": first}, total - 0.5, torch.tensor([0.3, 0.1]))
     assert "completion_length_ended" not in m  # every completion cut: no ended length to show
+    # with importance sampling: the weights' mean over the counted tokens, their smallest (kept negated, as a
+    # maximum) and largest, from the variant's own metrics; none of the "max/" keys is a metric
+    import train
+    sums.update({"is_weight": 37.4, "max/-is_weight": -0.5, "max/is_weight": 2.0, "max/lp_diff": 0.25})
+    run.update_metrics = [train.WeightedOldLogprobs.metrics]
+    m = run_log.step_metrics(run, batch, sums, total, {"first": first}, total - 0.5, torch.tensor([0.3, 0.1]))
+    assert (m["is_weight"], m["is_weight_min"], m["is_weight_max"]) == (pytest.approx(1.1), 0.5, 2.0)
+    assert m["sampler_logprob_diff_max"] == 0.25 and not any(k.startswith("max/") for k in m)
 
 
 def dataclass_replace(batch, **fields):
