@@ -2,9 +2,9 @@
 processes training alike. (Checkpoint files on their own, in one process: test_out_dir.py; launching and reading
 runs: launches.py.)
 
-The runs are launched once per module (each launch costs seconds) and the
-tests read what they left: metrics.jsonl, the sampled tokens recorded by
-tests/run_train.py, checkpoints and exports.
+One concern in one file (past 650 lines on purpose): what several processes do. The runs are launched once per
+module (each launch costs seconds, and a launch serves several tests), and the tests read what they left:
+metrics.jsonl, the sampled tokens recorded by tests/run_train.py, checkpoints and exports.
 """
 
 import concurrent.futures
