@@ -322,13 +322,6 @@ AGGREGATIONS = {"sequence_mean": sequence_mean, "token_mean": token_mean, "const
                 "sequence_sum": sequence_sum}
 
 
-def aggregate(per_token, mask, how, num_sequences, num_tokens, max_completion_length):
-    """The aggregation named `how` (AGGREGATIONS) of the per-token terms; ValueError for a name it does not know."""
-    if how not in AGGREGATIONS:
-        raise ValueError(f"aggregation: unknown value {how!r}")
-    return AGGREGATIONS[how](per_token, mask, num_sequences, num_tokens, max_completion_length)
-
-
 # ----------------------------------------------------------------------------- the loss
 
 

@@ -353,9 +353,11 @@ class OldLogprobs:
         have = self.mismatch.get(which)
         self.mismatch[which] = part if have is None else {k: have[k] + v for k, v in part.items()}
 
-    def keep(self, j, i, mb, logp):
-        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's (`compare`)."""
-        self.compare(logp, self.sampler[mb.rows, :mb.t], self.loss_mask[mb.rows, :mb.t])
+    def keep(self, j, i, mb, logp, compared=None):
+        """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's (`compare`) over
+        its counted tokens, or over the tokens `compared` (features/streaming.py leaves its carried tokens out)."""
+        counted = self.loss_mask[mb.rows, :mb.t]
+        self.compare(logp, self.sampler[mb.rows, :mb.t], counted if compared is None else compared)
         self.logp[j][i] = logp
 
     def compare(self, logp, sampler, compared):
@@ -389,10 +391,10 @@ class WeightedOldLogprobs(OldLogprobs):
         return {"is_weight": sums["is_weight"] / max(sums["tokens"], 1.0), "is_weight_min": -sums["max/-is_weight"],
                 "is_weight_max": sums["max/is_weight"]}
 
-    def keep(self, j, i, mb, logp):
+    def keep(self, j, i, mb, logp, compared=None):
         """Micro-batch (j, i)'s log-probs at the weights that sampled, compared with the sampler's, and its
-        importance weights."""
-        super().keep(j, i, mb, logp)
+        importance weights over every counted token."""
+        super().keep(j, i, mb, logp, compared)
         self._weights(j, i, logp, self.sampler[mb.rows, :mb.t], self.loss_mask[mb.rows, :mb.t])
 
     def _weights(self, j, i, logp, sampler, mb_mask):

@@ -312,19 +312,15 @@ class CarriedOldLogprobs:
 
     def keep(self, j, i, mb, logp):
         """Micro-batch (j, i)'s log-probs at the weights that sampled: its carried tokens' |train - sampler| counted
-        apart and the sampler's log-prob taken as theirs; the other tokens compared with the sampler's as a
-        synchronous step's, and the importance weights of all, where asked."""
+        apart and the sampler's log-prob taken as theirs; then the core's `keep` (and its variant's: importance
+        weights of every token), which compares only the other tokens with the sampler's, as a synchronous step's."""
         old = self.old
         mb_mask, sampler = old.loss_mask[mb.rows, :mb.t], old.sampler[mb.rows, :mb.t]
         stale = self.stale[mb.rows, :mb.t] * mb_mask
         self.carried_sum = self.carried_sum + ((logp - sampler).abs() * stale).sum()
         self.carried_tokens = self.carried_tokens + stale.sum()
         old._add_mismatch("carried", logp, sampler, stale)
-        logp = torch.where(stale.bool(), sampler, logp)
-        old.compare(logp, sampler, mb_mask * ~stale.bool())
-        old.logp[j][i] = logp
-        if old.cfg.importance_sampling != "none":
-            old._weights(j, i, logp, sampler, mb_mask)
+        old.keep(j, i, mb, torch.where(stale.bool(), sampler, logp), compared=mb_mask * ~stale.bool())
 
     def sums(self):
         """The core's sums, and the carried tokens' |train - sampler| (the weights' move under them)."""
